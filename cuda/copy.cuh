@@ -1,0 +1,46 @@
+// Global -> shared tile copies with cp.async (16-byte chunks, zero-filled out of bounds), and
+// the padded shared-memory tile layout.
+//
+// Tiles are row-major with rows of D + PAD elements: a row pitch of 2D + 16 bytes puts the
+// eight 16-byte rows an ldmatrix reads into eight different bank groups, for every head dim
+// (a XOR swizzle needs D / 8 to be a multiple of 8, which 40, 96, 160, 224 are not).
+#pragma once
+#include <cstdint>
+
+#include "mma.cuh"
+
+constexpr int SMEM_PAD = 8;         // elements added to each shared-memory row
+constexpr int CHUNK = 8;            // 16-bit elements per 16-byte copy
+
+// 16 bytes global -> shared; when !valid the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Copies rows [0, ROWS) x columns [0, D) of a global tile into a padded shared tile. Rows at or
+// past `rows_valid` and columns at or past `cols_valid` (a multiple of 8) read as zero, so the
+// tensor-core math on a partial tile adds nothing and never sees garbage.
+template <typename T, int ROWS, int D, int NTHREADS>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride,
+                                          int rows_valid, int cols_valid, int tid) {
+    constexpr int CHUNKS_PER_ROW = D / CHUNK;
+    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    static_assert(CHUNKS % NTHREADS == 0, "tile chunks must split evenly over the threads");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
+        const int c = tid + i * NTHREADS;
+        const int row = c / CHUNKS_PER_ROW;
+        const int col = (c % CHUNKS_PER_ROW) * CHUNK;
+        const bool valid = row < rows_valid && col < cols_valid;
+        const T* src = valid ? gmem + row * row_stride + col : gmem;
+        cp_async_16(smem + row * (D + SMEM_PAD) + col, src, valid);
+    }
+}

@@ -1,0 +1,44 @@
+// The forward kernel: one thread block per (query block, head, batch), FlashAttention-2
+// Algorithm 1. Extern "C" entry points `flash_fwd_<dtype>_d<D>` are generated below.
+#include "fwd_block.cuh"
+#include "traits.cuh"
+
+template <class K> __device__ __forceinline__ void flash_fwd(const AttnParams& p) {
+    using T = typename K::T;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // Heaviest query blocks first: under a causal mask the last rows see the most keys, and
+    // starting them early shortens the tail of the last wave.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int bidh = blockIdx.y, bidb = blockIdx.z;
+    const int bidh_k = bidh / p.h_h_k_ratio;  // GQA: K/V head shared by this query head
+    const T* q = static_cast<const T*>(p.q) + bidb * p.q_batch_stride + bidh * p.q_head_stride;
+    const T* k = static_cast<const T*>(p.k) + bidb * p.k_batch_stride + bidh_k * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + bidb * p.v_batch_stride + bidh_k * p.v_head_stride;
+    T* o = static_cast<T*>(p.o) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
+    float* lse = p.lse + (int64_t(bidb) * p.h + bidh) * p.seqlen_q;
+
+    const int m0 = m_block * K::BM;
+    FwdBlock<K> block(p, q, k, v, m0, reinterpret_cast<T*>(smem_raw));
+    int nb_begin, nb_end;
+    block.mask.template key_blocks<K::BM, K::BN>(m0, &nb_begin, &nb_end);
+    block.run(nb_begin, nb_end);
+    block.store(o, p.o_row_stride, lse);
+}
+
+#define FLASH_FWD(NAME, T, D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(FwdConfig<T, D>::Traits::THREADS, 1)         \
+        flash_fwd_##NAME##_d##D(const __grid_constant__ AttnParams p) {                                         \
+        flash_fwd<FwdConfig<T, D>::Traits>(p);                                                \
+    }
+#define FLASH_FWD_ALL_D(NAME, T)                                                              \
+    FLASH_FWD(NAME, T, 32)                                                                    \
+    FLASH_FWD(NAME, T, 64)                                                                    \
+    FLASH_FWD(NAME, T, 96)                                                                    \
+    FLASH_FWD(NAME, T, 128)                                                                   \
+    FLASH_FWD(NAME, T, 160)                                                                   \
+    FLASH_FWD(NAME, T, 192)                                                                   \
+    FLASH_FWD(NAME, T, 224)                                                                   \
+    FLASH_FWD(NAME, T, 256)
+
+FLASH_FWD_ALL_D(f16, __half)
+FLASH_FWD_ALL_D(bf16, __nv_bfloat16)

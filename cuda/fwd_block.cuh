@@ -1,0 +1,191 @@
+// One query row block of the forward pass over a range of key blocks: FlashAttention-2
+// Algorithm 1, lines 6-11, for one thread block. The forward kernel runs it over all visible
+// key blocks; the split-KV decode kernel runs it over a slice of them and merges by LSE.
+#pragma once
+#include "copy.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+
+template <class K> struct FwdBlock {
+    using T = typename K::T;
+    using Mma = MmaOp<T>;
+    static constexpr int D = K::D, BM = K::BM, BN = K::BN, MT = K::MT, NT = K::NT, DT = K::DT;
+    static constexpr int STRIDE = K::STRIDE;
+
+    const AttnParams& p;
+    const Mask mask;
+    const T* k;  // this (batch, K/V head)'s first key row
+    const T* v;
+    T* sQ;       // (BM, STRIDE)
+    T* sK;       // (BN, STRIDE)
+    T* sV;       // (BN, STRIDE)
+    const int m0;  // first query row of the block
+    const int tid, warp, lane;
+
+    float o[MT][DT][4];  // (MT, DT, mma C) unnormalised output rows of this warp
+    OnlineSoftmax<MT> softmax;
+
+    __device__ __forceinline__ FwdBlock(const AttnParams& p_, const T* q, const T* k_, const T* v_,
+                                        int m0_, T* smem)
+        : p(p_), mask(p_), k(k_), v(v_), sQ(smem), sK(smem + BM * STRIDE),
+          sV(smem + (BM + BN) * STRIDE), m0(m0_), tid(threadIdx.x), warp(threadIdx.x / 32),
+          lane(threadIdx.x % 32) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+        load_tile<T, BM, D, K::THREADS>(sQ, q + m0 * p.q_row_stride, p.q_row_stride,
+                                        p.seqlen_q - m0, p.d, tid);
+    }
+
+    __device__ __forceinline__ int warp_row0() const { return warp * MT * 16; }
+
+    __device__ __forceinline__ void load_k(int nb) {
+        load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(nb) * BN * p.k_row_stride, p.k_row_stride,
+                                        p.seqlen_k - nb * BN, p.d, tid);
+    }
+    __device__ __forceinline__ void load_v(int nb) {
+        load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(nb) * BN * p.v_row_stride, p.v_row_stride,
+                                        p.seqlen_k - nb * BN, p.d, tid);
+    }
+
+    // S = Q K^T for this warp's rows (Algorithm 1 line 8).
+    __device__ __forceinline__ void scores(float (&s)[MT][NT][4]) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        const int mi = lane / 8;  // which 8x8 matrix of an x4 load this lane addresses
+        const uint32_t q_base =
+            opaque(smem_addr(sQ + (warp_row0() + lane % 16) * STRIDE + (lane / 16) * 8));
+        const uint32_t k_base =
+            opaque(smem_addr(sK + ((mi / 2) * 8 + lane % 8) * STRIDE + (mi % 2) * 8));
+#pragma unroll 2
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], q_base + (mt * 16 * STRIDE + kk * 16) * sizeof(T));
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                uint32_t b[4];  // B of key tiles 2np (b0, b1) and 2np+1 (b2, b3)
+                ldmatrix_x4(b, k_base + (np * 16 * STRIDE + kk * 16) * sizeof(T));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma::run(s[mt][2 * np], a[mt], b[0], b[1]);
+                    Mma::run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // P as the A operand of P V: neighbouring n8 tiles of S become one m16k16 fragment.
+    // Packing right after the softmax frees half of S's registers before the second matmul.
+    __device__ __forceinline__ static void pack_p(const float (&s)[MT][NT][4],
+                                                  uint32_t (&pa)[MT][NT / 2][4]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; ++kk) {
+                pa[mt][kk][0] = Mma::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][kk][1] = Mma::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][kk][2] = Mma::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = Mma::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+    }
+
+    // O += P V (Algorithm 1 line 10).
+    __device__ __forceinline__ void accumulate_pv(const uint32_t (&pa)[MT][NT / 2][4]) {
+        const int mi = lane / 8;
+        const uint32_t v_base =
+            opaque(smem_addr(sV + ((mi % 2) * 8 + lane % 8) * STRIDE + (mi / 2) * 8));
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                uint32_t b[4];  // B of output column tiles 2dp (b0, b1) and 2dp+1 (b2, b3)
+                ldmatrix_x4_trans(b, v_base + (kk * 16 * STRIDE + dp * 16) * sizeof(T));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma::run(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
+                    Mma::run(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // One key block. K[nb] is in shared memory; V[nb] is requested here and K[nb - 1] is
+    // requested once S is computed, so each copy overlaps one of the two matmuls.
+    template <bool MASK> __device__ __forceinline__ void step(int nb, int nb_begin) {
+        load_v(nb);
+        cp_async_commit();
+        float s[MT][NT][4];
+        scores(s);
+        if (MASK) mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane);
+        softmax.update(s, o, p.scale_log2);
+        uint32_t pa[MT][NT / 2][4];
+        pack_p(s, pa);
+        cp_async_wait<0>();
+        __syncthreads();  // V[nb] landed; every warp is done reading K[nb]
+        if (nb > nb_begin) {
+            load_k(nb - 1);
+            cp_async_commit();
+        }
+        accumulate_pv(pa);
+    }
+
+    // Key blocks [nb_begin, nb_end), last first: with a causal mask the only blocks that need
+    // the mask come first, and the rest run the mask-free body.
+    __device__ __forceinline__ void run(int nb_begin, int nb_end) {
+        if (nb_end > nb_begin) load_k(nb_end - 1);
+        cp_async_commit();  // Q (from the constructor) and the first K
+        for (int nb = nb_end - 1; nb >= nb_begin; --nb) {
+            cp_async_wait<0>();
+            __syncthreads();  // K[nb] landed; every warp is done reading V[nb + 1]
+            if (mask.block_needs_mask<BM, BN>(m0, nb * BN))
+                step<true>(nb, nb_begin);
+            else
+                step<false>(nb, nb_begin);
+        }
+        // Q rows are copied by every thread, not by the warp that owns them: before a warp
+        // reuses its rows of sQ to stage O, all copies must have landed. Inside the loop the
+        // first barrier does this; a block that sees no key block never reaches it.
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+
+    // Normalises O by 1/l (line 12), writes it through this warp's rows of sQ (only this warp
+    // ever read them) as 16-byte coalesced stores, and writes the LSE (line 13).
+    __device__ __forceinline__ void store(T* out, int64_t out_row_stride, float* lse) {
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float inv_sum, row_lse;
+                softmax.finalize(mt, r, p.scale, &inv_sum, &row_lse);
+                const int row = warp_row0() + mt * 16 + g + 8 * r;
+                if (t == 0 && m0 + row < p.seqlen_q) lse[m0 + row] = row_lse;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    *reinterpret_cast<uint32_t*>(sQ + row * STRIDE + dt * 8 + 2 * t) =
+                        Mma::pack(o[mt][dt][2 * r] * inv_sum, o[mt][dt][2 * r + 1] * inv_sum);
+            }
+        __syncwarp();
+        constexpr int ROWS = MT * 16, CHUNKS_PER_ROW = D / CHUNK;
+#pragma unroll
+        for (int c = lane; c < ROWS * CHUNKS_PER_ROW; c += 32) {
+            const int row = warp_row0() + c / CHUNKS_PER_ROW;
+            const int col = (c % CHUNKS_PER_ROW) * CHUNK;
+            if (m0 + row < p.seqlen_q && col < p.d)
+                *reinterpret_cast<uint4*>(out + int64_t(m0 + row) * out_row_stride + col) =
+                    *reinterpret_cast<const uint4*>(sQ + row * STRIDE + col);
+        }
+    }
+};

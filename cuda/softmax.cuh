@@ -1,0 +1,69 @@
+// Online softmax over a warp's rows (FlashAttention-2 Algorithm 1, lines 8-10 and 12).
+// Each thread holds two rows (g and g+8) of each m16 tile; a row's 8 values per n8 tile are
+// spread over the 4 threads of a quad, so row reductions need two shuffles (xor 1, 2).
+#pragma once
+#include <cmath>
+
+template <int MT> struct OnlineSoftmax {
+    float row_max[MT][2];  // running max of the raw scores q.k (not yet scaled)
+    float row_sum[MT][2];  // this thread's part of the running sum; reduced once at the end
+
+    __device__ __forceinline__ OnlineSoftmax() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                row_max[mt][r] = -INFINITY;
+                row_sum[mt][r] = 0.f;
+            }
+    }
+
+    // m_new = max(m, rowmax(S)); O *= exp(m - m_new); P = exp(S - m_new); l = l e^(m - m_new) + rowsum(P).
+    // S becomes P in place. exp(scale x) is computed as exp2(scale_log2 x - scale_log2 m): one FFMA.
+    template <int NT, int DT>
+    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&o)[MT][DT][4],
+                                           float scale_log2) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m = row_max[mt][r];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+                // A row with no visible key yet keeps m = -inf; subtracting 0 keeps exp2(-inf) = 0
+                // instead of exp2(-inf + inf) = NaN.
+                const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+                const float alpha = exp2f(row_max[mt][r] * scale_log2 - m_scaled);
+                row_max[mt][r] = m;
+                float sum = row_sum[mt][r] * alpha;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    o[mt][dt][2 * r] *= alpha;
+                    o[mt][dt][2 * r + 1] *= alpha;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], scale_log2, -m_scaled));
+                        sum += s[mt][nt][e];
+                    }
+                row_sum[mt][r] = sum;
+            }
+    }
+
+    // Reduces the row sums over the quad; returns 1/l (0 for rows that saw no key) and the
+    // natural-log LSE (-inf for those rows) of row (mt, r).
+    __device__ __forceinline__ void finalize(int mt, int r, float scale, float* inv_sum,
+                                             float* lse) const {
+        float l = row_sum[mt][r];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        const bool empty = !(l > 0.f);
+        *inv_sum = empty ? 0.f : 1.f / l;
+        *lse = empty ? -INFINITY : row_max[mt][r] * scale + logf(l);
+    }
+};

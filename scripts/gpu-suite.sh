@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Runs ON the lent GPU machine, from the repo root, with the binaries that
+# scripts/stage-gpu.sh put in .gpu/ (carry `.gpu` in the `run` call).
+#
+# Usage: bash scripts/gpu-suite.sh [--bench] [--torch] [--sanitize] [ARGS for the gpu binary]
+#   --bench     also run the staged bench binary      -> $OUT/bench.log, $OUT/bench.json
+#   --torch     also run scripts/torch_bench.py        -> $OUT/bench.log (appended), $OUT/torch.json
+#               and scripts/compare.py on both JSONs   -> $OUT/compare.md, $OUT/bench.png
+#   --sanitize  compute-sanitizer memcheck on `gpu --quick` -> $OUT/sanitizer.log
+# At most 7 files land in $OUT (the run tool brings back 8). Exits with the gpu tests' status.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+OUT=${OUT:-./out}
+BIN=/tmp/candle-flash-bin
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+BENCH=0 TORCH=0 SANITIZE=0
+args=()
+for arg in "$@"; do
+  case $arg in
+    --bench) BENCH=1 ;;
+    --torch) TORCH=1 ;;
+    --sanitize) SANITIZE=1 ;;
+    *) args+=("$arg") ;;
+  esac
+done
+
+if [ ! -f .gpu/gpu.xz ]; then
+  echo "error: .gpu/gpu.xz missing: run scripts/stage-gpu.sh here and carry .gpu" >&2
+  exit 1
+fi
+mkdir -p "$BIN"
+for f in .gpu/*.xz; do
+  xz -dc "$f" > "$BIN/$(basename "$f" .xz)"
+  chmod +x "$BIN/$(basename "$f" .xz)"
+done
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+# Run each step even if an earlier one failed (device time is scarce); record statuses.
+summary=()
+run_step() {  # run_step NAME LOGFILE [--append] CMD...
+  local name=$1 log=$2 tee_args=() rc=0
+  shift 2
+  if [ "${1:-}" = --append ]; then tee_args=(-a); shift; fi
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "${tee_args[@]}" "$log" || rc=$?
+  summary+=("$name rc=$rc")
+  return "$rc"
+}
+
+gpu_rc=0
+run_step tests "$OUT/gpu-tests.log" "$BIN/gpu" "${args[@]}" || gpu_rc=$?
+
+if [ "$BENCH" = 1 ]; then
+  if [ -x "$BIN/bench-attention" ]; then
+    run_step bench "$OUT/bench.log" "$BIN/bench-attention" --json "$OUT/bench.json" || true
+  else
+    echo "=== bench: not staged (.gpu/bench-attention.xz missing)"
+  fi
+fi
+
+if [ "$TORCH" = 1 ]; then
+  run_step torch "$OUT/bench.log" --append \
+    python3 scripts/torch_bench.py --json "$OUT/torch.json" || true
+  if [ -f "$OUT/bench.json" ] && [ -f "$OUT/torch.json" ]; then
+    run_step compare "$OUT/compare.md" \
+      python3 scripts/compare.py "$OUT/bench.json" "$OUT/torch.json" --png "$OUT/bench.png" || true
+  fi
+fi
+
+if [ "$SANITIZE" = 1 ]; then
+  # Last: it is slow, and the results above are already written if it runs out of time.
+  # Its output can be huge, so it goes to the file; only the tail is shown.
+  rc=0
+  echo "=== sanitize: compute-sanitizer --tool memcheck gpu --quick"
+  compute-sanitizer --tool memcheck --error-exitcode 99 "$BIN/gpu" --quick \
+    > "$OUT/sanitizer.log" 2>&1 || rc=$?
+  tail -n 20 "$OUT/sanitizer.log"
+  summary+=("sanitize rc=$rc")
+fi
+
+echo "=== steps: ${summary[*]}"
+# The gpu binary's own last line: "gpu: N passed, N failed[, N skipped]".
+grep -E '^gpu: [0-9]+ passed' "$OUT/gpu-tests.log" | tail -n 1 ||
+  echo "gpu: no summary line (crashed? exit status $gpu_rc)"
+exit "$gpu_rc"

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Builds the GPU binaries here (no GPU needed) and stages them, stripped and xz-compressed,
+# in .gpu/ for the lent GPU machine, which has no Rust. Carry `.gpu` in the `run` call and
+# run `bash scripts/gpu-suite.sh` there.
+#
+# Usage: scripts/stage-gpu.sh [--ptxas | --ptxas-only]
+#   --ptxas       also compile cuda/*.cu to cubin and write the register/spill report
+#                 to .gpu/ptxas.txt (PTXAS_ARCH overrides the arch, default sm_90)
+#   --ptxas-only  only the ptxas report, no cargo build
+#
+# Staged names: .gpu/gpu.xz (test target `gpu`), .gpu/bench-NAME.xz, .gpu/example-NAME.xz.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PTXAS=0 BUILD=1
+for arg in "$@"; do
+  case $arg in
+    --ptxas) PTXAS=1 ;;
+    --ptxas-only) PTXAS=1 BUILD=0 ;;
+    *) echo "usage: $0 [--ptxas | --ptxas-only]" >&2; exit 2 ;;
+  esac
+done
+
+ENV_SH=../shared/cuda/env.sh
+if [ ! -f "$ENV_SH" ]; then
+  echo "error: $ENV_SH not found; run: bash ../shared/cuda/setup-toolchain.sh" >&2
+  exit 1
+fi
+# shellcheck source=/dev/null
+source "$ENV_SH"
+if ! command -v nvcc >/dev/null; then
+  echo "error: nvcc not found after sourcing $ENV_SH; run: bash ../shared/cuda/setup-toolchain.sh" >&2
+  exit 1
+fi
+
+mkdir -p .gpu
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+# Prints "kind<TAB>name<TAB>executable" for every compiler-artifact with an executable.
+executables() {
+  if command -v jq >/dev/null; then
+    jq -r 'select(.reason == "compiler-artifact" and .executable != null)
+           | [(.target.kind | join(",")), .target.name, .executable] | @tsv' "$1"
+  else
+    python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(",".join(m["target"]["kind"]), m["target"]["name"], m["executable"], sep="\t")
+' "$1"
+  fi
+}
+
+has_rs() { compgen -G "$1/*.rs" >/dev/null; }
+
+if [ "$BUILD" = 1 ]; then
+  # One profile (--release) for everything that builds `cuda`: each new profile re-runs
+  # candle's 7-minute kernel build. json-render-diagnostics keeps compiler errors readable
+  # on stderr while stdout carries the artifact JSON.
+  cargo test --release --features cuda --no-run \
+    --message-format=json-render-diagnostics > "$TMP/cargo.json"
+  extra=()
+  # `--bench '*'` rather than `--benches`: the latter also builds the lib's bench harness.
+  if has_rs benches; then extra+=(--bench '*'); fi
+  if has_rs examples; then extra+=(--examples); fi
+  if [ ${#extra[@]} -gt 0 ]; then
+    cargo build --release --features cuda "${extra[@]}" \
+      --message-format=json-render-diagnostics >> "$TMP/cargo.json"
+  fi
+
+  rm -f .gpu/*.xz  # no stale binaries from renamed or deleted targets
+  declare -A staged=()
+  while IFS=$'\t' read -r kind name exe; do
+    case $kind in
+      test) [ "$name" = gpu ] || continue; out=gpu ;;
+      bench) out=bench-$name ;;
+      example) out=example-$name ;;
+      *) continue ;;
+    esac
+    [ -z "${staged[$out]:-}" ] || continue
+    staged[$out]=1
+    # Strip a copy: touching cargo's own outputs could confuse its freshness checks.
+    cp "$exe" "$TMP/$out"
+    strip "$TMP/$out"
+    xz -T2 -6 -c "$TMP/$out" > ".gpu/$out.xz"
+    rm "$TMP/$out"
+  done < <(executables "$TMP/cargo.json")
+
+  if [ ! -f .gpu/gpu.xz ]; then
+    echo "error: no executable for the test target 'gpu' (tests/gpu.rs) in cargo's output" >&2
+    exit 1
+  fi
+
+  total=0
+  for f in .gpu/*.xz; do
+    size=$(stat -c %s "$f")
+    total=$((total + size))
+    awk -v s="$size" -v f="$f" 'BEGIN { printf "%8.1f MiB  %s\n", s / 1048576, f }'
+  done
+  awk -v s="$total" 'BEGIN { printf "%8.1f MiB  total\n", s / 1048576 }'
+  # The `run` tool carries at most 64 MiB in all; keep room for the working tree.
+  if [ "$total" -gt $((60 * 1024 * 1024)) ]; then
+    echo "error: staged binaries exceed 60 MiB; stage fewer examples or benches" >&2
+    exit 1
+  fi
+fi
+
+if [ "$PTXAS" = 1 ]; then
+  # Register use and spills per kernel, without a GPU: spills to local memory are the
+  # first thing to check when a kernel is slower than expected.
+  arch=${PTXAS_ARCH:-sm_90}
+  : > .gpu/ptxas.txt
+  for cu in cuda/*.cu; do
+    [ -e "$cu" ] || { echo "no cuda/*.cu files" >&2; break; }
+    echo "== $cu ($arch)" >> .gpu/ptxas.txt
+    if ! nvcc -cubin -arch="$arch" -O3 --use_fast_math -std=c++17 -Xptxas -v -I cuda \
+        -o "$TMP/$(basename "$cu" .cu).cubin" "$cu" > "$TMP/ptxas.log" 2>&1; then
+      cat "$TMP/ptxas.log" >&2
+      echo "error: nvcc failed on $cu" >&2
+      exit 1
+    fi
+    cat "$TMP/ptxas.log" >> .gpu/ptxas.txt
+  done
+  echo "ptxas report: .gpu/ptxas.txt ($(grep -c 'Compiling entry function' .gpu/ptxas.txt || true) kernels)"
+  # ptxas prints the kernel name on one line and its spill counts on a later one.
+  awk '/Compiling entry function/ { fn = $0; sub(/.*function /, "", fn) }
+       /spill stores/ && !/ 0 bytes spill stores, 0 bytes spill loads/ {
+         print "SPILL " fn ":" $0; n++ }
+       END { if (!n) print "no spills" }' .gpu/ptxas.txt
+fi

@@ -1,0 +1,154 @@
+//! The forward op: `CustomOp3` over (q, k, v). It keeps the row log-sum-exp of its run so
+//! that [`CustomOp3::bwd`] can recompute the probabilities without re-running the forward.
+
+use std::sync::{Arc, Mutex};
+
+use candle::backend::BackendStorage;
+use candle::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use crate::bwd::FlashAttnBwdOp;
+use crate::cpu;
+use crate::params::Problem;
+
+pub(crate) struct FlashAttnOp {
+    problem: Problem,
+    deterministic: bool,
+    /// `(b, h, sq)` f32, written by `cpu_fwd` / `cuda_fwd`, read by `bwd`.
+    lse: Mutex<Option<Tensor>>,
+}
+
+impl FlashAttnOp {
+    pub fn new(problem: Problem, deterministic: bool) -> Self {
+        Self {
+            problem,
+            deterministic,
+            lse: Mutex::new(None),
+        }
+    }
+
+    pub fn out_shape(&self) -> Shape {
+        let s = self.problem.shape;
+        Shape::from((s.b, s.sq, s.h, s.d))
+    }
+
+    fn lse_shape(&self) -> Shape {
+        let s = self.problem.shape;
+        Shape::from((s.b, s.h, s.sq))
+    }
+
+    /// Runs the op, returning `(out, lse)`.
+    pub fn run(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let s = self.problem.shape;
+        if s.b * s.sq * s.h == 0 {
+            // Nothing to compute: every output dimension product is zero.
+            let out = Tensor::zeros(self.out_shape(), q.dtype(), q.device())?;
+            let lse = Tensor::zeros(self.lse_shape(), DType::F32, q.device())?;
+            return Ok((out, lse));
+        }
+        let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+        let op = Arc::new(self);
+        let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(OpHandle(op.clone()))))?;
+        let lse = op.take_lse()?;
+        Ok((out, lse))
+    }
+
+    fn take_lse(&self) -> Result<Tensor> {
+        match self.lse.lock() {
+            Ok(guard) => match guard.as_ref() {
+                Some(lse) => Ok(lse.clone()),
+                None => bail!("flash-attn: the forward pass produced no LSE"),
+            },
+            Err(_) => bail!("flash-attn: LSE lock poisoned by a panic in another thread"),
+        }
+    }
+
+    fn store_lse(&self, lse: Tensor) -> Result<()> {
+        match self.lse.lock() {
+            Ok(mut guard) => {
+                *guard = Some(lse);
+                Ok(())
+            }
+            Err(_) => bail!("flash-attn: LSE lock poisoned by a panic in another thread"),
+        }
+    }
+}
+
+/// The CUDA kernels read 16-byte chunks: every stride but the last, and the start offset, must
+/// be a multiple of 8 elements. A tensor that is not is copied once into a contiguous one.
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    if !t.device().is_cuda() {
+        return Ok(t.clone());
+    }
+    let ok = t.layout().start_offset() % 8 == 0 && t.stride()[..3].iter().all(|s| s % 8 == 0);
+    if ok {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+/// `apply_op3_arc` takes ownership of a boxed op; the handle shares the op with `run`, which
+/// reads the LSE back after the launch.
+struct OpHandle(Arc<FlashAttnOp>);
+
+impl CustomOp3 for OpHandle {
+    fn name(&self) -> &'static str {
+        "flash-attn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = &self.0;
+        let q = cpu::gather_f32(s1, l1)?;
+        let k = cpu::gather_f32(s2, l2)?;
+        let v = cpu::gather_f32(s3, l3)?;
+        let (out, lse) = cpu::attn_fwd(&op.problem, &q, &k, &v);
+        let lse = Tensor::from_vec(lse, op.lse_shape(), &candle::Device::Cpu)?;
+        op.store_lse(lse)?;
+        Ok((cpu::to_storage(out, s1.dtype())?, op.out_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+        s3: &candle::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        let op = &self.0;
+        let (out, lse) = crate::cuda::fwd(&op.problem, (s1, l1), (s2, l2), (s3, l3))?;
+        let lse = Tensor::from_storage(
+            candle::Storage::Cuda(lse),
+            op.lse_shape(),
+            candle::op::BackpropOp::none(),
+            false,
+        );
+        op.store_lse(lse)?;
+        Ok((out, op.out_shape()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = &self.0;
+        let lse = op.take_lse()?;
+        let (dq, dk, dv) =
+            FlashAttnBwdOp::new(op.problem, op.deterministic).run(q, k, v, out, grad_out, &lse)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}

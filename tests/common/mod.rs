@@ -1,0 +1,170 @@
+//! Helpers shared by the CPU test binaries: problem sizes, random inputs, error measures and
+//! the low-precision error-budget rule.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use candle::{DType, Device, Result, Tensor, Var, D};
+use candle_flash::{attention_slow, FlashAttn};
+
+/// One attention problem: q `(b, sq, h, d)`, k and v `(b, sk, hk, d)`.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub b: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub h: usize,
+    pub hk: usize,
+    pub d: usize,
+    pub causal: bool,
+}
+
+impl Case {
+    /// `(b, sq, sk, h, hk, d)`, not causal.
+    pub const fn new(b: usize, sq: usize, sk: usize, h: usize, hk: usize, d: usize) -> Self {
+        Self {
+            b,
+            sq,
+            sk,
+            h,
+            hk,
+            d,
+            causal: false,
+        }
+    }
+
+    pub fn causal(self, causal: bool) -> Self {
+        Self { causal, ..self }
+    }
+
+    /// The default softmax scale, `1 / sqrt(head_dim)`.
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+
+    /// Fresh standard-normal q, k, v of `dtype` (drawn in f32, then rounded).
+    pub fn qkv(&self, dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
+        let q = randn((self.b, self.sq, self.h, self.d), dtype)?;
+        let k = randn((self.b, self.sk, self.hk, self.d), dtype)?;
+        let v = randn((self.b, self.sk, self.hk, self.d), dtype)?;
+        Ok((q, k, v))
+    }
+
+    /// A random output-gradient weight shaped like the output.
+    pub fn out_weight(&self, dtype: DType) -> Result<Tensor> {
+        randn((self.b, self.sq, self.h, self.d), dtype)
+    }
+
+    pub fn flash(&self) -> FlashAttn {
+        FlashAttn::new().causal(self.causal)
+    }
+}
+
+/// Every case of `shapes`, causal and not.
+pub fn with_causal(shapes: &[Case]) -> Vec<Case> {
+    shapes
+        .iter()
+        .flat_map(|c| [c.causal(false), c.causal(true)])
+        .collect()
+}
+
+/// Standard-normal values of `dtype` on the CPU.
+pub fn randn<S: Into<candle::Shape>>(shape: S, dtype: DType) -> Result<Tensor> {
+    Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)
+}
+
+/// `max |a - b|`, computed in f32 (0 for empty tensors).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F32)?.flatten_all()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?;
+    let diffs = (a - b)?.abs()?.to_vec1::<f32>()?;
+    Ok(diffs
+        .into_iter()
+        .fold(0.0, |m, x| if x.is_nan() { f32::NAN } else { m.max(x) }))
+}
+
+/// `max |a|`, computed in f32.
+pub fn max_abs(a: &Tensor) -> Result<f32> {
+    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(a.into_iter().fold(0.0, |m, x| m.max(x.abs())))
+}
+
+/// Asserts `max |ours - reference| <= tol · max(1, max |reference|)`.
+pub fn assert_close(what: &str, ours: &Tensor, reference: &Tensor, tol: f32) -> Result<()> {
+    let err = max_abs_diff(ours, reference)?;
+    let bound = tol * max_abs(reference)?.max(1.0);
+    eprintln!("CLOSE {err:e} {bound:e} {what}");
+    assert!(err <= bound, "{what}: max abs error {err:e} > {bound:e}");
+    Ok(())
+}
+
+/// The low-precision rule: `ours` (computed from low-precision inputs) may be at most
+/// `factor` times as far from `exact` (f32 math on the same, upcast inputs) as `baseline`
+/// (the same math done in the low precision), plus 1e-5.
+pub fn assert_within_budget(
+    what: &str,
+    ours: &Tensor,
+    baseline: &Tensor,
+    exact: &Tensor,
+    factor: f32,
+) -> Result<()> {
+    let ours_err = max_abs_diff(ours, exact)?;
+    let base_err = max_abs_diff(baseline, exact)?;
+    let bound = factor * base_err + 1e-5;
+    eprintln!("BUDGET {ours_err:e} {base_err:e} {what}");
+    assert!(
+        ours_err <= bound,
+        "{what}: error {ours_err:e} > {factor} x baseline error {base_err:e} + 1e-5"
+    );
+    Ok(())
+}
+
+/// Natural-log logsumexp of the scaled, masked scores in plain ops: `(b, h, sq)` f32, `-inf`
+/// for rows that see no key. It skips the usual max subtraction: test scores are O(1), and
+/// `ln(sum(exp(-inf)))` is then exactly `-inf` for fully masked rows.
+pub fn lse_slow(q: &Tensor, k: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+    let (_, sq, h, _) = q.dims4()?;
+    let (_, sk, hk, _) = k.dims4()?;
+    let q = q.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?; // (b, h, sq, d)
+    let k = k.to_dtype(DType::F32)?.transpose(1, 2)?; // (b, hk, sk, d)
+                                                      // Query head `i` reads K head `i / (h / hk)`.
+    let k = Tensor::cat(
+        &(0..h)
+            .map(|i| k.narrow(1, i / (h / hk), 1))
+            .collect::<Result<Vec<_>>>()?,
+        1,
+    )?
+    .contiguous()?;
+    let scores = (q.matmul(&k.t()?)? * scale as f64)?; // (b, h, sq, sk)
+    let visible: Vec<u8> = (0..sq)
+        .flat_map(|i| (0..sk).map(move |j| u8::from(!causal || j + sq <= i + sk)))
+        .collect();
+    let visible =
+        Tensor::from_vec(visible, (sq, sk), &Device::Cpu)?.broadcast_as(scores.shape())?;
+    let neg_inf = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)?.broadcast_as(scores.shape())?;
+    visible
+        .where_cond(&scores, &neg_inf)?
+        .exp()?
+        .sum(D::Minus1)?
+        .log()
+}
+
+/// Gradients of `sum(attn(q, k, v) · weight)` with respect to q, k and v, by Candle's autograd.
+pub fn grads<F>(attn: F, q: &Tensor, k: &Tensor, v: &Tensor, weight: &Tensor) -> Result<[Tensor; 3]>
+where
+    F: Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+{
+    let (q, k, v) = (
+        Var::from_tensor(q)?,
+        Var::from_tensor(k)?,
+        Var::from_tensor(v)?,
+    );
+    let out = attn(&q, &k, &v)?;
+    let grads = (out * weight)?.sum_all()?.backward()?;
+    let get = |x: &Var| grads.get(x).cloned().expect("no gradient");
+    Ok([get(&q), get(&k), get(&v)])
+}
+
+/// `attention_slow` with the case's mask and the default scale.
+pub fn slow(case: &Case, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    attention_slow(q, k, v, case.scale(), case.causal)
+}
