@@ -3,6 +3,7 @@
 // key blocks; the split-KV decode kernel runs it over a slice of them and merges by LSE.
 #pragma once
 #include "copy.cuh"
+#include "gemm.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "params.cuh"
@@ -32,12 +33,7 @@ template <class K> struct FwdBlock {
         : p(p_), mask(p_), k(k_), v(v_), sQ(smem), sK(smem + BM * STRIDE),
           sV(smem + (BM + BN) * STRIDE), m0(m0_), tid(threadIdx.x), warp(threadIdx.x / 32),
           lane(threadIdx.x % 32) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+        zero(o);
         load_tile<T, BM, D, K::THREADS>(sQ, q + m0 * p.q_row_stride, p.q_row_stride,
                                         p.seqlen_q - m0, p.d, tid);
     }
@@ -53,91 +49,25 @@ template <class K> struct FwdBlock {
                                         p.seqlen_k - nb * BN, p.d, tid);
     }
 
-    // S = Q K^T for this warp's rows (Algorithm 1 line 8).
-    __device__ __forceinline__ void scores(float (&s)[MT][NT][4]) const {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-        const int mi = lane / 8;  // which 8x8 matrix of an x4 load this lane addresses
-        const uint32_t q_base =
-            opaque(smem_addr(sQ + (warp_row0() + lane % 16) * STRIDE + (lane / 16) * 8));
-        const uint32_t k_base =
-            opaque(smem_addr(sK + ((mi / 2) * 8 + lane % 8) * STRIDE + (mi % 2) * 8));
-#pragma unroll 2
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(a[mt], q_base + (mt * 16 * STRIDE + kk * 16) * sizeof(T));
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                uint32_t b[4];  // B of key tiles 2np (b0, b1) and 2np+1 (b2, b3)
-                ldmatrix_x4(b, k_base + (np * 16 * STRIDE + kk * 16) * sizeof(T));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(s[mt][2 * np], a[mt], b[0], b[1]);
-                    Mma::run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
-        }
-    }
-
-    // P as the A operand of P V: neighbouring n8 tiles of S become one m16k16 fragment.
-    // Packing right after the softmax frees half of S's registers before the second matmul.
-    __device__ __forceinline__ static void pack_p(const float (&s)[MT][NT][4],
-                                                  uint32_t (&pa)[MT][NT / 2][4]) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int kk = 0; kk < NT / 2; ++kk) {
-                pa[mt][kk][0] = Mma::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][kk][1] = Mma::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][kk][2] = Mma::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][kk][3] = Mma::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
-    }
-
-    // O += P V (Algorithm 1 line 10).
-    __device__ __forceinline__ void accumulate_pv(const uint32_t (&pa)[MT][NT / 2][4]) {
-        const int mi = lane / 8;
-        const uint32_t v_base =
-            opaque(smem_addr(sV + ((mi % 2) * 8 + lane % 8) * STRIDE + (mi / 2) * 8));
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-#pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                uint32_t b[4];  // B of output column tiles 2dp (b0, b1) and 2dp+1 (b2, b3)
-                ldmatrix_x4_trans(b, v_base + (kk * 16 * STRIDE + dp * 16) * sizeof(T));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
-                    Mma::run(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
-                }
-            }
-        }
-    }
-
     // One key block. K[nb] is in shared memory; V[nb] is requested here and K[nb - 1] is
     // requested once S is computed, so each copy overlaps one of the two matmuls.
     template <bool MASK> __device__ __forceinline__ void step(int nb, int nb_begin) {
         load_v(nb);
         cp_async_commit();
-        float s[MT][NT][4];
-        scores(s);
+        float s[MT][NT][4];  // S = Q K^T (line 8)
+        zero(s);
+        gemm_ss<T, MT, NT, D / 16, STRIDE>(s, sQ + warp_row0() * STRIDE, sK, lane);
         if (MASK) mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane);
         softmax.update(s, o, p.scale_log2);
-        uint32_t pa[MT][NT / 2][4];
-        pack_p(s, pa);
+        uint32_t pa[MT][NT / 2][4];  // P as the A operand of P V, straight from registers
+        pack_a<T, MT, NT>(s, pa);
         cp_async_wait<0>();
         __syncthreads();  // V[nb] landed; every warp is done reading K[nb]
         if (nb > nb_begin) {
             load_k(nb - 1);
             cp_async_commit();
         }
-        accumulate_pv(pa);
+        gemm_rs<T, MT, NT / 2, DT, STRIDE>(o, pa, sV, lane);  // O += P V (line 10)
     }
 
     // Key blocks [nb_begin, nb_end), last first: with a causal mask the only blocks that need

@@ -28,6 +28,18 @@ struct Mask {
         *begin = left >= 0 ? max(0, (m0 + offset - left) / BN) : 0;
     }
 
+    // Query blocks of height BM that can see keys [n0, n0 + BN): [*begin, *end), maybe empty.
+    template <int BM, int BN>
+    __device__ __forceinline__ void query_blocks(int n0, int seqlen_q, int* begin, int* end) const {
+        *end = (seqlen_q + BM - 1) / BM;
+        // Row i sees key j only if i >= j - offset - right, and only if i <= j - offset + left.
+        *begin = right >= 0 ? max(0, n0 - offset - right) / BM : 0;
+        if (left >= 0) {
+            const int last = n0 + BN - 1 - offset + left;
+            *end = last < 0 ? 0 : min(*end, last / BM + 1);
+        }
+    }
+
     // Whether any pair in the block rows [m0, m0 + BM) x keys [n0, n0 + BN) is masked; the
     // others run the loop body compiled without mask code.
     template <int BM, int BN>
@@ -51,6 +63,24 @@ struct Mask {
                     const int row = row0 + mt * 16 + g + (e / 2) * 8;
                     const int col = col0 + nt * 8 + 2 * t + (e % 2);
                     if (!visible(row, col)) s[mt][nt][e] = -INFINITY;
+                }
+    }
+
+    // Same for transposed scores S^T (rows are keys from row0, columns queries from col0), as
+    // the dK/dV kernel computes them.
+    template <int MT, int NT>
+    __device__ __forceinline__ void apply_t(float (&s)[MT][NT][4], int row0, int col0,
+                                            int lane) const {
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = row0 + mt * 16 + g + (e / 2) * 8;
+                    const int query = col0 + nt * 8 + 2 * t + (e % 2);
+                    if (!visible(query, key)) s[mt][nt][e] = -INFINITY;
                 }
     }
 };

@@ -25,3 +25,15 @@ struct AttnParams {
     // Causal is (-1, 0); no mask is (-1, -1).
     int window_left, window_right;
 };
+
+// The backward pass reads the forward's inputs, output and LSE through `a`, plus these.
+// dO and dQ share o's strides; dK and dV are contiguous (b, seqlen_k, h_k, d).
+struct BwdParams {
+    AttnParams a;
+    const void* dout;  // (b, seqlen_q, h, d)
+    float* dsum;       // (b, h, seqlen_q): rowsum(dO * O), written by the preprocess kernel
+    void* dq;          // (b, seqlen_q, h, d)
+    void* dk;          // (b, seqlen_k, h_k, d)
+    void* dv;          // (b, seqlen_k, h_k, d)
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+};

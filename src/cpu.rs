@@ -114,7 +114,7 @@ fn fwd_head(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>
     let mut scores = [0f32; KEY_BLOCK];
     for r0 in (0..sq).step_by(QUERY_BLOCK) {
         let r1 = (r0 + QUERY_BLOCK).min(sq);
-        // Online softmax state (lines 6-7): running max m and running sum l per row.
+        // Online softmax state (line 5): running max m and running sum l per row.
         let mut m = [f32::NEG_INFINITY; QUERY_BLOCK];
         let mut l = [0f32; QUERY_BLOCK];
         // key_end grows with the row, so the tile's last row sees the most keys; tiles past
@@ -251,12 +251,12 @@ fn bwd_group(
                 let dq_i = &mut dq[i * d..][..d];
                 for j in c0..end {
                     let (k_j, v_j) = (&k[j * d..][..d], &v[j * d..][..d]);
-                    // Lines 9-13: recompute P_ij from the saved LSE, then
+                    // Lines 10-14: recompute P_ij from the saved LSE, then
                     // dV_j += P_ij dO_i, dP_ij = dO_i · v_j, dS_ij = P_ij (dP_ij - D_i).
                     let p_ij = (p.scale * dot(q_i, k_j) - h.lse[i]).exp();
                     axpy(&mut dv[j * d..][..d], p_ij, d_o_i);
                     let ds_ij = p_ij * (dot(d_o_i, v_j) - delta[i]);
-                    // Lines 14-15: dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
+                    // Lines 15-16: dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
                     axpy(dq_i, p.scale * ds_ij, k_j);
                     axpy(&mut dk[j * d..][..d], p.scale * ds_ij, q_i);
                 }

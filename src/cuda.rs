@@ -53,6 +53,61 @@ struct AttnParams {
 // SAFETY: plain-old-data with the C layout of `AttnParams`, passed by value as a kernel argument.
 unsafe impl DeviceRepr for AttnParams {}
 
+/// Mirror of `struct BwdParams` in `cuda/params.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct BwdParams {
+    a: AttnParams,
+    dout: CUdeviceptr,
+    dsum: CUdeviceptr,
+    dq: CUdeviceptr,
+    dk: CUdeviceptr,
+    dv: CUdeviceptr,
+    dk_batch_stride: i64,
+    dk_row_stride: i64,
+    dk_head_stride: i64,
+}
+
+// SAFETY: as for `AttnParams`.
+unsafe impl DeviceRepr for BwdParams {}
+
+impl AttnParams {
+    /// Sizes, strides, scale and mask of a problem; pointers are filled in by the launchers.
+    /// The output (and dO, dQ) are contiguous `(b, sq, h, d)`.
+    fn new(problem: &Problem, ql: &Layout, kl: &Layout, vl: &Layout) -> Result<Self> {
+        let s = problem.shape;
+        let [q_batch_stride, q_row_stride, q_head_stride] = strides3(ql);
+        let [k_batch_stride, k_row_stride, k_head_stride] = strides3(kl);
+        let [v_batch_stride, v_row_stride, v_head_stride] = strides3(vl);
+        Ok(Self {
+            q_batch_stride,
+            q_row_stride,
+            q_head_stride,
+            k_batch_stride,
+            k_row_stride,
+            k_head_stride,
+            v_batch_stride,
+            v_row_stride,
+            v_head_stride,
+            o_batch_stride: (s.sq * s.h * s.d) as i64,
+            o_row_stride: (s.h * s.d) as i64,
+            o_head_stride: s.d as i64,
+            b: to_i32(s.b, "batch")?,
+            h: to_i32(s.h, "num_heads")?,
+            h_k: to_i32(s.hk, "num_heads_k")?,
+            seqlen_q: to_i32(s.sq, "seqlen_q")?,
+            seqlen_k: to_i32(s.sk, "seqlen_k")?,
+            d: s.d as i32,
+            h_h_k_ratio: s.group() as i32,
+            scale: problem.scale,
+            scale_log2: problem.scale * std::f32::consts::LOG2_E,
+            window_left: -1,
+            window_right: if problem.causal { 0 } else { -1 },
+            ..Self::default()
+        })
+    }
+}
+
 /// Forward tile shape for one compiled head dim; mirror of `FwdConfig` in `cuda/traits.cuh`.
 #[derive(Clone, Copy, Debug)]
 struct FwdTile {
@@ -103,6 +158,48 @@ fn poison<T: DeviceRepr>(stream: &Arc<CudaStream>, buf: &mut CudaSlice<T>) -> Re
         // SAFETY: ptr is a live allocation of `bytes` bytes, written in stream order.
         unsafe { memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()?;
     }
+    Ok(())
+}
+
+/// Launches `name` from the PTX module of its kernel family (`flash_fwd_*` from fwd.cu,
+/// `flash_bwd_*` from bwd.cu) with one parameter block.
+fn launch<P: DeviceRepr>(
+    dev: &candle::CudaDevice,
+    name: &str,
+    (x, y, z): (usize, usize, usize),
+    threads: u32,
+    smem: u32,
+    params: &P,
+) -> Result<()> {
+    if x > i32::MAX as usize || y > 65535 || z > 65535 {
+        bail!(
+            "{name}: launch grid ({x}, {y}, {z}) exceeds CUDA's limits (too many heads or batches)"
+        )
+    }
+    if x == 0 || y == 0 || z == 0 {
+        return Ok(());
+    }
+    let (module, ptx) = if name.starts_with("flash_fwd") {
+        ("candle_flash_fwd", ptx::FWD)
+    } else {
+        ("candle_flash_bwd", ptx::BWD)
+    };
+    let func = dev.get_or_load_custom_func(name, module, ptx)?;
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    let cfg = LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let mut builder = func.builder();
+    builder.arg(params);
+    // SAFETY: the parameter block describes live allocations of the sizes the kernel indexes
+    // (shapes checked by `params::validate`, buffers allocated by the caller for them).
+    unsafe { builder.launch(cfg) }.w()?;
     Ok(())
 }
 
@@ -162,71 +259,25 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     poison(&stream, &mut out)?;
     poison(&stream, &mut lse)?;
 
-    let [qb, qr, qh] = strides3(ql);
-    let [kb, kr, kh] = strides3(kl);
-    let [vb, vr, vh] = strides3(vl);
+    let mut params = AttnParams::new(problem, ql, kl, vl)?;
     {
         let (q_ptr, _q_sync) = q_view.device_ptr(&stream);
         let (k_ptr, _k_sync) = k_view.device_ptr(&stream);
         let (v_ptr, _v_sync) = v_view.device_ptr(&stream);
         let (o_ptr, _o_sync) = out.device_ptr_mut(&stream);
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
-        let params = AttnParams {
-            q: q_ptr,
-            k: k_ptr,
-            v: v_ptr,
-            o: o_ptr,
-            lse: lse_ptr,
-            q_batch_stride: qb,
-            q_row_stride: qr,
-            q_head_stride: qh,
-            k_batch_stride: kb,
-            k_row_stride: kr,
-            k_head_stride: kh,
-            v_batch_stride: vb,
-            v_row_stride: vr,
-            v_head_stride: vh,
-            o_batch_stride: (s.sq * s.h * s.d) as i64,
-            o_row_stride: (s.h * s.d) as i64,
-            o_head_stride: s.d as i64,
-            b: to_i32(s.b, "batch")?,
-            h: to_i32(s.h, "num_heads")?,
-            h_k: to_i32(s.hk, "num_heads_k")?,
-            seqlen_q: to_i32(s.sq, "seqlen_q")?,
-            seqlen_k: to_i32(s.sk, "seqlen_k")?,
-            d: s.d as i32,
-            h_h_k_ratio: s.group() as i32,
-            scale: problem.scale,
-            scale_log2: problem.scale * std::f32::consts::LOG2_E,
-            window_left: -1,
-            window_right: if problem.causal { 0 } else { -1 },
-        };
+        (params.q, params.k, params.v, params.o, params.lse) =
+            (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let name = format!("flash_fwd_{}_d{}", dtype_name(q.dtype())?, tile.d);
-        let func = dev.get_or_load_custom_func(&name, "candle_flash_fwd", ptx::FWD)?;
-        let smem = tile.smem_bytes();
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
-        let m_blocks = s.sq.div_ceil(tile.bm);
-        if m_blocks > i32::MAX as usize || s.h > 65535 || s.b > 65535 {
-            bail!(
-                "q: launch grid ({m_blocks}, {}, {}) exceeds CUDA's limits",
-                s.h,
-                s.b
-            )
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (m_blocks as u32, s.h as u32, s.b as u32),
-            block_dim: (tile.threads(), 1, 1),
-            shared_mem_bytes: smem,
-        };
-        let mut launch = func.builder();
-        launch.arg(&params);
-        // SAFETY: params describe live allocations of the sizes the kernel indexes (checked by
-        // `params::validate`); the kernel writes only `out` and `lse`.
-        unsafe { launch.launch(cfg) }.w()?;
+        let grid = (s.sq.div_ceil(tile.bm), s.h, s.b);
+        launch(
+            &dev,
+            &name,
+            grid,
+            tile.threads(),
+            tile.smem_bytes(),
+            &params,
+        )?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -234,18 +285,156 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     ))
 }
 
-/// Backward pass. The CUDA backward kernels are the next milestone; until they land this says
-/// so instead of silently computing on another device.
+/// Backward tile shapes for one compiled head dim; mirror of `BwdConfig` in
+/// `cuda/bwd_traits.cuh`.
+#[derive(Clone, Copy, Debug)]
+struct BwdTile {
+    d: usize,
+    /// dK/dV output columns per block.
+    d_out: usize,
+    kv_bn: usize,
+    kv_bm: usize,
+    q_bm: usize,
+    q_bn: usize,
+}
+
+impl BwdTile {
+    fn for_head_dim(d: usize) -> Self {
+        let d = FwdTile::for_head_dim(d).d;
+        Self {
+            d,
+            d_out: if d <= 128 { d } else { d / 2 },
+            kv_bn: 64,
+            kv_bm: if d <= 96 { 64 } else { 32 },
+            q_bm: 64,
+            q_bn: if d <= 128 { 64 } else { 32 },
+        }
+    }
+    const THREADS: u32 = 128;
+    fn splits(&self) -> usize {
+        self.d / self.d_out
+    }
+    fn kv_smem_bytes(&self) -> u32 {
+        ((2 * self.kv_bn + 2 * self.kv_bm) * (self.d + 8) * 2 + 2 * self.kv_bm * 4) as u32
+    }
+    fn q_smem_bytes(&self) -> u32 {
+        ((2 * self.q_bm + 2 * self.q_bn) * (self.d + 8) * 2) as u32
+    }
+}
+
+fn cuda_storage<'a>(storage: &'a candle::Storage, name: &str) -> Result<&'a CudaStorage> {
+    match storage {
+        candle::Storage::Cuda(s) => Ok(s),
+        _ => bail!("flash-attn backward: {name} is not on the CUDA device like q"),
+    }
+}
+
+/// Backward pass: returns one buffer `[dq | dk | dv]` in q's dtype, dq `(b, sq, h, d)` and
+/// dk, dv `(b, sk, hk, d)`, all contiguous. `out`, `grad_out` and `lse` are contiguous.
+/// Deterministic: no floating-point atomics (dQ has a pass of its own).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn bwd(
-    _problem: &Problem,
+    problem: &Problem,
     _deterministic: bool,
-    _q: (&CudaStorage, &Layout),
-    _k: (&CudaStorage, &Layout),
-    _v: (&CudaStorage, &Layout),
-    _out: &Tensor,
-    _grad_out: &Tensor,
-    _lse: &Tensor,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
 ) -> Result<CudaStorage> {
-    bail!("flash-attn: the CUDA backward pass is not implemented yet (use the CPU device for training)")
+    match q.0.dtype() {
+        DType::F16 => bwd_typed::<f16>(problem, q, k, v, out, grad_out, lse),
+        DType::BF16 => bwd_typed::<bf16>(problem, q, k, v, out, grad_out, lse),
+        dt => bail!("q: dtype {dt:?} is not supported on CUDA, expected F16 or BF16"),
+    }
+}
+
+fn bwd_typed<T: CudaDType + DeviceRepr>(
+    problem: &Problem,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+) -> Result<CudaStorage> {
+    let s = problem.shape;
+    let dev = q.device.clone();
+    let stream = dev.cuda_stream();
+    let tile = BwdTile::for_head_dim(s.d);
+    let dtype = dtype_name(q.dtype())?;
+
+    let (o_storage, o_layout) = out.storage_and_layout();
+    let (do_storage, do_layout) = grad_out.storage_and_layout();
+    let (lse_storage, lse_layout) = lse.storage_and_layout();
+    let o = cuda_storage(&o_storage, "out")?.as_cuda_slice::<T>()?;
+    let d_o = cuda_storage(&do_storage, "grad_out")?.as_cuda_slice::<T>()?;
+    let lse_in = cuda_storage(&lse_storage, "lse")?.as_cuda_slice::<f32>()?;
+    let o_view = o.slice(o_layout.start_offset()..);
+    let do_view = d_o.slice(do_layout.start_offset()..);
+    let lse_view = lse_in.slice(lse_layout.start_offset()..);
+    let q_view = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+    let k_view = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
+    let v_view = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+
+    let (nq, nkv) = (s.q_elems(), s.kv_elems());
+    // SAFETY: the kernels write every element of dq, dk, dv (rows < seqlen, cols < d) and
+    // every row of dsum before it is read.
+    let mut grads = unsafe { dev.alloc::<T>(nq + 2 * nkv)? };
+    let mut dsum = unsafe { dev.alloc::<f32>(s.b * s.h * s.sq)? };
+    poison(&stream, &mut grads)?;
+
+    let mut params = BwdParams {
+        a: AttnParams::new(problem, ql, kl, vl)?,
+        dk_batch_stride: (s.sk * s.hk * s.d) as i64,
+        dk_row_stride: (s.hk * s.d) as i64,
+        dk_head_stride: s.d as i64,
+        ..BwdParams::default()
+    };
+    {
+        let (q_ptr, _q_sync) = q_view.device_ptr(&stream);
+        let (k_ptr, _k_sync) = k_view.device_ptr(&stream);
+        let (v_ptr, _v_sync) = v_view.device_ptr(&stream);
+        let (o_ptr, _o_sync) = o_view.device_ptr(&stream);
+        let (do_ptr, _do_sync) = do_view.device_ptr(&stream);
+        let (lse_ptr, _lse_sync) = lse_view.device_ptr(&stream);
+        let (grads_ptr, _grads_sync) = grads.device_ptr_mut(&stream);
+        let (dsum_ptr, _dsum_sync) = dsum.device_ptr_mut(&stream);
+        let elem = std::mem::size_of::<T>() as u64;
+        (params.a.q, params.a.k, params.a.v, params.a.o, params.a.lse) =
+            (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
+        params.dout = do_ptr;
+        params.dsum = dsum_ptr;
+        params.dq = grads_ptr;
+        params.dk = grads_ptr + nq as u64 * elem;
+        params.dv = grads_ptr + (nq + nkv) as u64 * elem;
+
+        let rows_per_block = 8; // one warp per row, 256 threads
+        launch(
+            &dev,
+            &format!("flash_bwd_dsum_{dtype}"),
+            (s.sq.div_ceil(rows_per_block), s.h, s.b),
+            32 * rows_per_block as u32,
+            0,
+            &params,
+        )?;
+        launch(
+            &dev,
+            &format!("flash_bwd_dkdv_{dtype}_d{}", tile.d),
+            (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
+            BwdTile::THREADS,
+            tile.kv_smem_bytes(),
+            &params,
+        )?;
+        launch(
+            &dev,
+            &format!("flash_bwd_dq_{dtype}_d{}", tile.d),
+            (s.sq.div_ceil(tile.q_bm), s.h, s.b),
+            BwdTile::THREADS,
+            tile.q_smem_bytes(),
+            &params,
+        )?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(grads, dev))
 }

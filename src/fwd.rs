@@ -79,7 +79,8 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     if !t.device().is_cuda() {
         return Ok(t.clone());
     }
-    let ok = t.layout().start_offset() % 8 == 0 && t.stride()[..3].iter().all(|s| s % 8 == 0);
+    let ok = t.layout().start_offset().is_multiple_of(8)
+        && t.stride()[..3].iter().all(|s| s.is_multiple_of(8));
     if ok {
         Ok(t.clone())
     } else {

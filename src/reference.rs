@@ -15,7 +15,7 @@ use crate::params::{self, Problem};
 ///   query rows that see no key give zeros, not NaN;
 /// - returns `(batch, seqlen_q, num_heads, head_dim)` in the input dtype.
 ///
-/// Unlike the fast op it accepts any float dtype on any device, any head_dim and any strides,
+/// Unlike the fast op it accepts any float dtype on any device, head_dims above 256 and any strides,
 /// and it computes in the input dtype, so in f16/bf16 it is also "the same math at low
 /// precision" that the tests' error budgets are measured against. It materialises the
 /// `(batch, num_heads, seqlen_q, seqlen_k)` score matrix. It is differentiable with Candle's

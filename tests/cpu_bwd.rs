@@ -110,7 +110,7 @@ fn grads_match_finite_differences() -> Result<()> {
                 let numeric = (at(EPS)? - at(-EPS)?) / (2.0 * EPS);
                 let err = (ours[j] as f64 - numeric).abs();
                 assert!(
-                    err <= 1e-3 * numeric.abs().max(1.0),
+                    err <= 1e-4 * numeric.abs().max(1.0),
                     "{name}[{j}] {case:?}: {} vs {numeric}",
                     ours[j]
                 );

@@ -27,7 +27,7 @@ mod cuda_suite {
     use std::process::ExitCode;
     use std::time::Instant;
 
-    use candle::{DType, Device, Result, Tensor, D};
+    use candle::{DType, Device, Result, Tensor, Var, D};
     use candle_flash::{attention_slow, flash_attn, FlashAttn};
 
     /// Counts results and prints failures as they happen.
@@ -317,6 +317,270 @@ mod cuda_suite {
         expect_error(flash_attn(&odd, &odd, &odd, false), "multiple of 8")
     }
 
+    /// Gradients of `sum(out * w)` for q, k, v through `attn`, in the inputs' dtype.
+    fn grads_of(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        w: &Tensor,
+        attn: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<[Tensor; 3]> {
+        let (q, k, v) = (
+            Var::from_tensor(q)?,
+            Var::from_tensor(k)?,
+            Var::from_tensor(v)?,
+        );
+        let out = attn(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+        let grads = out.mul(&w.to_dtype(out.dtype())?)?.sum_all()?.backward()?;
+        let get = |x: &Var, name: &str| match grads.get(x.as_tensor()) {
+            Some(g) => Ok(g.clone()),
+            None => candle::bail!("no gradient for {name}"),
+        };
+        Ok([get(&q, "q")?, get(&k, "k")?, get(&v, "v")?])
+    }
+
+    fn bwd_case(dev: &Device, c: Case) -> Result<()> {
+        let q = Tensor::randn(0f32, 1.0, (c.b, c.sq, c.h, c.d), dev)?.to_dtype(c.dtype)?;
+        let k = Tensor::randn(0f32, 1.0, (c.b, c.sk, c.hk, c.d), dev)?.to_dtype(c.dtype)?;
+        let v = Tensor::randn(0f32, 1.0, (c.b, c.sk, c.hk, c.d), dev)?.to_dtype(c.dtype)?;
+        let w = Tensor::randn(0f32, 1.0, (c.b, c.sq, c.h, c.d), dev)?.to_dtype(c.dtype)?;
+        let scale = 1.0 / (c.d as f32).sqrt();
+        let ours = grads_of(&q, &k, &v, &w, |q, k, v| flash_attn(q, k, v, c.causal))?;
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+        let reference = grads_of(
+            &f32_of(&q)?,
+            &f32_of(&k)?,
+            &f32_of(&v)?,
+            &f32_of(&w)?,
+            |q, k, v| attention_slow(q, k, v, scale, c.causal),
+        )?;
+        let low = grads_of(&q, &k, &v, &w, |q, k, v| {
+            attention_slow(q, k, v, scale, c.causal)
+        })?;
+        for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+            if ours[i].dims() != reference[i].dims() {
+                candle::bail!(
+                    "{name} shape {:?}, expected {:?}",
+                    ours[i].dims(),
+                    reference[i].dims()
+                );
+            }
+            if has_nan(&ours[i])? {
+                candle::bail!("{name} has NaN (unwritten or bad math)");
+            }
+            let err = max_abs_diff(&ours[i], &reference[i])?;
+            let base = max_abs_diff(&low[i], &reference[i])?;
+            if err > 3.0 * base + 1e-4 {
+                candle::bail!(
+                    "{name}: max error {err:.3e} > 3 x {base:.3e} (attention_slow in {:?}) + 1e-4",
+                    c.dtype
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn bwd_grid(quick: bool) -> Vec<Case> {
+        let dims: &[usize] = if quick {
+            &[40, 128, 256]
+        } else {
+            &[32, 40, 64, 96, 128, 160, 192, 256]
+        };
+        let seqs: &[(usize, usize)] = if quick {
+            &[(17, 113), (203, 113)]
+        } else {
+            &[
+                (1, 17),
+                (17, 17),
+                (113, 203),
+                (203, 113),
+                (128, 128),
+                (256, 256),
+                (1023, 1024),
+                (1024, 1023),
+                (2048, 17),
+            ]
+        };
+        let heads = [(4, 4), (8, 2), (4, 1)];
+        let mut cases = vec![];
+        for dtype in [DType::F16, DType::BF16] {
+            for &d in dims {
+                for causal in [false, true] {
+                    for (i, &(sq, sk)) in seqs.iter().enumerate() {
+                        let (h, hk) = heads[i % heads.len()];
+                        let b = if sq * sk > 1 << 18 { 1 } else { 2 };
+                        cases.push(Case {
+                            dtype,
+                            b,
+                            sq,
+                            sk,
+                            h,
+                            hk,
+                            d,
+                            causal,
+                        });
+                    }
+                }
+            }
+        }
+        cases
+    }
+
+    /// The backward is bitwise reproducible (it uses no floating-point atomics).
+    fn repeatable_backward(dev: &Device, runs: usize) -> Result<()> {
+        let q = Tensor::randn(0f32, 1.0, (2, 777, 8, 128), dev)?.to_dtype(DType::BF16)?;
+        let k = Tensor::randn(0f32, 1.0, (2, 901, 2, 128), dev)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1.0, (2, 901, 2, 128), dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::randn(0f32, 1.0, (2, 777, 8, 128), dev)?.to_dtype(DType::BF16)?;
+        let attn = FlashAttn::new().causal(true).deterministic(true);
+        let bits = |gs: [Tensor; 3]| -> Result<Vec<u32>> {
+            let mut all = vec![];
+            for g in gs {
+                all.extend(
+                    g.to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .map(|x| x.to_bits()),
+                );
+            }
+            Ok(all)
+        };
+        let first = bits(grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?)?;
+        for run in 1..runs {
+            if bits(grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?)? != first {
+                candle::bail!("backward run {run} differs from run 0");
+            }
+        }
+        Ok(())
+    }
+
+    /// A small model trains on CUDA: gradients reach the projection weights through
+    /// flash_attn, and SGD steps lower the loss.
+    fn training_step(dev: &Device) -> Result<()> {
+        use candle_nn::{linear_no_bias, Module, Optimizer, VarBuilder, VarMap, SGD};
+        let (b, s, h, d) = (2, 67, 4, 32);
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let proj = [
+            linear_no_bias(h * d, h * d, vb.pp("q"))?,
+            linear_no_bias(h * d, h * d, vb.pp("k"))?,
+            linear_no_bias(h * d, h * d, vb.pp("v"))?,
+        ];
+        let x = Tensor::randn(0f32, 1.0, (b, s, h * d), dev)?;
+        let target = Tensor::randn(0f32, 1.0, (b, s, h, d), dev)?.to_dtype(DType::BF16)?;
+        let mut opt = SGD::new(varmap.all_vars(), 0.5)?;
+        let loss_of = || -> Result<Tensor> {
+            let heads = |i: usize| {
+                proj[i]
+                    .forward(&x)?
+                    .reshape((b, s, h, d))?
+                    .to_dtype(DType::BF16)
+            };
+            let out = flash_attn(&heads(0)?, &heads(1)?, &heads(2)?, true)?;
+            out.sub(&target)?.to_dtype(DType::F32)?.sqr()?.mean_all()
+        };
+        let first = loss_of()?.to_scalar::<f32>()?;
+        for _ in 0..5 {
+            let loss = loss_of()?;
+            let grads = loss.backward()?;
+            for var in varmap.all_vars() {
+                match grads.get(var.as_tensor()) {
+                    Some(g) if g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0 => {}
+                    _ => candle::bail!("a projection weight got no gradient"),
+                }
+            }
+            opt.step(&grads)?;
+        }
+        let last = loss_of()?.to_scalar::<f32>()?;
+        if !(last < first) {
+            candle::bail!("loss did not decrease: {first} -> {last}");
+        }
+        println!("training step: loss {first:.4} -> {last:.4} after 5 SGD steps");
+        Ok(())
+    }
+
+    /// Device memory in use, sampled every 200 us on another thread while `f` runs; the
+    /// peak minus the use before.
+    fn peak_extra_memory(dev: &Device, f: impl FnOnce() -> Result<()>) -> Result<usize> {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let ctx = dev.as_cuda_device()?.cuda_stream().context().clone();
+        let used = {
+            let ctx = ctx.clone();
+            move || {
+                ctx.mem_get_info()
+                    .map(|(free, total)| total - free)
+                    .unwrap_or(0)
+            }
+        };
+        dev.synchronize()?;
+        let before = used();
+        let (stop, peak) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(before)),
+        );
+        let sampler = {
+            let (stop, peak, used) = (stop.clone(), peak.clone(), used.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    peak.fetch_max(used(), Ordering::Relaxed);
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            })
+        };
+        let result = f().and_then(|_| dev.synchronize());
+        peak.fetch_max(used(), Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
+        let _ = sampler.join();
+        result?;
+        Ok(peak.load(Ordering::Relaxed).saturating_sub(before))
+    }
+
+    /// Forward+backward memory is linear in seqlen (b=1, h=16, d=128 bf16, causal): the peak
+    /// beyond the inputs stays within a fixed multiple of the size of q (a seqlen^2 score
+    /// buffer would be 8 GiB at 16k and 128 GiB at 64k), and grows ~4x from 16k to 64k.
+    fn linear_memory(dev: &Device) -> Result<()> {
+        let mut extras = vec![];
+        for s in [16384usize, 65536] {
+            let (h, d) = (16, 128);
+            let mk = || Tensor::randn(0f32, 1.0, (1, s, h, d), dev)?.to_dtype(DType::BF16);
+            let (q, k, v) = (
+                Var::from_tensor(&mk()?)?,
+                Var::from_tensor(&mk()?)?,
+                Var::from_tensor(&mk()?)?,
+            );
+            let w = mk()?;
+            let q_bytes = s * h * d * 2;
+            let start = Instant::now();
+            let extra = peak_extra_memory(dev, || {
+                let out = flash_attn(q.as_tensor(), k.as_tensor(), v.as_tensor(), true)?;
+                let grads = out.mul(&w)?.sum_all()?.backward()?;
+                for x in [&q, &k, &v] {
+                    if grads.get(x.as_tensor()).is_none() {
+                        candle::bail!("missing gradient");
+                    }
+                }
+                Ok(())
+            })?;
+            println!(
+                "memory: b=1 h=16 d=128 seqlen {s}: fwd+bwd peak {:.0} MiB beyond inputs ({:.1}x the size of q), {:.2}s",
+                extra as f64 / (1 << 20) as f64,
+                extra as f64 / q_bytes as f64,
+                start.elapsed().as_secs_f32()
+            );
+            if extra > 16 * q_bytes {
+                candle::bail!("seqlen {s}: peak extra memory {extra} B > 16 x q ({q_bytes} B)");
+            }
+            extras.push(extra as f64);
+        }
+        let growth = extras[1] / extras[0];
+        if growth > 5.0 {
+            candle::bail!("memory grew {growth:.1}x from seqlen 16k to 64k (linear is 4x)");
+        }
+        Ok(())
+    }
+
     pub fn main() -> ExitCode {
         let quick = std::env::args().any(|a| a == "--quick");
         // Every output buffer starts as NaN, so an element a kernel fails to write fails a check.
@@ -342,6 +606,26 @@ mod cuda_suite {
             suite.failed,
             start.elapsed().as_secs_f32()
         );
+        let grid = bwd_grid(quick);
+        let n = grid.len();
+        let bwd_start = Instant::now();
+        let failed_before = suite.failed;
+        for c in grid {
+            suite.record(&format!("bwd {c}"), bwd_case(&dev, c));
+        }
+        println!(
+            "bwd grid: {n} cases, {} failed ({:.1}s)",
+            suite.failed - failed_before,
+            bwd_start.elapsed().as_secs_f32()
+        );
+        suite.record(
+            "repeatable backward",
+            repeatable_backward(&dev, if quick { 3 } else { 50 }),
+        );
+        suite.record("training step", training_step(&dev));
+        if !quick {
+            suite.record("linear memory", linear_memory(&dev));
+        }
         suite.record("strided inputs", strided_inputs(&dev));
         suite.record(
             "repeatable forward",

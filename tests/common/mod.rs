@@ -92,7 +92,6 @@ pub fn max_abs(a: &Tensor) -> Result<f32> {
 pub fn assert_close(what: &str, ours: &Tensor, reference: &Tensor, tol: f32) -> Result<()> {
     let err = max_abs_diff(ours, reference)?;
     let bound = tol * max_abs(reference)?.max(1.0);
-    eprintln!("CLOSE {err:e} {bound:e} {what}");
     assert!(err <= bound, "{what}: max abs error {err:e} > {bound:e}");
     Ok(())
 }
@@ -110,7 +109,6 @@ pub fn assert_within_budget(
     let ours_err = max_abs_diff(ours, exact)?;
     let base_err = max_abs_diff(baseline, exact)?;
     let bound = factor * base_err + 1e-5;
-    eprintln!("BUDGET {ours_err:e} {base_err:e} {what}");
     assert!(
         ours_err <= bound,
         "{what}: error {ours_err:e} > {factor} x baseline error {base_err:e} + 1e-5"

@@ -1,0 +1,58 @@
+// The backward kernels (FlashAttention-2 Algorithm 2), launched in this order:
+//   flash_bwd_dsum_<dtype>       D = rowsum(dO * O)                  grid (ceil(sq/8), h, b)
+//   flash_bwd_dkdv_<dtype>_d<D>  dK, dV per key block                 grid (ceil(sk/BN), h_k * splits, b)
+//   flash_bwd_dq_<dtype>_d<D>    dQ per query block                   grid (ceil(sq/BM), h, b)
+#include "bwd_dkdv.cuh"
+#include "bwd_dq.cuh"
+
+// One warp per row: each lane reads one 16-byte chunk of dO and O (d <= 256 = 32 lanes x 8).
+template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdParams& bp) {
+    const AttnParams& p = bp.a;
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int bidh = blockIdx.y, bidb = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const int64_t off = bidb * p.o_batch_stride + int64_t(row) * p.o_row_stride +
+                        bidh * p.o_head_stride + lane * CHUNK;
+    float sum = 0.f;
+    if (lane * CHUNK < p.d) {
+        const uint4 o4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
+        const uint4 d4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(bp.dout) + off);
+        const T* o8 = reinterpret_cast<const T*>(&o4);
+        const T* d8 = reinterpret_cast<const T*>(&d4);
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) sum += float(o8[i]) * float(d8[i]);
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffff, sum, s);
+    if (lane == 0) bp.dsum[(int64_t(bidb) * p.h + bidh) * p.seqlen_q + row] = sum;
+}
+
+#define FLASH_BWD_DSUM(NAME, T)                                                               \
+    extern "C" __global__ void flash_bwd_dsum_##NAME(const __grid_constant__ BwdParams bp) {  \
+        flash_bwd_dsum<T>(bp);                                                                \
+    }
+
+#define FLASH_BWD(NAME, T, D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(BwdConfig<T, D>::Kv::THREADS, 1)             \
+        flash_bwd_dkdv_##NAME##_d##D(const __grid_constant__ BwdParams bp) {                  \
+        flash_bwd_dkdv<BwdConfig<T, D>::Kv>(bp);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdConfig<T, D>::Q::THREADS, 1)              \
+        flash_bwd_dq_##NAME##_d##D(const __grid_constant__ BwdParams bp) {                    \
+        flash_bwd_dq<BwdConfig<T, D>::Q>(bp);                                                 \
+    }
+
+#define FLASH_BWD_ALL(NAME, T)                                                                \
+    FLASH_BWD_DSUM(NAME, T)                                                                   \
+    FLASH_BWD(NAME, T, 32)                                                                    \
+    FLASH_BWD(NAME, T, 64)                                                                    \
+    FLASH_BWD(NAME, T, 96)                                                                    \
+    FLASH_BWD(NAME, T, 128)                                                                   \
+    FLASH_BWD(NAME, T, 160)                                                                   \
+    FLASH_BWD(NAME, T, 192)                                                                   \
+    FLASH_BWD(NAME, T, 224)                                                                   \
+    FLASH_BWD(NAME, T, 256)
+
+FLASH_BWD_ALL(f16, __half)
+FLASH_BWD_ALL(bf16, __nv_bfloat16)

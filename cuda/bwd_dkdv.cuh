@@ -1,0 +1,131 @@
+// dK and dV for one block of keys: FlashAttention-2 Algorithm 2, lines 5-21 without dQ
+// (the dQ kernel computes it, so nothing is accumulated across blocks and the result is
+// deterministic). Scores are computed transposed, S^T = K Q^T, so that P^T and dS^T land in
+// registers already as the A operands of dV += P^T dO and dK += dS^T Q.
+#pragma once
+#include "bwd_traits.cuh"
+#include "copy.cuh"
+#include "gemm.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
+    using T = typename K::T;
+    constexpr int D = K::D, DO = K::DO, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
+    constexpr int DOT = K::DOT, STRIDE = K::STRIDE;
+    const AttnParams& p = bp.a;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);
+    T* sV = sK + BN * STRIDE;
+    T* sQ = sV + BN * STRIDE;
+    T* sdO = sQ + BM * STRIDE;
+    float* sLse = reinterpret_cast<float*>(sdO + BM * STRIDE);  // log2 units; +inf = no row
+    float* sDsum = sLse + BM;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp_row0 = (tid / 32) * MT * 16;
+    const int n0 = blockIdx.x * BN;
+    const int split = blockIdx.y % K::SPLITS, bidh_k = blockIdx.y / K::SPLITS, bidb = blockIdx.z;
+    const int col0 = split * DO;  // first dK/dV column of this block
+
+    const T* k = static_cast<const T*>(p.k) + bidb * p.k_batch_stride + bidh_k * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + bidb * p.v_batch_stride + bidh_k * p.v_head_stride;
+    load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
+                                    p.seqlen_k - n0, p.d, tid);
+    load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+                                    p.seqlen_k - n0, p.d, tid);
+    cp_async_commit();
+
+    float dk[MT][DOT][4], dv[MT][DOT][4];
+    zero(dk);
+    zero(dv);
+    const Mask mask(p);
+    int mb_begin, mb_end;
+    mask.template query_blocks<BM, BN>(n0, p.seqlen_q, &mb_begin, &mb_end);
+
+    // GQA: every query head of the group adds to this K/V head's gradient (line 21's sum).
+    for (int bidh = bidh_k * p.h_h_k_ratio; bidh < (bidh_k + 1) * p.h_h_k_ratio; ++bidh) {
+        const T* q = static_cast<const T*>(p.q) + bidb * p.q_batch_stride + bidh * p.q_head_stride;
+        const T* dout =
+            static_cast<const T*>(bp.dout) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
+        const float* lse = p.lse + (int64_t(bidb) * p.h + bidh) * p.seqlen_q;
+        const float* dsum = bp.dsum + (int64_t(bidb) * p.h + bidh) * p.seqlen_q;
+        for (int mb = mb_begin; mb < mb_end; ++mb) {
+            const int m0 = mb * BM;
+            __syncthreads();  // every warp is done with the previous Q, dO tiles
+            load_tile<T, BM, D, K::THREADS>(sQ, q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
+                                            p.seqlen_q - m0, p.d, tid);
+            load_tile<T, BM, D, K::THREADS>(sdO, dout + int64_t(m0) * p.o_row_stride,
+                                            p.o_row_stride, p.seqlen_q - m0, p.d, tid);
+            cp_async_commit();
+            for (int i = tid; i < BM; i += K::THREADS) {
+                const int row = m0 + i;
+                const float l = row < p.seqlen_q ? lse[row] : -INFINITY;
+                // A row that saw no key (or is past the end) has P = 0: exp2(s - inf).
+                sLse[i] = l == -INFINITY ? INFINITY : l * LOG2E;
+                sDsum[i] = row < p.seqlen_q ? dsum[row] : 0.f;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
+            zero(st);
+            gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + warp_row0 * STRIDE, sQ, lane);
+            if (mask.template block_needs_mask<BM, BN>(m0, n0))
+                mask.apply_t<MT, NQ>(st, n0 + warp_row0, m0, lane);
+            const int t = lane % 4;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = nt * 8 + 2 * t + (e % 2);
+                        st[mt][nt][e] = exp2f(fmaf(st[mt][nt][e], p.scale_log2, -sLse[col]));
+                    }
+            uint32_t a[MT][NQ / 2][4];
+            pack_a<T, MT, NQ>(st, a);
+            gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
+
+            float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
+            zero(dpt);
+            gemm_ss<T, MT, NQ, D / 16, STRIDE>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = nt * 8 + 2 * t + (e % 2);
+                        dpt[mt][nt][e] = st[mt][nt][e] * (dpt[mt][nt][e] - sDsum[col]);
+                    }
+            pack_a<T, MT, NQ>(dpt, a);
+            gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
+        }
+    }
+
+    cp_async_wait<0>();  // K and V were requested even if no query block sees them
+
+    // dK carries the softmax scale of S = scale Q K^T (applied once here, not per tile).
+    T* dk_out = static_cast<T*>(bp.dk) + bidb * bp.dk_batch_stride + bidh_k * bp.dk_head_stride;
+    T* dv_out = static_cast<T*>(bp.dv) + bidb * bp.dk_batch_stride + bidh_k * bp.dk_head_stride;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = n0 + warp_row0 + mt * 16 + g + 8 * r;
+            if (row >= p.seqlen_k) continue;
+#pragma unroll
+            for (int dt = 0; dt < DOT; ++dt) {
+                const int col = col0 + dt * 8 + 2 * t;
+                if (col >= p.d) continue;
+                const int64_t off = int64_t(row) * bp.dk_row_stride + col;
+                *reinterpret_cast<uint32_t*>(dk_out + off) =
+                    MmaOp<T>::pack(dk[mt][dt][2 * r] * p.scale, dk[mt][dt][2 * r + 1] * p.scale);
+                *reinterpret_cast<uint32_t*>(dv_out + off) =
+                    MmaOp<T>::pack(dv[mt][dt][2 * r], dv[mt][dt][2 * r + 1]);
+            }
+        }
+}
