@@ -43,6 +43,9 @@ const MAX_ITERS: usize = 1000;
 /// Candle's attention materialises (b, h, s, s) scores; skip it when scores, probabilities
 /// and their gradients (4 such tensors) would exceed this.
 const NAIVE_MAX_BYTES: f64 = 40e9;
+/// Candle's attention is the slow, optional part: past this many seconds into the run it is
+/// skipped, so that the whole grid stays within its ~4 minute budget on an H100.
+const NAIVE_DEADLINE_S: f64 = 150.0;
 
 const FLASH: &str = "candle-flash";
 const NAIVE: &str = "candle-naive";
@@ -64,7 +67,10 @@ fn main() {
     let dev = match Device::new_cuda(0) {
         Ok(dev) => dev,
         Err(e) => {
-            println!("bench-attention: SKIPPED (no CUDA device: {})", first_line(&e));
+            println!(
+                "bench-attention: SKIPPED (no CUDA device: {})",
+                first_line(&e)
+            );
             return;
         }
     };
@@ -79,7 +85,11 @@ struct Args {
 
 impl Args {
     fn parse(mut it: impl Iterator<Item = String>) -> std::result::Result<Self, String> {
-        let mut args = Args { quick: false, dtype: DType::BF16, json: None };
+        let mut args = Args {
+            quick: false,
+            dtype: DType::BF16,
+            json: None,
+        };
         while let Some(arg) = it.next() {
             match arg.as_str() {
                 "--quick" => args.quick = true,
@@ -88,12 +98,17 @@ impl Args {
                     args.dtype = match it.next().as_deref() {
                         Some("bf16") => DType::BF16,
                         Some("f16" | "fp16") => DType::F16,
-                        other => return Err(format!("--dtype: expected bf16 or f16, got {other:?}")),
+                        other => {
+                            return Err(format!("--dtype: expected bf16 or f16, got {other:?}"))
+                        }
                     }
                 }
                 // `cargo bench` passes --bench to every `harness = false` target.
                 "--bench" => {}
-                "-h" | "--help" => return Err("help".into()),
+                "-h" | "--help" => {
+                    println!("{USAGE}");
+                    std::process::exit(0);
+                }
                 _ => return Err(format!("unknown argument {arg:?}")),
             }
         }
@@ -119,7 +134,8 @@ impl Case {
     /// 4·b·h·s·s·d (two matmuls of 2 FLOPs per multiply-add), halved for causal: the useful
     /// work, also for Candle's attention, which computes the masked half anyway.
     fn fwd_flops(&self) -> f64 {
-        let full = 4.0 * (self.batch() * self.heads * self.hd) as f64 * (self.seqlen as f64).powi(2);
+        let full =
+            4.0 * (self.batch() * self.heads * self.hd) as f64 * (self.seqlen as f64).powi(2);
         if self.causal {
             full / 2.0
         } else {
@@ -148,20 +164,36 @@ fn grid(quick: bool) -> Vec<Case> {
     let (hds, seqlens, gqa_seqlens): (&[usize], &[usize], &[usize]) = if quick {
         (&[64, 128], &[1024, 4096], &[2048])
     } else {
-        (&[64, 128, 256], &[512, 1024, 2048, 4096, 8192, 16384], &[2048, 8192])
+        (
+            &[64, 128, 256],
+            &[512, 1024, 2048, 4096, 8192, 16384],
+            &[2048, 8192],
+        )
     };
     let mut cases = Vec::new();
     for &hd in hds {
         for &seqlen in seqlens {
             for causal in [false, true] {
                 let heads = HIDDEN / hd;
-                cases.push(Case { hd, seqlen, heads, heads_k: heads, causal });
+                cases.push(Case {
+                    hd,
+                    seqlen,
+                    heads,
+                    heads_k: heads,
+                    causal,
+                });
             }
         }
     }
     for &seqlen in gqa_seqlens {
         for causal in [false, true] {
-            cases.push(Case { hd: 128, seqlen, heads: 32, heads_k: 8, causal });
+            cases.push(Case {
+                hd: 128,
+                seqlen,
+                heads: 32,
+                heads_k: 8,
+                causal,
+            });
         }
     }
     cases
@@ -205,7 +237,6 @@ impl Record {
 }
 
 fn run(args: &Args, dev: &Device) {
-    let start = Instant::now();
     let gpu = gpu_name(dev).unwrap_or_else(|| "CUDA device 0".into());
     let quick = if args.quick { "  (quick grid)" } else { "" };
     println!("# {gpu}  candle-flash bench  {:?}{quick}", args.dtype);
@@ -213,7 +244,12 @@ fn run(args: &Args, dev: &Device) {
         "{:<12} {:<8} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
         "impl", "pass", "hd", "seqlen", "batch", "heads", "causal", "ms", "TFLOP/s"
     );
-    let mut bench = Bench { dev: dev.clone(), dtype: args.dtype, records: Vec::new() };
+    let mut bench = Bench {
+        dev: dev.clone(),
+        dtype: args.dtype,
+        records: Vec::new(),
+        start: Instant::now(),
+    };
     for case in grid(args.quick) {
         bench.case(&case);
         // Rewritten after each shape so that a run cut short still leaves its results.
@@ -221,13 +257,18 @@ fn run(args: &Args, dev: &Device) {
             bench.write_json(path);
         }
     }
-    println!("# {} records in {:.0} s", bench.records.len(), start.elapsed().as_secs_f64());
+    println!(
+        "# {} records in {:.0} s",
+        bench.records.len(),
+        bench.start.elapsed().as_secs_f64()
+    );
 }
 
 struct Bench {
     dev: Device,
     dtype: DType,
     records: Vec<Record>,
+    start: Instant,
 }
 
 impl Bench {
@@ -248,8 +289,12 @@ impl Bench {
         let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
         let fwd = self.record(FLASH, "fwd", case, try_time(|| time_fwd(&dev, sets, &attn)));
         let bwd = self.record(FLASH, "bwd", case, try_time(|| time_bwd(&dev, sets, &attn)));
-        let fwd_bwd =
-            self.record(FLASH, "fwd+bwd", case, try_time(|| time_fwd_bwd(&dev, sets, &attn)));
+        let fwd_bwd = self.record(
+            FLASH,
+            "fwd+bwd",
+            case,
+            try_time(|| time_fwd_bwd(&dev, sets, &attn)),
+        );
         match (bwd, fwd, fwd_bwd) {
             (Some(bwd), _, _) => {
                 // Tells the kernel's share from Candle's: a number to read, not to record.
@@ -275,10 +320,20 @@ impl Bench {
     fn naive(&mut self, case: &Case, sets: &[Inputs]) {
         let need = 4.0 * case.score_bytes(self.dtype);
         if need > NAIVE_MAX_BYTES {
-            println!("{NAIVE:<12} skipped {case}: scores would need ~{:.0} GB", need / 1e9);
+            println!(
+                "{NAIVE:<12} skipped {case}: scores would need ~{:.0} GB",
+                need / 1e9
+            );
             return;
         }
-        let mask = match case.causal.then(|| causal_mask(case.seqlen, self.dtype, &self.dev)) {
+        if self.start.elapsed().as_secs_f64() > NAIVE_DEADLINE_S {
+            println!("{NAIVE:<12} skipped {case}: past the {NAIVE_DEADLINE_S} s time budget");
+            return;
+        }
+        let mask = match case
+            .causal
+            .then(|| causal_mask(case.seqlen, self.dtype, &self.dev))
+        {
             None => None,
             Some(Ok(mask)) => Some(mask),
             Some(Err(e)) => {
@@ -291,7 +346,12 @@ impl Bench {
             naive_attention(q, k, v, mask.as_ref(), train)
         };
         self.record(NAIVE, "fwd", case, try_time(|| time_fwd(&dev, sets, &attn)));
-        self.record(NAIVE, "fwd+bwd", case, try_time(|| time_fwd_bwd(&dev, sets, &attn)));
+        self.record(
+            NAIVE,
+            "fwd+bwd",
+            case,
+            try_time(|| time_fwd_bwd(&dev, sets, &attn)),
+        );
     }
 
     /// Prints one table row (or "n/a" and the error) and keeps the record; returns the ms.
@@ -315,7 +375,13 @@ impl Bench {
             Ok(ms) => {
                 let tflops = flop_factor(pass) * c.fwd_flops() / (ms * 1e-3) / 1e12;
                 println!("{row} {ms:>9.3} {tflops:>8.1}");
-                self.records.push(Record { imp, pass, case: *case, ms, tflops });
+                self.records.push(Record {
+                    imp,
+                    pass,
+                    case: *case,
+                    ms,
+                    tflops,
+                });
                 Some(ms)
             }
             Err(e) => {
@@ -367,7 +433,13 @@ type Attn<'a> = dyn Fn(&Tensor, &Tensor, &Tensor, bool) -> Result<Tensor> + 'a;
 fn time_fwd(dev: &Device, sets: &[Inputs], attn: &Attn) -> Result<f64> {
     let inputs: Vec<_> = sets
         .iter()
-        .map(|s| (s.q.as_tensor().detach(), s.k.as_tensor().detach(), s.v.as_tensor().detach()))
+        .map(|s| {
+            (
+                s.q.as_tensor().detach(),
+                s.k.as_tensor().detach(),
+                s.v.as_tensor().detach(),
+            )
+        })
         .collect();
     time_ms(dev, |i| {
         let (q, k, v) = &inputs[i % inputs.len()];
@@ -389,7 +461,9 @@ fn time_bwd(dev: &Device, sets: &[Inputs], attn: &Attn) -> Result<f64> {
 fn time_fwd_bwd(dev: &Device, sets: &[Inputs], attn: &Attn) -> Result<f64> {
     time_ms(dev, |i| {
         let s = &sets[i % sets.len()];
-        grad_loss(&attn(&s.q, &s.k, &s.v, true)?, &s.dout)?.backward().map(drop)
+        grad_loss(&attn(&s.q, &s.k, &s.v, true)?, &s.dout)?
+            .backward()
+            .map(drop)
     })
 }
 
@@ -449,7 +523,11 @@ fn try_time(f: impl FnOnce() -> Result<f64>) -> std::result::Result<f64, String>
 
 fn first_line(e: &dyn fmt::Display) -> String {
     let text = e.to_string();
-    text.lines().find(|l| !l.trim().is_empty()).unwrap_or("(no message)").trim().to_string()
+    text.lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("(no message)")
+        .trim()
+        .to_string()
 }
 
 /// A scalar loss whose gradient with respect to `out` is exactly `dout`.
@@ -480,7 +558,11 @@ impl CustomOp1 for GradInject {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, _grad: &Tensor) -> Result<Option<Tensor>> {
         if arg.shape() != self.0.shape() || arg.dtype() != self.0.dtype() {
-            bail!("grad-inject: gradient {:?} does not match output {:?}", self.0, arg)
+            bail!(
+                "grad-inject: gradient {:?} does not match output {:?}",
+                self.0,
+                arg
+            )
         }
         Ok(Some(self.0.clone()))
     }
@@ -504,7 +586,10 @@ impl CustomOp3 for FixedGrads {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Ok((s1.device().zeros_impl(l1.shape(), s1.dtype())?, l1.shape().clone()))
+        Ok((
+            s1.device().zeros_impl(l1.shape(), s1.dtype())?,
+            l1.shape().clone(),
+        ))
     }
 
     fn cuda_fwd(
@@ -516,7 +601,10 @@ impl CustomOp3 for FixedGrads {
         _: &CudaStorage,
         _: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        Ok((s1.device().zeros_impl(l1.shape(), s1.dtype())?, l1.shape().clone()))
+        Ok((
+            s1.device().zeros_impl(l1.shape(), s1.dtype())?,
+            l1.shape().clone(),
+        ))
     }
 
     fn bwd(
@@ -573,20 +661,16 @@ fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
 fn causal_mask(s: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
     let idx = Tensor::arange(0u32, s as u32, dev)?;
     let above = idx.unsqueeze(0)?.broadcast_gt(&idx.unsqueeze(1)?)?;
-    let neg_inf = Tensor::new(f32::NEG_INFINITY, dev)?.to_dtype(dtype)?.broadcast_as((s, s))?;
+    let neg_inf = Tensor::new(f32::NEG_INFINITY, dev)?
+        .to_dtype(dtype)?
+        .broadcast_as((s, s))?;
     above.where_cond(&neg_inf, &Tensor::zeros((s, s), dtype, dev)?)
 }
 
 #[cfg(feature = "cuda")]
 fn gpu_name(dev: &Device) -> Option<String> {
-    match dev {
-        Device::Cuda(d) => {
-            let stream = d.cuda_stream();
-            let name = stream.context().name().ok();
-            name
-        }
-        _ => None,
-    }
+    let Device::Cuda(d) = dev else { return None };
+    d.cuda_stream().context().name().ok()
 }
 
 #[cfg(not(feature = "cuda"))]
