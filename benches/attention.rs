@@ -1,8 +1,10 @@
 //! Attention speed on the FlashAttention-2 paper grid: candle-flash against Candle's own
-//! attention (matmul + softmax + matmul), forward, backward and both, in TFLOP/s.
+//! attention (matmul + softmax + matmul), forward, backward and both, in TFLOP/s; then KV-cache
+//! decoding ([`candle_flash::flash_attn_with_kvcache`]) in GB/s of K+V read, against the
+//! device's copy bandwidth measured in the same run.
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -11,6 +13,13 @@
 //! Grid, FLOP counts and JSON records match scripts/torch_bench.py, so scripts/compare.py can
 //! put both side by side: batch·seqlen = 16k tokens, hidden 2048 (hd 64/128/256 → 32/16/8
 //! heads), seqlen 512..16k, causal and not, plus GQA 32/8 heads at hd 128.
+//!
+//! Decode (always run after the grid; `--decode-only` runs only it): GQA 32/8 heads, hd 128,
+//! one query token per sequence attending to all `L` cached tokens, (batch, L) in
+//! {(1, 8k), (8, 8k), (1, 64k), (32, 4k)}; no append in the timed loop. GB/s counts the K and
+//! V bytes read, `2·b·L·8·128·2`, and is also given as a % of the device-to-device copy
+//! bandwidth (bytes read + written by a 2 GiB copy). scripts/torch_bench.py times PyTorch SDPA
+//! on the same shapes.
 //!
 //! Everything below compiles without `cuda` too (candle's dummy CUDA backend has the same
 //! types), so a CPU-only build type-checks all of it; only [`gpu_name`] needs the feature.
@@ -25,7 +34,7 @@ use candle::{
     bail, CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape,
     Tensor, Var, D,
 };
-use candle_flash::FlashAttn;
+use candle_flash::{flash_attn_with_kvcache, FlashAttn};
 
 /// batch · seqlen for every shape, as in the FlashAttention-2 paper.
 const TOKENS: usize = 16 * 1024;
@@ -50,7 +59,55 @@ const NAIVE_DEADLINE_S: f64 = 150.0;
 const FLASH: &str = "candle-flash";
 const NAIVE: &str = "candle-naive";
 
-const USAGE: &str = "usage: bench-attention [--quick] [--dtype bf16|f16] [--json PATH]";
+/// Decode shapes: GQA 32/8 heads at hd 128, one new query token, `(batch, cache length)`.
+const DECODE_HEADS: usize = 32;
+const DECODE_HEADS_K: usize = 8;
+const DECODE_HD: usize = 128;
+const DECODE_SHAPES: [(usize, usize); 4] = [(1, 8192), (8, 8192), (1, 65536), (32, 4096)];
+/// Caches to rotate over: at least this many...
+const DECODE_MIN_CACHES: usize = 3;
+/// ...and enough that their K+V total at least this (4-5x the 50-60 MB L2), so that every
+/// call reads its cache from HBM...
+const DECODE_ROTATE_BYTES: usize = 256 << 20;
+/// ...but no more than this in all.
+const DECODE_MAX_BYTES: usize = 8 << 30;
+/// A decode call takes ~10-100 µs: calibrate the iteration count on this many calls, allow
+/// this many per repetition, and take the median of more repetitions.
+const DECODE_CALIB_CALLS: usize = 20;
+const DECODE_MAX_ITERS: usize = 50_000;
+const DECODE_REPEATS: usize = 9;
+/// A decode output further than this (relative to the largest |output|) from the f32
+/// reference is flagged as a MISMATCH: bf16 rounding alone gives ~0.4%.
+const DECODE_CHECK_REL: f64 = 0.03;
+/// Elements of the tensor copied to measure the device bandwidth: 2 GiB of bf16.
+const COPY_ELEMS: usize = 1 << 30;
+
+/// How [`time_ms_with`] times one measurement.
+#[derive(Clone, Copy)]
+struct Timing {
+    warmup: usize,
+    /// Calls timed together to estimate one call's time (launch latency dominates one call).
+    calib: usize,
+    max_iters: usize,
+    repeats: usize,
+}
+
+const PREFILL_TIMING: Timing = Timing {
+    warmup: WARMUP,
+    calib: 1,
+    max_iters: MAX_ITERS,
+    repeats: REPEATS,
+};
+
+const DECODE_TIMING: Timing = Timing {
+    warmup: 2 * DECODE_CALIB_CALLS,
+    calib: DECODE_CALIB_CALLS,
+    max_iters: DECODE_MAX_ITERS,
+    repeats: DECODE_REPEATS,
+};
+
+const USAGE: &str =
+    "usage: bench-attention [--quick] [--decode-only] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -79,6 +136,7 @@ fn main() {
 
 struct Args {
     quick: bool,
+    decode_only: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -87,12 +145,14 @@ impl Args {
     fn parse(mut it: impl Iterator<Item = String>) -> std::result::Result<Self, String> {
         let mut args = Args {
             quick: false,
+            decode_only: false,
             dtype: DType::BF16,
             json: None,
         };
         while let Some(arg) = it.next() {
             match arg.as_str() {
                 "--quick" => args.quick = true,
+                "--decode-only" => args.decode_only = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -240,23 +300,26 @@ fn run(args: &Args, dev: &Device) {
     let gpu = gpu_name(dev).unwrap_or_else(|| "CUDA device 0".into());
     let quick = if args.quick { "  (quick grid)" } else { "" };
     println!("# {gpu}  candle-flash bench  {:?}{quick}", args.dtype);
-    println!(
-        "{:<12} {:<8} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
-        "impl", "pass", "hd", "seqlen", "batch", "heads", "causal", "ms", "TFLOP/s"
-    );
     let mut bench = Bench {
         dev: dev.clone(),
         dtype: args.dtype,
         records: Vec::new(),
         start: Instant::now(),
     };
-    for case in grid(args.quick) {
-        bench.case(&case);
-        // Rewritten after each shape so that a run cut short still leaves its results.
-        if let Some(path) = &args.json {
-            bench.write_json(path);
+    if !args.decode_only {
+        println!(
+            "{:<12} {:<8} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
+            "impl", "pass", "hd", "seqlen", "batch", "heads", "causal", "ms", "TFLOP/s"
+        );
+        for case in grid(args.quick) {
+            bench.case(&case);
+            // Rewritten after each shape so that a run cut short still leaves its results.
+            if let Some(path) = &args.json {
+                bench.write_json(path);
+            }
         }
     }
+    bench.decode_section(args.json.as_ref());
     println!(
         "# {} records in {:.0} s",
         bench.records.len(),
@@ -267,7 +330,8 @@ fn run(args: &Args, dev: &Device) {
 struct Bench {
     dev: Device,
     dtype: DType,
-    records: Vec<Record>,
+    /// JSON objects, one per record.
+    records: Vec<String>,
     start: Instant,
 }
 
@@ -375,13 +439,14 @@ impl Bench {
             Ok(ms) => {
                 let tflops = flop_factor(pass) * c.fwd_flops() / (ms * 1e-3) / 1e12;
                 println!("{row} {ms:>9.3} {tflops:>8.1}");
-                self.records.push(Record {
+                let record = Record {
                     imp,
                     pass,
                     case: *case,
                     ms,
                     tflops,
-                });
+                };
+                self.records.push(record.json());
                 Some(ms)
             }
             Err(e) => {
@@ -392,12 +457,224 @@ impl Bench {
     }
 
     fn write_json(&self, path: &PathBuf) {
-        let body: Vec<String> = self.records.iter().map(Record::json).collect();
-        let text = format!("[\n{}\n]\n", body.join(",\n"));
+        let text = format!("[\n{}\n]\n", self.records.join(",\n"));
         if let Err(e) = std::fs::write(path, text) {
             eprintln!("bench-attention: cannot write {}: {e}", path.display());
         }
     }
+}
+
+/// KV-cache decoding ([`flash_attn_with_kvcache`]) and the copy bandwidth it is measured
+/// against.
+impl Bench {
+    /// The copy bandwidth once, then every decode shape; the JSON is rewritten after each.
+    fn decode_section(&mut self, json: Option<&PathBuf>) {
+        println!(
+            "# decode: GQA {DECODE_HEADS}/{DECODE_HEADS_K} heads, hd {DECODE_HD}, {:?}, one query \
+             token attending to all L cached tokens (no append); GB/s of K+V read",
+            self.dtype
+        );
+        let copy_gbps = self.copy_bandwidth();
+        if let Some(path) = json {
+            self.write_json(path);
+        }
+        println!(
+            "{:<12} {:<8} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8} {:>6} {:>9}  check",
+            "impl", "pass", "hd", "L", "batch", "heads", "caches", "ms", "GB/s", "%copy", "host ms"
+        );
+        for (batch, seqlen) in DECODE_SHAPES {
+            self.decode(&DecodeCase { batch, seqlen }, copy_gbps);
+            if let Some(path) = json {
+                self.write_json(path);
+            }
+        }
+        println!(
+            "# %copy: GB/s of K+V read / the copy bandwidth above. host ms: time to queue a call; \
+             close to ms means the host, not the GPU, sets the pace. check: max |ours - f32 \
+             reference| as a % of max |reference| (MISMATCH above {:.0}%)",
+            100.0 * DECODE_CHECK_REL
+        );
+    }
+
+    /// Device-to-device copy bandwidth in GB/s: bytes read + written by a memcpy of a 2 GiB
+    /// bf16 tensor into another (`slice_set`, which is `cuMemcpyDtoDAsync` for contiguous
+    /// tensors; no allocation in the loop). Recorded as impl "copy", pass "copy".
+    fn copy_bandwidth(&mut self) -> Option<f64> {
+        let dev = self.dev.clone();
+        let dtype = DType::BF16;
+        let size = COPY_ELEMS * dtype.size_in_bytes();
+        let bytes = 2 * size;
+        let timed = try_run(|| {
+            let src = Tensor::zeros(COPY_ELEMS, dtype, &dev)?;
+            let dst = Tensor::zeros(COPY_ELEMS, dtype, &dev)?;
+            time_ms_with(&dev, PREFILL_TIMING, |_| dst.slice_set(&src, 0, 0))
+        });
+        match timed {
+            Ok(t) if t.ms.is_finite() && t.ms > 0.0 => {
+                let gbps = bytes as f64 / (t.ms * 1e-3) / 1e9;
+                println!(
+                    "copy: {} MiB bf16 device-to-device, {} MiB read + written: {:.3} ms, \
+                     {gbps:.0} GB/s",
+                    size >> 20,
+                    bytes >> 20,
+                    t.ms
+                );
+                self.records.push(format!(
+                    "  {{\"impl\": \"copy\", \"pass\": \"copy\", \"bytes\": {bytes}, \
+                     \"ms\": {:.6}, \"gbps\": {gbps:.1}}}",
+                    t.ms
+                ));
+                Some(gbps)
+            }
+            Ok(t) => {
+                println!("copy: n/a  bad timing {}", t.ms);
+                None
+            }
+            Err(e) => {
+                println!("copy: n/a  {e}");
+                None
+            }
+        }
+    }
+
+    /// One decode shape: [`flash_attn_with_kvcache`] over `case.caches()` separate filled
+    /// caches in turn, checked once against Candle's attention in f32, then timed.
+    fn decode(&mut self, case: &DecodeCase, copy_gbps: Option<f64>) {
+        let n = case.caches(self.dtype);
+        let sets = (0..n).map(|_| DecodeInputs::new(case, self.dtype, &self.dev));
+        let sets = match sets.collect::<Result<Vec<_>>>() {
+            Ok(sets) => sets,
+            Err(e) => {
+                println!(
+                    "{FLASH:<12} skipped decode {case}: inputs: {}",
+                    first_line(&e)
+                );
+                return;
+            }
+        };
+        let lens = vec![case.seqlen as u32; case.batch];
+        let opts = FlashAttn::new();
+        let attend =
+            |s: &DecodeInputs| flash_attn_with_kvcache(&s.q, &s.k, &s.v, None, &lens, &opts);
+        let check = match try_run(|| decode_check(&sets[0], &attend(&sets[0])?)) {
+            Ok(rel) if rel <= DECODE_CHECK_REL => (format!("ok ({:.2}%)", 100.0 * rel), Some(rel)),
+            Ok(rel) => (format!("MISMATCH ({:.2}%)", 100.0 * rel), Some(rel)),
+            Err(e) => (format!("n/a ({e})"), None),
+        };
+        let dev = self.dev.clone();
+        let timed =
+            try_run(|| time_ms_with(&dev, DECODE_TIMING, |i| attend(&sets[i % n]).map(drop)));
+        let row = format!(
+            "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
+            "decode",
+            case.seqlen,
+            case.batch,
+            format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
+        );
+        let t = match timed {
+            Ok(t) if t.ms.is_finite() && t.ms > 0.0 => t,
+            Ok(t) => return println!("{row} n/a  bad timing {}  check {}", t.ms, check.0),
+            Err(e) => return println!("{row} n/a  {e}  check {}", check.0),
+        };
+        let gbps = case.kv_bytes(self.dtype) as f64 / (t.ms * 1e-3) / 1e9;
+        let pct = copy_gbps.map(|c| 100.0 * gbps / c);
+        let pct_cell = pct.map_or("n/a".to_string(), |p| format!("{p:.1}"));
+        println!(
+            "{row} {:>9.4} {gbps:>8.0} {pct_cell:>6} {:>9.4}  {}",
+            t.ms, t.host_ms, check.0
+        );
+        let mut fields = vec![
+            format!("\"impl\": \"{FLASH}\""),
+            "\"pass\": \"decode\"".into(),
+            format!("\"hd\": {DECODE_HD}"),
+            format!("\"seqlen\": {}", case.seqlen),
+            format!("\"batch\": {}", case.batch),
+            format!("\"heads\": {DECODE_HEADS}"),
+            format!("\"heads_k\": {DECODE_HEADS_K}"),
+            "\"causal\": false".into(),
+            format!("\"ms\": {:.6}", t.ms),
+            format!("\"gbps\": {gbps:.1}"),
+            format!("\"host_ms\": {:.6}", t.host_ms),
+            format!("\"caches\": {n}"),
+        ];
+        if let Some(p) = pct {
+            fields.push(format!("\"pct_copy\": {p:.2}"));
+        }
+        if let Some(rel) = check.1 {
+            fields.push(format!("\"max_rel_err\": {rel:.3e}"));
+        }
+        self.records.push(format!("  {{{}}}", fields.join(", ")));
+    }
+}
+
+/// One decode shape: `batch` sequences of `seqlen` cached tokens (all attended), GQA
+/// DECODE_HEADS/DECODE_HEADS_K heads at DECODE_HD, one query token per sequence.
+#[derive(Clone, Copy)]
+struct DecodeCase {
+    batch: usize,
+    seqlen: usize,
+}
+
+impl DecodeCase {
+    /// Bytes of K and V one call reads: 2·b·L·hk·d elements.
+    fn kv_bytes(&self, dtype: DType) -> usize {
+        2 * self.batch * self.seqlen * DECODE_HEADS_K * DECODE_HD * dtype.size_in_bytes()
+    }
+
+    /// Caches to rotate over: at least DECODE_MIN_CACHES and DECODE_ROTATE_BYTES in all, at
+    /// most DECODE_MAX_BYTES.
+    fn caches(&self, dtype: DType) -> usize {
+        let one = self.kv_bytes(dtype).max(1);
+        let wanted = DECODE_ROTATE_BYTES.div_ceil(one).max(DECODE_MIN_CACHES);
+        wanted.min(DECODE_MAX_BYTES / one).max(1)
+    }
+}
+
+impl fmt::Display for DecodeCase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "batch={} L={} heads={DECODE_HEADS}/{DECODE_HEADS_K} hd={DECODE_HD}",
+            self.batch, self.seqlen
+        )
+    }
+}
+
+/// One decode input: q `(b, 1, h, d)` and a full cache `(b, L, hk, d)` of random values.
+struct DecodeInputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+}
+
+impl DecodeInputs {
+    fn new(case: &DecodeCase, dtype: DType, dev: &Device) -> Result<Self> {
+        let randn = |rows: usize, heads: usize| {
+            Tensor::randn(0f32, 1.0, (case.batch, rows, heads, DECODE_HD), dev)?.to_dtype(dtype)
+        };
+        Ok(Self {
+            q: randn(1, DECODE_HEADS)?,
+            k: randn(case.seqlen, DECODE_HEADS_K)?,
+            v: randn(case.seqlen, DECODE_HEADS_K)?,
+        })
+    }
+}
+
+/// max |out - reference| / max |reference|, the reference being Candle's attention in f32 on
+/// the same inputs (a guard against a fast but wrong kernel; NaN or inf anywhere gives inf).
+fn decode_check(s: &DecodeInputs, out: &Tensor) -> Result<f64> {
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let reference = naive_attention(&f32(&s.q)?, &f32(&s.k)?, &f32(&s.v)?, None, false)?;
+    let out = f32(out)?;
+    // NaN compares false with everything: count the elements of finite magnitude.
+    let finite = out.abs()?.le(f32::MAX as f64)?.to_dtype(DType::F32)?;
+    if (finite.sum_all()?.to_scalar::<f32>()? as usize) < out.elem_count() {
+        return Ok(f64::INFINITY);
+    }
+    let max_abs = |t: &Tensor| -> Result<f64> {
+        Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64)
+    };
+    Ok(max_abs(&(&out - &reference)?)? / max_abs(&reference)?.max(1e-30))
 }
 
 /// One set of fresh random inputs, in the crate's (batch, seqlen, heads, head_dim) layout.
@@ -480,35 +757,74 @@ fn time_autograd_overhead(dev: &Device, sets: &[Inputs]) -> Result<f64> {
 /// Median milliseconds per call of `step(i)`, i = 0, 1, 2, ... Each repetition runs enough
 /// calls to last >= TARGET_MS, with the device synchronised at both ends, so that launch
 /// overhead overlaps GPU work as it would in a model.
-fn time_ms(dev: &Device, mut step: impl FnMut(usize) -> Result<()>) -> Result<f64> {
-    for i in 0..WARMUP {
+fn time_ms(dev: &Device, step: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    Ok(time_ms_with(dev, PREFILL_TIMING, step)?.ms)
+}
+
+/// Milliseconds per call, medians over the repetitions.
+#[derive(Clone, Copy)]
+struct Timed {
+    /// Per call, the device synchronised at both ends of each repetition.
+    ms: f64,
+    /// Per call, until the host had queued the repetition's calls (before the final
+    /// synchronisation). About `ms` when the host (launches, allocations, copies of the
+    /// lengths) rather than the GPU is the bottleneck, or when the launch queue is full.
+    host_ms: f64,
+}
+
+/// [`time_ms`] with the warm-up, calibration, iteration cap and repetitions of `timing`.
+fn time_ms_with(
+    dev: &Device,
+    timing: Timing,
+    mut step: impl FnMut(usize) -> Result<()>,
+) -> Result<Timed> {
+    for i in 0..timing.warmup {
         step(i)?;
     }
     dev.synchronize()?;
+    let calib = timing.calib.max(1);
     let t = Instant::now();
-    step(0)?;
+    for i in 0..calib {
+        step(i)?;
+    }
     dev.synchronize()?;
-    let once_ms = t.elapsed().as_secs_f64() * 1e3;
-    let iters = ((TARGET_MS / once_ms.max(1e-3)).ceil() as usize).clamp(1, MAX_ITERS);
-    let mut samples = Vec::with_capacity(REPEATS);
-    for _ in 0..REPEATS {
+    let once_ms = t.elapsed().as_secs_f64() * 1e3 / calib as f64;
+    let iters = ((TARGET_MS / once_ms.max(1e-3)).ceil() as usize).clamp(1, timing.max_iters);
+    let repeats = timing.repeats.max(1);
+    let (mut samples, mut host) = (Vec::with_capacity(repeats), Vec::with_capacity(repeats));
+    for _ in 0..repeats {
         let t = Instant::now();
         for i in 0..iters {
             step(i)?;
         }
+        host.push(t.elapsed().as_secs_f64() * 1e3 / iters as f64);
         dev.synchronize()?;
         samples.push(t.elapsed().as_secs_f64() * 1e3 / iters as f64);
     }
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[REPEATS / 2])
+    Ok(Timed {
+        ms: median(samples),
+        host_ms: median(host),
+    })
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
 }
 
 /// Runs a measurement, turning errors (unsupported shape, backward not implemented, out of
 /// memory) and panics into the error's first line, so that one failure costs one row.
 fn try_time(f: impl FnOnce() -> Result<f64>) -> std::result::Result<f64, String> {
+    match try_run(f)? {
+        ms if ms.is_finite() && ms > 0.0 => Ok(ms),
+        ms => Err(format!("bad timing {ms}")),
+    }
+}
+
+/// Runs `f`, turning an error or a panic into its first line.
+fn try_run<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
     match panic::catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(ms)) if ms.is_finite() && ms > 0.0 => Ok(ms),
-        Ok(Ok(ms)) => Err(format!("bad timing {ms}")),
+        Ok(Ok(x)) => Ok(x),
         Ok(Err(e)) => Err(first_line(&e)),
         Err(payload) => {
             let msg = payload

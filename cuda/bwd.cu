@@ -11,9 +11,11 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int bidh = blockIdx.y, bidb = blockIdx.z;
-    if (row >= p.seqlen_q) return;
-    const int64_t off = bidb * p.o_batch_stride + int64_t(row) * p.o_row_stride +
-                        bidh * p.o_head_stride + lane * CHUNK;
+    const SeqInfo seq(p, bidb);
+    if (row >= seq.seqlen_q) return;
+    const int64_t off =
+        seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh) +
+        int64_t(row) * p.o_row_stride + lane * CHUNK;
     float sum = 0.f;
     if (lane * CHUNK < p.d) {
         const uint4 o4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
@@ -25,7 +27,7 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
     }
 #pragma unroll
     for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffff, sum, s);
-    if (lane == 0) bp.dsum[(int64_t(bidb) * p.h + bidh) * p.seqlen_q + row] = sum;
+    if (lane == 0) bp.dsum[seq.lse_offset(p, bidb, bidh) + row] = sum;
 }
 
 #define FLASH_BWD_DSUM(NAME, T)                                                               \

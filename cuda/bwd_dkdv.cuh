@@ -8,6 +8,8 @@
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "philox.cuh"
+#include "seq_info.cuh"
 
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -28,43 +30,49 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
     const int n0 = blockIdx.x * BN;
     const int split = blockIdx.y % K::SPLITS, bidh_k = blockIdx.y / K::SPLITS, bidb = blockIdx.z;
     const int col0 = split * DO;  // first dK/dV column of this block
+    const SeqInfo seq(p, bidb);
+    if (n0 >= seq.seqlen_k) return;  // packed batches: this sequence is shorter than the grid
 
-    const T* k = static_cast<const T*>(p.k) + bidb * p.k_batch_stride + bidh_k * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + bidb * p.v_batch_stride + bidh_k * p.v_head_stride;
+    const T* k = static_cast<const T*>(p.k) +
+                 seq.k_offset(p.k_batch_stride, p.k_row_stride, p.k_head_stride, bidb, bidh_k);
+    const T* v = static_cast<const T*>(p.v) +
+                 seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k);
     load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
-                                    p.seqlen_k - n0, p.d, tid);
+                                    seq.seqlen_k - n0, p.d, tid);
     load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
-                                    p.seqlen_k - n0, p.d, tid);
+                                    seq.seqlen_k - n0, p.d, tid);
     cp_async_commit();
 
     float dk[MT][DOT][4], dv[MT][DOT][4];
     zero(dk);
     zero(dv);
-    const Mask mask(p);
+    const Mask mask(p, seq);
     int mb_begin, mb_end;
-    mask.template query_blocks<BM, BN>(n0, p.seqlen_q, &mb_begin, &mb_end);
+    mask.template query_blocks<BM, BN>(n0, seq.seqlen_q, &mb_begin, &mb_end);
 
     // GQA: every query head of the group adds to this K/V head's gradient (line 21's sum).
     for (int bidh = bidh_k * p.h_h_k_ratio; bidh < (bidh_k + 1) * p.h_h_k_ratio; ++bidh) {
-        const T* q = static_cast<const T*>(p.q) + bidb * p.q_batch_stride + bidh * p.q_head_stride;
-        const T* dout =
-            static_cast<const T*>(bp.dout) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
-        const float* lse = p.lse + (int64_t(bidb) * p.h + bidh) * p.seqlen_q;
-        const float* dsum = bp.dsum + (int64_t(bidb) * p.h + bidh) * p.seqlen_q;
+        const T* q = static_cast<const T*>(p.q) +
+                     seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
+        const T* dout = static_cast<const T*>(bp.dout) +
+                        seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
+        const float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
+        const float* dsum = bp.dsum + seq.lse_offset(p, bidb, bidh);
+        const Dropout dropout(p, bidb, bidh);
         for (int mb = mb_begin; mb < mb_end; ++mb) {
             const int m0 = mb * BM;
             __syncthreads();  // every warp is done with the previous Q, dO tiles
             load_tile<T, BM, D, K::THREADS>(sQ, q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
-                                            p.seqlen_q - m0, p.d, tid);
+                                            seq.seqlen_q - m0, p.d, tid);
             load_tile<T, BM, D, K::THREADS>(sdO, dout + int64_t(m0) * p.o_row_stride,
-                                            p.o_row_stride, p.seqlen_q - m0, p.d, tid);
+                                            p.o_row_stride, seq.seqlen_q - m0, p.d, tid);
             cp_async_commit();
             for (int i = tid; i < BM; i += K::THREADS) {
                 const int row = m0 + i;
-                const float l = row < p.seqlen_q ? lse[row] : -INFINITY;
+                const float l = row < seq.seqlen_q ? lse[row] : -INFINITY;
                 // A row that saw no key (or is past the end) has P = 0: exp2(s - inf).
                 sLse[i] = l == -INFINITY ? INFINITY : l * LOG2E;
-                sDsum[i] = row < p.seqlen_q ? dsum[row] : 0.f;
+                sDsum[i] = row < seq.seqlen_q ? dsum[row] : 0.f;
             }
             cp_async_wait<0>();
             __syncthreads();
@@ -72,7 +80,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
             float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
             zero(st);
             gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + warp_row0 * STRIDE, sQ, lane);
-            if (mask.template block_needs_mask<BM, BN>(m0, n0))
+            if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
                 mask.apply_t<MT, NQ>(st, n0 + warp_row0, m0, lane);
             const int t = lane % 4;
 #pragma unroll
@@ -84,8 +92,38 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
                         const int col = nt * 8 + 2 * t + (e % 2);
                         st[mt][nt][e] = exp2f(fmaf(st[mt][nt][e], p.scale_log2, -sLse[col]));
                     }
+            // Dropout keep bits of this thread's entries: bit (2 nt + e % 2) of keep[mt][r].
+            unsigned int keep[MT][2];
+            if (dropout.active()) {
+                const int g = lane / 4;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int key = n0 + warp_row0 + mt * 16 + g + 8 * r;
+                        keep[mt][r] = 0;
+#pragma unroll
+                        for (int nt = 0; nt < NQ; ++nt)
+                            keep[mt][r] |= dropout.keep_col_pair(m0 + nt * 8 + 2 * t, key) << (2 * nt);
+                    }
+            }
             uint32_t a[MT][NQ / 2][4];
-            pack_a<T, MT, NQ>(st, a);
+            if (dropout.active()) {
+                // dV += (P o Z / (1 - p))^T dO: the dropped probabilities the forward used.
+                float pd[MT][NQ][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const bool kept = (keep[mt][e / 2] >> (2 * nt + e % 2)) & 1;
+                            pd[mt][nt][e] = kept ? st[mt][nt][e] * p.rp_keep : 0.f;
+                        }
+                pack_a<T, MT, NQ>(pd, a);
+            } else {
+                pack_a<T, MT, NQ>(st, a);
+            }
             gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
 
             float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
@@ -98,7 +136,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int col = nt * 8 + 2 * t + (e % 2);
-                        dpt[mt][nt][e] = st[mt][nt][e] * (dpt[mt][nt][e] - sDsum[col]);
+                        float dp = dpt[mt][nt][e];  // with dropout: d(P o Z / (1 - p))
+                        if (dropout.active())
+                            dp = ((keep[mt][e / 2] >> (2 * nt + e % 2)) & 1) ? dp * p.rp_keep : 0.f;
+                        dpt[mt][nt][e] = st[mt][nt][e] * (dp - sDsum[col]);
                     }
             pack_a<T, MT, NQ>(dpt, a);
             gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
@@ -108,15 +149,17 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
     cp_async_wait<0>();  // K and V were requested even if no query block sees them
 
     // dK carries the softmax scale of S = scale Q K^T (applied once here, not per tile).
-    T* dk_out = static_cast<T*>(bp.dk) + bidb * bp.dk_batch_stride + bidh_k * bp.dk_head_stride;
-    T* dv_out = static_cast<T*>(bp.dv) + bidb * bp.dk_batch_stride + bidh_k * bp.dk_head_stride;
+    const int64_t dk_offset =
+        seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride, bidb, bidh_k);
+    T* dk_out = static_cast<T*>(bp.dk) + dk_offset;
+    T* dv_out = static_cast<T*>(bp.dv) + dk_offset;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = n0 + warp_row0 + mt * 16 + g + 8 * r;
-            if (row >= p.seqlen_k) continue;
+            if (row >= seq.seqlen_k) continue;
 #pragma unroll
             for (int dt = 0; dt < DOT; ++dt) {
                 const int col = col0 + dt * 8 + 2 * t;

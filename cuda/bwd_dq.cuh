@@ -9,6 +9,8 @@
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "philox.cuh"
+#include "seq_info.cuh"
 
 template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams& bp) {
     using T = typename K::T;
@@ -26,42 +28,49 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
     const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal) blocks first
     const int bidh = blockIdx.y, bidb = blockIdx.z, bidh_k = bidh / p.h_h_k_ratio;
     const int m0 = m_block * BM;
+    const SeqInfo seq(p, bidb);
+    if (m0 >= seq.seqlen_q) return;  // packed batches: this sequence is shorter than the grid
 
-    const T* q = static_cast<const T*>(p.q) + bidb * p.q_batch_stride + bidh * p.q_head_stride;
-    const T* k = static_cast<const T*>(p.k) + bidb * p.k_batch_stride + bidh_k * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + bidb * p.v_batch_stride + bidh_k * p.v_head_stride;
-    const T* dout = static_cast<const T*>(bp.dout) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
+    const T* q = static_cast<const T*>(p.q) +
+                 seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
+    const T* k = static_cast<const T*>(p.k) +
+                 seq.k_offset(p.k_batch_stride, p.k_row_stride, p.k_head_stride, bidb, bidh_k);
+    const T* v = static_cast<const T*>(p.v) +
+                 seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k);
+    const T* dout = static_cast<const T*>(bp.dout) +
+                    seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
     load_tile<T, BM, D, K::THREADS>(sQ, q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
-                                    p.seqlen_q - m0, p.d, tid);
+                                    seq.seqlen_q - m0, p.d, tid);
     load_tile<T, BM, D, K::THREADS>(sdO, dout + int64_t(m0) * p.o_row_stride, p.o_row_stride,
-                                    p.seqlen_q - m0, p.d, tid);
+                                    seq.seqlen_q - m0, p.d, tid);
     cp_async_commit();
 
     // This thread's rows: LSE in log2 units (+inf where P must be 0) and rowsum(dO O).
     float lse2[MT][2], dsum[MT][2];
-    const int64_t row_base = (int64_t(bidb) * p.h + bidh) * p.seqlen_q;
+    const int64_t row_base = seq.lse_offset(p, bidb, bidh);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
-            const float l = row < p.seqlen_q ? p.lse[row_base + row] : -INFINITY;
+            const float l = row < seq.seqlen_q ? p.lse[row_base + row] : -INFINITY;
             lse2[mt][r] = l == -INFINITY ? INFINITY : l * LOG2E;
-            dsum[mt][r] = row < p.seqlen_q ? bp.dsum[row_base + row] : 0.f;
+            dsum[mt][r] = row < seq.seqlen_q ? bp.dsum[row_base + row] : 0.f;
         }
 
     float dq[MT][DT][4];
     zero(dq);
-    const Mask mask(p);
+    const Mask mask(p, seq);
+    const Dropout dropout(p, bidb, bidh);
     int nb_begin, nb_end;
-    mask.template key_blocks<BM, BN>(m0, &nb_begin, &nb_end);
+    mask.template key_blocks<BN>(m0, m0 + BM - 1, &nb_begin, &nb_end);
     for (int nb = nb_end - 1; nb >= nb_begin; --nb) {
         const int n0 = nb * BN;
         __syncthreads();  // every warp is done with the previous K, V tiles
         load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
-                                        p.seqlen_k - n0, p.d, tid);
+                                        seq.seqlen_k - n0, p.d, tid);
         load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
-                                        p.seqlen_k - n0, p.d, tid);
+                                        seq.seqlen_k - n0, p.d, tid);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -69,7 +78,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
         float s[MT][NT][4];  // S = Q K^T, then P = exp(scale S - LSE)
         zero(s);
         gemm_ss<T, MT, NT, D / 16, STRIDE>(s, sQ + warp_row0 * STRIDE, sK, lane);
-        if (mask.template block_needs_mask<BM, BN>(m0, n0))
+        if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
             mask.apply<MT, NT>(s, m0 + warp_row0, n0, lane);
         float dp[MT][NT][4];  // dP = dO V^T, then dS = P (dP - rowsum(dO O))
         zero(dp);
@@ -77,12 +86,22 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int r = 0; r < 2; ++r)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e / 2;
-                    const float prob = exp2f(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][r]));
-                    dp[mt][nt][e] = prob * (dp[mt][nt][e] - dsum[mt][r]);
+                for (int nt = 0; nt < NT; ++nt) {
+                    // With dropout, dO V^T is the gradient of P o Z / (1 - p).
+                    unsigned int keep = 3;
+                    if (dropout.active())
+                        keep = dropout.keep_row_pair(m0 + warp_row0 + mt * 16 + g + 8 * r,
+                                                     n0 + nt * 8 + 2 * t);
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int e = 2 * r + c;
+                        const float prob = exp2f(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][r]));
+                        float dpe = dp[mt][nt][e];
+                        if (dropout.active()) dpe = ((keep >> c) & 1) ? dpe * p.rp_keep : 0.f;
+                        dp[mt][nt][e] = prob * (dpe - dsum[mt][r]);
+                    }
                 }
         uint32_t a[MT][NT / 2][4];
         pack_a<T, MT, NT>(dp, a);
@@ -90,13 +109,14 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
     }
     cp_async_wait<0>();  // Q and dO were requested even if no key block is visible
 
-    T* dq_out = static_cast<T*>(bp.dq) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
+    T* dq_out = static_cast<T*>(bp.dq) +
+                seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
-            if (row >= p.seqlen_q) continue;
+            if (row >= seq.seqlen_q) continue;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 const int col = dt * 8 + 2 * t;

@@ -44,3 +44,22 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
         cp_async_16(smem + row * (D + SMEM_PAD) + col, src, valid);
     }
 }
+
+// Like load_tile, for tiles whose rows are not evenly spaced (GQA-packed query rows, paged
+// K/V rows): `row_ptr(row)` returns the global address of a row, or nullptr past the end.
+template <typename T, int ROWS, int D, int NTHREADS, class RowPtr>
+__device__ __forceinline__ void load_rows(T* smem, const RowPtr& row_ptr, int cols_valid,
+                                          int tid) {
+    constexpr int CHUNKS_PER_ROW = D / CHUNK;
+    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    static_assert(CHUNKS % NTHREADS == 0, "tile chunks must split evenly over the threads");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
+        const int c = tid + i * NTHREADS;
+        const int row = c / CHUNKS_PER_ROW;
+        const int col = (c % CHUNKS_PER_ROW) * CHUNK;
+        const T* src = row_ptr(row);
+        const bool valid = src != nullptr && col < cols_valid;
+        cp_async_16(smem + row * (D + SMEM_PAD) + col, valid ? src + col : src, valid);
+    }
+}

@@ -11,18 +11,27 @@ template <class K> __device__ __forceinline__ void flash_fwd(const AttnParams& p
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int bidh = blockIdx.y, bidb = blockIdx.z;
     const int bidh_k = bidh / p.h_h_k_ratio;  // GQA: K/V head shared by this query head
-    const T* q = static_cast<const T*>(p.q) + bidb * p.q_batch_stride + bidh * p.q_head_stride;
-    const T* k = static_cast<const T*>(p.k) + bidb * p.k_batch_stride + bidh_k * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + bidb * p.v_batch_stride + bidh_k * p.v_head_stride;
-    T* o = static_cast<T*>(p.o) + bidb * p.o_batch_stride + bidh * p.o_head_stride;
-    float* lse = p.lse + (int64_t(bidb) * p.h + bidh) * p.seqlen_q;
-
+    const SeqInfo seq(p, bidb);
     const int m0 = m_block * K::BM;
-    FwdBlock<K> block(p, q, k, v, m0, reinterpret_cast<T*>(smem_raw));
+    if (m0 >= seq.seqlen_q) return;  // packed batches: this sequence is shorter than the grid
+    const DenseSource<K> src{
+        static_cast<const T*>(p.q) +
+            seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh),
+        static_cast<const T*>(p.k) +
+            seq.k_offset(p.k_batch_stride, p.k_row_stride, p.k_head_stride, bidb, bidh_k),
+        static_cast<const T*>(p.v) +
+            seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k),
+        p.q_row_stride, p.k_row_stride, p.v_row_stride, seq.seqlen_q, seq.seqlen_k, p.d};
+    T* o = static_cast<T*>(p.o) +
+           seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
+    float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
+
+    FwdBlock<K, DenseSource<K>> block(p, src, Mask(p, seq), bidb, bidh, m0, seq.seqlen_q,
+                                      reinterpret_cast<T*>(smem_raw));
     int nb_begin, nb_end;
-    block.mask.template key_blocks<K::BM, K::BN>(m0, &nb_begin, &nb_end);
+    block.key_blocks(&nb_begin, &nb_end);
     block.run(nb_begin, nb_end);
-    block.store(o, p.o_row_stride, lse);
+    block.store(o, p.o_row_stride, lse, seq.seqlen_q);
 }
 
 #define FLASH_FWD(NAME, T, D)                                                                 \

@@ -7,46 +7,96 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "params.cuh"
+#include "philox.cuh"
+#include "seq_info.cuh"
 #include "softmax.cuh"
 
-template <class K> struct FwdBlock {
+// Where a block's tiles come from. The forward reads one (sequence, head) of q and one
+// (sequence, K/V head) of k and v with even row strides; the decode kernel supplies its own
+// source (GQA-packed query rows, paged K/V rows). A source provides load_q(sQ, m0, tid),
+// load_k(sK, n0, tid), load_v(sV, n0, tid) (cp.async, zero-filling rows past the end) and
+// rows_per_query() (tile rows that belong to one query token).
+template <class K> struct DenseSource {
+    using T = typename K::T;
+    const T* q;  // row 0 of this (sequence, head)
+    const T* k;  // row 0 of this (sequence, K/V head)
+    const T* v;
+    int64_t q_row_stride, k_row_stride, v_row_stride;
+    int seqlen_q, seqlen_k, d;
+    __device__ __forceinline__ int rows_per_query() const { return 1; }
+
+    __device__ __forceinline__ void load_q(T* sQ, int m0, int tid) const {
+        load_tile<T, K::BM, K::D, K::THREADS>(sQ, q + m0 * q_row_stride, q_row_stride,
+                                              seqlen_q - m0, d, tid);
+    }
+    __device__ __forceinline__ void load_k(T* sK, int n0, int tid) const {
+        load_tile<T, K::BN, K::D, K::THREADS>(sK, k + int64_t(n0) * k_row_stride, k_row_stride,
+                                              seqlen_k - n0, d, tid);
+    }
+    __device__ __forceinline__ void load_v(T* sV, int n0, int tid) const {
+        load_tile<T, K::BN, K::D, K::THREADS>(sV, v + int64_t(n0) * v_row_stride, v_row_stride,
+                                              seqlen_k - n0, d, tid);
+    }
+};
+
+template <class K, class Source> struct FwdBlock {
     using T = typename K::T;
     using Mma = MmaOp<T>;
     static constexpr int D = K::D, BM = K::BM, BN = K::BN, MT = K::MT, NT = K::NT, DT = K::DT;
     static constexpr int STRIDE = K::STRIDE;
 
     const AttnParams& p;
+    const Source src;
     const Mask mask;
-    const T* k;  // this (batch, K/V head)'s first key row
-    const T* v;
-    T* sQ;       // (BM, STRIDE)
-    T* sK;       // (BN, STRIDE)
-    T* sV;       // (BN, STRIDE)
-    const int m0;  // first query row of the block
+    const Dropout dropout;
+    T* sQ;  // (BM, STRIDE)
+    T* sK;  // (BN, STRIDE)
+    T* sV;  // (BN, STRIDE)
+    const int m0;  // first tile row of the block
+    const int q_first, q_last;  // the query tokens of the block's rows (for block skipping)
     const int tid, warp, lane;
 
     float o[MT][DT][4];  // (MT, DT, mma C) unnormalised output rows of this warp
     OnlineSoftmax<MT> softmax;
 
-    __device__ __forceinline__ FwdBlock(const AttnParams& p_, const T* q, const T* k_, const T* v_,
-                                        int m0_, T* smem)
-        : p(p_), mask(p_), k(k_), v(v_), sQ(smem), sK(smem + BM * STRIDE),
-          sV(smem + (BM + BN) * STRIDE), m0(m0_), tid(threadIdx.x), warp(threadIdx.x / 32),
-          lane(threadIdx.x % 32) {
+    // rows: tile rows in use (query rows, or packed (token, head) rows); bidb is the sequence
+    // index and bidh the query head (for dropout's counter).
+    __device__ __forceinline__ FwdBlock(const AttnParams& p_, const Source& src_, const Mask& mask_,
+                                        int bidb, int bidh, int m0_, int rows, T* smem)
+        : p(p_), src(src_), mask(mask_), dropout(p_, bidb, bidh), sQ(smem), sK(smem + BM * STRIDE),
+          sV(smem + (BM + BN) * STRIDE), m0(m0_), q_first(m0_ / src_.rows_per_query()),
+          q_last((min(m0_ + BM, rows) - 1) / src_.rows_per_query()),
+          tid(threadIdx.x), warp(threadIdx.x / 32), lane(threadIdx.x % 32) {
         zero(o);
-        load_tile<T, BM, D, K::THREADS>(sQ, q + m0 * p.q_row_stride, p.q_row_stride,
-                                        p.seqlen_q - m0, p.d, tid);
+        src.load_q(sQ, m0, tid);
     }
 
     __device__ __forceinline__ int warp_row0() const { return warp * MT * 16; }
 
-    __device__ __forceinline__ void load_k(int nb) {
-        load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(nb) * BN * p.k_row_stride, p.k_row_stride,
-                                        p.seqlen_k - nb * BN, p.d, tid);
+    __device__ __forceinline__ void load_k(int nb) { src.load_k(sK, nb * BN, tid); }
+    __device__ __forceinline__ void load_v(int nb) { src.load_v(sV, nb * BN, tid); }
+
+    // Key blocks this block's queries can see: [*begin, *end).
+    __device__ __forceinline__ void key_blocks(int* begin, int* end) const {
+        mask.template key_blocks<BN>(q_first, q_last, begin, end);
     }
-    __device__ __forceinline__ void load_v(int nb) {
-        load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(nb) * BN * p.v_row_stride, p.v_row_stride,
-                                        p.seqlen_k - nb * BN, p.d, tid);
+
+    // Zeroes the dropped entries of P (FA2 Algorithm 1 with dropout); the 1/(1 - p) scale is
+    // applied once, with 1/l, when O is stored.
+    __device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], int nb) const {
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = m0 + warp_row0() + mt * 16 + g + 8 * r;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const unsigned int keep = dropout.keep_row_pair(i, nb * BN + nt * 8 + 2 * t);
+                    if (!(keep & 1)) s[mt][nt][2 * r] = 0.f;
+                    if (!(keep & 2)) s[mt][nt][2 * r + 1] = 0.f;
+                }
+            }
     }
 
     // One key block. K[nb] is in shared memory; V[nb] is requested here and K[nb - 1] is
@@ -57,8 +107,11 @@ template <class K> struct FwdBlock {
         float s[MT][NT][4];  // S = Q K^T (line 8)
         zero(s);
         gemm_ss<T, MT, NT, D / 16, STRIDE>(s, sQ + warp_row0() * STRIDE, sK, lane);
-        if (MASK) mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane);
-        softmax.update(s, o, p.scale_log2);
+        if (MASK)
+            mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane,
+                               src.rows_per_query());
+        softmax.update(s, o, p.scale_log2);  // l and the LSE count every entry, dropped or not
+        if (dropout.active()) apply_dropout(s, nb);
         uint32_t pa[MT][NT / 2][4];  // P as the A operand of P V, straight from registers
         pack_a<T, MT, NT>(s, pa);
         cp_async_wait<0>();
@@ -78,7 +131,7 @@ template <class K> struct FwdBlock {
         for (int nb = nb_end - 1; nb >= nb_begin; --nb) {
             cp_async_wait<0>();
             __syncthreads();  // K[nb] landed; every warp is done reading V[nb + 1]
-            if (mask.block_needs_mask<BM, BN>(m0, nb * BN))
+            if (mask.template block_needs_mask<BN>(q_first, q_last, nb * BN))
                 step<true>(nb, nb_begin);
             else
                 step<false>(nb, nb_begin);
@@ -91,8 +144,10 @@ template <class K> struct FwdBlock {
     }
 
     // Normalises O by 1/l (line 12), writes it through this warp's rows of sQ (only this warp
-    // ever read them) as 16-byte coalesced stores, and writes the LSE (line 13).
-    __device__ __forceinline__ void store(T* out, int64_t out_row_stride, float* lse) {
+    // ever read them) as 16-byte coalesced stores, and writes the LSE (line 13). For tiles
+    // of evenly spaced rows of one head (the forward); seqlen_q rows exist.
+    __device__ __forceinline__ void store(T* out, int64_t out_row_stride, float* lse,
+                                          int seqlen_q) {
         const int g = lane / 4, t = lane % 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -100,8 +155,9 @@ template <class K> struct FwdBlock {
             for (int r = 0; r < 2; ++r) {
                 float inv_sum, row_lse;
                 softmax.finalize(mt, r, p.scale, &inv_sum, &row_lse);
+                if (dropout.active()) inv_sum *= p.rp_keep;
                 const int row = warp_row0() + mt * 16 + g + 8 * r;
-                if (t == 0 && m0 + row < p.seqlen_q) lse[m0 + row] = row_lse;
+                if (t == 0 && m0 + row < seqlen_q) lse[m0 + row] = row_lse;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
                     *reinterpret_cast<uint32_t*>(sQ + row * STRIDE + dt * 8 + 2 * t) =
@@ -113,7 +169,7 @@ template <class K> struct FwdBlock {
         for (int c = lane; c < ROWS * CHUNKS_PER_ROW; c += 32) {
             const int row = warp_row0() + c / CHUNKS_PER_ROW;
             const int col = (c % CHUNKS_PER_ROW) * CHUNK;
-            if (m0 + row < p.seqlen_q && col < p.d)
+            if (m0 + row < seqlen_q && col < p.d)
                 *reinterpret_cast<uint4*>(out + int64_t(m0 + row) * out_row_stride + col) =
                     *reinterpret_cast<const uint4*>(sQ + row * STRIDE + col);
         }

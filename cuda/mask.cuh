@@ -4,14 +4,15 @@
 #include <cmath>
 
 #include "params.cuh"
+#include "seq_info.cuh"
 
 struct Mask {
     int seqlen_k;
     int offset;  // seqlen_k - seqlen_q: query i's diagonal is key i + offset
     int left, right;  // window half-widths, -1 = unbounded
 
-    __device__ __forceinline__ explicit Mask(const AttnParams& p)
-        : seqlen_k(p.seqlen_k), offset(p.seqlen_k - p.seqlen_q), left(p.window_left),
+    __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq)
+        : seqlen_k(seq.seqlen_k), offset(seq.seqlen_k - seq.seqlen_q), left(p.window_left),
           right(p.window_right) {}
 
     __device__ __forceinline__ bool visible(int row, int col) const {
@@ -19,13 +20,15 @@ struct Mask {
                (left < 0 || col >= row + offset - left);
     }
 
-    // Key blocks of width BN that rows [m0, m0 + BM) can see: [*begin, *end), maybe empty.
-    template <int BM, int BN>
-    __device__ __forceinline__ void key_blocks(int m0, int* begin, int* end) const {
+    // Key blocks of width BN that queries [q_first, q_last] can see: [*begin, *end), maybe
+    // empty.
+    template <int BN>
+    __device__ __forceinline__ void key_blocks(int q_first, int q_last, int* begin,
+                                               int* end) const {
         int stop = seqlen_k;
-        if (right >= 0) stop = min(stop, m0 + BM - 1 + offset + right + 1);
+        if (right >= 0) stop = min(stop, q_last + offset + right + 1);
         *end = stop <= 0 ? 0 : (stop + BN - 1) / BN;
-        *begin = left >= 0 ? max(0, (m0 + offset - left) / BN) : 0;
+        *begin = left >= 0 ? max(0, (q_first + offset - left) / BN) : 0;
     }
 
     // Query blocks of height BM that can see keys [n0, n0 + BN): [*begin, *end), maybe empty.
@@ -40,19 +43,21 @@ struct Mask {
         }
     }
 
-    // Whether any pair in the block rows [m0, m0 + BM) x keys [n0, n0 + BN) is masked; the
+    // Whether any pair of queries [q_first, q_last] x keys [n0, n0 + BN) is masked; the
     // others run the loop body compiled without mask code.
-    template <int BM, int BN>
-    __device__ __forceinline__ bool block_needs_mask(int m0, int n0) const {
-        return n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > m0 + offset + right) ||
-               (left >= 0 && n0 < m0 + BM - 1 + offset - left);
+    template <int BN>
+    __device__ __forceinline__ bool block_needs_mask(int q_first, int q_last, int n0) const {
+        return n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > q_first + offset + right) ||
+               (left >= 0 && n0 < q_last + offset - left);
     }
 
     // Sets masked scores of a warp's S accumulators to -inf. S holds MT m16 tiles x NT n8
     // tiles in the mma C layout; the warp's first row is row0, the tile's first key col0.
+    // Tile row r is query r / rows_per_query (GQA-packed decode tiles hold several heads of
+    // one query token in consecutive rows).
     template <int MT, int NT>
-    __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0,
-                                          int lane) const {
+    __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane,
+                                          int rows_per_query = 1) const {
         const int g = lane / 4, t = lane % 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -60,7 +65,7 @@ struct Mask {
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int row = row0 + mt * 16 + g + (e / 2) * 8;
+                    const int row = (row0 + mt * 16 + g + (e / 2) * 8) / rows_per_query;
                     const int col = col0 + nt * 8 + 2 * t + (e % 2);
                     if (!visible(row, col)) s[mt][nt][e] = -INFINITY;
                 }

@@ -4,26 +4,41 @@
 #include <cstdint>
 
 struct AttnParams {
-    const void* q;   // (b, seqlen_q, h, d)
-    const void* k;   // (b, seqlen_k, h_k, d)
-    const void* v;   // (b, seqlen_k, h_k, d)
-    void* o;         // (b, seqlen_q, h, d)
-    float* lse;      // (b, h, seqlen_q), natural log of the row sums of exp(scale * q.k)
+    const void* q;   // (b, seqlen_q, h, d), or packed (total_q, h, d)
+    const void* k;   // (b, seqlen_k, h_k, d), or packed (total_k, h_k, d)
+    const void* v;   // like k
+    void* o;         // like q
+    float* lse;      // natural log of the row sums of exp(scale * q.k); see lse_*_stride
+    // Packed (variable-length) batches: sequence b owns rows cu_seqlens_q[b]..[b + 1] of q and
+    // cu_seqlens_k[b]..[b + 1] of k and v (checked on the host). Null for fixed length.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
 
-    // Strides in elements; the head_dim stride is 1.
+    // Strides in elements; the head_dim stride is 1. Batch strides are 0 when packed.
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
+    // LSE of row i of sequence b, head h: lse[b * lse_batch_stride + h * lse_head_stride +
+    // (first row of b when packed) + i]: (b, h, seqlen_q) fixed, (h, total_q) packed.
+    int64_t lse_batch_stride, lse_head_stride;
 
-    int b, h, h_k, seqlen_q, seqlen_k, d;
+    int b, h, h_k;
+    int seqlen_q, seqlen_k;  // fixed length; the maximum over the sequences when packed
+    int d;
     int h_h_k_ratio;   // h / h_k: query heads per K/V head (GQA group)
     float scale;       // softmax scale
     float scale_log2;  // scale * log2(e): exp(scale * x) == exp2(scale_log2 * x)
     // Keys visible to query row i: [i + off - window_left, i + off + window_right] with
-    // off = seqlen_k - seqlen_q (bottom-right alignment); -1 means unbounded on that side.
-    // Causal is (-1, 0); no mask is (-1, -1).
+    // off = seqlen_k - seqlen_q of i's sequence (bottom-right alignment); -1 means unbounded
+    // on that side. Causal is (-1, 0); no mask is (-1, -1).
     int window_left, window_right;
+
+    // Dropout (src/philox.rs, cuda/philox.cuh): entry kept iff its Philox word >= threshold;
+    // kept entries are scaled by rp_keep = 1 / (1 - p). threshold = 0 disables dropout.
+    unsigned int drop_threshold;
+    float rp_keep;
+    unsigned int seed_lo, seed_hi, offset_lo, offset_hi;
 };
 
 // The backward pass reads the forward's inputs, output and LSE through `a`, plus these.
@@ -36,4 +51,30 @@ struct BwdParams {
     void* dk;          // (b, seqlen_k, h_k, d)
     void* dv;          // (b, seqlen_k, h_k, d)
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+};
+
+// KV-cache decoding. `a.q`/`a.o` are (b, seqlen_q, h, d) with a.seqlen_q the query tokens;
+// `a.k`/`a.v` are the caches: (b, capacity, h_k, d) with a.k_batch_stride the per-sequence
+// stride, or paged (num_pages, page_size, h_k, d) with a.k_batch_stride the per-page stride
+// and block_table mapping (sequence, page index) -> page.
+struct DecodeParams {
+    AttnParams a;
+    const int* seqlens;      // (b) cached tokens to attend to (the append ran before)
+    const int* block_table;  // (b, max_pages) or null (one contiguous cache per sequence)
+    int max_pages, page_size;  // page_size = capacity when not paged
+    int num_splits;            // key-range splits per (sequence, K/V head, row tile)
+    float* o_partial;          // (num_splits, b, h, seqlen_q, d) when num_splits > 1
+    float* lse_partial;        // (num_splits, b, h, seqlen_q)
+};
+
+// In-place append of new K (or V) rows (b, s_new, h_k, d) at cache rows start[b]..
+struct AppendParams {
+    void* cache;
+    const void* src;
+    int64_t cache_page_stride, cache_row_stride, cache_head_stride;
+    int64_t src_batch_stride, src_row_stride, src_head_stride;
+    const int* start;        // (b) tokens in the cache before the append
+    const int* block_table;  // as in DecodeParams
+    int max_pages, page_size;
+    int d;
 };

@@ -49,6 +49,7 @@ impl FlashAttnBwdOp {
         lse: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let s = self.problem.shape;
+        let (q_shape, kv_shape) = (self.problem.q_shape(), self.problem.kv_shape());
         // The kernels read dO with the output's (contiguous) layout.
         let grad_out = grad_out.contiguous()?;
         let out = out.contiguous()?;
@@ -63,11 +64,9 @@ impl FlashAttnBwdOp {
         };
         let packed = q.apply_op3_no_bwd(k, v, &op)?;
         let (nq, nkv) = (s.q_elems(), s.kv_elems());
-        let dq = packed.narrow(0, 0, nq)?.reshape((s.b, s.sq, s.h, s.d))?;
-        let dk = packed.narrow(0, nq, nkv)?.reshape((s.b, s.sk, s.hk, s.d))?;
-        let dv = packed
-            .narrow(0, nq + nkv, nkv)?
-            .reshape((s.b, s.sk, s.hk, s.d))?;
+        let dq = packed.narrow(0, 0, nq)?.reshape(q_shape)?;
+        let dk = packed.narrow(0, nq, nkv)?.reshape(kv_shape.clone())?;
+        let dv = packed.narrow(0, nq + nkv, nkv)?.reshape(kv_shape)?;
         Ok((dq, dk, dv))
     }
 }

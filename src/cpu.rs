@@ -1,7 +1,12 @@
 //! The CPU implementation: FlashAttention-2 Algorithms 1 (forward) and 2 (backward) in f32
 //! math, whatever the storage dtype. Tensors arrive as contiguous row-major `Vec<f32>`s
-//! ([`gather_f32`]); each task copies the rows of one head into a `(seqlen, head_dim)` matrix,
-//! so the loops below read like the paper.
+//! ([`gather_f32`]); each task copies the rows of one head of one sequence into a
+//! `(seqlen, head_dim)` matrix, so the loops below read like the paper.
+//!
+//! One code path serves fixed-length and packed batches: a fixed-length `(b, s, h, d)` tensor
+//! is a packed `(b · s, h, d)` one whose sequences all have length `s` ([`Problem::seq_q`],
+//! [`Problem::seq_k`]). Dropout draws its mask from [`philox::keep`], the function the CUDA
+//! kernels use, so both paths drop the same entries.
 //!
 //! Tasks are independent and their results are combined in a fixed order, so the output does
 //! not depend on the number of threads: forward and backward are deterministic.
@@ -11,6 +16,7 @@ use candle::{bail, CpuStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use crate::params::Problem;
+use crate::philox;
 
 /// Keys per tile (Algorithm 1's `B_c`). A 64 × 256 f32 tile of K plus one of V is 128 KiB,
 /// which stays in L2 while every row of a query tile reads it.
@@ -81,33 +87,88 @@ pub(crate) fn to_storage(data: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     })
 }
 
-/// Forward pass. `q` is `(b, sq, h, d)`, `k` and `v` are `(b, sk, hk, d)`, all contiguous.
-/// Returns `out` `(b, sq, h, d)` and the natural-log `lse` `(b, h, sq)` of the scaled scores
-/// (`-inf`, with a zero output row, where a query sees no key).
+/// Lengths of one sequence of the batch (every sequence of a fixed-length batch has
+/// `(sq, sk)`); `b` keys the dropout RNG.
+#[derive(Clone, Copy)]
+struct Seq {
+    b: usize,
+    sq: usize,
+    sk: usize,
+}
+
+impl Seq {
+    fn new(p: &Problem, b: usize) -> Self {
+        Self {
+            b,
+            sq: p.seq_q(b).1,
+            sk: p.seq_k(b).1,
+        }
+    }
+}
+
+/// Multiply-adds of `q kᵀ` over all sequences and query heads (ignoring the causal mask):
+/// the size of a call, for [`par_map`].
+fn total_work(p: &Problem) -> usize {
+    let s = p.shape;
+    let per_head: usize = (0..s.b).map(|b| p.seq_q(b).1 * p.seq_k(b).1).sum();
+    per_head * s.h * s.d
+}
+
+/// `1 / (1 - p)`, the factor of kept probabilities; 1 without dropout.
+fn keep_scale(p: &Problem) -> f32 {
+    p.dropout.map_or(1.0, |d| 1.0 / (1.0 - d.p))
+}
+
+/// Whether the probability of (query `i`, key `j`) of sequence `b`, query head `head`
+/// survives dropout (always, without dropout).
+fn kept(p: &Problem, b: usize, head: usize, i: usize, j: usize) -> bool {
+    p.dropout
+        .as_ref()
+        .is_none_or(|d| philox::keep(d, p.shape.h, b, head, i, j))
+}
+
+/// Forward pass. `q` is `(total_q, h, d)`, `k` and `v` are `(total_k, hk, d)`, all
+/// contiguous (a fixed-length `(b, sq, h, d)` is `(b · sq, h, d)`). Returns `out` shaped like
+/// `q` and the natural-log `lse` of the scaled scores in the layout of
+/// [`Problem::lse_index`] (`-inf`, with a zero output row, where a query sees no key).
 pub(crate) fn attn_fwd(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let s = p.shape;
-    let work = s.sq * s.sk * s.d;
-    // One task per (batch, head); task t = b * h + head, the order of the LSE's rows.
-    let heads = par_map(s.b * s.h, work, |t| {
+    // One task per (sequence, head); task t = b * h + head.
+    let heads = par_map(s.b * s.h, total_work(p), |t| {
         let (b, head) = (t / s.h, t % s.h);
+        let ((q0, sq), (k0, sk)) = (p.seq_q(b), p.seq_k(b));
         let kv_head = head / s.group();
-        let q = head_rows(q, b, head, s.sq, s.h, s.d);
-        let k = head_rows(k, b, kv_head, s.sk, s.hk, s.d);
-        let v = head_rows(v, b, kv_head, s.sk, s.hk, s.d);
-        fwd_head(p, &q, &k, &v)
+        let q = head_rows(q, q0, sq, head, s.h, s.d);
+        let k = head_rows(k, k0, sk, kv_head, s.hk, s.d);
+        let v = head_rows(v, k0, sk, kv_head, s.hk, s.d);
+        fwd_head(p, Seq::new(p, b), head, &q, &k, &v)
     });
     let mut out = vec![0f32; s.q_elems()];
-    let mut lse = Vec::with_capacity(s.b * s.h * s.sq);
+    let mut lse = vec![f32::NEG_INFINITY; s.h * s.total_q];
     for (t, (o, l)) in heads.into_iter().enumerate() {
-        put_head_rows(&mut out, &o, t / s.h, t % s.h, s.sq, s.h, s.d);
-        lse.extend_from_slice(&l);
+        let (b, head) = (t / s.h, t % s.h);
+        let (q0, sq) = p.seq_q(b);
+        put_head_rows(&mut out, &o, q0, sq, head, s.h, s.d);
+        lse[p.lse_index(b, head, 0)..][..sq].copy_from_slice(&l);
     }
     (out, lse)
 }
 
-/// Algorithm 1 for one head: `q` `(sq, d)`, `k`, `v` `(sk, d)`. Returns `(out (sq, d), lse (sq))`.
-fn fwd_head(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let (sq, d) = (p.shape.sq, p.shape.d);
+/// Algorithm 1 for query head `head` of sequence `seq`: `q` `(sq, d)`, `k`, `v` `(sk, d)`.
+/// Returns `(out (sq, d), lse (sq))`.
+///
+/// Dropout (FlashAttention-2's): the row sum `l` and the LSE are those of the undropped
+/// probabilities; only the accumulator `P̃ V` skips the dropped ones, and the final
+/// normalisation multiplies by `1 / (1 - p)`.
+fn fwd_head(
+    p: &Problem,
+    seq: Seq,
+    head: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let (sq, sk, d) = (seq.sq, seq.sk, p.shape.d);
     // `out` holds the unnormalised accumulator until the end of each query tile.
     let mut out = vec![0f32; sq * d];
     let mut lse = vec![f32::NEG_INFINITY; sq];
@@ -119,9 +180,9 @@ fn fwd_head(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>
         let mut l = [0f32; QUERY_BLOCK];
         // key_end grows with the row, so the tile's last row sees the most keys; tiles past
         // it are skipped entirely.
-        for c0 in (0..p.key_end(r1 - 1)).step_by(KEY_BLOCK) {
+        for c0 in (0..p.key_end(r1 - 1, sq, sk)).step_by(KEY_BLOCK) {
             for i in r0..r1 {
-                let c1 = (c0 + KEY_BLOCK).min(p.key_end(i));
+                let c1 = (c0 + KEY_BLOCK).min(p.key_end(i, sq, sk));
                 if c1 <= c0 {
                     continue; // this row's visible keys end before the tile
                 }
@@ -133,7 +194,8 @@ fn fwd_head(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>
                     *s_j = p.scale * dot(q_i, &k[(c0 + j) * d..][..d]);
                 }
                 // Lines 9-10: new max, rescale the old sum and accumulator by exp(m_old - m_new)
-                // (0 on the first tile, where m_old = -inf), add exp(S - m_new) and its V.
+                // (0 on the first tile, where m_old = -inf), add exp(S - m_new) and, if the
+                // entry survives dropout, its V.
                 let m_new = s.iter().fold(m[r], |a, &b| a.max(b));
                 let alpha = (m[r] - m_new).exp();
                 let acc = &mut out[i * d..][..d];
@@ -142,18 +204,20 @@ fn fwd_head(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>
                 for (j, &s_j) in s.iter().enumerate() {
                     let p_j = (s_j - m_new).exp();
                     row_sum += p_j;
-                    axpy(acc, p_j, &v[(c0 + j) * d..][..d]);
+                    if kept(p, seq.b, head, i, c0 + j) {
+                        axpy(acc, p_j, &v[(c0 + j) * d..][..d]);
+                    }
                 }
                 l[r] = alpha * l[r] + row_sum;
                 m[r] = m_new;
             }
         }
-        // Lines 12-13: normalise once, LSE = m + ln(l). Rows that saw no key keep l = 0,
-        // a zero output and LSE = -inf.
+        // Lines 12-13: normalise once (and undo the dropout's expected shrinkage),
+        // LSE = m + ln(l). Rows that saw no key keep l = 0, a zero output and LSE = -inf.
         for i in r0..r1 {
             let r = i - r0;
             if l[r] > 0.0 {
-                let inv = 1.0 / l[r];
+                let inv = keep_scale(p) / l[r];
                 out[i * d..][..d].iter_mut().for_each(|o| *o *= inv);
                 lse[i] = m[r] + l[r].ln();
             }
@@ -162,9 +226,10 @@ fn fwd_head(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>
     (out, lse)
 }
 
-/// Backward pass. `q`, `o`, `d_o` are `(b, sq, h, d)`, `k`, `v` are `(b, sk, hk, d)`, `lse` is
-/// `(b, h, sq)` from the forward. Returns `(dq, dk, dv)` shaped like `(q, k, v)`; dk and dv
-/// are summed over the query heads that share each K/V head.
+/// Backward pass. `q`, `o`, `d_o` are `(total_q, h, d)`, `k`, `v` are `(total_k, hk, d)`
+/// (fixed length: `(b · sq, h, d)` and `(b · sk, hk, d)`), `lse` is the forward's, in the
+/// layout of [`Problem::lse_index`]. Returns `(dq, dk, dv)` shaped like `(q, k, v)`; dk and
+/// dv are summed over the query heads that share each K/V head.
 pub(crate) fn attn_bwd(
     p: &Problem,
     q: &[f32],
@@ -176,54 +241,64 @@ pub(crate) fn attn_bwd(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let s = p.shape;
     let group = s.group();
-    let work = group * s.sq * s.sk * s.d;
-    // One task per (batch, K/V head): it owns dK and dV of that head and dQ of its group of
-    // query heads, so no two tasks write the same gradient and no atomics are needed.
-    let tasks = par_map(s.b * s.hk, work, |t| {
+    // One task per (sequence, K/V head): it owns dK and dV of that head and dQ of its group
+    // of query heads, so no two tasks write the same gradient and no atomics are needed.
+    let tasks = par_map(s.b * s.hk, total_work(p), |t| {
         let (b, kv_head) = (t / s.hk, t % s.hk);
-        let k = head_rows(k, b, kv_head, s.sk, s.hk, s.d);
-        let v = head_rows(v, b, kv_head, s.sk, s.hk, s.d);
+        let ((q0, sq), (k0, sk)) = (p.seq_q(b), p.seq_k(b));
+        let k = head_rows(k, k0, sk, kv_head, s.hk, s.d);
+        let v = head_rows(v, k0, sk, kv_head, s.hk, s.d);
         let heads: Vec<BwdHead> = (kv_head * group..(kv_head + 1) * group)
             .map(|head| BwdHead {
-                q: head_rows(q, b, head, s.sq, s.h, s.d),
-                o: head_rows(o, b, head, s.sq, s.h, s.d),
-                d_o: head_rows(d_o, b, head, s.sq, s.h, s.d),
-                lse: &lse[(b * s.h + head) * s.sq..][..s.sq],
+                head,
+                q: head_rows(q, q0, sq, head, s.h, s.d),
+                o: head_rows(o, q0, sq, head, s.h, s.d),
+                d_o: head_rows(d_o, q0, sq, head, s.h, s.d),
+                lse: &lse[p.lse_index(b, head, 0)..][..sq],
             })
             .collect();
-        bwd_group(p, &k, &v, &heads)
+        bwd_group(p, Seq::new(p, b), &k, &v, &heads)
     });
     let mut dq = vec![0f32; s.q_elems()];
     let mut dk = vec![0f32; s.kv_elems()];
     let mut dv = vec![0f32; s.kv_elems()];
     for (t, (dq_heads, dk_t, dv_t)) in tasks.into_iter().enumerate() {
         let (b, kv_head) = (t / s.hk, t % s.hk);
+        let ((q0, sq), (k0, sk)) = (p.seq_q(b), p.seq_k(b));
         for (g, dq_h) in dq_heads.iter().enumerate() {
-            put_head_rows(&mut dq, dq_h, b, kv_head * group + g, s.sq, s.h, s.d);
+            put_head_rows(&mut dq, dq_h, q0, sq, kv_head * group + g, s.h, s.d);
         }
-        put_head_rows(&mut dk, &dk_t, b, kv_head, s.sk, s.hk, s.d);
-        put_head_rows(&mut dv, &dv_t, b, kv_head, s.sk, s.hk, s.d);
+        put_head_rows(&mut dk, &dk_t, k0, sk, kv_head, s.hk, s.d);
+        put_head_rows(&mut dv, &dv_t, k0, sk, kv_head, s.hk, s.d);
     }
     (dq, dk, dv)
 }
 
 /// One query head's inputs to the backward, each `(sq, d)` (`lse`: `(sq)`).
 struct BwdHead<'a> {
+    /// The query head's index, which keys the dropout RNG.
+    head: usize,
     q: Vec<f32>,
     o: Vec<f32>,
     d_o: Vec<f32>,
     lse: &'a [f32],
 }
 
-/// Algorithm 2 for one K/V head `k`, `v` `(sk, d)` and the query heads that read it. Returns
-/// `(dq per query head (sq, d), dk (sk, d), dv (sk, d))`.
+/// Algorithm 2 for one K/V head `k`, `v` `(sk, d)` of sequence `seq` and the query heads
+/// that read it. Returns `(dq per query head (sq, d), dk (sk, d), dv (sk, d))`.
+///
+/// With dropout (mask Z, kept entries scaled by `1 / (1 - p)`): `P` is recomputed from the
+/// LSE (undropped), `dV += (P∘Z)ᵀ dO / (1 - p)`, `dP = (dO Vᵀ)∘Z / (1 - p)`,
+/// `D = rowsum(dO∘O)` and `dS = P∘(dP − D)` as without.
 fn bwd_group(
     p: &Problem,
+    seq: Seq,
     k: &[f32],
     v: &[f32],
     heads: &[BwdHead],
 ) -> (Vec<Vec<f32>>, Vec<f32>, Vec<f32>) {
-    let (sq, sk, d) = (p.shape.sq, p.shape.sk, p.shape.d);
+    let (sq, sk, d) = (seq.sq, seq.sk, p.shape.d);
+    let keep_scale = keep_scale(p);
     // Line 4 (preprocessing): D_i = rowsum(dO_i ∘ O_i).
     let delta: Vec<Vec<f32>> = heads
         .iter()
@@ -241,7 +316,7 @@ fn bwd_group(
         let c1 = (c0 + KEY_BLOCK).min(sk);
         for ((h, delta), dq) in heads.iter().zip(&delta).zip(&mut dq) {
             for i in 0..sq {
-                let end = p.key_end(i).min(c1);
+                let end = p.key_end(i, sq, sk).min(c1);
                 // Rows that see no key of this tile, or no key at all (LSE = -inf), contribute
                 // nothing.
                 if end <= c0 || h.lse[i] == f32::NEG_INFINITY {
@@ -252,10 +327,15 @@ fn bwd_group(
                 for j in c0..end {
                     let (k_j, v_j) = (&k[j * d..][..d], &v[j * d..][..d]);
                     // Lines 10-14: recompute P_ij from the saved LSE, then
-                    // dV_j += P_ij dO_i, dP_ij = dO_i · v_j, dS_ij = P_ij (dP_ij - D_i).
+                    // dV_j += P̃_ij dO_i, dP_ij = Z_ij dO_i · v_j / (1 - p),
+                    // dS_ij = P_ij (dP_ij - D_i); a dropped entry has P̃_ij = dP_ij = 0.
                     let p_ij = (p.scale * dot(q_i, k_j) - h.lse[i]).exp();
-                    axpy(&mut dv[j * d..][..d], p_ij, d_o_i);
-                    let ds_ij = p_ij * (dot(d_o_i, v_j) - delta[i]);
+                    let ds_ij = if kept(p, seq.b, h.head, i, j) {
+                        axpy(&mut dv[j * d..][..d], p_ij * keep_scale, d_o_i);
+                        p_ij * (keep_scale * dot(d_o_i, v_j) - delta[i])
+                    } else {
+                        -p_ij * delta[i]
+                    };
                     // Lines 15-16: dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
                     axpy(dq_i, p.scale * ds_ij, k_j);
                     axpy(&mut dk[j * d..][..d], p.scale * ds_ij, q_i);
@@ -266,28 +346,29 @@ fn bwd_group(
     (dq, dk, dv)
 }
 
-/// Copies head `head` of batch `b` out of a `(batch, seqlen, heads, d)` buffer into a
-/// `(seqlen, d)` matrix.
-fn head_rows(x: &[f32], b: usize, head: usize, seqlen: usize, heads: usize, d: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(seqlen * d);
-    for s in 0..seqlen {
-        out.extend_from_slice(&x[((b * seqlen + s) * heads + head) * d..][..d]);
+/// Copies rows `row0..row0 + len` of head `head` out of a `(rows, heads, d)` buffer into a
+/// `(len, d)` matrix.
+fn head_rows(x: &[f32], row0: usize, len: usize, head: usize, heads: usize, d: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len * d);
+    for r in row0..row0 + len {
+        out.extend_from_slice(&x[(r * heads + head) * d..][..d]);
     }
     out
 }
 
-/// The inverse of [`head_rows`]: writes a `(seqlen, d)` matrix into head `head` of batch `b`.
+/// The inverse of [`head_rows`]: writes a `(len, d)` matrix into rows `row0..row0 + len` of
+/// head `head`.
 fn put_head_rows(
     x: &mut [f32],
     rows: &[f32],
-    b: usize,
+    row0: usize,
+    len: usize,
     head: usize,
-    seqlen: usize,
     heads: usize,
     d: usize,
 ) {
-    for s in 0..seqlen {
-        x[((b * seqlen + s) * heads + head) * d..][..d].copy_from_slice(&rows[s * d..][..d]);
+    for r in 0..len {
+        x[((row0 + r) * heads + head) * d..][..d].copy_from_slice(&rows[r * d..][..d]);
     }
 }
 
@@ -317,30 +398,36 @@ fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
 }
 
-/// `(0..n).map(f)` on all cores, results in task order. `work` is the multiply-adds of one task.
+/// `(0..n).map(f)` on all cores, results in task order. `work` is the multiply-adds of all
+/// tasks together.
 fn par_map<T: Send>(n: usize, work: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |t| t.get())
         .min(n);
-    if threads <= 1 || n * work < MIN_PARALLEL_WORK {
+    if threads <= 1 || work < MIN_PARALLEL_WORK {
         return (0..n).map(f).collect();
     }
-    // Contiguous ranges of tasks per thread; the tasks of one call have equal sizes.
-    let chunk = n.div_ceil(threads);
-    std::thread::scope(|scope| {
+    // Thread w runs tasks w, w + threads, ...: neighbouring tasks (the heads of one sequence,
+    // or sequences of similar length) land on different threads, which balances the load of
+    // variable-length batches.
+    let results: Vec<Option<T>> = std::thread::scope(|scope| {
         let f = &f;
-        let workers: Vec<_> = (0..n)
-            .step_by(chunk)
-            .map(|start| {
-                scope.spawn(move || (start..(start + chunk).min(n)).map(f).collect::<Vec<T>>())
-            })
+        let workers: Vec<_> = (0..threads)
+            .map(|w| scope.spawn(move || (w..n).step_by(threads).map(f).collect::<Vec<T>>()))
             .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| {
-                w.join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-            .collect()
-    })
+        let mut results: Vec<Option<T>> = (0..n).map(|_| None).collect();
+        for (w, worker) in workers.into_iter().enumerate() {
+            let done = worker
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            for (t, r) in (w..n).step_by(threads).zip(done) {
+                results[t] = Some(r);
+            }
+        }
+        results
+    });
+    results
+        .into_iter()
+        .map(|r| r.expect("every task ran"))
+        .collect()
 }

@@ -13,7 +13,8 @@ use crate::params::Problem;
 pub(crate) struct FlashAttnOp {
     problem: Problem,
     deterministic: bool,
-    /// `(b, h, sq)` f32, written by `cpu_fwd` / `cuda_fwd`, read by `bwd`.
+    /// `(b, h, sq)` (packed: `(h, total_q)`) f32, written by `cpu_fwd` / `cuda_fwd`, read by
+    /// `bwd`.
     lse: Mutex<Option<Tensor>>,
 }
 
@@ -26,20 +27,20 @@ impl FlashAttnOp {
         }
     }
 
+    /// `(b, sq, h, d)`, or `(total_q, h, d)` when packed.
     pub fn out_shape(&self) -> Shape {
-        let s = self.problem.shape;
-        Shape::from((s.b, s.sq, s.h, s.d))
+        self.problem.q_shape()
     }
 
+    /// `(b, h, sq)`, or `(h, total_q)` when packed (see `Problem::lse_index`).
     fn lse_shape(&self) -> Shape {
-        let s = self.problem.shape;
-        Shape::from((s.b, s.h, s.sq))
+        self.problem.lse_shape()
     }
 
     /// Runs the op, returning `(out, lse)`.
     pub fn run(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let s = self.problem.shape;
-        if s.b * s.sq * s.h == 0 {
+        if s.total_q * s.h == 0 {
             // Nothing to compute: every output dimension product is zero.
             let out = Tensor::zeros(self.out_shape(), q.dtype(), q.device())?;
             let lse = Tensor::zeros(self.lse_shape(), DType::F32, q.device())?;
@@ -75,12 +76,14 @@ impl FlashAttnOp {
 
 /// The CUDA kernels read 16-byte chunks: every stride but the last, and the start offset, must
 /// be a multiple of 8 elements. A tensor that is not is copied once into a contiguous one.
-fn aligned(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn aligned(t: &Tensor) -> Result<Tensor> {
     if !t.device().is_cuda() {
         return Ok(t.clone());
     }
     let ok = t.layout().start_offset().is_multiple_of(8)
-        && t.stride()[..3].iter().all(|s| s.is_multiple_of(8));
+        && t.stride()[..t.rank() - 1]
+            .iter()
+            .all(|s| s.is_multiple_of(8));
     if ok {
         Ok(t.clone())
     } else {
@@ -148,8 +151,8 @@ impl CustomOp3 for OpHandle {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let op = &self.0;
         let lse = op.take_lse()?;
-        let (dq, dk, dv) =
-            FlashAttnBwdOp::new(op.problem, op.deterministic).run(q, k, v, out, grad_out, &lse)?;
+        let (dq, dk, dv) = FlashAttnBwdOp::new(op.problem.clone(), op.deterministic)
+            .run(q, k, v, out, grad_out, &lse)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

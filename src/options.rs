@@ -1,9 +1,17 @@
 //! The options type: one configuration for every attention entry point.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use candle::{Result, Tensor};
 
 use crate::fwd::FlashAttnOp;
-use crate::params::{self, Problem};
+use crate::padding::Padding;
+use crate::params::{self, AttnShape, Dropout, Problem};
+use crate::varlen::VarLen;
+
+/// The next RNG offset of calls that do not fix one: advanced by 1 per call with dropout, so
+/// two calls with the same seed drop different entries.
+static NEXT_RNG_OFFSET: AtomicU64 = AtomicU64::new(0);
 
 /// FlashAttention options. Build with [`FlashAttn::new`] and the builder methods, then call
 /// [`FlashAttn::forward`].
@@ -19,7 +27,7 @@ use crate::params::{self, Problem};
 /// assert_eq!(out.dims(), &[2, 16, 8, 64]);
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct FlashAttn {
     /// Multiplies q·kᵀ before the softmax; `None` means `1 / sqrt(head_dim)`. Must be > 0.
@@ -30,10 +38,38 @@ pub struct FlashAttn {
     /// Makes the CUDA backward pass bitwise reproducible (no floating-point atomics), at some
     /// cost in speed. The forward pass and the CPU backward are always deterministic.
     pub deterministic: bool,
+    /// Probability of dropping each attention probability (after the softmax), in `[0, 1)`;
+    /// kept ones are scaled by `1 / (1 - dropout_p)`. 0 (the default) disables dropout.
+    pub dropout_p: f32,
+    /// Seed of the dropout RNG (Philox4x32-10); [`FlashAttn::DEFAULT_SEED`] by default.
+    pub seed: u64,
+    /// RNG offset of the dropout mask. `None` (the default): every call with dropout takes
+    /// the next value of a process-wide counter, so two calls drop different entries. `Some`:
+    /// the given offset, so that the same `(seed, offset)` reproduces a mask (and
+    /// [`crate::dropout_mask`] can show it to tests).
+    pub rng_offset: Option<u64>,
+}
+
+impl Default for FlashAttn {
+    fn default() -> Self {
+        Self {
+            softmax_scale: None,
+            causal: false,
+            deterministic: false,
+            dropout_p: 0.0,
+            seed: Self::DEFAULT_SEED,
+            rng_offset: None,
+        }
+    }
 }
 
 impl FlashAttn {
-    /// Default options: scale `1 / sqrt(head_dim)`, no mask, non-deterministic backward.
+    /// The dropout seed used unless [`FlashAttn::seed`] sets one (the first 64 bits of the
+    /// fractional part of pi).
+    pub const DEFAULT_SEED: u64 = 0x243F_6A88_85A3_08D3;
+
+    /// Default options: scale `1 / sqrt(head_dim)`, no mask, no dropout, non-deterministic
+    /// backward.
     pub fn new() -> Self {
         Self::default()
     }
@@ -56,6 +92,51 @@ impl FlashAttn {
         self
     }
 
+    /// Sets the dropout probability `p` in `[0, 1)` (checked when the op runs). Entry
+    /// (query `i`, key `j`) of batch `b`, query head `h` is dropped by a counter-based RNG
+    /// keyed by `(seed, offset, b, h, i, j)`; the backward regenerates the same mask, and the
+    /// CPU and CUDA paths drop the same entries. The row log-sum-exp of
+    /// [`FlashAttn::forward_with_lse`] is that of the probabilities before dropout.
+    pub fn dropout(mut self, p: f32) -> Self {
+        self.dropout_p = p;
+        self
+    }
+
+    /// Sets the dropout seed.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Fixes the dropout RNG offset instead of taking the next value of the process-wide
+    /// counter: with the same seed, the same mask every call.
+    pub fn rng_offset(mut self, offset: u64) -> Self {
+        self.rng_offset = Some(offset);
+        self
+    }
+
+    /// The problem description of one call: checks the scale and dropout probability, draws
+    /// the RNG offset.
+    fn problem(&self, shape: AttnShape, varlen: Option<&VarLen>) -> Result<Problem> {
+        let scale = self.softmax_scale.unwrap_or(1.0 / (shape.d as f32).sqrt());
+        params::check_scale(scale)?;
+        params::check_dropout(self.dropout_p)?;
+        let dropout = (self.dropout_p > 0.0).then(|| Dropout {
+            p: self.dropout_p,
+            seed: self.seed,
+            offset: self
+                .rng_offset
+                .unwrap_or_else(|| NEXT_RNG_OFFSET.fetch_add(1, Ordering::Relaxed)),
+        });
+        Ok(Problem {
+            shape,
+            scale,
+            causal: self.causal,
+            dropout,
+            varlen: varlen.map(VarLen::offsets),
+        })
+    }
+
     /// Exact attention `softmax(scale · q kᵀ + mask) v`.
     ///
     /// - `q`: `(batch, seqlen_q, num_heads, head_dim)`
@@ -69,8 +150,11 @@ impl FlashAttn {
     /// `backward()` through the result gives gradients for q, k and v. A seqlen of 0 gives an
     /// empty result; `seqlen_k == 0` gives zeros.
     ///
+    /// With [`FlashAttn::dropout`], kept probabilities are scaled by `1 / (1 - p)`; the
+    /// backward uses the same mask.
+    ///
     /// Errors name the argument and the expected value (rank, shapes, dtypes, devices,
-    /// head_dim, contiguity, scale).
+    /// head_dim, contiguity, scale, dropout_p).
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         Ok(self.forward_with_lse(q, k, v)?.0)
     }
@@ -81,14 +165,78 @@ impl FlashAttn {
     /// gradient.
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let shape = params::validate(q, k, v)?;
-        let scale = self.softmax_scale.unwrap_or(1.0 / (shape.d as f32).sqrt());
-        params::check_scale(scale)?;
-        let problem = Problem {
-            shape,
-            scale,
-            causal: self.causal,
-        };
-        FlashAttnOp::new(problem, self.deterministic).run(q, k, v)
+        FlashAttnOp::new(self.problem(shape, None)?, self.deterministic).run(q, k, v)
+    }
+
+    /// Attention over a packed batch of variable-length sequences (no work is spent on
+    /// padding): sequence `b` attends with its query rows `cu_seqlens_q[b]..cu_seqlens_q[b +
+    /// 1]` to its key rows `cu_seqlens_k[b]..cu_seqlens_k[b + 1]` only, as if each were its
+    /// own batch of 1 (causal alignment, MQA/GQA, dropout per sequence).
+    ///
+    /// - `q`: `(total_q, num_heads, head_dim)`; `k`, `v`: `(total_k, num_heads_k, head_dim)`;
+    /// - `varlen`: the offsets, with `total_q = cu_seqlens_q[num_seqs]` and
+    ///   `total_k = cu_seqlens_k[num_seqs]`.
+    ///
+    /// Returns `(total_q, num_heads, head_dim)` in the input dtype; differentiable like
+    /// [`FlashAttn::forward`]. Query rows that see no key (a sequence with no key, or the
+    /// causal mask) give zeros. Dtypes, head_dim and the other options as in
+    /// [`FlashAttn::forward`]. Dropout: see [`crate::dropout_mask`] for the mask of each
+    /// sequence.
+    ///
+    /// Errors: the errors of [`FlashAttn::forward`] (with rank 3 instead of 4), and a last
+    /// offset of `cu_seqlens_q` (`cu_seqlens_k`) that differs from q's (k's) rows.
+    pub fn forward_varlen(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        varlen: &VarLen,
+    ) -> Result<Tensor> {
+        Ok(self.forward_varlen_with_lse(q, k, v, varlen)?.0)
+    }
+
+    /// Like [`FlashAttn::forward_varlen`], also returning the row log-sum-exp of the scaled
+    /// scores, `(num_heads, total_q)` in f32 (`-inf` for rows that see no key), FlashAttention's
+    /// packed LSE layout. It carries no gradient.
+    pub fn forward_varlen_with_lse(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        varlen: &VarLen,
+    ) -> Result<(Tensor, Tensor)> {
+        let shape = params::validate_varlen(q, k, v, varlen)?;
+        FlashAttnOp::new(self.problem(shape, Some(varlen))?, self.deterministic).run(q, k, v)
+    }
+
+    /// Attention over a padded batch: packs the real tokens ([`Padding::unpad`]), runs
+    /// [`FlashAttn::forward_varlen`] and scatters the result back ([`Padding::pad`]).
+    ///
+    /// - `q`: `(batch, seqlen_q, num_heads, head_dim)` with `q_pad` its `(batch, seqlen_q)`
+    ///   padding; `k`, `v`: `(batch, seqlen_k, num_heads_k, head_dim)` with `kv_pad`.
+    ///
+    /// Returns `(batch, seqlen_q, num_heads, head_dim)`: each sequence's real query tokens
+    /// attend to its real key tokens only (causal masks align each sequence's real tokens
+    /// bottom-right), and padded query rows are zeros. The same result as a loop over the
+    /// sequences; differentiable (padded positions get zero gradients).
+    ///
+    /// Errors: tensors whose first two dimensions do not match their padding, paddings of
+    /// different batch sizes, and the errors of [`FlashAttn::forward_varlen`].
+    pub fn forward_padded(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        q_pad: &Padding,
+        kv_pad: &Padding,
+    ) -> Result<Tensor> {
+        let varlen = VarLen::from_padding(q_pad, kv_pad)?;
+        let (q, k, v) = (
+            q_pad.unpad_named(q, "q")?,
+            kv_pad.unpad_named(k, "k")?,
+            kv_pad.unpad_named(v, "v")?,
+        );
+        q_pad.pad(&self.forward_varlen(&q, &k, &v, &varlen)?)
     }
 }
 

@@ -1,12 +1,14 @@
 //! Validation of the user's tensors, and the problem description shared by the CPU and CUDA
 //! paths. Every error names the argument that failed and what was expected.
 
-use candle::{bail, DType, Device, Result, Tensor};
+use candle::{bail, DType, Device, Result, Shape, Tensor};
 
 /// Largest head dimension the kernels are instantiated for.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// Sizes of one attention call. q is `(b, sq, h, d)`, k and v are `(b, sk, hk, d)`.
+/// Sizes of one attention call. Fixed length: q is `(b, sq, h, d)`, k and v are
+/// `(b, sk, hk, d)`. Variable length (packed): q is `(total_q, h, d)`, k and v are
+/// `(total_k, hk, d)`, `b` is the number of sequences and `sq`, `sk` their maximum lengths.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AttnShape {
     pub b: usize,
@@ -15,14 +17,31 @@ pub(crate) struct AttnShape {
     pub h: usize,
     pub hk: usize,
     pub d: usize,
+    /// Query rows over all sequences: `b * sq` for fixed length.
+    pub total_q: usize,
+    /// Key rows over all sequences: `b * sk` for fixed length.
+    pub total_k: usize,
 }
 
 impl AttnShape {
+    /// A fixed-length problem.
+    pub fn fixed(b: usize, sq: usize, sk: usize, h: usize, hk: usize, d: usize) -> Self {
+        Self {
+            b,
+            sq,
+            sk,
+            h,
+            hk,
+            d,
+            total_q: b * sq,
+            total_k: b * sk,
+        }
+    }
     pub fn q_elems(&self) -> usize {
-        self.b * self.sq * self.h * self.d
+        self.total_q * self.h * self.d
     }
     pub fn kv_elems(&self) -> usize {
-        self.b * self.sk * self.hk * self.d
+        self.total_k * self.hk * self.d
     }
     /// Query heads that share one K/V head.
     pub fn group(&self) -> usize {
@@ -30,39 +49,126 @@ impl AttnShape {
     }
 }
 
-/// Everything the kernels need besides the data: sizes, scale and mask.
+/// Attention dropout: kept probabilities are scaled by `1 / (1 - p)`. Entry (query i, key j)
+/// of sequence `b`, head `h` is kept iff [`crate::philox::keep`] says so for the counter
+/// `(seed, offset, b, h, i, j)`, on the CPU and on CUDA alike (src/philox.rs, cuda/philox.cuh).
 #[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Dropout {
+    pub p: f32,
+    pub seed: u64,
+    pub offset: u64,
+}
+
+/// Cumulative sequence offsets of a packed (variable-length) batch, on the host:
+/// sequence `b` owns query rows `cu_q[b]..cu_q[b + 1]` and key rows `cu_k[b]..cu_k[b + 1]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SeqOffsets {
+    pub cu_q: Vec<u32>,
+    pub cu_k: Vec<u32>,
+}
+
+/// Everything the kernels need besides the data: sizes, scale, mask, dropout, packing.
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Problem {
     pub shape: AttnShape,
     /// Multiplies q·k before the softmax.
     pub scale: f32,
-    /// Bottom-right aligned causal mask: query i sees key j iff j <= i + sk - sq.
+    /// Bottom-right aligned causal mask: query i sees key j iff j <= i + sk - sq, with the
+    /// lengths of i's own sequence.
     pub causal: bool,
+    pub dropout: Option<Dropout>,
+    /// `Some` for packed variable-length batches.
+    pub varlen: Option<std::sync::Arc<SeqOffsets>>,
 }
 
 impl Problem {
-    /// Last key index query row `i` may see, plus one (bottom-right alignment), clamped to
-    /// `[0, sk]`. A result of 0 means the row sees no key.
-    pub fn key_end(&self, i: usize) -> usize {
-        let sk = self.shape.sk;
+    /// First query row and length of sequence `b` (rows of the packed or flattened q).
+    pub fn seq_q(&self, b: usize) -> (usize, usize) {
+        match &self.varlen {
+            Some(o) => (o.cu_q[b] as usize, (o.cu_q[b + 1] - o.cu_q[b]) as usize),
+            None => (b * self.shape.sq, self.shape.sq),
+        }
+    }
+
+    /// First key row and length of sequence `b`.
+    pub fn seq_k(&self, b: usize) -> (usize, usize) {
+        match &self.varlen {
+            Some(o) => (o.cu_k[b] as usize, (o.cu_k[b + 1] - o.cu_k[b]) as usize),
+            None => (b * self.shape.sk, self.shape.sk),
+        }
+    }
+
+    /// Index into the LSE of row `i` of sequence `b`, head `h`. Fixed length: LSE is
+    /// `(b, h, sq)`; packed: `(h, total_q)`.
+    pub fn lse_index(&self, b: usize, h: usize, i: usize) -> usize {
+        match &self.varlen {
+            Some(o) => h * self.shape.total_q + o.cu_q[b] as usize + i,
+            None => (b * self.shape.h + h) * self.shape.sq + i,
+        }
+    }
+
+    /// Shape of q, the output and dq: `(b, sq, h, d)`, or `(total_q, h, d)` when packed.
+    pub fn q_shape(&self) -> Shape {
+        let s = self.shape;
+        match self.varlen {
+            Some(_) => Shape::from((s.total_q, s.h, s.d)),
+            None => Shape::from((s.b, s.sq, s.h, s.d)),
+        }
+    }
+
+    /// Shape of k, v, dk and dv: `(b, sk, hk, d)`, or `(total_k, hk, d)` when packed.
+    pub fn kv_shape(&self) -> Shape {
+        let s = self.shape;
+        match self.varlen {
+            Some(_) => Shape::from((s.total_k, s.hk, s.d)),
+            None => Shape::from((s.b, s.sk, s.hk, s.d)),
+        }
+    }
+
+    /// Shape of the f32 LSE (see [`Problem::lse_index`]): `(b, h, sq)`, or `(h, total_q)`
+    /// when packed.
+    pub fn lse_shape(&self) -> Shape {
+        let s = self.shape;
+        match self.varlen {
+            Some(_) => Shape::from((s.h, s.total_q)),
+            None => Shape::from((s.b, s.h, s.sq)),
+        }
+    }
+
+    /// Exclusive end of the keys query row `i` may see, for a sequence with `sq` queries and
+    /// `sk` keys (bottom-right alignment), clamped to `[0, sk]`. 0: the row sees no key.
+    pub fn key_end(&self, i: usize, sq: usize, sk: usize) -> usize {
         if !self.causal {
             return sk;
         }
-        let end = i as i64 + 1 + sk as i64 - self.shape.sq as i64;
+        let end = i as i64 + 1 + sk as i64 - sq as i64;
         end.clamp(0, sk as i64) as usize
     }
 }
 
-fn dims4(t: &Tensor, name: &str, what: &str) -> Result<(usize, usize, usize, usize)> {
+/// Dimensions of one of q, k, v as `(batch, rows, heads, head_dim)`; packed tensors have a
+/// batch of 1 and all their rows.
+type Dims = (usize, usize, usize, usize);
+
+pub(crate) fn dims4(t: &Tensor, name: &str, what: &str) -> Result<Dims> {
     match t.dims() {
         &[a, b, c, d] => Ok((a, b, c, d)),
         dims => bail!("{name}: expected rank 4 {what}, got shape {dims:?}"),
     }
 }
 
-fn check_last_dim_contiguous(t: &Tensor, name: &str) -> Result<()> {
-    let stride = t.stride()[3];
-    if stride != 1 && t.dim(3)? > 1 {
+fn dims3(t: &Tensor, name: &str, what: &str) -> Result<Dims> {
+    match t.dims() {
+        &[a, b, c] => Ok((1, a, b, c)),
+        dims => {
+            bail!("{name}: expected rank 3 {what} for a variable-length batch, got shape {dims:?}")
+        }
+    }
+}
+
+pub(crate) fn check_last_dim_contiguous(t: &Tensor, name: &str) -> Result<()> {
+    let last = t.rank() - 1;
+    if t.stride()[last] != 1 && t.dim(last)? > 1 {
         bail!(
             "{name}: the last dimension (head_dim) must be contiguous (stride 1), got strides {:?}",
             t.stride()
@@ -71,30 +177,32 @@ fn check_last_dim_contiguous(t: &Tensor, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Checks that q, k, v describe one attention problem: rank 4, matching batch, seqlen_k,
-/// num_heads_k and head_dim, `num_heads % num_heads_k == 0`, one dtype and one device.
-/// Shared by the kernels ([`validate`]) and by the oracle [`crate::attention_slow`], which
-/// accepts any dtype on any device.
-pub(crate) fn validate_shapes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttnShape> {
-    let (b, sq, h, d) = dims4(q, "q", "(batch, seqlen_q, num_heads, head_dim)")?;
-    let (bk, sk, hk, dk) = dims4(k, "k", "(batch, seqlen_k, num_heads_k, head_dim)")?;
-    let (bv, skv, hkv, dv) = dims4(v, "v", "(batch, seqlen_k, num_heads_k, head_dim)")?;
-    for (name, t) in [("k", k), ("v", v)] {
-        if !t.device().same_device(q.device()) {
-            bail!(
-                "{name}: expected the same device as q ({:?}), got {:?}",
-                q.device().location(),
-                t.device().location()
-            )
-        }
-        if t.dtype() != q.dtype() {
-            bail!(
-                "{name}: expected the same dtype as q ({:?}), got {:?}",
-                q.dtype(),
-                t.dtype()
-            )
-        }
+/// Checks that `t` (named `name` in the message) has q's device and dtype.
+pub(crate) fn check_like_q(q: &Tensor, t: &Tensor, name: &str) -> Result<()> {
+    if !t.device().same_device(q.device()) {
+        bail!(
+            "{name}: expected the same device as q ({:?}), got {:?}",
+            q.device().location(),
+            t.device().location()
+        )
     }
+    if t.dtype() != q.dtype() {
+        bail!(
+            "{name}: expected the same dtype as q ({:?}), got {:?}",
+            q.dtype(),
+            t.dtype()
+        )
+    }
+    Ok(())
+}
+
+/// Checks that the dimensions of q, k, v describe one attention problem: matching batch,
+/// rows of k and v, num_heads_k and head_dim, `num_heads % num_heads_k == 0`, one dtype and
+/// one device. `rows` names the row dimension in messages ("seqlen" or "total rows").
+fn check_consistent(q: &Tensor, k: &Tensor, v: &Tensor, dims: [Dims; 3], rows: &str) -> Result<()> {
+    let [(b, _, h, d), (bk, sk, hk, dk), (bv, skv, hkv, dv)] = dims;
+    check_like_q(q, k, "k")?;
+    check_like_q(q, v, "v")?;
     if bk != b {
         bail!("k: batch size {bk} differs from q's {b}")
     }
@@ -102,7 +210,7 @@ pub(crate) fn validate_shapes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Attn
         bail!("v: batch size {bv} differs from q's {b}")
     }
     if skv != sk {
-        bail!("v: seqlen {skv} differs from k's seqlen {sk}")
+        bail!("v: {rows} {skv} differs from k's {rows} {sk}")
     }
     if hkv != hk {
         bail!("v: num_heads {hkv} differs from k's num_heads {hk}")
@@ -116,19 +224,71 @@ pub(crate) fn validate_shapes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Attn
     if hk == 0 || h % hk != 0 {
         bail!("k: num_heads_k {hk} must divide q's num_heads {h} (MQA/GQA)")
     }
-    Ok(AttnShape {
-        b,
-        sq,
-        sk,
-        h,
-        hk,
-        d,
-    })
+    Ok(())
+}
+
+/// Checks that q, k, v describe one attention problem: rank 4, matching batch, seqlen_k,
+/// num_heads_k and head_dim, `num_heads % num_heads_k == 0`, one dtype and one device.
+/// Shared by the kernels ([`validate`]) and by the oracle [`crate::attention_slow`], which
+/// accepts any dtype on any device.
+pub(crate) fn validate_shapes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttnShape> {
+    let dims = [
+        dims4(q, "q", "(batch, seqlen_q, num_heads, head_dim)")?,
+        dims4(k, "k", "(batch, seqlen_k, num_heads_k, head_dim)")?,
+        dims4(v, "v", "(batch, seqlen_k, num_heads_k, head_dim)")?,
+    ];
+    check_consistent(q, k, v, dims, "seqlen")?;
+    let [(b, sq, h, d), (_, sk, hk, _), _] = dims;
+    Ok(AttnShape::fixed(b, sq, sk, h, hk, d))
 }
 
 /// Checks q, k, v against each other and against what the device's kernels support.
 pub(crate) fn validate(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttnShape> {
     let shape = validate_shapes(q, k, v)?;
+    check_supported(q, k, v, &shape)?;
+    Ok(shape)
+}
+
+/// Checks packed q `(total_q, h, d)`, k and v `(total_k, hk, d)` against each other, against
+/// the offsets of `varlen` and against what the device's kernels support. The shape has
+/// `b` = number of sequences and `sq`, `sk` = their maximum lengths.
+pub(crate) fn validate_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    varlen: &crate::VarLen,
+) -> Result<AttnShape> {
+    let dims = [
+        dims3(q, "q", "(total_q, num_heads, head_dim)")?,
+        dims3(k, "k", "(total_k, num_heads_k, head_dim)")?,
+        dims3(v, "v", "(total_k, num_heads_k, head_dim)")?,
+    ];
+    check_consistent(q, k, v, dims, "total rows")?;
+    let [(_, total_q, h, d), (_, total_k, hk, _), _] = dims;
+    for (name, tensor, last, rows) in [
+        ("cu_seqlens_q", "q", varlen.total_q(), total_q),
+        ("cu_seqlens_k", "k", varlen.total_k(), total_k),
+    ] {
+        if last != rows {
+            bail!("{name}: last offset {last} differs from {tensor}'s total rows {rows}")
+        }
+    }
+    let shape = AttnShape {
+        b: varlen.num_seqs(),
+        sq: varlen.max_seqlen_q(),
+        sk: varlen.max_seqlen_k(),
+        h,
+        hk,
+        d,
+        total_q,
+        total_k,
+    };
+    check_supported(q, k, v, &shape)?;
+    Ok(shape)
+}
+
+/// What the kernels support: dtype per device, head_dim, a contiguous last dimension.
+pub(crate) fn check_supported(q: &Tensor, k: &Tensor, v: &Tensor, shape: &AttnShape) -> Result<()> {
     match (q.device(), q.dtype()) {
         (_, DType::F16 | DType::BF16) => {}
         (Device::Cpu, DType::F32) => {}
@@ -139,13 +299,13 @@ pub(crate) fn validate(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttnShape> 
     if d == 0 || d > MAX_HEAD_DIM {
         bail!("q: head_dim must be in 1..={MAX_HEAD_DIM}, got {d}")
     }
-    if q.device().is_cuda() && d % 8 != 0 {
+    if q.device().is_cuda() && !d.is_multiple_of(8) {
         bail!("q: head_dim must be a multiple of 8 on CUDA, got {d}")
     }
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         check_last_dim_contiguous(t, name)?;
     }
-    Ok(shape)
+    Ok(())
 }
 
 /// Checks the softmax scale the user gave.
@@ -154,4 +314,72 @@ pub(crate) fn check_scale(scale: f32) -> Result<()> {
         bail!("softmax_scale: expected a finite positive number, got {scale}")
     }
     Ok(())
+}
+
+/// Checks the dropout probability the user gave.
+pub(crate) fn check_dropout(p: f32) -> Result<()> {
+    if !(0.0..1.0).contains(&p) {
+        bail!("dropout_p: expected a value in [0, 1), got {p}")
+    }
+    Ok(())
+}
+
+/// How a KV cache is laid out in memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Paging {
+    /// `(b, capacity, hk, d)`: sequence `b` owns rows `0..capacity` of slice `b`.
+    Contiguous { capacity: usize },
+    /// `(num_pages, page_size, hk, d)` pages; token `j` of sequence `b` lives in page
+    /// `block_table[b * max_pages + j / page_size]`, row `j % page_size`.
+    Paged {
+        page_size: usize,
+        num_pages: usize,
+        max_pages: usize,
+        block_table: Vec<u32>,
+    },
+}
+
+impl Paging {
+    /// Tokens sequence `b` can hold.
+    pub fn capacity(&self) -> usize {
+        match self {
+            Paging::Contiguous { capacity } => *capacity,
+            Paging::Paged {
+                page_size,
+                max_pages,
+                ..
+            } => page_size * max_pages,
+        }
+    }
+}
+
+/// One KV-cache decoding call, after validation: `s_q` query tokens per sequence attend to
+/// the first `seqlens[b]` cached tokens of their sequence (causal among the last `s_q` if
+/// `causal`, bottom-right aligned). Appending new tokens is a separate in-place op that runs
+/// first, so `seqlens` already counts them.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct DecodeProblem {
+    pub b: usize,
+    pub s_q: usize,
+    pub h: usize,
+    pub hk: usize,
+    pub d: usize,
+    pub scale: f32,
+    pub causal: bool,
+    /// Tokens to attend to per sequence (host copy), each <= `paging.capacity()`.
+    pub seqlens: Vec<u32>,
+    pub paging: Paging,
+}
+
+/// One in-place append: `new` (b, s_new, hk, d) is written to cache rows
+/// `start[b]..start[b] + s_new` of sequence `b` (checked to fit by the caller).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct AppendProblem {
+    pub b: usize,
+    pub s_new: usize,
+    pub hk: usize,
+    pub d: usize,
+    /// Tokens already in the cache per sequence, before this append.
+    pub start: Vec<u32>,
+    pub paging: Paging,
 }

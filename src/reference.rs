@@ -1,6 +1,6 @@
 //! `attention_slow`: attention in plain Candle ops, the oracle the tests compare against.
 
-use candle::{DType, Result, Tensor, D};
+use candle::{bail, DType, Result, Tensor, D};
 
 use crate::params::{self, Problem};
 
@@ -30,12 +30,66 @@ pub fn attention_slow(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
+    slow(q, k, v, softmax_scale, causal, None)
+}
+
+/// [`attention_slow`] with dropout given as a mask: the probabilities are multiplied by
+/// `keep / (1 - dropout_p)` after the softmax. With `keep` from [`crate::dropout_mask`] and
+/// the same `dropout_p`, seed and offset, this is what [`crate::FlashAttn::forward`] with
+/// [`crate::FlashAttn::dropout`] computes: the oracle for dropout tests.
+///
+/// - `keep`: `(batch, num_heads, seqlen_q, seqlen_k)` on q's device, any dtype, 1 (or any
+///   nonzero value) keeps an entry, 0 drops it; it is used as a constant (no gradient);
+/// - `dropout_p` in `[0, 1)`;
+/// - the rest as in [`attention_slow`]; differentiable with Candle's autograd.
+///
+/// Errors: those of [`attention_slow`], a `keep` of another shape or device, `dropout_p`
+/// outside `[0, 1)`.
+pub fn attention_slow_dropout(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
+    keep: &Tensor,
+    dropout_p: f32,
+) -> Result<Tensor> {
+    slow(q, k, v, softmax_scale, causal, Some((keep, dropout_p)))
+}
+
+fn slow(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
+    dropout: Option<(&Tensor, f32)>,
+) -> Result<Tensor> {
     let shape = params::validate_shapes(q, k, v)?;
     params::check_scale(softmax_scale)?;
+    if let Some((keep, p)) = dropout {
+        params::check_dropout(p)?;
+        let expected = [shape.b, shape.h, shape.sq, shape.sk];
+        if keep.dims() != expected {
+            bail!(
+                "keep: expected shape (batch, num_heads, seqlen_q, seqlen_k) = {expected:?}, got {:?}",
+                keep.dims()
+            )
+        }
+        if !keep.device().same_device(q.device()) {
+            bail!(
+                "keep: expected the same device as q ({:?}), got {:?}",
+                q.device().location(),
+                keep.device().location()
+            )
+        }
+    }
     let problem = Problem {
         shape,
         scale: softmax_scale,
         causal,
+        dropout: None,
+        varlen: None,
     };
     let (b, sq, sk, h, d) = (shape.b, shape.sq, shape.sk, shape.h, shape.d);
     let (dev, dtype) = (q.device(), q.dtype());
@@ -52,7 +106,10 @@ pub fn attention_slow(
     let mut dead = Tensor::zeros((sq, 1), dtype, dev)?;
     if causal {
         let visible: Vec<u8> = (0..sq)
-            .flat_map(|i| (0..sk).map(move |j| u8::from(j < problem.key_end(i))))
+            .flat_map(|i| {
+                let end = problem.key_end(i, sq, sk);
+                (0..sk).map(move |j| u8::from(j < end))
+            })
             .collect();
         let visible = Tensor::from_vec(visible, (sq, sk), dev)?.broadcast_as(scores.shape())?;
         let neg_inf = Tensor::new(f32::NEG_INFINITY, dev)?
@@ -60,7 +117,7 @@ pub fn attention_slow(
             .broadcast_as(scores.shape())?;
         scores = visible.where_cond(&scores, &neg_inf)?;
         let dead_rows: Vec<f32> = (0..sq)
-            .map(|i| f32::from(u8::from(problem.key_end(i) == 0)))
+            .map(|i| f32::from(u8::from(problem.key_end(i, sq, sk) == 0)))
             .collect();
         dead = Tensor::from_vec(dead_rows, (sq, 1), dev)?.to_dtype(dtype)?;
     }
@@ -74,7 +131,11 @@ pub fn attention_slow(
     let row_max = is_dead.where_cond(&row_max.zeros_like()?, &row_max)?;
     let exp = scores.broadcast_sub(&row_max)?.exp()?;
     let denom = exp.sum_keepdim(D::Minus1)?.broadcast_add(&dead)?;
-    let probs = exp.broadcast_div(&denom)?;
+    let mut probs = exp.broadcast_div(&denom)?;
+    if let Some((keep, p)) = dropout {
+        let keep = keep.ne(&keep.zeros_like()?)?.to_dtype(dtype)?.detach();
+        probs = ((probs * keep)? * (1.0 / (1.0 - p as f64)))?;
+    }
     probs.matmul(&v)?.transpose(1, 2)?.contiguous() // (b, sq, h, d)
 }
 

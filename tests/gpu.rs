@@ -22,6 +22,20 @@ fn main() -> std::process::ExitCode {
     cuda_suite::main()
 }
 
+// Declared here rather than inside `cuda_suite`: a `#[path]` inside an inline module is
+// relative to tests/cuda_suite/, which does not exist.
+#[cfg(feature = "cuda")]
+#[path = "gpu/reliability.rs"]
+mod reliability;
+
+#[cfg(feature = "cuda")]
+#[path = "gpu/varlen_dropout.rs"]
+mod varlen_dropout;
+
+#[cfg(feature = "cuda")]
+#[path = "gpu/kvcache.rs"]
+mod kvcache;
+
 #[cfg(feature = "cuda")]
 mod cuda_suite {
     use std::process::ExitCode;
@@ -32,13 +46,13 @@ mod cuda_suite {
 
     /// Counts results and prints failures as they happen.
     #[derive(Default)]
-    struct Suite {
-        passed: usize,
-        failed: usize,
+    pub(crate) struct Suite {
+        pub(crate) passed: usize,
+        pub(crate) failed: usize,
     }
 
     impl Suite {
-        fn record(&mut self, name: &str, result: Result<()>) {
+        pub(crate) fn record(&mut self, name: &str, result: Result<()>) {
             match result {
                 Ok(()) => self.passed += 1,
                 Err(e) => {
@@ -51,15 +65,15 @@ mod cuda_suite {
     }
 
     #[derive(Clone, Copy, Debug)]
-    struct Case {
-        dtype: DType,
-        b: usize,
-        sq: usize,
-        sk: usize,
-        h: usize,
-        hk: usize,
-        d: usize,
-        causal: bool,
+    pub(crate) struct Case {
+        pub(crate) dtype: DType,
+        pub(crate) b: usize,
+        pub(crate) sq: usize,
+        pub(crate) sk: usize,
+        pub(crate) h: usize,
+        pub(crate) hk: usize,
+        pub(crate) d: usize,
+        pub(crate) causal: bool,
     }
 
     impl std::fmt::Display for Case {
@@ -72,13 +86,13 @@ mod cuda_suite {
         }
     }
 
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         let a = a.to_dtype(DType::F32)?;
         let b = b.to_dtype(DType::F32)?;
         a.sub(&b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 
-    fn has_nan(t: &Tensor) -> Result<bool> {
+    pub(crate) fn has_nan(t: &Tensor) -> Result<bool> {
         let t = t.to_dtype(DType::F32)?.flatten_all()?;
         let n = t
             .ne(&t)?
@@ -318,7 +332,7 @@ mod cuda_suite {
     }
 
     /// Gradients of `sum(out * w)` for q, k, v through `attn`, in the inputs' dtype.
-    fn grads_of(
+    pub(crate) fn grads_of(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -493,7 +507,8 @@ mod cuda_suite {
             opt.step(&grads)?;
         }
         let last = loss_of()?.to_scalar::<f32>()?;
-        if !(last < first) {
+        // NaN must fail too, hence not `last >= first`.
+        if last.partial_cmp(&first) != Some(std::cmp::Ordering::Less) {
             candle::bail!("loss did not decrease: {first} -> {last}");
         }
         println!("training step: loss {first:.4} -> {last:.4} after 5 SGD steps");
@@ -626,6 +641,20 @@ mod cuda_suite {
         if !quick {
             suite.record("linear memory", linear_memory(&dev));
         }
+        let start_vd = Instant::now();
+        crate::varlen_dropout::run(&dev, quick, &mut suite);
+        println!(
+            "varlen, padding, dropout: {:.1}s",
+            start_vd.elapsed().as_secs_f32()
+        );
+        let start_kv = Instant::now();
+        let failed_before = suite.failed;
+        crate::kvcache::run(&dev, quick, &mut suite);
+        println!(
+            "kv-cache decoding: {} failed ({:.1}s)",
+            suite.failed - failed_before,
+            start_kv.elapsed().as_secs_f32()
+        );
         suite.record("strided inputs", strided_inputs(&dev));
         suite.record(
             "repeatable forward",
@@ -634,6 +663,7 @@ mod cuda_suite {
         suite.record("cpu op vs cuda attention_slow", cpu_vs_cuda(&dev));
         suite.record("cuda input errors", cuda_errors(&dev));
 
+        crate::reliability::run(&dev, quick, &mut suite);
         println!("elapsed {:.1}s", start.elapsed().as_secs_f32());
         println!("gpu: {} passed, {} failed", suite.passed, suite.failed);
         if suite.failed == 0 {

@@ -1,5 +1,9 @@
 //! CUDA launchers: the `#[repr(C)]` twin of `cuda/params.cuh`, kernel selection per dtype and
-//! head dim, and the launches themselves.
+//! head dim, and the launches themselves. Attention forward/backward here; KV-cache append
+//! and decoding in [`decode`].
+
+mod decode;
+pub(crate) use decode::{append, decode};
 
 use std::sync::Arc;
 
@@ -8,13 +12,14 @@ use candle::cuda_backend::cudarc::driver::result::memset_d8_async;
 use candle::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
 use candle::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    SyncOnDrop,
 };
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
 use crate::params::Problem;
-use crate::ptx;
+use crate::{philox, ptx};
 
 /// Mirror of `struct AttnParams` in `cuda/params.cuh`; same field order.
 #[repr(C)]
@@ -25,6 +30,8 @@ struct AttnParams {
     v: CUdeviceptr,
     o: CUdeviceptr,
     lse: CUdeviceptr,
+    cu_seqlens_q: CUdeviceptr,
+    cu_seqlens_k: CUdeviceptr,
     q_batch_stride: i64,
     q_row_stride: i64,
     q_head_stride: i64,
@@ -37,6 +44,8 @@ struct AttnParams {
     o_batch_stride: i64,
     o_row_stride: i64,
     o_head_stride: i64,
+    lse_batch_stride: i64,
+    lse_head_stride: i64,
     b: i32,
     h: i32,
     h_k: i32,
@@ -48,6 +57,12 @@ struct AttnParams {
     scale_log2: f32,
     window_left: i32,
     window_right: i32,
+    drop_threshold: u32,
+    rp_keep: f32,
+    seed_lo: u32,
+    seed_hi: u32,
+    offset_lo: u32,
+    offset_hi: u32,
 }
 
 // SAFETY: plain-old-data with the C layout of `AttnParams`, passed by value as a kernel argument.
@@ -72,14 +87,26 @@ struct BwdParams {
 unsafe impl DeviceRepr for BwdParams {}
 
 impl AttnParams {
-    /// Sizes, strides, scale and mask of a problem; pointers are filled in by the launchers.
-    /// The output (and dO, dQ) are contiguous `(b, sq, h, d)`.
+    /// Sizes, strides, scale, mask and dropout of a problem; pointers are filled in by the
+    /// launchers. The output (and dO, dQ) are contiguous, like q without its strides.
     fn new(problem: &Problem, ql: &Layout, kl: &Layout, vl: &Layout) -> Result<Self> {
         let s = problem.shape;
+        let packed = problem.varlen.is_some();
         let [q_batch_stride, q_row_stride, q_head_stride] = strides3(ql);
         let [k_batch_stride, k_row_stride, k_head_stride] = strides3(kl);
         let [v_batch_stride, v_row_stride, v_head_stride] = strides3(vl);
-        Ok(Self {
+        let (o_row_stride, o_head_stride) = ((s.h * s.d) as i64, s.d as i64);
+        let o_batch_stride = if packed {
+            0
+        } else {
+            s.sq as i64 * o_row_stride
+        };
+        let (lse_batch_stride, lse_head_stride) = if packed {
+            (0, s.total_q as i64)
+        } else {
+            ((s.h * s.sq) as i64, s.sq as i64)
+        };
+        let mut params = Self {
             q_batch_stride,
             q_row_stride,
             q_head_stride,
@@ -89,9 +116,11 @@ impl AttnParams {
             v_batch_stride,
             v_row_stride,
             v_head_stride,
-            o_batch_stride: (s.sq * s.h * s.d) as i64,
-            o_row_stride: (s.h * s.d) as i64,
-            o_head_stride: s.d as i64,
+            o_batch_stride,
+            o_row_stride,
+            o_head_stride,
+            lse_batch_stride,
+            lse_head_stride,
             b: to_i32(s.b, "batch")?,
             h: to_i32(s.h, "num_heads")?,
             h_k: to_i32(s.hk, "num_heads_k")?,
@@ -104,13 +133,54 @@ impl AttnParams {
             window_left: -1,
             window_right: if problem.causal { 0 } else { -1 },
             ..Self::default()
-        })
+        };
+        to_i32(s.total_q.max(s.total_k), "total rows")?;
+        if let Some(d) = &problem.dropout {
+            params.drop_threshold = philox::drop_threshold(d.p);
+            params.rp_keep = 1.0 / (1.0 - d.p);
+            (params.seed_lo, params.seed_hi) = (d.seed as u32, (d.seed >> 32) as u32);
+            (params.offset_lo, params.offset_hi) = (d.offset as u32, (d.offset >> 32) as u32);
+        }
+        Ok(params)
     }
+}
+
+/// Device copies of a packed batch's cumulative offsets (i32, as the kernels read them);
+/// `None` for fixed length. Kept alive until the launches are queued (freed in stream order).
+fn seq_offsets(
+    problem: &Problem,
+    dev: &candle::CudaDevice,
+) -> Result<Option<(CudaSlice<i32>, CudaSlice<i32>)>> {
+    let Some(offsets) = &problem.varlen else {
+        return Ok(None);
+    };
+    let to_dev = |cu: &[u32]| -> Result<CudaSlice<i32>> {
+        let cu: Vec<i32> = cu.iter().map(|&x| x as i32).collect();
+        dev.clone_htod(&cu)
+    };
+    Ok(Some((to_dev(&offsets.cu_q)?, to_dev(&offsets.cu_k)?)))
+}
+
+/// Fills the pointers of the packed-batch offsets into `params`.
+fn set_seq_offsets<'a>(
+    params: &mut AttnParams,
+    offsets: &'a Option<(CudaSlice<i32>, CudaSlice<i32>)>,
+    stream: &'a Arc<CudaStream>,
+) -> Vec<SyncOnDrop<'a>> {
+    let mut syncs = vec![];
+    if let Some((cu_q, cu_k)) = offsets {
+        let (q_ptr, q_sync) = cu_q.device_ptr(stream);
+        let (k_ptr, k_sync) = cu_k.device_ptr(stream);
+        (params.cu_seqlens_q, params.cu_seqlens_k) = (q_ptr, k_ptr);
+        syncs.push(q_sync);
+        syncs.push(k_sync);
+    }
+    syncs
 }
 
 /// Forward tile shape for one compiled head dim; mirror of `FwdConfig` in `cuda/traits.cuh`.
 #[derive(Clone, Copy, Debug)]
-struct FwdTile {
+pub(super) struct FwdTile {
     d: usize,
     bm: usize,
     bn: usize,
@@ -181,8 +251,10 @@ fn launch<P: DeviceRepr>(
     }
     let (module, ptx) = if name.starts_with("flash_fwd") {
         ("candle_flash_fwd", ptx::FWD)
-    } else {
+    } else if name.starts_with("flash_bwd") {
         ("candle_flash_bwd", ptx::BWD)
+    } else {
+        ("candle_flash_decode", ptx::DECODE)
     };
     let func = dev.get_or_load_custom_func(name, module, ptx)?;
     func.set_attribute(
@@ -211,10 +283,14 @@ fn dtype_name(dtype: DType) -> Result<&'static str> {
     }
 }
 
-/// `(batch, row, head)` strides of a rank-4 layout whose last dim is contiguous.
+/// `(batch, row, head)` strides of a `(b, s, h, d)` layout, or `(0, row, head)` of a packed
+/// `(total, h, d)` one; the last dim is contiguous.
 fn strides3(layout: &Layout) -> [i64; 3] {
-    let s = layout.stride();
-    [s[0] as i64, s[1] as i64, s[2] as i64]
+    match layout.stride() {
+        [b, r, h, _] => [*b as i64, *r as i64, *h as i64],
+        [r, h, _] => [0, *r as i64, *h as i64],
+        other => unreachable!("validated rank 3 or 4 layout, got strides {other:?}"),
+    }
 }
 
 fn to_i32(x: usize, what: &str) -> Result<i32> {
@@ -255,12 +331,14 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     let v_view = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
     // SAFETY: every element of out and lse is written by the kernel (rows < sq, cols < d).
     let mut out = unsafe { dev.alloc::<T>(s.q_elems())? };
-    let mut lse = unsafe { dev.alloc::<f32>(s.b * s.h * s.sq)? };
+    let mut lse = unsafe { dev.alloc::<f32>(s.h * s.total_q)? };
     poison(&stream, &mut out)?;
     poison(&stream, &mut lse)?;
 
     let mut params = AttnParams::new(problem, ql, kl, vl)?;
+    let offsets = seq_offsets(problem, &dev)?;
     {
+        let _offset_syncs = set_seq_offsets(&mut params, &offsets, &stream);
         let (q_ptr, _q_sync) = q_view.device_ptr(&stream);
         let (k_ptr, _k_sync) = k_view.device_ptr(&stream);
         let (v_ptr, _v_sync) = v_view.device_ptr(&stream);
@@ -382,17 +460,24 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
     // SAFETY: the kernels write every element of dq, dk, dv (rows < seqlen, cols < d) and
     // every row of dsum before it is read.
     let mut grads = unsafe { dev.alloc::<T>(nq + 2 * nkv)? };
-    let mut dsum = unsafe { dev.alloc::<f32>(s.b * s.h * s.sq)? };
+    let mut dsum = unsafe { dev.alloc::<f32>(s.h * s.total_q)? };
     poison(&stream, &mut grads)?;
 
+    let packed = problem.varlen.is_some();
     let mut params = BwdParams {
         a: AttnParams::new(problem, ql, kl, vl)?,
-        dk_batch_stride: (s.sk * s.hk * s.d) as i64,
+        dk_batch_stride: if packed {
+            0
+        } else {
+            (s.sk * s.hk * s.d) as i64
+        },
         dk_row_stride: (s.hk * s.d) as i64,
         dk_head_stride: s.d as i64,
         ..BwdParams::default()
     };
+    let offsets = seq_offsets(problem, &dev)?;
     {
+        let _offset_syncs = set_seq_offsets(&mut params.a, &offsets, &stream);
         let (q_ptr, _q_sync) = q_view.device_ptr(&stream);
         let (k_ptr, _k_sync) = k_view.device_ptr(&stream);
         let (v_ptr, _v_sync) = v_view.device_ptr(&stream);

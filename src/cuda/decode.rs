@@ -1,0 +1,323 @@
+//! KV-cache launchers: the in-place append and split-KV decoding (`cuda/decode.cu`).
+
+use std::sync::Arc;
+
+use candle::backend::BackendStorage;
+use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use candle::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
+};
+use candle::cuda_backend::{CudaDType, WrapErr};
+use candle::{bail, CudaStorage, DType, Layout, Result};
+use half::{bf16, f16};
+
+use super::{dtype_name, launch, poison, to_i32, AttnParams, FwdTile};
+use crate::params::{AppendProblem, DecodeProblem, Paging};
+
+/// Mirror of `struct DecodeParams` in `cuda/params.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct DecodeParams {
+    a: AttnParams,
+    seqlens: CUdeviceptr,
+    block_table: CUdeviceptr,
+    max_pages: i32,
+    page_size: i32,
+    num_splits: i32,
+    o_partial: CUdeviceptr,
+    lse_partial: CUdeviceptr,
+}
+
+// SAFETY: plain-old-data with the C layout of `DecodeParams`, passed by value.
+unsafe impl DeviceRepr for DecodeParams {}
+
+/// Mirror of `struct AppendParams` in `cuda/params.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AppendParams {
+    cache: CUdeviceptr,
+    src: CUdeviceptr,
+    cache_page_stride: i64,
+    cache_row_stride: i64,
+    cache_head_stride: i64,
+    src_batch_stride: i64,
+    src_row_stride: i64,
+    src_head_stride: i64,
+    start: CUdeviceptr,
+    block_table: CUdeviceptr,
+    max_pages: i32,
+    page_size: i32,
+    d: i32,
+}
+
+// SAFETY: as above.
+unsafe impl DeviceRepr for AppendParams {}
+
+/// Decode tile shape, mirror of `DecodeConfig` in `cuda/decode.cu`: one warp, 16 packed rows.
+const DECODE_ROWS: usize = 16;
+fn decode_keys_per_tile(d: usize) -> usize {
+    if d <= 128 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Strides `(page or batch, row, head)` of a rank-4 cache layout.
+fn strides3(layout: &Layout) -> [i64; 3] {
+    let s = layout.stride();
+    [s[0] as i64, s[1] as i64, s[2] as i64]
+}
+
+fn to_device_i32(dev: &candle::CudaDevice, xs: &[u32]) -> Result<CudaSlice<i32>> {
+    let xs: Vec<i32> = xs.iter().map(|&x| x as i32).collect();
+    dev.clone_htod(&xs)
+}
+
+/// `(block_table, max_pages, page_size)` for the kernels; no table for a contiguous cache.
+fn paging_args(
+    dev: &candle::CudaDevice,
+    paging: &Paging,
+) -> Result<(Option<CudaSlice<i32>>, i32, i32)> {
+    Ok(match paging {
+        Paging::Contiguous { capacity } => (None, 0, to_i32(*capacity, "capacity")?),
+        Paging::Paged {
+            page_size,
+            max_pages,
+            block_table,
+            ..
+        } => (
+            Some(to_device_i32(dev, block_table)?),
+            to_i32(*max_pages, "max_pages")?,
+            to_i32(*page_size, "page_size")?,
+        ),
+    })
+}
+
+fn device_ptr_opt<'a>(
+    x: &'a Option<CudaSlice<i32>>,
+    stream: &'a Arc<CudaStream>,
+    syncs: &mut Vec<SyncOnDrop<'a>>,
+) -> CUdeviceptr {
+    match x {
+        Some(x) => {
+            let (ptr, sync) = x.device_ptr(stream);
+            syncs.push(sync);
+            ptr
+        }
+        None => 0,
+    }
+}
+
+/// Writes `new` `(b, s_new, hk, d)` into the cache rows `start[b]..` of each sequence, in
+/// place. The caller checked that every row fits (and, paged, that its page is mapped).
+pub(crate) fn append(
+    problem: &AppendProblem,
+    cache: &mut CudaStorage,
+    cache_layout: &Layout,
+    new: &CudaStorage,
+    new_layout: &Layout,
+) -> Result<()> {
+    match cache.dtype() {
+        DType::F16 => append_typed::<f16>(problem, cache, cache_layout, new, new_layout),
+        DType::BF16 => append_typed::<bf16>(problem, cache, cache_layout, new, new_layout),
+        dt => bail!("k_cache: dtype {dt:?} is not supported on CUDA, expected F16 or BF16"),
+    }
+}
+
+fn append_typed<T: CudaDType + DeviceRepr>(
+    problem: &AppendProblem,
+    cache: &mut CudaStorage,
+    cache_layout: &Layout,
+    new: &CudaStorage,
+    new_layout: &Layout,
+) -> Result<()> {
+    if problem.b * problem.s_new * problem.hk == 0 {
+        return Ok(());
+    }
+    let dev = cache.device.clone();
+    let stream = dev.cuda_stream();
+    let dtype = dtype_name(cache.dtype())?;
+    let start = Some(to_device_i32(&dev, &problem.start)?);
+    let (block_table, max_pages, page_size) = paging_args(&dev, &problem.paging)?;
+    let [cache_page_stride, cache_row_stride, cache_head_stride] = strides3(cache_layout);
+    let [src_batch_stride, src_row_stride, src_head_stride] = strides3(new_layout);
+    let new_view = new.as_cuda_slice::<T>()?.slice(new_layout.start_offset()..);
+    let mut cache_view = cache
+        .as_cuda_slice_mut::<T>()?
+        .slice_mut(cache_layout.start_offset()..);
+    let mut syncs = vec![];
+    let (cache_ptr, cache_sync) = cache_view.device_ptr_mut(&stream);
+    let (src_ptr, src_sync) = new_view.device_ptr(&stream);
+    let params = AppendParams {
+        cache: cache_ptr,
+        src: src_ptr,
+        cache_page_stride,
+        cache_row_stride,
+        cache_head_stride,
+        src_batch_stride,
+        src_row_stride,
+        src_head_stride,
+        start: device_ptr_opt(&start, &stream, &mut syncs),
+        block_table: device_ptr_opt(&block_table, &stream, &mut syncs),
+        max_pages,
+        page_size,
+        d: problem.d as i32,
+    };
+    let threads = problem.d.div_ceil(8).next_multiple_of(32) as u32;
+    launch(
+        &dev,
+        &format!("flash_append_{dtype}"),
+        (problem.s_new, problem.hk, problem.b),
+        threads,
+        0,
+        &params,
+    )?;
+    drop((cache_sync, src_sync, syncs));
+    Ok(())
+}
+
+/// How many slices of each sequence's key range run in parallel: one when batch x heads x
+/// row tiles already fills the GPU, else enough blocks for a few waves (flash-decoding),
+/// keeping at least two key tiles per split.
+fn num_splits(blocks: usize, key_tiles: usize, sms: usize) -> usize {
+    if blocks >= 2 * sms {
+        return 1;
+    }
+    let wanted = (8 * sms).div_ceil(blocks.max(1));
+    wanted.min(key_tiles.div_ceil(2)).clamp(1, 128)
+}
+
+/// Attention of `q` `(b, s_q, h, d)` over each sequence's first `seqlens[b]` cached tokens.
+/// Returns the output `(b, s_q, h, d)`, contiguous, in q's dtype.
+pub(crate) fn decode(
+    problem: &DecodeProblem,
+    q: (&CudaStorage, &Layout),
+    k_cache: (&CudaStorage, &Layout),
+    v_cache: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    match q.0.dtype() {
+        DType::F16 => decode_typed::<f16>(problem, q, k_cache, v_cache),
+        DType::BF16 => decode_typed::<bf16>(problem, q, k_cache, v_cache),
+        dt => bail!("q: dtype {dt:?} is not supported on CUDA, expected F16 or BF16"),
+    }
+}
+
+fn decode_typed<T: CudaDType + DeviceRepr>(
+    problem: &DecodeProblem,
+    (q, ql): (&CudaStorage, &Layout),
+    (kc, kl): (&CudaStorage, &Layout),
+    (vc, vl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let p = problem;
+    let dev = q.device.clone();
+    let stream = dev.cuda_stream();
+    let dtype = dtype_name(q.dtype())?;
+    let tile = FwdTile::for_head_dim(p.d);
+    let group = p.h / p.hk;
+    let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
+    let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
+    let key_tile = decode_keys_per_tile(tile.d);
+    let sms = stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()? as usize;
+    let splits = num_splits(p.b * p.hk * row_tiles, max_len.div_ceil(key_tile), sms);
+
+    let out_elems = p.b * p.s_q * p.h * p.d;
+    // SAFETY: the decode kernel (or the combine kernel, when split) writes every element.
+    let mut out = unsafe { dev.alloc::<T>(out_elems)? };
+    poison(&stream, &mut out)?;
+    // Unsplit calls need no partial buffers; one element keeps the allocation legal (CUDA
+    // rejects zero-byte allocations).
+    let partial_rows = if splits > 1 {
+        splits * p.b * p.h * p.s_q
+    } else {
+        1
+    };
+    // SAFETY: each split writes its rows of both buffers before the combine kernel reads them.
+    let mut o_partial = unsafe { dev.alloc::<f32>(partial_rows * p.d)? };
+    let mut lse_partial = unsafe { dev.alloc::<f32>(partial_rows)? };
+    let seqlens = Some(to_device_i32(&dev, &p.seqlens)?);
+    let (block_table, max_pages, page_size) = paging_args(&dev, &p.paging)?;
+
+    let [qb, qr, qh] = strides3(ql);
+    let [kb, kr, kh] = strides3(kl);
+    let [vb, vr, vh] = strides3(vl);
+    let a = AttnParams {
+        q_batch_stride: qb,
+        q_row_stride: qr,
+        q_head_stride: qh,
+        k_batch_stride: kb,
+        k_row_stride: kr,
+        k_head_stride: kh,
+        v_batch_stride: vb,
+        v_row_stride: vr,
+        v_head_stride: vh,
+        o_batch_stride: (p.s_q * p.h * p.d) as i64,
+        o_row_stride: (p.h * p.d) as i64,
+        o_head_stride: p.d as i64,
+        b: to_i32(p.b, "batch")?,
+        h: to_i32(p.h, "num_heads")?,
+        h_k: to_i32(p.hk, "num_heads_k")?,
+        seqlen_q: to_i32(p.s_q, "seqlen_q")?,
+        seqlen_k: to_i32(max_len, "cache_seqlens")?,
+        d: p.d as i32,
+        h_h_k_ratio: group as i32,
+        scale: p.scale,
+        scale_log2: p.scale * std::f32::consts::LOG2_E,
+        window_left: -1,
+        window_right: if p.causal { 0 } else { -1 },
+        ..AttnParams::default()
+    };
+    {
+        let q_view = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
+        let k_view = kc.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
+        let v_view = vc.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+        let mut syncs = vec![];
+        let (q_ptr, q_sync) = q_view.device_ptr(&stream);
+        let (k_ptr, k_sync) = k_view.device_ptr(&stream);
+        let (v_ptr, v_sync) = v_view.device_ptr(&stream);
+        let (o_ptr, o_sync) = out.device_ptr_mut(&stream);
+        let (op_ptr, op_sync) = o_partial.device_ptr_mut(&stream);
+        let (lp_ptr, lp_sync) = lse_partial.device_ptr_mut(&stream);
+        let params = DecodeParams {
+            a: AttnParams {
+                q: q_ptr,
+                k: k_ptr,
+                v: v_ptr,
+                o: o_ptr,
+                ..a
+            },
+            seqlens: device_ptr_opt(&seqlens, &stream, &mut syncs),
+            block_table: device_ptr_opt(&block_table, &stream, &mut syncs),
+            max_pages,
+            page_size,
+            num_splits: splits as i32,
+            o_partial: op_ptr,
+            lse_partial: lp_ptr,
+        };
+        let smem = ((DECODE_ROWS + 2 * key_tile) * (tile.d + 8) * 2) as u32;
+        launch(
+            &dev,
+            &format!("flash_decode_{dtype}_d{}", tile.d),
+            (splits, p.hk * row_tiles, p.b),
+            32,
+            smem,
+            &params,
+        )?;
+        if splits > 1 {
+            let rows_per_block = 8;
+            launch(
+                &dev,
+                &format!("flash_decode_combine_{dtype}"),
+                ((p.b * p.h * p.s_q).div_ceil(rows_per_block), 1, 1),
+                32 * rows_per_block as u32,
+                0,
+                &params,
+            )?;
+        }
+        drop((q_sync, k_sync, v_sync, o_sync, op_sync, lp_sync, syncs));
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}

@@ -1,0 +1,696 @@
+//! CPU KV-cache decoding against `attention_slow` on each sequence's prefix: contiguous and
+//! paged caches, with and without new keys and values (whose rows in the cache are checked
+//! too), GQA, causal or not; then `KvCache` and `PagedKvCache` over generation loops.
+
+mod common;
+
+use candle::{DType, Device, IndexOp, Result, Tensor, Var};
+use candle_flash::{
+    attention_slow, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, KvCache,
+    PagedKvCache,
+};
+use common::{assert_close, assert_within_budget, randn};
+use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+
+/// f32 inputs: both sides do f32 math in a different order.
+const F32_TOL: f32 = 1e-5;
+/// Sequence lengths of the grid (after the append): 1, a short one, one past a 256 block, one
+/// long-ish (1000 keeps the CPU time low).
+const LENGTHS: [usize; 4] = [1, 7, 255, 1000];
+
+/// Contiguous `(b, capacity, hk, d)` or paged with this page size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Layout {
+    Contiguous,
+    Paged(usize),
+}
+
+/// One decoding call: `s_q` queries per sequence over caches holding `lens[b]` tokens before
+/// `s_new` new ones are appended.
+#[derive(Clone, Debug)]
+struct DecodeCase {
+    lens: Vec<usize>,
+    s_q: usize,
+    s_new: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+    causal: bool,
+    layout: Layout,
+}
+
+/// The inputs of one call and the cache contents the call must leave behind.
+struct Inputs {
+    q: Tensor,
+    /// `(b, capacity, hk, d)`: the caches before the call (rows past each length are noise
+    /// that must not be read).
+    k0: Tensor,
+    v0: Tensor,
+    new: Option<(Tensor, Tensor)>,
+    /// `k0`, `v0` with the new rows written at `lens[b]..`.
+    k1: Tensor,
+    v1: Tensor,
+}
+
+impl DecodeCase {
+    fn b(&self) -> usize {
+        self.lens.len()
+    }
+
+    fn final_lens(&self) -> Vec<usize> {
+        self.lens.iter().map(|l| l + self.s_new).collect()
+    }
+
+    /// Room for the longest sequence plus a few spare rows; whole pages when paged.
+    fn capacity(&self) -> usize {
+        let needed = self.final_lens().into_iter().max().unwrap_or(0) + 3;
+        match self.layout {
+            Layout::Contiguous => needed,
+            Layout::Paged(ps) => needed.next_multiple_of(ps),
+        }
+    }
+
+    fn cache_seqlens(&self) -> Vec<u32> {
+        self.lens.iter().map(|&l| l as u32).collect()
+    }
+
+    fn opts(&self) -> FlashAttn {
+        FlashAttn::new().causal(self.causal)
+    }
+
+    fn inputs(&self, dtype: DType) -> Result<Inputs> {
+        let (b, cap, hk, d) = (self.b(), self.capacity(), self.hk, self.d);
+        let q = randn((b, self.s_q, self.h, d), dtype)?;
+        let k0 = randn((b, cap, hk, d), dtype)?;
+        let v0 = randn((b, cap, hk, d), dtype)?;
+        if self.s_new == 0 {
+            let (k1, v1) = (k0.clone(), v0.clone());
+            return Ok(Inputs {
+                q,
+                k0,
+                v0,
+                new: None,
+                k1,
+                v1,
+            });
+        }
+        let k_new = randn((b, self.s_new, hk, d), dtype)?;
+        let v_new = randn((b, self.s_new, hk, d), dtype)?;
+        let k1 = write_rows(&k0, &k_new, &self.lens)?;
+        let v1 = write_rows(&v0, &v_new, &self.lens)?;
+        Ok(Inputs {
+            q,
+            k0,
+            v0,
+            new: Some((k_new, v_new)),
+            k1,
+            v1,
+        })
+    }
+
+    /// The oracle: `attention_slow` of each sequence's queries over its first
+    /// `lens[b] + s_new` cached tokens.
+    fn reference(&self, x: &Inputs) -> Result<Tensor> {
+        let scale = 1.0 / (self.d as f32).sqrt();
+        let outs = self
+            .final_lens()
+            .iter()
+            .enumerate()
+            .map(|(b, &len)| {
+                let prefix = |c: &Tensor| c.narrow(0, b, 1)?.narrow(1, 0, len);
+                let q = x.q.narrow(0, b, 1)?;
+                attention_slow(&q, &prefix(&x.k1)?, &prefix(&x.v1)?, scale, self.causal)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&outs, 0)
+    }
+
+    /// Runs the op on fresh copies of the caches: returns the output and the caches after
+    /// the call, as contiguous `(b, capacity, hk, d)` tensors (paged ones read back through
+    /// the block table, after checking that the pages no sequence owns are untouched).
+    fn run(&self, x: &Inputs, rng: &mut StdRng) -> Result<(Tensor, Tensor, Tensor)> {
+        let new_kv = x.new.as_ref().map(|(k, v)| (k, v));
+        let lens = self.cache_seqlens();
+        match self.layout {
+            Layout::Contiguous => {
+                let (k, v) = (x.k0.copy()?, x.v0.copy()?);
+                let out = flash_attn_with_kvcache(&x.q, &k, &v, new_kv, &lens, &self.opts())?;
+                Ok((out, k, v))
+            }
+            Layout::Paged(ps) => {
+                let paged = Paged::new(self.b(), self.capacity() / ps, ps, 5, rng);
+                let (k, v) = (paged.scatter(&x.k0)?, paged.scatter(&x.v0)?);
+                let (k_spare, v_spare) = (paged.spare(&k)?, paged.spare(&v)?);
+                let out = flash_attn_with_paged_kvcache(
+                    &x.q,
+                    &k,
+                    &v,
+                    new_kv,
+                    &lens,
+                    &paged.block_table,
+                    paged.max_pages,
+                    &self.opts(),
+                )?;
+                assert_eq!(
+                    to_vec(&paged.spare(&k)?)?,
+                    to_vec(&k_spare)?,
+                    "spare k pages"
+                );
+                assert_eq!(
+                    to_vec(&paged.spare(&v)?)?,
+                    to_vec(&v_spare)?,
+                    "spare v pages"
+                );
+                Ok((out, paged.gather(&k)?, paged.gather(&v)?))
+            }
+        }
+    }
+}
+
+/// `cache` with `new[b]` written at rows `lens[b]..lens[b] + s_new` of sequence `b`.
+fn write_rows(cache: &Tensor, new: &Tensor, lens: &[usize]) -> Result<Tensor> {
+    let (_, cap, _, _) = cache.dims4()?;
+    let s_new = new.dim(1)?;
+    let rows = lens
+        .iter()
+        .enumerate()
+        .map(|(b, &len)| {
+            let c = cache.narrow(0, b, 1)?;
+            let mut parts = vec![c.narrow(1, 0, len)?, new.narrow(0, b, 1)?];
+            if len + s_new < cap {
+                parts.push(c.narrow(1, len + s_new, cap - len - s_new)?);
+            }
+            Tensor::cat(&parts, 1)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&rows, 0)
+}
+
+fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+}
+
+/// A block table over a shuffled pool: every sequence gets `max_pages` pages scattered over
+/// `batch * max_pages + spare` pages, so neither page order nor adjacency can be assumed.
+struct Paged {
+    page_size: usize,
+    max_pages: usize,
+    num_pages: usize,
+    block_table: Vec<u32>,
+}
+
+impl Paged {
+    fn new(
+        batch: usize,
+        max_pages: usize,
+        page_size: usize,
+        spare: usize,
+        rng: &mut StdRng,
+    ) -> Self {
+        let num_pages = batch * max_pages + spare;
+        let mut pages: Vec<u32> = (0..num_pages as u32).collect();
+        pages.shuffle(rng);
+        pages.truncate(batch * max_pages);
+        Self {
+            page_size,
+            max_pages,
+            num_pages,
+            block_table: pages,
+        }
+    }
+
+    /// Pages `(num_pages, page_size, hk, d)` holding a contiguous `(b, capacity, hk, d)`
+    /// cache; the spare pages hold noise.
+    fn scatter(&self, cache: &Tensor) -> Result<Tensor> {
+        let (_, _, hk, d) = cache.dims4()?;
+        let mut pages: Vec<Option<Tensor>> = vec![None; self.num_pages];
+        for (slot, &page) in self.block_table.iter().enumerate() {
+            let (b, p) = (slot / self.max_pages, slot % self.max_pages);
+            pages[page as usize] =
+                Some(cache.i(b)?.narrow(0, p * self.page_size, self.page_size)?);
+        }
+        let pages = pages
+            .into_iter()
+            .map(|p| match p {
+                Some(p) => Ok(p),
+                None => randn((self.page_size, hk, d), cache.dtype()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&pages, 0)
+    }
+
+    /// The inverse of [`Paged::scatter`]: `(b, capacity, hk, d)`.
+    fn gather(&self, pages: &Tensor) -> Result<Tensor> {
+        let rows = self
+            .block_table
+            .chunks(self.max_pages)
+            .map(|row| {
+                let seq = row
+                    .iter()
+                    .map(|&page| pages.i(page as usize))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&seq, 0)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&rows, 0)
+    }
+
+    /// The pages no sequence owns, concatenated.
+    fn spare(&self, pages: &Tensor) -> Result<Tensor> {
+        let spare = (0..self.num_pages as u32)
+            .filter(|p| !self.block_table.contains(p))
+            .map(|p| pages.i(p as usize))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&spare, 0)
+    }
+}
+
+/// Runs one case in f32: output against the oracle, cache contents exactly.
+fn check_case(case: &DecodeCase, rng: &mut StdRng) -> Result<()> {
+    let x = case.inputs(DType::F32)?;
+    let (out, k, v) = case.run(&x, rng)?;
+    assert_close(&format!("{case:?}"), &out, &case.reference(&x)?, F32_TOL)?;
+    assert_eq!(to_vec(&k)?, to_vec(&x.k1)?, "k cache after {case:?}");
+    assert_eq!(to_vec(&v)?, to_vec(&x.v1)?, "v cache after {case:?}");
+    Ok(())
+}
+
+/// The grid: s_q {1, 4, 16} x GQA ratio {1, 4, 8} x causal x {contiguous, pages of 16, pages
+/// of 256} x {no new tokens, s_q new tokens}, lengths 1, 7, 255, 1000 in a random order.
+#[test]
+fn grid_against_attention_slow() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut cases = 0;
+    for s_q in [1, 4, 16] {
+        for ratio in [1, 4, 8] {
+            for causal in [false, true] {
+                for layout in [Layout::Contiguous, Layout::Paged(16), Layout::Paged(256)] {
+                    for with_new in [false, true] {
+                        let s_new = if with_new { s_q } else { 0 };
+                        let mut lens = LENGTHS.to_vec();
+                        lens.shuffle(&mut rng);
+                        // The lengths above are those after the append.
+                        let lens = lens.iter().map(|l| l.saturating_sub(s_new)).collect();
+                        let case = DecodeCase {
+                            lens,
+                            s_q,
+                            s_new,
+                            h: 2 * ratio,
+                            hk: 2,
+                            d: 32,
+                            causal,
+                            layout,
+                        };
+                        check_case(&case, &mut rng)?;
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 108);
+    Ok(())
+}
+
+/// Random lengths, a different number of new tokens than queries (both ways), empty
+/// sequences, MQA, head_dims that are not multiples of 8 and up to 256.
+#[test]
+fn awkward_shapes() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(11);
+    let random: Vec<usize> = (0..5).map(|_| rng.random_range(0..600)).collect();
+    let base = DecodeCase {
+        lens: random,
+        s_q: 3,
+        s_new: 5,
+        h: 4,
+        hk: 1,
+        d: 40,
+        causal: true,
+        layout: Layout::Contiguous,
+    };
+    let cases = [
+        base.clone(),
+        DecodeCase {
+            s_q: 9,
+            s_new: 2,
+            layout: Layout::Paged(16),
+            ..base.clone()
+        },
+        DecodeCase {
+            lens: vec![0, 0, 3],
+            s_q: 4,
+            s_new: 0,
+            ..base.clone()
+        },
+        DecodeCase {
+            lens: vec![0, 20],
+            s_q: 6,
+            s_new: 2,
+            layout: Layout::Paged(16),
+            ..base.clone()
+        },
+        DecodeCase {
+            lens: vec![33, 1],
+            s_q: 2,
+            s_new: 1,
+            h: 2,
+            hk: 2,
+            d: 8,
+            ..base.clone()
+        },
+        DecodeCase {
+            lens: vec![300, 17],
+            s_q: 4,
+            s_new: 4,
+            h: 8,
+            hk: 2,
+            d: 256,
+            layout: Layout::Paged(256),
+            ..base.clone()
+        },
+        DecodeCase {
+            lens: vec![5, 3],
+            s_q: 1,
+            s_new: 1,
+            h: 6,
+            hk: 3,
+            d: 3,
+            causal: false,
+            ..base.clone()
+        },
+    ];
+    for case in &cases {
+        check_case(case, &mut rng)?;
+    }
+    Ok(())
+}
+
+/// f16 and bf16: within 2x the error of the same math done in the low precision; the new rows
+/// are stored bit for bit.
+#[test]
+fn half_precision_within_budget() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(3);
+    for dtype in [DType::F16, DType::BF16] {
+        for layout in [Layout::Contiguous, Layout::Paged(16)] {
+            let case = DecodeCase {
+                lens: vec![1, 77, 300],
+                s_q: 4,
+                s_new: 4,
+                h: 8,
+                hk: 2,
+                d: 64,
+                causal: true,
+                layout,
+            };
+            let x = case.inputs(dtype)?;
+            let (out, k, v) = case.run(&x, &mut rng)?;
+            let baseline = case.reference(&x)?;
+            let up = |t: &Tensor| t.to_dtype(DType::F32);
+            let exact = case.reference(&Inputs {
+                q: up(&x.q)?,
+                k0: up(&x.k0)?,
+                v0: up(&x.v0)?,
+                new: None,
+                k1: up(&x.k1)?,
+                v1: up(&x.v1)?,
+            })?;
+            let what = format!("{dtype:?} {layout:?}");
+            assert_within_budget(&what, &out, &baseline, &exact, 2.0)?;
+            assert_eq!(out.dtype(), dtype);
+            assert_eq!(to_vec(&k)?, to_vec(&x.k1)?, "{what}: k cache");
+            assert_eq!(to_vec(&v)?, to_vec(&x.v1)?, "{what}: v cache");
+        }
+    }
+    Ok(())
+}
+
+/// Strided q and new rows (only the last dimension contiguous) and caches that start at an
+/// offset inside a larger allocation: the same result, and only the new rows change.
+#[test]
+fn strided_inputs_and_offset_caches() -> Result<()> {
+    let (b, s_q, h, hk, d, cap) = (3, 4, 8, 2, 16, 40);
+    let lens = [3u32, 0, 30];
+    // q and the new rows as transposed views of (b, heads, s, d) tensors.
+    let q = randn((b, h, s_q, d), DType::F32)?.transpose(1, 2)?;
+    let k_new = randn((b, hk, s_q, d), DType::F32)?.transpose(1, 2)?;
+    let v_new = randn((b, hk, s_q, d), DType::F32)?.transpose(1, 2)?;
+    assert!(!q.is_contiguous() && !k_new.is_contiguous());
+    // One allocation holding [k_cache | v_cache] as in vLLM's (2, ...) layout.
+    let both = randn((2, b, cap, hk, d), DType::F32)?;
+    let before = to_vec(&both)?;
+    let (k_cache, v_cache) = (both.i(0)?, both.i(1)?);
+    let opts = FlashAttn::new().causal(true);
+    let new_kv = Some((&k_new, &v_new));
+    let out = flash_attn_with_kvcache(&q, &k_cache, &v_cache, new_kv, &lens, &opts)?;
+
+    let (k_fresh, v_fresh) = (both.i(0)?.copy()?, both.i(1)?.copy()?);
+    let k0 = Tensor::from_vec(
+        before[..b * cap * hk * d].to_vec(),
+        (b, cap, hk, d),
+        &Device::Cpu,
+    )?;
+    let v0 = Tensor::from_vec(
+        before[b * cap * hk * d..].to_vec(),
+        (b, cap, hk, d),
+        &Device::Cpu,
+    )?;
+    let lens_usize: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+    assert_eq!(
+        to_vec(&k_fresh)?,
+        to_vec(&write_rows(&k0, &k_new, &lens_usize)?)?
+    );
+    assert_eq!(
+        to_vec(&v_fresh)?,
+        to_vec(&write_rows(&v0, &v_new, &lens_usize)?)?
+    );
+
+    // The same call on contiguous copies of everything.
+    let (k_c, v_c) = (k0.copy()?, v0.copy()?);
+    let (q_c, kn_c, vn_c) = (q.contiguous()?, k_new.contiguous()?, v_new.contiguous()?);
+    let expected = flash_attn_with_kvcache(&q_c, &k_c, &v_c, Some((&kn_c, &vn_c)), &lens, &opts)?;
+    assert_eq!(to_vec(&out)?, to_vec(&expected)?);
+    Ok(())
+}
+
+/// Decoding is inference only: a backward pass through it is an error, not a silent zero.
+#[test]
+fn backward_is_an_error() -> Result<()> {
+    let q = Var::from_tensor(&randn((1, 1, 2, 8), DType::F32)?)?;
+    let cache = randn((1, 4, 2, 8), DType::F32)?;
+    let out = flash_attn_with_kvcache(&q, &cache, &cache.copy()?, None, &[3], &FlashAttn::new())?;
+    let err = out
+        .sum_all()?
+        .backward()
+        .expect_err("backward through decoding");
+    assert!(err.to_string().contains("flash-attn-kvcache"), "{err}");
+    Ok(())
+}
+
+/// One step of a generation loop: random q, k_new, v_new for `s` tokens.
+fn step(b: usize, s: usize, h: usize, hk: usize, d: usize) -> Result<[Tensor; 3]> {
+    Ok([
+        randn((b, s, h, d), DType::F32)?,
+        randn((b, s, hk, d), DType::F32)?,
+        randn((b, s, hk, d), DType::F32)?,
+    ])
+}
+
+/// Each sequence's keys and values so far, `(1, len, hk, d)`, and the oracle over them.
+struct History {
+    k: Vec<Option<Tensor>>,
+    v: Vec<Option<Tensor>>,
+}
+
+impl History {
+    fn new(b: usize) -> Self {
+        Self {
+            k: vec![None; b],
+            v: vec![None; b],
+        }
+    }
+
+    fn push(&mut self, k_new: &Tensor, v_new: &Tensor) -> Result<()> {
+        for (hist, new) in [(&mut self.k, k_new), (&mut self.v, v_new)] {
+            for (b, seq) in hist.iter_mut().enumerate() {
+                let row = new.narrow(0, b, 1)?;
+                *seq = Some(match seq.take() {
+                    Some(old) => Tensor::cat(&[old, row], 1)?,
+                    None => row,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self, b: usize) {
+        self.k[b] = None;
+        self.v[b] = None;
+    }
+
+    /// Full causal attention of the latest queries over each sequence's whole history.
+    fn attend(&self, q: &Tensor) -> Result<Tensor> {
+        let d = q.dim(3)?;
+        let outs = (0..self.k.len())
+            .map(|b| {
+                let (k, v) = (self.k[b].as_ref().unwrap(), self.v[b].as_ref().unwrap());
+                attention_slow(&q.narrow(0, b, 1)?, k, v, 1.0 / (d as f32).sqrt(), true)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&outs, 0)
+    }
+}
+
+/// Prefill, then token-by-token decoding (and a 3-token speculative step), with a sequence
+/// restarted halfway: every step equals full causal attention over the accumulated sequence,
+/// and the cache holds exactly the appended rows.
+#[test]
+fn kv_cache_generation_loop() -> Result<()> {
+    let (b, h, hk, d) = (3, 8, 2, 32);
+    let mut cache = KvCache::new(b, 64, hk, d, DType::F32, &Device::Cpu)?;
+    assert_eq!((cache.capacity(), cache.lengths()), (64, &[0u32; 3][..]));
+    let mut history = History::new(b);
+    let opts = FlashAttn::new().causal(true);
+    for (t, s) in [7, 1, 1, 3, 1, 1, 1, 2, 1].into_iter().enumerate() {
+        if t == 5 {
+            cache.reset_sequence(1)?;
+            history.reset(1);
+        }
+        let [q, k, v] = step(b, s, h, hk, d)?;
+        let out = cache.append_and_attend(&q, &k, &v, &opts)?;
+        history.push(&k, &v)?;
+        assert_close(&format!("step {t}"), &out, &history.attend(&q)?, F32_TOL)?;
+    }
+    assert_eq!(cache.lengths(), &[18, 5, 18]);
+    for (seq, &len) in cache.lengths().iter().enumerate() {
+        let k = cache.k().i(seq)?.narrow(0, 0, len as usize)?;
+        let v = cache.v().i(seq)?.narrow(0, 0, len as usize)?;
+        assert_eq!(to_vec(&k)?, to_vec(history.k[seq].as_ref().unwrap())?);
+        assert_eq!(to_vec(&v)?, to_vec(history.v[seq].as_ref().unwrap())?);
+    }
+    Ok(())
+}
+
+/// A sequence that would exceed the capacity is an error naming it, before anything is
+/// written; `reset` makes room again and behaves like a fresh cache.
+#[test]
+fn kv_cache_overflow_and_reset() -> Result<()> {
+    let (b, h, hk, d) = (2, 4, 2, 16);
+    let mut cache = KvCache::new(b, 8, hk, d, DType::F32, &Device::Cpu)?;
+    let opts = FlashAttn::new().causal(true);
+    let [q, k, v] = step(b, 5, h, hk, d)?;
+    cache.append_and_attend(&q, &k, &v, &opts)?;
+    let (k_before, v_before) = (to_vec(cache.k())?, to_vec(cache.v())?);
+    let [q, k, v] = step(b, 4, h, hk, d)?;
+    let err = cache
+        .append_and_attend(&q, &k, &v, &opts)
+        .expect_err("9 tokens in a cache of 8");
+    let message = err.to_string();
+    for part in ["cache_seqlens", "sequence 0", "5 + 4 = 9", "capacity of 8"] {
+        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    }
+    assert_eq!(cache.lengths(), &[5, 5]);
+    assert_eq!(to_vec(cache.k())?, k_before, "k written despite the error");
+    assert_eq!(to_vec(cache.v())?, v_before, "v written despite the error");
+    // Exactly full is fine.
+    let [q3, k3, v3] = step(b, 3, h, hk, d)?;
+    cache.append_and_attend(&q3, &k3, &v3, &opts)?;
+    assert_eq!(cache.lengths(), &[8, 8]);
+
+    cache.reset();
+    assert_eq!(cache.lengths(), &[0, 0]);
+    let mut fresh = KvCache::new(b, 8, hk, d, DType::F32, &Device::Cpu)?;
+    let ours = cache.append_and_attend(&q, &k, &v, &opts)?;
+    let theirs = fresh.append_and_attend(&q, &k, &v, &opts)?;
+    assert_eq!(to_vec(&ours)?, to_vec(&theirs)?);
+    assert_eq!(cache.lengths(), &[4, 4]);
+    assert!(cache.reset_sequence(2).is_err());
+    Ok(())
+}
+
+/// `PagedKvCache` gives exactly `KvCache`'s outputs on the same data, through prefill,
+/// decoding steps, page boundaries and a restarted sequence, and returns pages to the pool.
+#[test]
+fn paged_kv_cache_equals_kv_cache() -> Result<()> {
+    let (b, h, hk, d) = (3, 8, 2, 32);
+    for page_size in [4, 16] {
+        let max_pages = 64usize.div_ceil(page_size);
+        let num_pages = b * max_pages;
+        let dev = &Device::Cpu;
+        let mut flat = KvCache::new(b, 64, hk, d, DType::F32, dev)?;
+        let mut paged =
+            PagedKvCache::new(b, num_pages, page_size, max_pages, hk, d, DType::F32, dev)?;
+        assert_eq!(paged.capacity(), flat.capacity());
+        let opts = FlashAttn::new().causal(true);
+        for (t, s) in [9, 1, 1, 5, 1, 1, 2, 1].into_iter().enumerate() {
+            if t == 4 {
+                let held = paged.lengths()[0].div_ceil(page_size as u32) as usize;
+                let free = paged.free_pages();
+                flat.reset_sequence(0)?;
+                paged.reset_sequence(0)?;
+                assert_eq!(paged.free_pages(), free + held, "pages returned");
+            }
+            let [q, k, v] = step(b, s, h, hk, d)?;
+            let ours = paged.append_and_attend(&q, &k, &v, &opts)?;
+            let theirs = flat.append_and_attend(&q, &k, &v, &opts)?;
+            assert_eq!(
+                to_vec(&ours)?,
+                to_vec(&theirs)?,
+                "page_size {page_size}, step {t}"
+            );
+            assert_eq!(paged.lengths(), flat.lengths());
+            let held: usize = paged
+                .lengths()
+                .iter()
+                .map(|&l| (l as usize).div_ceil(page_size))
+                .sum();
+            assert_eq!(paged.free_pages(), num_pages - held);
+        }
+        paged.reset();
+        assert_eq!(paged.free_pages(), num_pages);
+        assert_eq!(paged.lengths(), &[0, 0, 0]);
+    }
+    Ok(())
+}
+
+/// A pool with too few free pages is an error naming the sequence, before anything is
+/// written or any page taken; so is a sequence past `max_pages_per_seq * page_size`.
+#[test]
+fn paged_kv_cache_out_of_pages() -> Result<()> {
+    let (b, h, hk, d) = (2, 4, 1, 8);
+    let dev = &Device::Cpu;
+    let mut cache = PagedKvCache::new(b, 3, 4, 4, hk, d, DType::F32, dev)?;
+    let opts = FlashAttn::new();
+    let [q, k, v] = step(b, 5, h, hk, d)?; // 2 pages each: 4 > 3
+    let err = cache
+        .append_and_attend(&q, &k, &v, &opts)
+        .expect_err("3 pages for 4");
+    let message = err.to_string();
+    for part in ["out of pages", "sequence 1", "0 + 5 tokens", "3 of 3 pages"] {
+        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    }
+    assert_eq!((cache.lengths(), cache.free_pages()), (&[0u32, 0][..], 3));
+
+    let [q, k, v] = step(b, 4, h, hk, d)?; // 1 page each
+    cache.append_and_attend(&q, &k, &v, &opts)?;
+    assert_eq!((cache.lengths(), cache.free_pages()), (&[4u32, 4][..], 1));
+    cache.reset_sequence(0)?;
+    assert_eq!((cache.lengths(), cache.free_pages()), (&[0u32, 4][..], 2));
+
+    let mut small = PagedKvCache::new(b, 16, 4, 2, hk, d, DType::F32, dev)?;
+    let [q, k, v] = step(b, 9, h, hk, d)?;
+    let err = small
+        .append_and_attend(&q, &k, &v, &opts)
+        .expect_err("9 tokens in 2 pages of 4");
+    let message = err.to_string();
+    for part in [
+        "cache_seqlens",
+        "sequence 0",
+        "0 + 9 = 9",
+        "capacity of 8",
+        "max_pages 2",
+    ] {
+        assert!(message.contains(part), "{message:?} lacks {part:?}");
+    }
+    assert_eq!(small.free_pages(), 16);
+    Ok(())
+}

@@ -1,0 +1,347 @@
+//! GPU tests for packed (variable-length) batches, the padding helpers and dropout.
+
+use candle::{DType, Device, IndexOp, Result, Tensor};
+use candle_flash::{
+    attention_slow, attention_slow_dropout, dropout_mask, FlashAttn, Padding, VarLen,
+};
+
+use crate::cuda_suite::{grads_of, has_nan, max_abs_diff, Case, Suite};
+
+fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
+    Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)
+}
+
+/// Concatenates per-sequence results along dim 0 (rows).
+fn cat_rows(parts: &[Tensor]) -> Result<Tensor> {
+    Tensor::cat(parts, 0)
+}
+
+/// Packed attention (and its gradients) equals a loop over sequences with `attention_slow`:
+/// 2x rule for outputs, 3x for gradients, against the f32 loop.
+fn varlen_case(
+    dev: &Device,
+    dtype: DType,
+    lens: &[(usize, usize)],
+    h: usize,
+    hk: usize,
+    d: usize,
+    causal: bool,
+) -> Result<()> {
+    let lens_q: Vec<usize> = lens.iter().map(|l| l.0).collect();
+    let lens_k: Vec<usize> = lens.iter().map(|l| l.1).collect();
+    let varlen = VarLen::from_seqlens(&lens_q, &lens_k)?;
+    let (tq, tk) = (varlen.total_q(), varlen.total_k());
+    let q = randn(&[tq, h, d], dtype, dev)?;
+    let k = randn(&[tk, hk, d], dtype, dev)?;
+    let v = randn(&[tk, hk, d], dtype, dev)?;
+    let w = randn(&[tq, h, d], dtype, dev)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    let attn = FlashAttn::new().causal(causal);
+    let out = attn.forward_varlen(&q, &k, &v, &varlen)?;
+    if has_nan(&out)? {
+        candle::bail!("output has NaN");
+    }
+    let ours = grads_of(&q, &k, &v, &w, |q, k, v| {
+        attn.forward_varlen(q, k, v, &varlen)
+    })?;
+
+    // The loop: each sequence as a batch of one.
+    let looped = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+        let (cq, ck) = (varlen.cu_seqlens_q(), varlen.cu_seqlens_k());
+        let mut outs = vec![];
+        for b in 0..lens.len() {
+            let (q0, q1, k0, k1) = (
+                cq[b] as usize,
+                cq[b + 1] as usize,
+                ck[b] as usize,
+                ck[b + 1] as usize,
+            );
+            let qb = q.i(q0..q1)?.unsqueeze(0)?;
+            let kb = k.i(k0..k1)?.unsqueeze(0)?;
+            let vb = v.i(k0..k1)?.unsqueeze(0)?;
+            outs.push(attention_slow(&qb, &kb, &vb, scale, causal)?.squeeze(0)?);
+        }
+        cat_rows(&outs)
+    };
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    let (q32, k32, v32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?);
+    let reference = looped(&q32, &k32, &v32)?;
+    let low = looped(&q, &k, &v)?;
+    let (err, base) = (
+        max_abs_diff(&out, &reference)?,
+        max_abs_diff(&low, &reference)?,
+    );
+    if err > 2.0 * base + 1e-5 {
+        candle::bail!("out: max error {err:.3e} > 2 x {base:.3e} + 1e-5");
+    }
+    let reference = grads_of(&q32, &k32, &v32, &f32_of(&w)?, looped)?;
+    let low = grads_of(&q, &k, &v, &w, looped)?;
+    for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+        let (err, base) = (
+            max_abs_diff(&ours[i], &reference[i])?,
+            max_abs_diff(&low[i], &reference[i])?,
+        );
+        if err > 3.0 * base + 1e-4 {
+            candle::bail!("{name}: max error {err:.3e} > 3 x {base:.3e} + 1e-4");
+        }
+    }
+    Ok(())
+}
+
+/// A padded batch with a key-padding mask through `forward_padded` equals the per-sequence
+/// loop, and padded query rows come back as zeros.
+fn padded_batch(dev: &Device) -> Result<()> {
+    let (b, s, h, d) = (3, 77, 4, 64);
+    let lengths = [77usize, 1, 40];
+    let pad = Padding::from_lengths(&lengths, s)?;
+    let q = randn(&[b, s, h, d], DType::BF16, dev)?;
+    let k = randn(&[b, s, h, d], DType::BF16, dev)?;
+    let v = randn(&[b, s, h, d], DType::BF16, dev)?;
+    let out = FlashAttn::new()
+        .causal(true)
+        .forward_padded(&q, &k, &v, &pad, &pad)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    for (i, &len) in lengths.iter().enumerate() {
+        let sl = |t: &Tensor| t.i((i..i + 1, 0..len));
+        let expected = attention_slow(
+            &sl(&q)?.to_dtype(DType::F32)?,
+            &sl(&k)?.to_dtype(DType::F32)?,
+            &sl(&v)?.to_dtype(DType::F32)?,
+            scale,
+            true,
+        )?;
+        let err = max_abs_diff(&sl(&out)?, &expected)?;
+        if err > 2e-2 {
+            candle::bail!("sequence {i}: max error {err:.3e} vs the per-sequence loop");
+        }
+        if len < s {
+            let tail = out
+                .i((i, len..s))?
+                .to_dtype(DType::F32)?
+                .abs()?
+                .sum_all()?
+                .to_scalar::<f32>()?;
+            if tail != 0.0 {
+                candle::bail!("sequence {i}: padded query rows are not zero ({tail})");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The keep mask the GPU used, read back exactly: with q = 0 every visible key gets
+/// probability 1/sk, and with v = the identity (one-hot rows, d >= sk) output column j of
+/// row i is Z_ij / ((1 - p) sk).
+fn gpu_mask(
+    dev: &Device,
+    (b, h, sq, sk): (usize, usize, usize, usize),
+    (p, seed, offset): (f32, u64, u64),
+) -> Result<Tensor> {
+    let d = 128;
+    let q = Tensor::zeros((b, sq, h, d), DType::BF16, dev)?;
+    let k = randn(&[b, sk, h, d], DType::BF16, dev)?;
+    let eye = Tensor::eye(sk, DType::BF16, dev)?.pad_with_zeros(1, 0, d - sk)?; // (sk, d)
+    let v = eye
+        .unsqueeze(0)?
+        .unsqueeze(2)?
+        .broadcast_as((b, sk, h, d))?
+        .contiguous()?;
+    let out = FlashAttn::new()
+        .dropout(p)
+        .seed(seed)
+        .rng_offset(offset)
+        .forward(&q, &k, &v)?;
+    // (b, sq, h, d) -> (b, h, sq, sk), nonzero = kept
+    out.narrow(3, 0, sk)?
+        .transpose(1, 2)?
+        .to_dtype(DType::F32)?
+        .gt(0f64)?
+        .to_dtype(DType::U8)
+}
+
+/// GPU and CPU masks agree bit for bit, and the dropped fraction is within 0.01 of p over
+/// >= 1M entries.
+fn dropout_masks(dev: &Device) -> Result<()> {
+    let (b, h, sq, sk) = (4, 16, 160, 128); // 1.3M entries
+    for (p, seed, offset) in [(0.17f32, 1234u64, 7u64), (0.5, 99, 1 << 33)] {
+        let gpu = gpu_mask(dev, (b, h, sq, sk), (p, seed, offset))?.to_device(&Device::Cpu)?;
+        let cpu = dropout_mask(p, seed, offset, b, h, sq, sk)?;
+        let differ = gpu
+            .ne(&cpu)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        if differ != 0.0 {
+            candle::bail!("p={p}: {differ} entries of the GPU mask differ from the CPU mask");
+        }
+        let kept = gpu.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
+        let dropped = 1.0 - kept;
+        println!(
+            "dropout p={p}: dropped fraction {dropped:.4} over {} entries, GPU mask == CPU mask",
+            b * h * sq * sk
+        );
+        if (dropped - p).abs() > 0.01 {
+            candle::bail!("p={p}: dropped fraction {dropped}");
+        }
+    }
+    Ok(())
+}
+
+/// Output and gradients with dropout match `attention_slow_dropout` given the same mask
+/// (2x / 3x rule), causal and GQA; the same seed and offset reproduce, another offset differs.
+fn dropout_case(dev: &Device, c: Case) -> Result<()> {
+    let Case {
+        dtype,
+        b,
+        sq,
+        sk,
+        h,
+        hk,
+        d,
+        causal,
+    } = c;
+    let (p, seed, offset) = (0.17f32, 42u64, 3u64);
+    let q = randn(&[b, sq, h, d], dtype, dev)?;
+    let k = randn(&[b, sk, hk, d], dtype, dev)?;
+    let v = randn(&[b, sk, hk, d], dtype, dev)?;
+    let w = randn(&[b, sq, h, d], dtype, dev)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    let attn = FlashAttn::new()
+        .causal(causal)
+        .dropout(p)
+        .seed(seed)
+        .rng_offset(offset);
+    let out = attn.forward(&q, &k, &v)?;
+    let again = attn.forward(&q, &k, &v)?;
+    if max_abs_diff(&out, &again)? != 0.0 {
+        candle::bail!("same seed and offset gave different outputs");
+    }
+    let other = FlashAttn::new()
+        .causal(causal)
+        .dropout(p)
+        .seed(seed)
+        .rng_offset(offset + 1)
+        .forward(&q, &k, &v)?;
+    if max_abs_diff(&out, &other)? == 0.0 {
+        candle::bail!("another offset gave the same output");
+    }
+    let keep = dropout_mask(p, seed, offset, b, h, sq, sk)?.to_device(dev)?;
+    let slow = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        attention_slow_dropout(q, k, v, scale, causal, &keep, p)
+    };
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    let (q32, k32, v32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?);
+    let reference = slow(&q32, &k32, &v32)?;
+    let low = slow(&q, &k, &v)?;
+    let (err, base) = (
+        max_abs_diff(&out, &reference)?,
+        max_abs_diff(&low, &reference)?,
+    );
+    if err > 2.0 * base + 1e-5 {
+        candle::bail!("out: max error {err:.3e} > 2 x {base:.3e} + 1e-5");
+    }
+    let ours = grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?;
+    let reference = grads_of(&q32, &k32, &v32, &f32_of(&w)?, slow)?;
+    let low = grads_of(&q, &k, &v, &w, slow)?;
+    for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+        let (err, base) = (
+            max_abs_diff(&ours[i], &reference[i])?,
+            max_abs_diff(&low[i], &reference[i])?,
+        );
+        if err > 3.0 * base + 1e-4 {
+            candle::bail!("{name}: max error {err:.3e} > 3 x {base:.3e} + 1e-4");
+        }
+    }
+    Ok(())
+}
+
+/// Dropout on a packed batch equals dropout on each sequence as a batch of one with the
+/// same sequence index (the RNG counter is keyed by the sequence index), forward and dq.
+fn varlen_dropout(dev: &Device) -> Result<()> {
+    let lens = [(37usize, 37usize), (1, 64), (129, 100)];
+    let (h, d, p, seed, offset) = (4, 64, 0.3f32, 5u64, 11u64);
+    let lq: Vec<usize> = lens.iter().map(|l| l.0).collect();
+    let lk: Vec<usize> = lens.iter().map(|l| l.1).collect();
+    let varlen = VarLen::from_seqlens(&lq, &lk)?;
+    let q = randn(&[varlen.total_q(), h, d], DType::BF16, dev)?;
+    let k = randn(&[varlen.total_k(), h, d], DType::BF16, dev)?;
+    let v = randn(&[varlen.total_k(), h, d], DType::BF16, dev)?;
+    let attn = FlashAttn::new()
+        .causal(true)
+        .dropout(p)
+        .seed(seed)
+        .rng_offset(offset);
+    let out = attn.forward_varlen(&q, &k, &v, &varlen)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    let (cq, ck) = (varlen.cu_seqlens_q(), varlen.cu_seqlens_k());
+    let (max_q, max_k) = (varlen.max_seqlen_q(), varlen.max_seqlen_k());
+    let full_mask = dropout_mask(p, seed, offset, lens.len(), h, max_q, max_k)?;
+    for (b, &(sq, sk)) in lens.iter().enumerate() {
+        let keep = full_mask.i((b..b + 1, .., 0..sq, 0..sk))?.to_device(dev)?;
+        let (q0, k0) = (cq[b] as usize, ck[b] as usize);
+        let qb = q.i(q0..q0 + sq)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        let kb = k.i(k0..k0 + sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        let vb = v.i(k0..k0 + sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        let expected = attention_slow_dropout(&qb, &kb, &vb, scale, true, &keep, p)?.squeeze(0)?;
+        let err = max_abs_diff(&out.i(q0..q0 + sq)?, &expected)?;
+        if err > 5e-2 {
+            candle::bail!("sequence {b}: max error {err:.3e} vs attention_slow_dropout");
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
+    let lens_sets: Vec<Vec<(usize, usize)>> = vec![
+        vec![(1, 1), (17, 113), (255, 255), (64, 63)],
+        vec![(113, 7), (1, 1023), (300, 301), (0, 5), (77, 0)],
+    ];
+    let dims: &[usize] = if quick { &[64] } else { &[40, 64, 128, 256] };
+    for dtype in [DType::F16, DType::BF16] {
+        for &d in dims {
+            for causal in [false, true] {
+                for (i, lens) in lens_sets.iter().enumerate() {
+                    let (h, hk) = if i == 0 { (4, 4) } else { (8, 2) };
+                    let name =
+                        format!("varlen {dtype:?} d={d} causal={causal} h={h}/{hk} lens={lens:?}");
+                    suite.record(&name, varlen_case(dev, dtype, lens, h, hk, d, causal));
+                }
+            }
+        }
+    }
+    suite.record("padded batch", padded_batch(dev));
+    suite.record("dropout masks", dropout_masks(dev));
+    let cases: &[(usize, usize, usize, usize, usize, usize, bool)] = if quick {
+        &[(2, 113, 203, 4, 2, 64, true)]
+    } else {
+        &[
+            (2, 113, 203, 4, 2, 64, true),
+            (2, 203, 113, 4, 4, 128, false),
+            (1, 256, 256, 8, 1, 40, true),
+            (1, 97, 333, 4, 2, 256, false),
+        ]
+    };
+    for dtype in [DType::F16, DType::BF16] {
+        for &(b, sq, sk, h, hk, d, causal) in cases {
+            let name =
+                format!("dropout {dtype:?} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal}");
+            suite.record(
+                &name,
+                dropout_case(
+                    dev,
+                    Case {
+                        dtype,
+                        b,
+                        sq,
+                        sk,
+                        h,
+                        hk,
+                        d,
+                        causal,
+                    },
+                ),
+            );
+        }
+    }
+    suite.record("varlen dropout", varlen_dropout(dev));
+}
