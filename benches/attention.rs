@@ -601,7 +601,14 @@ impl Bench {
             fields.push(format!("\"pct_copy\": {p:.2}"));
         }
         if let Some(rel) = check.1 {
-            fields.push(format!("\"max_rel_err\": {rel:.3e}"));
+            let ok = rel <= DECODE_CHECK_REL;
+            fields.push(format!(
+                "\"check\": \"{}\"",
+                if ok { "ok" } else { "mismatch" }
+            ));
+            if rel.is_finite() {
+                fields.push(format!("\"max_rel_err\": {rel:.3e}"));
+            }
         }
         self.records.push(format!("  {{{}}}", fields.join(", ")));
     }

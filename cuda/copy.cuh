@@ -52,10 +52,10 @@ __device__ __forceinline__ void load_rows(T* smem, const RowPtr& row_ptr, int co
                                           int tid) {
     constexpr int CHUNKS_PER_ROW = D / CHUNK;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-    static_assert(CHUNKS % NTHREADS == 0, "tile chunks must split evenly over the threads");
 #pragma unroll
-    for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
+    for (int i = 0; i < (CHUNKS + NTHREADS - 1) / NTHREADS; ++i) {
         const int c = tid + i * NTHREADS;
+        if (CHUNKS % NTHREADS != 0 && c >= CHUNKS) break;  // small tiles: not every thread copies
         const int row = c / CHUNKS_PER_ROW;
         const int col = (c % CHUNKS_PER_ROW) * CHUNK;
         const T* src = row_ptr(row);

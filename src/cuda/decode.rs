@@ -53,14 +53,21 @@ struct AppendParams {
 // SAFETY: as above.
 unsafe impl DeviceRepr for AppendParams {}
 
-/// Decode tile shape, mirror of `DecodeConfig` in `cuda/decode.cu`: one warp, 16 packed rows.
+/// Decode block shape, mirror of `DecodeTraits` in `cuda/decode.cu`: 4 warps share 16
+/// packed query rows; each warp streams its own 16-key tiles through a two-stage ring.
 const DECODE_ROWS: usize = 16;
-fn decode_keys_per_tile(d: usize) -> usize {
-    if d <= 128 {
-        64
-    } else {
-        32
-    }
+const DECODE_WARPS: usize = 4;
+const DECODE_KEYS_PER_TILE: usize = 16;
+/// `MAX_SPLITS` in `cuda/decode.cu` (the combine kernel's weight buffer).
+const MAX_SPLITS: usize = 128;
+
+/// Q tile plus, per warp, 2 stages of K and V tiles (the merge reuses them as f32).
+fn decode_smem_bytes(d: usize) -> u32 {
+    let stride = d + 8;
+    let q = DECODE_ROWS * stride * 2;
+    let rings = DECODE_WARPS * 2 * 2 * DECODE_KEYS_PER_TILE * stride * 2;
+    let merge = DECODE_WARPS * DECODE_ROWS * (d + 2) * 4;
+    (q + rings.max(merge)) as u32
 }
 
 /// Strides `(page or batch, row, head)` of a rank-4 cache layout.
@@ -177,15 +184,17 @@ fn append_typed<T: CudaDType + DeviceRepr>(
     Ok(())
 }
 
-/// How many slices of each sequence's key range run in parallel: one when batch x heads x
-/// row tiles already fills the GPU, else enough blocks for a few waves (flash-decoding),
-/// keeping at least two key tiles per split.
+/// How many slices of each sequence's key range run in parallel (flash-decoding): one when
+/// batch x heads x row tiles already gives two waves of blocks (about three fit per SM), else
+/// enough for two waves, keeping at least four key tiles per warp.
 fn num_splits(blocks: usize, key_tiles: usize, sms: usize) -> usize {
-    if blocks >= 2 * sms {
+    let slots = 3 * sms;
+    if blocks >= 2 * slots {
         return 1;
     }
-    let wanted = (8 * sms).div_ceil(blocks.max(1));
-    wanted.min(key_tiles.div_ceil(2)).clamp(1, 128)
+    let wanted = (2 * slots).div_ceil(blocks.max(1));
+    let most = (key_tiles / (4 * DECODE_WARPS)).max(1);
+    wanted.min(most).clamp(1, MAX_SPLITS)
 }
 
 /// Attention of `q` `(b, s_q, h, d)` over each sequence's first `seqlens[b]` cached tokens.
@@ -217,7 +226,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let group = p.h / p.hk;
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
-    let key_tile = decode_keys_per_tile(tile.d);
+    let key_tile = DECODE_KEYS_PER_TILE;
     let sms = stream
         .context()
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -297,13 +306,12 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             o_partial: op_ptr,
             lse_partial: lp_ptr,
         };
-        let smem = ((DECODE_ROWS + 2 * key_tile) * (tile.d + 8) * 2) as u32;
         launch(
             &dev,
             &format!("flash_decode_{dtype}_d{}", tile.d),
             (splits, p.hk * row_tiles, p.b),
-            32,
-            smem,
+            32 * DECODE_WARPS as u32,
+            decode_smem_bytes(tile.d),
             &params,
         )?;
         if splits > 1 {
