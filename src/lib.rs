@@ -32,6 +32,8 @@
 //! # Ok(()) }
 //! ```
 
+#![deny(missing_docs)]
+
 mod bwd;
 mod cpu;
 #[cfg(feature = "cuda")]
