@@ -47,9 +47,11 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
 
 // Like load_tile, for tiles whose rows are not evenly spaced (GQA-packed query rows, paged
 // K/V rows): `row_ptr(row)` returns the global address of a row, or nullptr past the end.
+// Zero-filled chunks still name `fallback`, a valid address: nothing is read from it, but
+// tools that instrument cp.async (compute-sanitizer racecheck) may look at it.
 template <typename T, int ROWS, int D, int NTHREADS, class RowPtr>
-__device__ __forceinline__ void load_rows(T* smem, const RowPtr& row_ptr, int cols_valid,
-                                          int tid) {
+__device__ __forceinline__ void load_rows(T* smem, const RowPtr& row_ptr, const T* fallback,
+                                          int cols_valid, int tid) {
     constexpr int CHUNKS_PER_ROW = D / CHUNK;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
 #pragma unroll
@@ -60,6 +62,6 @@ __device__ __forceinline__ void load_rows(T* smem, const RowPtr& row_ptr, int co
         const int col = (c % CHUNKS_PER_ROW) * CHUNK;
         const T* src = row_ptr(row);
         const bool valid = src != nullptr && col < cols_valid;
-        cp_async_16(smem + row * (D + SMEM_PAD) + col, valid ? src + col : src, valid);
+        cp_async_16(smem + row * (D + SMEM_PAD) + col, valid ? src + col : fallback, valid);
     }
 }

@@ -4,7 +4,9 @@
 //   flash_decode_combine_<dtype>  merge the splits by their LSE (flash-decoding)  grid (ceil(rows/8), 1, 1)
 // The decode kernel reuses the forward's pieces (gemm.cuh, softmax.cuh, mask.cuh, copy.cuh)
 // but not its block layout: a decode step has a handful of query rows, so the block's warps
-// split the keys instead of the rows (see DecodeTraits).
+// split the keys instead of the rows (see DecodeTraits). The query heads that share a K/V
+// head are folded into the rows of one tile (GQA packing): row r holds token r / group of
+// head h_k * group + r % group, so each K/V element is read once per group, not per head.
 #include "decode_block.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
@@ -71,7 +73,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         return static_cast<const T*>(p.q) + b * p.q_batch_stride + int64_t(token) * p.q_row_stride +
                head * p.q_head_stride;
     };
-    load_rows<T, ROWS, D, K::THREADS>(sQ, q_row, p.d, tid);
+    load_rows<T, ROWS, D, K::THREADS>(sQ, q_row, static_cast<const T*>(p.q), p.d, tid);
     cp_async_commit();
 
     // This split's share of the key tiles the block's queries can see.
@@ -98,8 +100,8 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                                             p.v_row_stride, p.v_head_stride, j)
                                 : nullptr;
         };
-        load_rows<T, BN, D, 32>(sK, k_row, p.d, lane);
-        load_rows<T, BN, D, 32>(sK + BN * STRIDE, v_row, p.d, lane);
+        load_rows<T, BN, D, 32>(sK, k_row, static_cast<const T*>(p.k), p.d, lane);
+        load_rows<T, BN, D, 32>(sK + BN * STRIDE, v_row, static_cast<const T*>(p.v), p.d, lane);
     };
 
     float o[1][DT][4];
