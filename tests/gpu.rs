@@ -189,6 +189,34 @@ mod cuda_suite {
         check_lse(&lse, &lse_reference(&q, &k, scale, c.causal)?)
     }
 
+    /// Every dtype x head dim x mask x seqlen pair, cycling MHA / GQA / MQA over the seqlen
+    /// pairs; batch 2, or 1 where seq_q * seq_k exceeds `big` (to bound the reference's memory).
+    fn grid(dims: &[usize], seqs: &[(usize, usize)], big: usize) -> Vec<Case> {
+        let heads = [(4, 4), (8, 2), (4, 1)];
+        let mut cases = vec![];
+        for dtype in [DType::F16, DType::BF16] {
+            for &d in dims {
+                for causal in [false, true] {
+                    for (i, &(sq, sk)) in seqs.iter().enumerate() {
+                        let (h, hk) = heads[i % heads.len()];
+                        let b = if sq * sk > big { 1 } else { 2 };
+                        cases.push(Case {
+                            dtype,
+                            b,
+                            sq,
+                            sk,
+                            h,
+                            hk,
+                            d,
+                            causal,
+                        });
+                    }
+                }
+            }
+        }
+        cases
+    }
+
     /// The forward grid of DESIGN.md: every head dim, both dtypes, causal or not, seqlens with
     /// tails and both seq_q < seq_k and seq_q > seq_k, MHA/GQA/MQA.
     fn fwd_grid(quick: bool) -> Vec<Case> {
@@ -215,29 +243,7 @@ mod cuda_suite {
                 (2048, 17),
             ]
         };
-        let heads = [(4, 4), (8, 2), (4, 1)];
-        let mut cases = vec![];
-        for dtype in [DType::F16, DType::BF16] {
-            for &d in dims {
-                for causal in [false, true] {
-                    for (i, &(sq, sk)) in seqs.iter().enumerate() {
-                        let (h, hk) = heads[i % heads.len()];
-                        let b = if sq * sk > 1 << 20 { 1 } else { 2 };
-                        cases.push(Case {
-                            dtype,
-                            b,
-                            sq,
-                            sk,
-                            h,
-                            hk,
-                            d,
-                            causal,
-                        });
-                    }
-                }
-            }
-        }
-        cases
+        grid(dims, seqs, 1 << 20)
     }
 
     /// Strided inputs: q from a (b, h, s, d) tensor transposed, k and v narrowed along seqlen,
@@ -415,29 +421,7 @@ mod cuda_suite {
                 (2048, 17),
             ]
         };
-        let heads = [(4, 4), (8, 2), (4, 1)];
-        let mut cases = vec![];
-        for dtype in [DType::F16, DType::BF16] {
-            for &d in dims {
-                for causal in [false, true] {
-                    for (i, &(sq, sk)) in seqs.iter().enumerate() {
-                        let (h, hk) = heads[i % heads.len()];
-                        let b = if sq * sk > 1 << 18 { 1 } else { 2 };
-                        cases.push(Case {
-                            dtype,
-                            b,
-                            sq,
-                            sk,
-                            h,
-                            hk,
-                            d,
-                            causal,
-                        });
-                    }
-                }
-            }
-        }
-        cases
+        grid(dims, seqs, 1 << 18)
     }
 
     /// The backward is bitwise reproducible (it uses no floating-point atomics).
