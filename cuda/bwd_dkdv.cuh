@@ -81,7 +81,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
             zero(st);
             gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + warp_row0 * STRIDE, sQ, lane);
             if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-                mask.apply_t<MT, NQ>(st, n0 + warp_row0, m0, lane);
+                mask.template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
             const int t = lane % 4;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -93,7 +93,11 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
                         st[mt][nt][e] = exp2f(fmaf(st[mt][nt][e], p.scale_log2, -sLse[col]));
                     }
             // Dropout keep bits of this thread's entries: bit (2 nt + e % 2) of keep[mt][r].
+            // Both uses (P for dV, dP for dS) scale kept entries by 1 / (1 - p) and zero the rest.
             unsigned int keep[MT][2];
+            const auto dropped = [&](float x, int mt, int nt, int e) {
+                return ((keep[mt][e / 2] >> (2 * nt + e % 2)) & 1) ? x * p.rp_keep : 0.f;
+            };
             if (dropout.active()) {
                 const int g = lane / 4;
 #pragma unroll
@@ -116,10 +120,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
 #pragma unroll
                     for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const bool kept = (keep[mt][e / 2] >> (2 * nt + e % 2)) & 1;
-                            pd[mt][nt][e] = kept ? st[mt][nt][e] * p.rp_keep : 0.f;
-                        }
+                        for (int e = 0; e < 4; ++e) pd[mt][nt][e] = dropped(st[mt][nt][e], mt, nt, e);
                 pack_a<T, MT, NQ>(pd, a);
             } else {
                 pack_a<T, MT, NQ>(st, a);
@@ -137,8 +138,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
                     for (int e = 0; e < 4; ++e) {
                         const int col = nt * 8 + 2 * t + (e % 2);
                         float dp = dpt[mt][nt][e];  // with dropout: d(P o Z / (1 - p))
-                        if (dropout.active())
-                            dp = ((keep[mt][e / 2] >> (2 * nt + e % 2)) & 1) ? dp * p.rp_keep : 0.f;
+                        if (dropout.active()) dp = dropped(dp, mt, nt, e);
                         dpt[mt][nt][e] = st[mt][nt][e] * (dp - sDsum[col]);
                     }
             pack_a<T, MT, NQ>(dpt, a);

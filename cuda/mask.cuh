@@ -52,10 +52,11 @@ struct Mask {
     }
 
     // Sets masked scores of a warp's S accumulators to -inf. S holds MT m16 tiles x NT n8
-    // tiles in the mma C layout; the warp's first row is row0, the tile's first key col0.
-    // Tile row r is query r / rows_per_query (GQA-packed decode tiles hold several heads of
-    // one query token in consecutive rows).
-    template <int MT, int NT>
+    // tiles in the mma C layout; the warp's first row is row0, the tile's first column col0.
+    // Rows are queries and columns keys, or, with TRANSPOSED (S^T in the dK/dV kernel), rows
+    // are keys and columns queries. Query rows may be packed: tile row r is query
+    // r / rows_per_query (GQA-packed decode tiles hold several heads of one token).
+    template <int MT, int NT, bool TRANSPOSED = false>
     __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane,
                                           int rows_per_query = 1) const {
         const int g = lane / 4, t = lane % 4;
@@ -65,27 +66,11 @@ struct Mask {
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int row = (row0 + mt * 16 + g + (e / 2) * 8) / rows_per_query;
+                    const int row = row0 + mt * 16 + g + (e / 2) * 8;
                     const int col = col0 + nt * 8 + 2 * t + (e % 2);
-                    if (!visible(row, col)) s[mt][nt][e] = -INFINITY;
-                }
-    }
-
-    // Same for transposed scores S^T (rows are keys from row0, columns queries from col0), as
-    // the dK/dV kernel computes them.
-    template <int MT, int NT>
-    __device__ __forceinline__ void apply_t(float (&s)[MT][NT][4], int row0, int col0,
-                                            int lane) const {
-        const int g = lane / 4, t = lane % 4;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = row0 + mt * 16 + g + (e / 2) * 8;
-                    const int query = col0 + nt * 8 + 2 * t + (e % 2);
-                    if (!visible(query, key)) s[mt][nt][e] = -INFINITY;
+                    const bool ok = TRANSPOSED ? visible(col, row)
+                                               : visible(row / rows_per_query, col);
+                    if (!ok) s[mt][nt][e] = -INFINITY;
                 }
     }
 };

@@ -13,6 +13,24 @@ const F32_TOL: f32 = 1e-5;
 const NAMES: [&str; 3] = ["dq", "dk", "dv"];
 const SEED: u64 = 0x1234_5678_9abc_def0;
 
+/// Output and gradients (of `sum(out * w)`) of `ours` and `reference` agree within the f32
+/// tolerance.
+fn outputs_and_grads_close(
+    what: &str,
+    ours: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    reference: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    [q, k, v]: [&Tensor; 3],
+    w: &Tensor,
+) -> Result<()> {
+    assert_close(what, &ours(q, k, v)?, &reference(q, k, v)?, F32_TOL)?;
+    let ours = grads(ours, q, k, v, w)?;
+    let expected = grads(reference, q, k, v, w)?;
+    for ((name, a), b) in NAMES.iter().zip(&ours).zip(&expected) {
+        assert_close(&format!("{name} {what}"), a, b, F32_TOL)?;
+    }
+    Ok(())
+}
+
 /// MHA, GQA, MQA; seqlen_q != seqlen_k both ways (causal 113/17 has rows that see no key);
 /// odd lengths, so the 2x2 blocks of one Philox call are cut at the edges.
 const SHAPES: &[Case] = &[
@@ -112,17 +130,7 @@ fn output_and_grads_match_reference_given_the_mask() -> Result<()> {
             attention_slow_dropout(q, k, v, case.scale(), case.causal, &keep, p)
         };
         let what = format!("p={p} {case:?}");
-        assert_close(
-            &what,
-            &ours_fn(&q, &k, &v)?,
-            &reference(&q, &k, &v)?,
-            F32_TOL,
-        )?;
-        let ours = grads(ours_fn, &q, &k, &v, &w)?;
-        let expected = grads(reference, &q, &k, &v, &w)?;
-        for ((name, a), b) in NAMES.iter().zip(&ours).zip(&expected) {
-            assert_close(&format!("{name} {what}"), a, b, F32_TOL)?;
-        }
+        outputs_and_grads_close(&what, ours_fn, reference, [&q, &k, &v], &w)?;
     }
     Ok(())
 }
@@ -195,17 +203,7 @@ fn varlen_output_and_grads_match_reference() -> Result<()> {
             })
         };
         let what = format!("causal={causal}");
-        assert_close(
-            &what,
-            &ours_fn(&q, &k, &v)?,
-            &reference(&q, &k, &v)?,
-            F32_TOL,
-        )?;
-        let ours = grads(ours_fn, &q, &k, &v, &w)?;
-        let expected = grads(reference, &q, &k, &v, &w)?;
-        for ((name, a), b) in NAMES.iter().zip(&ours).zip(&expected) {
-            assert_close(&format!("{name} {what}"), a, b, F32_TOL)?;
-        }
+        outputs_and_grads_close(&what, ours_fn, reference, [&q, &k, &v], &w)?;
     }
     Ok(())
 }

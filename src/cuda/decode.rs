@@ -1,17 +1,18 @@
 //! KV-cache launchers: the in-place append and split-KV decoding (`cuda/decode.cu`).
 
-use std::sync::Arc;
+use std::sync::Mutex;
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
-use candle::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
-};
+use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
-use super::{dtype_name, launch, poison, to_i32, AttnParams, FwdTile};
+use super::{
+    device_ptr_opt, dtype_name, launch, poison, strides3, to_device_i32, to_i32, AttnParams,
+    FwdTile,
+};
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 
 /// Mirror of `struct DecodeParams` in `cuda/params.cuh`.
@@ -70,17 +71,6 @@ fn decode_smem_bytes(d: usize) -> u32 {
     (q + rings.max(merge)) as u32
 }
 
-/// Strides `(page or batch, row, head)` of a rank-4 cache layout.
-fn strides3(layout: &Layout) -> [i64; 3] {
-    let s = layout.stride();
-    [s[0] as i64, s[1] as i64, s[2] as i64]
-}
-
-fn to_device_i32(dev: &candle::CudaDevice, xs: &[u32]) -> Result<CudaSlice<i32>> {
-    let xs: Vec<i32> = xs.iter().map(|&x| x as i32).collect();
-    dev.clone_htod(&xs)
-}
-
 /// `(block_table, max_pages, page_size)` for the kernels; no table for a contiguous cache.
 fn paging_args(
     dev: &candle::CudaDevice,
@@ -99,21 +89,6 @@ fn paging_args(
             to_i32(*page_size, "page_size")?,
         ),
     })
-}
-
-fn device_ptr_opt<'a>(
-    x: &'a Option<CudaSlice<i32>>,
-    stream: &'a Arc<CudaStream>,
-    syncs: &mut Vec<SyncOnDrop<'a>>,
-) -> CUdeviceptr {
-    match x {
-        Some(x) => {
-            let (ptr, sync) = x.device_ptr(stream);
-            syncs.push(sync);
-            ptr
-        }
-        None => 0,
-    }
 }
 
 /// Writes `new` `(b, s_new, hk, d)` into the cache rows `start[b]..` of each sequence, in
@@ -184,6 +159,24 @@ fn append_typed<T: CudaDType + DeviceRepr>(
     Ok(())
 }
 
+/// Streaming multiprocessors of `dev`, asked of the driver once per device (the decode
+/// launcher needs it on every call).
+fn multiprocessors(dev: &candle::CudaDevice) -> Result<usize> {
+    static SMS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut known = SMS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&(_, sms)) = known.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(sms);
+    }
+    let sms = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()? as usize;
+    known.push((ordinal, sms));
+    Ok(sms)
+}
+
 /// How many slices of each sequence's key range run in parallel (flash-decoding): one when
 /// batch x heads x row tiles already gives two waves of blocks (about three fit per SM), else
 /// enough for two waves, keeping at least four key tiles per warp.
@@ -227,10 +220,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
     let key_tile = DECODE_KEYS_PER_TILE;
-    let sms = stream
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()? as usize;
+    let sms = multiprocessors(&dev)?;
     let splits = num_splits(p.b * p.hk * row_tiles, max_len.div_ceil(key_tile), sms);
 
     let out_elems = p.b * p.s_q * p.h * p.d;

@@ -145,36 +145,52 @@ impl AttnParams {
     }
 }
 
-/// Device copies of a packed batch's cumulative offsets (i32, as the kernels read them);
-/// `None` for fixed length. Kept alive until the launches are queued (freed in stream order).
-fn seq_offsets(
-    problem: &Problem,
-    dev: &candle::CudaDevice,
-) -> Result<Option<(CudaSlice<i32>, CudaSlice<i32>)>> {
-    let Some(offsets) = &problem.varlen else {
-        return Ok(None);
-    };
-    let to_dev = |cu: &[u32]| -> Result<CudaSlice<i32>> {
-        let cu: Vec<i32> = cu.iter().map(|&x| x as i32).collect();
-        dev.clone_htod(&cu)
-    };
-    Ok(Some((to_dev(&offsets.cu_q)?, to_dev(&offsets.cu_k)?)))
+/// `xs` on the device as the i32 the kernels read (offsets, lengths, block tables).
+fn to_device_i32(dev: &candle::CudaDevice, xs: &[u32]) -> Result<CudaSlice<i32>> {
+    let xs: Vec<i32> = xs.iter().map(|&x| x as i32).collect();
+    dev.clone_htod(&xs)
+}
+
+/// The device pointer of an optional buffer (0 when absent); the guard that orders the
+/// stream's use of it goes to `syncs`, which must outlive the launch.
+fn device_ptr_opt<'a>(
+    x: &'a Option<CudaSlice<i32>>,
+    stream: &'a Arc<CudaStream>,
+    syncs: &mut Vec<SyncOnDrop<'a>>,
+) -> CUdeviceptr {
+    match x {
+        Some(x) => {
+            let (ptr, sync) = x.device_ptr(stream);
+            syncs.push(sync);
+            ptr
+        }
+        None => 0,
+    }
+}
+
+/// Device copies of a packed batch's cumulative offsets `(cu_q, cu_k)`; `None` for fixed
+/// length. Freed in stream order, after the launches that use them.
+type SeqOffsets = (Option<CudaSlice<i32>>, Option<CudaSlice<i32>>);
+
+fn seq_offsets(problem: &Problem, dev: &candle::CudaDevice) -> Result<SeqOffsets> {
+    Ok(match &problem.varlen {
+        Some(o) => (
+            Some(to_device_i32(dev, &o.cu_q)?),
+            Some(to_device_i32(dev, &o.cu_k)?),
+        ),
+        None => (None, None),
+    })
 }
 
 /// Fills the pointers of the packed-batch offsets into `params`.
 fn set_seq_offsets<'a>(
     params: &mut AttnParams,
-    offsets: &'a Option<(CudaSlice<i32>, CudaSlice<i32>)>,
+    (cu_q, cu_k): &'a SeqOffsets,
     stream: &'a Arc<CudaStream>,
 ) -> Vec<SyncOnDrop<'a>> {
     let mut syncs = vec![];
-    if let Some((cu_q, cu_k)) = offsets {
-        let (q_ptr, q_sync) = cu_q.device_ptr(stream);
-        let (k_ptr, k_sync) = cu_k.device_ptr(stream);
-        (params.cu_seqlens_q, params.cu_seqlens_k) = (q_ptr, k_ptr);
-        syncs.push(q_sync);
-        syncs.push(k_sync);
-    }
+    params.cu_seqlens_q = device_ptr_opt(cu_q, stream, &mut syncs);
+    params.cu_seqlens_k = device_ptr_opt(cu_k, stream, &mut syncs);
     syncs
 }
 
