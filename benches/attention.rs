@@ -490,7 +490,7 @@ impl Bench {
             "{:<12} {:<8} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8} {:>6} {:>9}  check",
             "impl", "pass", "hd", "L", "batch", "heads", "caches", "ms", "GB/s", "%copy", "host ms"
         );
-        for (batch, seqlen) in DECODE_SHAPES {
+        for (batch, seqlen) in decode_shapes() {
             self.decode(&DecodeCase { batch, seqlen }, copy_gbps);
             if let Some(path) = json {
                 self.write_json(path);
@@ -620,6 +620,25 @@ impl Bench {
         }
         self.records.push(format!("  {{{}}}", fields.join(", ")));
     }
+}
+
+/// [`DECODE_SHAPES`], or the `BxL` shapes listed in `CANDLE_FLASH_BENCH_DECODE` (e.g.
+/// `8x8192,1x65536`: one shape under a profiler). Unparsable entries are reported and skipped.
+fn decode_shapes() -> Vec<(usize, usize)> {
+    let Ok(list) = std::env::var("CANDLE_FLASH_BENCH_DECODE") else {
+        return DECODE_SHAPES.to_vec();
+    };
+    list.split(',')
+        .filter_map(|entry| {
+            let parsed = entry
+                .split_once('x')
+                .and_then(|(b, l)| Some((b.trim().parse().ok()?, l.trim().parse().ok()?)));
+            if parsed.is_none() {
+                println!("CANDLE_FLASH_BENCH_DECODE: skipping {entry:?}, expected BxL");
+            }
+            parsed
+        })
+        .collect()
 }
 
 /// One decode shape: `batch` sequences of `seqlen` cached tokens (all attended), GQA

@@ -7,7 +7,10 @@
 //! low-precision inputs, our max error is at most 2x the max error of the same math
 //! (`attention_slow`) done in f16/bf16, plus 1e-5.
 //!
-//! Flags: `--quick` runs a reduced grid (for compute-sanitizer).
+//! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
+//! runs only those sections: fwd, bwd, varlen (varlen, padding, dropout), kvcache, misc
+//! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
+//! reliability.
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -592,25 +595,117 @@ mod cuda_suite {
                 return ExitCode::SUCCESS;
             }
         };
+        let sections = match Sections::from_args() {
+            Ok(sections) => sections,
+            Err(e) => {
+                println!("gpu: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         let mut suite = Suite::default();
         let start = Instant::now();
+        if sections.run("fwd") {
+            fwd_section(&dev, quick, &mut suite, start);
+        }
+        if sections.run("bwd") {
+            bwd_section(&dev, quick, &mut suite);
+        }
+        if sections.run("misc") {
+            suite.record("training step", training_step(&dev));
+            if !quick {
+                suite.record("linear memory", linear_memory(&dev));
+            }
+        }
+        if sections.run("varlen") {
+            let start_vd = Instant::now();
+            crate::varlen_dropout::run(&dev, quick, &mut suite);
+            println!(
+                "varlen, padding, dropout: {:.1}s",
+                start_vd.elapsed().as_secs_f32()
+            );
+        }
+        if sections.run("kvcache") {
+            let start_kv = Instant::now();
+            let failed_before = suite.failed;
+            crate::kvcache::run(&dev, quick, &mut suite);
+            println!(
+                "kv-cache decoding: {} failed ({:.1}s)",
+                suite.failed - failed_before,
+                start_kv.elapsed().as_secs_f32()
+            );
+        }
+        if sections.run("misc") {
+            suite.record("strided inputs", strided_inputs(&dev));
+            suite.record(
+                "repeatable forward",
+                repeatable(&dev, if quick { 3 } else { 100 }),
+            );
+            suite.record("cpu op vs cuda attention_slow", cpu_vs_cuda(&dev));
+            suite.record("cuda input errors", cuda_errors(&dev));
+        }
+        if sections.run("reliability") {
+            crate::reliability::run(&dev, quick, &mut suite);
+        }
+        println!("elapsed {:.1}s", start.elapsed().as_secs_f32());
+        println!("gpu: {} passed, {} failed", suite.passed, suite.failed);
+        if suite.failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
+    }
 
+    /// The sections `--only` names; all of them without the flag.
+    struct Sections(Option<Vec<String>>);
+
+    impl Sections {
+        const ALL: [&'static str; 6] = ["fwd", "bwd", "varlen", "kvcache", "misc", "reliability"];
+
+        fn from_args() -> std::result::Result<Self, String> {
+            let args: Vec<String> = std::env::args().collect();
+            let Some(i) = args.iter().position(|a| a == "--only") else {
+                return Ok(Self(None));
+            };
+            let list = args
+                .get(i + 1)
+                .ok_or("--only needs a comma-separated list of sections")?;
+            let names: Vec<String> = list.split(',').map(str::to_string).collect();
+            if let Some(bad) = names.iter().find(|n| !Self::ALL.contains(&n.as_str())) {
+                return Err(format!(
+                    "--only: unknown section {bad:?}, expected one of {:?}",
+                    Self::ALL
+                ));
+            }
+            Ok(Self(Some(names)))
+        }
+
+        fn run(&self, name: &str) -> bool {
+            self.0
+                .as_ref()
+                .is_none_or(|names| names.iter().any(|n| n == name))
+        }
+    }
+
+    fn fwd_section(dev: &Device, quick: bool, suite: &mut Suite, start: Instant) {
         let grid = fwd_grid(quick);
         let n = grid.len();
         for c in grid {
-            suite.record(&format!("fwd {c}"), fwd_case(&dev, c));
+            suite.record(&format!("fwd {c}"), fwd_case(dev, c));
         }
         println!(
             "fwd grid: {n} cases, {} failed so far ({:.1}s)",
             suite.failed,
             start.elapsed().as_secs_f32()
         );
+    }
+
+    fn bwd_section(dev: &Device, quick: bool, suite: &mut Suite) {
         let grid = bwd_grid(quick);
         let n = grid.len();
         let bwd_start = Instant::now();
         let failed_before = suite.failed;
         for c in grid {
-            suite.record(&format!("bwd {c}"), bwd_case(&dev, c));
+            suite.record(&format!("bwd {c}"), bwd_case(dev, c));
         }
         println!(
             "bwd grid: {n} cases, {} failed ({:.1}s)",
@@ -619,41 +714,7 @@ mod cuda_suite {
         );
         suite.record(
             "repeatable backward",
-            repeatable_backward(&dev, if quick { 3 } else { 50 }),
+            repeatable_backward(dev, if quick { 3 } else { 50 }),
         );
-        suite.record("training step", training_step(&dev));
-        if !quick {
-            suite.record("linear memory", linear_memory(&dev));
-        }
-        let start_vd = Instant::now();
-        crate::varlen_dropout::run(&dev, quick, &mut suite);
-        println!(
-            "varlen, padding, dropout: {:.1}s",
-            start_vd.elapsed().as_secs_f32()
-        );
-        let start_kv = Instant::now();
-        let failed_before = suite.failed;
-        crate::kvcache::run(&dev, quick, &mut suite);
-        println!(
-            "kv-cache decoding: {} failed ({:.1}s)",
-            suite.failed - failed_before,
-            start_kv.elapsed().as_secs_f32()
-        );
-        suite.record("strided inputs", strided_inputs(&dev));
-        suite.record(
-            "repeatable forward",
-            repeatable(&dev, if quick { 3 } else { 100 }),
-        );
-        suite.record("cpu op vs cuda attention_slow", cpu_vs_cuda(&dev));
-        suite.record("cuda input errors", cuda_errors(&dev));
-
-        crate::reliability::run(&dev, quick, &mut suite);
-        println!("elapsed {:.1}s", start.elapsed().as_secs_f32());
-        println!("gpu: {} passed, {} failed", suite.passed, suite.failed);
-        if suite.failed == 0 {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        }
     }
 }
