@@ -23,6 +23,9 @@ mod cuda {
             .arg("-std=c++17")
             .arg("-O3")
             .arg("--use_fast_math")
+            // fwd_sm90.cu uses wgmma, which only the arch-specific target has; the other
+            // kernels are unaffected (and Hopper is the only target this crate builds for).
+            .arg("-arch=sm_90a")
             .arg("-lineinfo")
             .out_dir(out_dir.clone());
         let bindings = builder

@@ -4,7 +4,7 @@
 //! device's copy bandwidth measured in the same run.
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -107,7 +107,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -137,6 +137,7 @@ fn main() {
 struct Args {
     quick: bool,
     decode_only: bool,
+    no_decode: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -146,6 +147,7 @@ impl Args {
         let mut args = Args {
             quick: false,
             decode_only: false,
+            no_decode: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -153,6 +155,7 @@ impl Args {
             match arg.as_str() {
                 "--quick" => args.quick = true,
                 "--decode-only" => args.decode_only = true,
+                "--no-decode" => args.no_decode = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -256,6 +259,15 @@ fn grid(quick: bool) -> Vec<Case> {
             });
         }
     }
+    // `CANDLE_FLASH_BENCH_CASES=128/8192/n,64/2048/c` keeps only those (hd/seqlen/causal,
+    // MHA shapes): one case under a profiler.
+    if let Ok(list) = std::env::var("CANDLE_FLASH_BENCH_CASES") {
+        let keys: Vec<&str> = list.split(',').map(str::trim).collect();
+        cases.retain(|c| {
+            let key = format!("{}/{}/{}", c.hd, c.seqlen, if c.causal { "c" } else { "n" });
+            c.heads == c.heads_k && keys.contains(&key.as_str())
+        });
+    }
     cases
 }
 
@@ -319,7 +331,9 @@ fn run(args: &Args, dev: &Device) {
             }
         }
     }
-    bench.decode_section(args.json.as_ref());
+    if !args.no_decode {
+        bench.decode_section(args.json.as_ref());
+    }
     println!(
         "# {} records in {:.0} s",
         bench.records.len(),

@@ -3,7 +3,7 @@
 #include "fwd_block.cuh"
 #include "traits.cuh"
 
-template <class K> __device__ __forceinline__ void flash_fwd(const AttnParams& p) {
+template <class K, bool DROPOUT> __device__ __forceinline__ void flash_fwd(const AttnParams& p) {
     using T = typename K::T;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // Heaviest query blocks first: under a causal mask the last rows see the most keys, and
@@ -26,7 +26,7 @@ template <class K> __device__ __forceinline__ void flash_fwd(const AttnParams& p
            seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
     float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
 
-    FwdBlock<K, DenseSource<K>> block(p, src, Mask(p, seq), bidb, bidh, m0, seq.seqlen_q,
+    FwdBlock<K, DenseSource<K>, DROPOUT> block(p, src, Mask(p, seq), bidb, bidh, m0, seq.seqlen_q,
                                       reinterpret_cast<T*>(smem_raw));
     int nb_begin, nb_end;
     block.key_blocks(&nb_begin, &nb_end);
@@ -34,10 +34,16 @@ template <class K> __device__ __forceinline__ void flash_fwd(const AttnParams& p
     block.store(o, p.o_row_stride, lse, seq.seqlen_q);
 }
 
+// Two kernels per head dim: without dropout (`flash_fwd_<dtype>_d<D>`) and with it
+// (`flash_fwd_<dtype>_d<D>_dropout`), chosen by the launcher from dropout_p.
 #define FLASH_FWD(NAME, T, D)                                                                 \
     extern "C" __global__ void __launch_bounds__(FwdConfig<T, D>::Traits::THREADS, 1)         \
-        flash_fwd_##NAME##_d##D(const __grid_constant__ AttnParams p) {                                         \
-        flash_fwd<FwdConfig<T, D>::Traits>(p);                                                \
+        flash_fwd_##NAME##_d##D(const __grid_constant__ AttnParams p) {                       \
+        flash_fwd<FwdKernelConfig<T, D, false>::Traits, false>(p);                            \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(FwdConfig<T, D>::Traits::THREADS, 1)         \
+        flash_fwd_##NAME##_d##D##_dropout(const __grid_constant__ AttnParams p) {             \
+        flash_fwd<FwdKernelConfig<T, D, true>::Traits, true>(p);                              \
     }
 #define FLASH_FWD_ALL_D(NAME, T)                                                              \
     FLASH_FWD(NAME, T, 32)                                                                    \

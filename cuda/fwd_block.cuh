@@ -39,7 +39,9 @@ template <class K> struct DenseSource {
     }
 };
 
-template <class K, class Source> struct FwdBlock {
+// DROPOUT = false compiles the dropout code out: the Philox rounds cost registers in the loop
+// body even when never run, and those registers are what wider key tiles need.
+template <class K, class Source, bool DROPOUT> struct FwdBlock {
     using T = typename K::T;
     using Mma = MmaOp<T>;
     static constexpr int D = K::D, BM = K::BM, BN = K::BN, MT = K::MT, NT = K::NT, DT = K::DT;
@@ -72,6 +74,7 @@ template <class K, class Source> struct FwdBlock {
     }
 
     __device__ __forceinline__ int warp_row0() const { return warp * MT * 16; }
+    __device__ __forceinline__ bool dropout_on() const { return DROPOUT && dropout.active(); }
 
     __device__ __forceinline__ void load_k(int nb) { src.load_k(sK, nb * BN, tid); }
     __device__ __forceinline__ void load_v(int nb) { src.load_v(sV, nb * BN, tid); }
@@ -111,7 +114,7 @@ template <class K, class Source> struct FwdBlock {
             mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane,
                                src.rows_per_query());
         softmax.update(s, o, p.scale_log2);  // l and the LSE count every entry, dropped or not
-        if (dropout.active()) apply_dropout(s, nb);
+        if (dropout_on()) apply_dropout(s, nb);
         uint32_t pa[MT][NT / 2][4];  // P as the A operand of P V, straight from registers
         pack_a<T, MT, NT>(s, pa);
         cp_async_wait<0>();
@@ -155,7 +158,7 @@ template <class K, class Source> struct FwdBlock {
             for (int r = 0; r < 2; ++r) {
                 float inv_sum, row_lse;
                 softmax.finalize(mt, r, p.scale, &inv_sum, &row_lse);
-                if (dropout.active()) inv_sum *= p.rp_keep;
+                if (dropout_on()) inv_sum *= p.rp_keep;
                 const int row = warp_row0() + mt * 16 + g + 8 * r;
                 if (t == 0 && m0 + row < seqlen_q) lse[m0 + row] = row_lse;
 #pragma unroll

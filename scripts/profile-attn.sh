@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs ON the lent GPU machine: Nsight Compute over one launch of each of our attention
+# kernels (forward, dK/dV, dQ) for the bench cases given, to see what limits them (tensor-pipe
+# use, stalls, occupancy) before changing tile shapes.
+#
+# Usage: bash scripts/profile-attn.sh [HD/SEQLEN/c|n ...]   (default: 128/8192/n 64/2048/n)
+# Writes $OUT/ncu-attn.txt.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT=${OUT:-./out}
+BIN=/tmp/candle-flash-bin
+mkdir -p "$OUT" "$BIN"
+if [ ! -x "$BIN/bench-attention" ] || [ .gpu/bench-attention.xz -nt "$BIN/bench-attention" ]; then
+  xz -dc .gpu/bench-attention.xz > "$BIN/bench-attention" && chmod +x "$BIN/bench-attention"
+fi
+cases=("$@")
+[ ${#cases[@]} -gt 0 ] || cases=(128/8192/n 64/2048/n)
+log=$OUT/ncu-attn.txt
+: > "$log"
+for c in "${cases[@]}"; do
+  echo "### $c" >> "$log"
+  # Launch 5 of each kernel: past the correctness check and the first warm-up calls.
+  CANDLE_FLASH_BENCH_CASES=$c timeout 200 ncu --clock-control none \
+    --kernel-name regex:'flash_(fwd|bwd_dkdv|bwd_dq)' --launch-skip 5 --launch-count 3 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    --section ComputeWorkloadAnalysis --section LaunchStats \
+    "$BIN/bench-attention" --no-decode 2>&1 | grep -v "^==PROF==" >> "$log"
+done
+echo "wrote $log ($(wc -l < "$log") lines)"
