@@ -2,6 +2,11 @@
 //   flash_bwd_dsum_<dtype>       D = rowsum(dO * O)                  grid (ceil(sq/8), h, b)
 //   flash_bwd_dkdv_<dtype>_d<D>  dK, dV per key block                 grid (ceil(sk/BN), h_k * splits, b)
 //   flash_bwd_dq_<dtype>_d<D>    dQ per query block                   grid (ceil(sq/BM), h, b)
+// or, when the caller allows a non-deterministic dQ and d <= 128 (dq_accum zeroed first):
+//   flash_bwd_dsum_<dtype>
+//   flash_bwd_dkdvq_<dtype>_d<D>[_dropout]  dK, dV, atomic dQ        grid (ceil(sk/BN), h_k, b)
+//   flash_bwd_dq_convert_<dtype> dq = dq_accum * scale                 grid (ceil(len/8/256))
+// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128 is an opt-in shape of the second (no dropout).
 #include "bwd_dkdv.cuh"
 #include "bwd_dq.cuh"
 
@@ -45,12 +50,39 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
         flash_bwd_dq<BwdConfig<T, D>::Q>(bp);                                                 \
     }
 
+// Without dropout the fused kernel compiles its dropout code out (_dropout: with it).
+#define FLASH_BWD_FUSED(NAME, T, D)                                                           \
+    extern "C" __global__ void __launch_bounds__(BwdFusedConfig<T, D>::Kv::THREADS, 1)        \
+        flash_bwd_dkdvq_##NAME##_d##D(const __grid_constant__ BwdParams bp) {                 \
+        flash_bwd_dkdv<BwdFusedConfig<T, D>::Kv, false>(bp);                                  \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdFusedConfig<T, D>::Kv::THREADS, 1)        \
+        flash_bwd_dkdvq_##NAME##_d##D##_dropout(const __grid_constant__ BwdParams bp) {       \
+        flash_bwd_dkdv<BwdFusedConfig<T, D>::Kv, true>(bp);                                   \
+    }
+
+#define FLASH_BWD_WIDE(NAME, T, D)                                                            \
+    extern "C" __global__ void __launch_bounds__(BwdFusedConfig<T, D, true>::Kv::THREADS, 1)  \
+        flash_bwd_dkdvq_##NAME##_d##D##_bn128(const __grid_constant__ BwdParams bp) {         \
+        flash_bwd_dkdv<BwdFusedConfig<T, D, true>::Kv, false>(bp);                            \
+    }
+
 #define FLASH_BWD_ALL(NAME, T)                                                                \
     FLASH_BWD_DSUM(NAME, T)                                                                   \
+    extern "C" __global__ void flash_bwd_dq_convert_##NAME(                                   \
+        const __grid_constant__ BwdParams bp) {                                               \
+        flash_bwd_dq_convert<T>(bp);                                                          \
+    }                                                                                         \
     FLASH_BWD(NAME, T, 32)                                                                    \
     FLASH_BWD(NAME, T, 64)                                                                    \
     FLASH_BWD(NAME, T, 96)                                                                    \
     FLASH_BWD(NAME, T, 128)                                                                   \
+    FLASH_BWD_FUSED(NAME, T, 32)                                                              \
+    FLASH_BWD_FUSED(NAME, T, 64)                                                              \
+    FLASH_BWD_FUSED(NAME, T, 96)                                                              \
+    FLASH_BWD_FUSED(NAME, T, 128)                                                             \
+    FLASH_BWD_WIDE(NAME, T, 64)                                                               \
+    FLASH_BWD_WIDE(NAME, T, 128)                                                              \
     FLASH_BWD(NAME, T, 160)                                                                   \
     FLASH_BWD(NAME, T, 192)                                                                   \
     FLASH_BWD(NAME, T, 224)                                                                   \

@@ -1,8 +1,10 @@
-// dK and dV for one block of keys: FlashAttention-2 Algorithm 2, lines 5-21 without dQ
-// (the dQ kernel computes it, so nothing is accumulated across blocks and the result is
-// deterministic). Scores are computed transposed, S^T = K Q^T, so that P^T and dS^T land in
-// registers already as the A operands of dV += P^T dO and dK += dS^T Q.
+// dK and dV for one block of keys: FlashAttention-2 Algorithm 2, lines 5-21. Without K::DQ
+// dQ is left to the dQ kernel, so nothing is accumulated across blocks and the result is
+// deterministic; with it, each tile's dQ share is added atomically (bwd_dq_accum.cuh).
+// Scores are computed transposed, S^T = K Q^T, so that P^T and dS^T land in registers
+// already as the A operands of dV += P^T dO and dK += dS^T Q.
 #pragma once
+#include "bwd_dq_accum.cuh"
 #include "bwd_traits.cuh"
 #include "copy.cuh"
 #include "gemm.cuh"
@@ -13,20 +15,27 @@
 
 constexpr float LOG2E = 1.4426950408889634f;
 
-template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
+// MAYBE_DROPOUT = false compiles the dropout code out (it costs registers in the loop) for
+// launches without dropout.
+template <class K, bool MAYBE_DROPOUT = true>
+__device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     using T = typename K::T;
     constexpr int D = K::D, DO = K::DO, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
-    constexpr int DOT = K::DOT, STRIDE = K::STRIDE;
+    constexpr int DOT = K::DOT, STRIDE = K::STRIDE, STAGES = K::STAGES;
+    static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single- or double-buffered");
     const AttnParams& p = bp.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + BN * STRIDE;
-    T* sQ = sV + BN * STRIDE;
-    T* sdO = sQ + BM * STRIDE;
-    float* sLse = reinterpret_cast<float*>(sdO + BM * STRIDE);  // log2 units; +inf = no row
-    float* sDsum = sLse + BM;
+    T* sQ_all = sV + BN * STRIDE;             // STAGES Q tiles
+    T* sdO_all = sQ_all + STAGES * BM * STRIDE;  // STAGES dO tiles
+    T* sdS_t = sdO_all + STAGES * BM * STRIDE;   // dS^T (BN x BM), K::DQ only
+    // Per stage: the LSE of the tile's rows (single-buffered: in log2 units, +inf = no row;
+    // double-buffered: as stored) and their rowsum(dO O).
+    float* sLse_all = reinterpret_cast<float*>(sdS_t + (K::DQ ? BN * K::DS_STRIDE : 0));
+    float* sDsum_all = sLse_all + STAGES * BM;
 
-    const int tid = threadIdx.x, lane = tid % 32, warp_row0 = (tid / 32) * MT * 16;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warp_row0 = warp * MT * 16;
     const int n0 = blockIdx.x * BN;
     const int split = blockIdx.y % K::SPLITS, bidh_k = blockIdx.y / K::SPLITS, bidb = blockIdx.z;
     const int col0 = split * DO;  // first dK/dV column of this block
@@ -50,99 +59,170 @@ template <class K> __device__ __forceinline__ void flash_bwd_dkdv(const BwdParam
     int mb_begin, mb_end;
     mask.template query_blocks<BM, BN>(n0, seq.seqlen_q, &mb_begin, &mb_end);
 
-    // GQA: every query head of the group adds to this K/V head's gradient (line 21's sum).
-    for (int bidh = bidh_k * p.h_h_k_ratio; bidh < (bidh_k + 1) * p.h_h_k_ratio; ++bidh) {
+    // The streamed tiles, one per (query head of the GQA group, visible query block): every
+    // query head of the group adds to this K/V head's gradient (line 21's sum).
+    // Tiles are numbered it = 0, 1, ..., head-major; (bidh, m0) follows `it` by increments.
+    const int n_tiles = max(mb_end - mb_begin, 0) * p.h_h_k_ratio;
+    const int m0_begin = mb_begin * BM, m0_end = mb_end * BM;
+    const auto next_tile = [&](int& bidh, int& m0) {
+        m0 += BM;
+        if (m0 == m0_end) {
+            m0 = m0_begin;
+            ++bidh;
+        }
+    };
+    const auto load_q_do = [&](int bidh, int m0, int stage) {
         const T* q = static_cast<const T*>(p.q) +
                      seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
         const T* dout = static_cast<const T*>(bp.dout) +
                         seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
-        const float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
-        const float* dsum = bp.dsum + seq.lse_offset(p, bidb, bidh);
-        const Dropout dropout(p, bidb, bidh);
-        for (int mb = mb_begin; mb < mb_end; ++mb) {
-            const int m0 = mb * BM;
+        load_tile<T, BM, D, K::THREADS>(sQ_all + stage * BM * STRIDE,
+                                        q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
+                                        seq.seqlen_q - m0, p.d, tid);
+        load_tile<T, BM, D, K::THREADS>(sdO_all + stage * BM * STRIDE,
+                                        dout + int64_t(m0) * p.o_row_stride, p.o_row_stride,
+                                        seq.seqlen_q - m0, p.d, tid);
+    };
+    // Single-buffered: row `tid` of tile `it` (tid < BM), LSE in log2 units and rowsum(dO O).
+    const auto row_stats = [&](int bidh, int m0, float& lse2, float& dsum) {
+        const int row = m0 + tid;
+        const int64_t off = seq.lse_offset(p, bidb, bidh);
+        const float l = row < seq.seqlen_q ? p.lse[off + row] : -INFINITY;
+        // A row that saw no key (or is past the end) has P = 0: exp2(s - inf).
+        lse2 = l == -INFINITY ? INFINITY : l * LOG2E;
+        dsum = row < seq.seqlen_q ? bp.dsum[off + row] : 0.f;
+    };
+
+    // Double-buffered: the row statistics travel raw with the tile's cp.async group (no
+    // registers held across an iteration); the LSE is converted where it is read. Rows past
+    // the end read LSE 0 and dsum 0, which is harmless there: their Q and dO rows are zero,
+    // so P^T dO, dS = P (0 - 0) and dQ (never stored) add nothing.
+    const auto load_row_stats = [&](int bidh, int m0, int stage) {
+        if (tid >= BM) return;
+        const int row = m0 + tid;
+        const int64_t off = seq.lse_offset(p, bidb, bidh) + min(row, seq.seqlen_q - 1);
+        const bool valid = row < seq.seqlen_q;
+        cp_async_4(sLse_all + stage * BM + tid, p.lse + off, valid);
+        cp_async_4(sDsum_all + stage * BM + tid, bp.dsum + off, valid);
+    };
+    int bidh = bidh_k * p.h_h_k_ratio, m0 = m0_begin;  // tile it
+    if constexpr (STAGES == 2) {
+        if (n_tiles > 0) {
+            load_q_do(bidh, m0, 0);
+            load_row_stats(bidh, m0, 0);
+        }
+        cp_async_commit();
+    }
+    for (int it = 0; it < n_tiles; ++it, next_tile(bidh, m0)) {
+        const int stage = STAGES == 2 ? it % 2 : 0;
+        const T* sQ = sQ_all + stage * BM * STRIDE;
+        const T* sdO = sdO_all + stage * BM * STRIDE;
+        const float* sLse = sLse_all + stage * BM;
+        const float* sDsum = sDsum_all + stage * BM;
+        if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with the previous Q, dO tiles
-            load_tile<T, BM, D, K::THREADS>(sQ, q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
-                                            seq.seqlen_q - m0, p.d, tid);
-            load_tile<T, BM, D, K::THREADS>(sdO, dout + int64_t(m0) * p.o_row_stride,
-                                            p.o_row_stride, seq.seqlen_q - m0, p.d, tid);
+            load_q_do(bidh, m0, 0);
             cp_async_commit();
-            for (int i = tid; i < BM; i += K::THREADS) {
-                const int row = m0 + i;
-                const float l = row < seq.seqlen_q ? lse[row] : -INFINITY;
-                // A row that saw no key (or is past the end) has P = 0: exp2(s - inf).
-                sLse[i] = l == -INFINITY ? INFINITY : l * LOG2E;
-                sDsum[i] = row < seq.seqlen_q ? dsum[row] : 0.f;
-            }
+            if (tid < BM) row_stats(bidh, m0, sLse_all[tid], sDsum_all[tid]);
             cp_async_wait<0>();
             __syncthreads();
+        } else {
+            cp_async_wait<0>();
+            // Tile it is visible to every warp, and every warp is done with tile it - 1, whose
+            // stage the next tile's copy now overwrites while this one is computed.
+            __syncthreads();
+            if (it + 1 < n_tiles) {
+                int next_bidh = bidh, next_m0 = m0;
+                next_tile(next_bidh, next_m0);
+                load_q_do(next_bidh, next_m0, stage ^ 1);
+                load_row_stats(next_bidh, next_m0, stage ^ 1);
+            }
+            cp_async_commit();
+        }
+        const Dropout dropout(p, bidb, bidh);
+        const bool use_dropout = MAYBE_DROPOUT && dropout.active();
+        // LSE of column `col` in log2 units; a row that saw no key has P = 0: exp2(s - inf).
+        const auto lse2 = [&](int col) {
+            if constexpr (STAGES == 1) return sLse[col];
+            const float l = sLse[col];
+            return l == -INFINITY ? INFINITY : l * LOG2E;
+        };
 
-            float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
-            zero(st);
-            gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + warp_row0 * STRIDE, sQ, lane);
-            if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-                mask.template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
-            const int t = lane % 4;
+        float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
+        zero(st);
+        gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + warp_row0 * STRIDE, sQ, lane);
+        if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
+            mask.template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
+        const int t = lane % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nt * 8 + 2 * t + (e % 2);
+                    st[mt][nt][e] = exp2f(fmaf(st[mt][nt][e], p.scale_log2, -lse2(col)));
+                }
+        // Dropout keep bits of this thread's entries: bit (2 nt + e % 2) of keep[mt][r].
+        // Both uses (P for dV, dP for dS) scale kept entries by 1 / (1 - p) and zero the rest.
+        unsigned int keep[MT][2] = {};  // read only under use_dropout
+        const auto dropped = [&](float x, int mt, int nt, int e) {
+            return ((keep[mt][e / 2] >> (2 * nt + e % 2)) & 1) ? x * p.rp_keep : 0.f;
+        };
+        if (use_dropout) {
+            const int g = lane / 4;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = nt * 8 + 2 * t + (e % 2);
-                        st[mt][nt][e] = exp2f(fmaf(st[mt][nt][e], p.scale_log2, -sLse[col]));
-                    }
-            // Dropout keep bits of this thread's entries: bit (2 nt + e % 2) of keep[mt][r].
-            // Both uses (P for dV, dP for dS) scale kept entries by 1 / (1 - p) and zero the rest.
-            unsigned int keep[MT][2];
-            const auto dropped = [&](float x, int mt, int nt, int e) {
-                return ((keep[mt][e / 2] >> (2 * nt + e % 2)) & 1) ? x * p.rp_keep : 0.f;
-            };
-            if (dropout.active()) {
-                const int g = lane / 4;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int key = n0 + warp_row0 + mt * 16 + g + 8 * r;
-                        keep[mt][r] = 0;
-#pragma unroll
-                        for (int nt = 0; nt < NQ; ++nt)
-                            keep[mt][r] |= dropout.keep_col_pair(m0 + nt * 8 + 2 * t, key) << (2 * nt);
-                    }
-            }
-            uint32_t a[MT][NQ / 2][4];
-            if (dropout.active()) {
-                // dV += (P o Z / (1 - p))^T dO: the dropped probabilities the forward used.
-                float pd[MT][NQ][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
+                for (int r = 0; r < 2; ++r) {
+                    const int key = n0 + warp_row0 + mt * 16 + g + 8 * r;
+                    keep[mt][r] = 0;
 #pragma unroll
                     for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) pd[mt][nt][e] = dropped(st[mt][nt][e], mt, nt, e);
-                pack_a<T, MT, NQ>(pd, a);
-            } else {
-                pack_a<T, MT, NQ>(st, a);
-            }
-            gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
-
-            float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
-            zero(dpt);
-            gemm_ss<T, MT, NQ, D / 16, STRIDE>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
+                        keep[mt][r] |= dropout.keep_col_pair(m0 + nt * 8 + 2 * t, key) << (2 * nt);
+                }
+        }
+        uint32_t a[MT][NQ / 2][4];
+        if (use_dropout) {
+            // dV += (P o Z / (1 - p))^T dO: the dropped probabilities the forward used.
+            float pd[MT][NQ][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = nt * 8 + 2 * t + (e % 2);
-                        float dp = dpt[mt][nt][e];  // with dropout: d(P o Z / (1 - p))
-                        if (dropout.active()) dp = dropped(dp, mt, nt, e);
-                        dpt[mt][nt][e] = st[mt][nt][e] * (dp - sDsum[col]);
-                    }
-            pack_a<T, MT, NQ>(dpt, a);
-            gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
+                    for (int e = 0; e < 4; ++e) pd[mt][nt][e] = dropped(st[mt][nt][e], mt, nt, e);
+            pack_a<T, MT, NQ>(pd, a);
+        } else {
+            pack_a<T, MT, NQ>(st, a);
+        }
+        gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
+
+        float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
+        zero(dpt);
+        gemm_ss<T, MT, NQ, D / 16, STRIDE>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nt * 8 + 2 * t + (e % 2);
+                    float dp = dpt[mt][nt][e];  // with dropout: d(P o Z / (1 - p))
+                    if (use_dropout) dp = dropped(dp, mt, nt, e);
+                    dpt[mt][nt][e] = st[mt][nt][e] * (dp - sDsum[col]);
+                }
+        pack_a<T, MT, NQ>(dpt, a);
+        if constexpr (K::DQ)
+            store_ds_t<MT, NQ / 2, K::DS_STRIDE>(sdS_t + warp_row0 * K::DS_STRIDE, a, lane);
+        gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
+        if constexpr (K::DQ) {
+            __syncthreads();  // dS^T of every warp is in shared memory
+            float* dq_accum =
+                bp.dq_accum +
+                seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
+            dq_accumulate<K>(sdS_t, sK, dq_accum, p.o_row_stride, m0, seq.seqlen_q, p.d, warp,
+                             lane);  // dQ += dS K (line 20)
         }
     }
 

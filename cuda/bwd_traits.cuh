@@ -6,17 +6,36 @@
 // dK/dV kernel: a block owns BN keys and DO of the output columns, and streams BM-row tiles
 // of Q and dO. Above d = 128, dK and dV for all columns no longer fit in registers, so each
 // block takes half of them (and recomputes S and dP for its half: 1.5x the matmuls there).
-template <typename T_, int D_, int DO_, int BN_, int BM_, int NWARPS_> struct BwdKvTraits {
+//
+// With DQ (only when DO == D), the same kernel also adds each tile's dQ = dS K into an f32
+// buffer with atomics: dS goes through shared memory (key-major, as the warps hold dS^T) and
+// the warps split the BM x D product DQ_WM x DQ_WN ways. STAGES = 2 double-buffers the
+// streamed Q/dO tiles (and their LSE and rowsum(dO O)).
+template <typename T_, int D_, int DO_, int BN_, int BM_, int NWARPS_, bool DQ_ = false,
+          int STAGES_ = 1, int DQ_WN_ = 1>
+struct BwdKvTraits {
     using T = T_;
     static constexpr int D = D_, DO = DO_, BN = BN_, BM = BM_, NWARPS = NWARPS_;
+    static constexpr bool DQ = DQ_;
+    static constexpr int STAGES = STAGES_;
     static constexpr int THREADS = NWARPS * 32;
     static constexpr int MT = BN / (16 * NWARPS);  // m16 key tiles per warp
     static constexpr int NQ = BM / 8;              // n8 query tiles of S^T per warp
     static constexpr int DOT = DO / 8;             // n8 tiles of dK, dV per warp
     static constexpr int SPLITS = D / DO;          // column splits of dK, dV
     static constexpr int STRIDE = D + SMEM_PAD;
-    static constexpr int SMEM_BYTES = (2 * BN + 2 * BM) * STRIDE * int(sizeof(T)) + 2 * BM * 4;
+    static constexpr int DQ_WN = DQ_WN_, DQ_WM = NWARPS / DQ_WN;
+    static constexpr int DQ_MT = BM / (16 * DQ_WM);  // m16 query tiles of dQ per warp
+    static constexpr int DQ_NT = D / (8 * DQ_WN);    // n8 column tiles of dQ per warp
+    static constexpr int DS_STRIDE = BM + SMEM_PAD;  // dS^T tile: BN rows of BM queries
+    static constexpr int SMEM_BYTES = (2 * BN + 2 * STAGES * BM) * STRIDE * int(sizeof(T)) +
+                                      (DQ ? BN * DS_STRIDE * int(sizeof(T)) : 0) +
+                                      2 * STAGES * BM * 4;
     static_assert(BN == MT * 16 * NWARPS && D % DO == 0 && DO % 16 == 0, "tile shape");
+    static_assert(BM <= THREADS, "one thread per row loads the LSE and rowsum(dO O)");
+    static_assert(!DQ || (DO == D && NWARPS % DQ_WN == 0 && BM == DQ_MT * 16 * DQ_WM &&
+                          D == DQ_NT * 8 * DQ_WN && DQ_NT % 2 == 0),
+                  "dQ tile shape");
 };
 
 // dQ kernel: a block owns BM query rows and streams BN-key tiles of K and V (the forward's
@@ -40,4 +59,16 @@ template <typename T, int D> struct BwdConfig {
     static constexpr int DO = D <= 128 ? D : D / 2;
     using Kv = BwdKvTraits<T, D, DO, 64, (D <= 96 ? 64 : 32), 4>;
     using Q = BwdQTraits<T, D, 64, (D <= 128 ? 64 : 32), 4>;
+};
+
+// The non-deterministic path for d <= 128: dK, dV and (atomically) dQ in one kernel. dQ's
+// warp split keeps its accumulator at 32-48 registers per thread, live only after dS^T is
+// consumed. WIDE: 128 keys per block over 8 warps (FA2's d = 128 shape), which halves the
+// dQ atomics and the Q/dO reads per key but leaves one block per SM. Mirror: `BwdTile` in
+// src/cuda/bwd.rs.
+template <typename T, int D, bool WIDE = false> struct BwdFusedConfig {
+    static constexpr int BM = D <= 96 ? 64 : 32;
+    static constexpr int NWARPS = WIDE ? 8 : 4;
+    static constexpr int DQ_WN = NWARPS * 32 / BM;  // dQ warp tiles of 32 rows
+    using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN>;
 };

@@ -1,7 +1,7 @@
 // KV-cache decoding, launched in this order:
 //   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k, b)
 //   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (splits, h_k * tiles, b)
-//   flash_decode_combine_<dtype>  merge the splits by their LSE (flash-decoding)  grid (ceil(rows/8), 1, 1)
+//   flash_decode_combine_<dtype>  merge the splits by their LSE (flash-decoding)  grid (rows, 1, 1)
 // The decode kernel reuses the forward's pieces (gemm.cuh, softmax.cuh, mask.cuh, copy.cuh)
 // but not its block layout: a decode step has a handful of query rows, so the block's warps
 // split the keys instead of the rows (see DecodeTraits). The query heads that share a K/V
@@ -30,7 +30,8 @@ template <typename T> __device__ __forceinline__ void flash_append(const AppendP
 // two-stage cp.async ring, synchronising only within the warp, and keeps its own online
 // softmax; the warps' (max, sum, O) are merged through shared memory at the end. Decoding
 // reads every K/V byte once and does little math per byte, so what matters is many copies
-// in flight and no block-wide barrier inside the loop.
+// in flight, no block-wide barrier inside the loop, and few instructions per byte: at 12
+// warps per SM the loop must stay near 300 instructions per 8 KB tile to keep up with HBM.
 template <typename T_, int D_> struct DecodeTraits {
     using T = T_;
     static constexpr int D = D_, NWARPS = 4, THREADS = 32 * NWARPS;
@@ -38,6 +39,11 @@ template <typename T_, int D_> struct DecodeTraits {
     static constexpr int BN = 16;    // keys per warp tile
     static constexpr int STRIDE = D + SMEM_PAD;
     static constexpr int DT = D / 8;
+    // Q's A fragments stay in registers across tiles up to D = 128 (32 registers); larger
+    // head dims need those registers for O and re-read Q from shared memory.
+    static constexpr bool Q_IN_REGS = D <= 128;
+    // Blocks per SM that fit in shared memory (3 up to D = 128); hold registers to that too.
+    static constexpr int MIN_BLOCKS = D <= 128 ? 3 : D <= 192 ? 2 : 1;
     static constexpr int RING = 2 * 2 * BN * STRIDE;  // per warp: 2 stages x (K, V), elements
     // The merge reuses the rings as f32: NWARPS x ROWS x D partial O, then row max and sum.
     static constexpr int MERGE_BYTES = NWARPS * ROWS * (D + 2) * 4;
@@ -45,10 +51,25 @@ template <typename T_, int D_> struct DecodeTraits {
         (NWARPS * RING * int(sizeof(T)) > MERGE_BYTES ? NWARPS * RING * int(sizeof(T)) : MERGE_BYTES);
 };
 
+// S += Q K^T for one m16 row tile and 16 keys, Q's A fragments in registers.
+template <typename T, int KSTEPS, int STRIDE>
+__device__ __forceinline__ void gemm_qk(float (&s)[1][2][4], const uint32_t (&qf)[KSTEPS][4],
+                                        const T* k, int lane) {
+    const int mi = lane / 8;
+    const uint32_t b_base = opaque(smem_addr(k + ((mi / 2) * 8 + lane % 8) * STRIDE + (mi % 2) * 8));
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, b_base + kk * 16 * int(sizeof(T)));
+        MmaOp<T>::run(s[0][0], qf[kk], bf[0], bf[1]);
+        MmaOp<T>::run(s[0][1], qf[kk], bf[2], bf[3]);
+    }
+}
+
 template <class K> __device__ __forceinline__ void flash_decode(const DecodeParams& dp) {
     using T = typename K::T;
     constexpr int D = K::D, BN = K::BN, STRIDE = K::STRIDE, DT = K::DT, NW = K::NWARPS;
-    constexpr int ROWS = K::ROWS;
+    constexpr int ROWS = K::ROWS, KSTEPS = D / 16;
     const AttnParams& p = dp.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -59,12 +80,11 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const int tiles = (rows + ROWS - 1) / ROWS;
     const int split = blockIdx.x, h_k = blockIdx.y / tiles, b = blockIdx.z;
     const int m0 = (blockIdx.y % tiles) * ROWS;
-    const int seqlen_k = dp.seqlens[b];
+    const int seqlen_k = dp.seqlens != nullptr ? dp.seqlens[b] : dp.seqlens_inline[b];
     SeqInfo seq(p, b);
     seq.seqlen_q = p.seqlen_q;
     seq.seqlen_k = seqlen_k;
     const Mask mask(p, seq);
-    const CacheRows cache{dp.block_table, dp.max_pages, dp.page_size, b, h_k};
 
     const auto q_row = [&](int r) -> const T* {
         const int row = m0 + r, token = row / group;
@@ -84,43 +104,79 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const int my_begin = min(kb_end, kb_begin + split * per_split);
     const int my_end = min(kb_end, my_begin + per_split);
 
+    // A tile is 16 consecutive rows of one page (a contiguous cache is one page per
+    // sequence), found with one block-table read per tile, done a step ahead so that its
+    // latency hides behind the current tile. Pages of other sizes (not a multiple of 16)
+    // look every row up.
+    const T* k_head = static_cast<const T*>(p.k) + h_k * p.k_head_stride;
+    const T* v_head = static_cast<const T*>(p.v) + h_k * p.v_head_stride;
+    const int* table = dp.block_table;
+    const bool row_lookup = table != nullptr && dp.page_size % BN != 0;
+    const CacheRows cache{table, dp.max_pages, dp.page_size, b, h_k};
+    const int* my_pages = table + int64_t(b) * dp.max_pages;
+    const auto page_of = [&](int tile) -> int {
+        if (table == nullptr) return b;
+        return tile < my_end && !row_lookup ? my_pages[tile * BN / dp.page_size] : 0;
+    };
+    const WarpTileCopy<T, BN, D> copy(lane);
+    const bool full_cols = p.d == D;
+
     T* ring = rings + warp * K::RING;  // stage s: K at ring + s * 2 * BN * STRIDE, V after it
-    const auto prefetch = [&](int tile, int stage) {
+    const auto prefetch = [&](int tile, int stage, int page) {
         const int n0 = tile * BN;
         T* sK = ring + stage * 2 * BN * STRIDE;
-        const auto k_row = [&](int r) -> const T* {
-            const int j = n0 + r;
-            return j < seqlen_k ? cache.row(static_cast<const T*>(p.k), p.k_batch_stride,
-                                            p.k_row_stride, p.k_head_stride, j)
-                                : nullptr;
-        };
-        const auto v_row = [&](int r) -> const T* {
-            const int j = n0 + r;
-            return j < seqlen_k ? cache.row(static_cast<const T*>(p.v), p.v_batch_stride,
-                                            p.v_row_stride, p.v_head_stride, j)
-                                : nullptr;
-        };
-        load_rows<T, BN, D, 32>(sK, k_row, static_cast<const T*>(p.k), p.d, lane);
-        load_rows<T, BN, D, 32>(sK + BN * STRIDE, v_row, static_cast<const T*>(p.v), p.d, lane);
+        T* sV = sK + BN * STRIDE;
+        if (row_lookup) {
+            const int j = n0 + lane % BN;
+            const bool is_v = lane >= BN;
+            const T* my_row = j >= seqlen_k ? nullptr
+                : is_v ? cache.row(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride,
+                                   p.v_head_stride, j)
+                       : cache.row(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
+                                   p.k_head_stride, j);
+            copy.gathered(sK, sV, my_row, static_cast<const T*>(p.k), p.d);
+            return;
+        }
+        const int r0 = table == nullptr ? n0 : n0 % dp.page_size;
+        const T* kt = k_head + page * p.k_batch_stride + int64_t(r0) * p.k_row_stride;
+        const T* vt = v_head + page * p.v_batch_stride + int64_t(r0) * p.v_row_stride;
+        if (full_cols && n0 + BN <= seqlen_k) {
+            copy.full(sK, kt, p.k_row_stride);
+            copy.full(sV, vt, p.v_row_stride);
+        } else {
+            copy.partial(sK, kt, p.k_row_stride, seqlen_k - n0, p.d);
+            copy.partial(sV, vt, p.v_row_stride, seqlen_k - n0, p.d);
+        }
     };
 
     float o[1][DT][4];
     zero(o);
     OnlineSoftmax<1> softmax;
     int tile = my_begin + warp;
-    if (tile < my_end) prefetch(tile, 0);
+    if (tile < my_end) prefetch(tile, 0, page_of(tile));
+    int next_page = page_of(tile + NW);
     cp_async_commit();  // one group per step, empty or not, so wait<1> always means "this tile"
     cp_async_wait<1>();  // Q landed (this thread's part) ...
     __syncthreads();     // ... and everyone's
+    uint32_t qf[K::Q_IN_REGS ? KSTEPS : 1][4];
+    if constexpr (K::Q_IN_REGS) {
+        const uint32_t q_base = smem_addr(sQ + (lane % 16) * STRIDE + (lane / 16) * 8);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) ldmatrix_x4(qf[kk], q_base + kk * 16 * int(sizeof(T)));
+    }
     for (int stage = 0; tile < my_end; tile += NW, stage ^= 1) {
-        if (tile + NW < my_end) prefetch(tile + NW, stage ^ 1);
+        if (tile + NW < my_end) prefetch(tile + NW, stage ^ 1, next_page);
+        next_page = page_of(tile + 2 * NW);
         cp_async_commit();
         cp_async_wait<1>();
         __syncwarp();  // this tile landed for the whole warp
         const T* sK = ring + stage * 2 * BN * STRIDE;
         float s[1][2][4];
         zero(s);
-        gemm_ss<T, 1, 2, D / 16, STRIDE>(s, sQ, sK, lane);
+        if constexpr (K::Q_IN_REGS)
+            gemm_qk<T, KSTEPS, STRIDE>(s, qf, sK, lane);
+        else
+            gemm_ss<T, 1, 2, KSTEPS, STRIDE>(s, sQ, sK, lane);
         if (mask.template block_needs_mask<BN>(q_first, q_last, tile * BN))
             mask.apply<1, 2>(s, m0, tile * BN, lane, group);
         softmax.update(s, o, p.scale_log2);
@@ -152,27 +208,42 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                 make_float2(o[0][dt][2 * r], o[0][dt][2 * r + 1]);
     }
     __syncthreads();
+    // One thread per row turns the warps' (max, sum) into merge weights, written over sM:
+    // O = sum_w weight_w O_w with weight_w = exp(m_w - m) / l, l = sum_w exp(m_w - m) l_w.
+    const bool split_out = dp.num_splits > 1;
+    if (tid < ROWS) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) m = fmaxf(m, sM[w * ROWS + tid]);
+        const float m_scaled = m == -INFINITY ? 0.f : m * p.scale_log2;
+        float weight[NW], l = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            weight[w] = exp2f(sM[w * ROWS + tid] * p.scale_log2 - m_scaled);
+            l += weight[w] * sL[w * ROWS + tid];
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) sM[w * ROWS + tid] = weight[w] * inv;
+        const int token = (m0 + tid) / group;
+        if (split_out && token < p.seqlen_q) {
+            const int head = h_k * group + (m0 + tid) % group;
+            const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;
+            dp.lse_partial[prow] = l > 0.f ? m * p.scale + logf(l) : -INFINITY;
+        }
+    }
+    __syncthreads();
     for (int e = tid; e < ROWS * D; e += K::THREADS) {
         const int row = e / D, col = e % D;
         const int token = (m0 + row) / group;
         if (token >= p.seqlen_q || col >= p.d) continue;
-        float m = -INFINITY;
+        float x = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) m = fmaxf(m, sM[w * ROWS + row]);
-        const float m_scaled = m == -INFINITY ? 0.f : m * p.scale_log2;
-        float l = 0.f, acc = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-            const float weight = exp2f(sM[w * ROWS + row] * p.scale_log2 - m_scaled);
-            l += weight * sL[w * ROWS + row];
-            acc += weight * sO[(w * ROWS + row) * D + col];
-        }
-        const float x = l > 0.f ? acc / l : 0.f;
+        for (int w = 0; w < NW; ++w) x += sM[w * ROWS + row] * sO[(w * ROWS + row) * D + col];
         const int head = h_k * group + (m0 + row) % group;
-        if (dp.num_splits > 1) {
+        if (split_out) {
             const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;
             dp.o_partial[prow * p.d + col] = x;
-            if (col == 0) dp.lse_partial[prow] = l > 0.f ? m * p.scale + logf(l) : -INFINITY;
         } else {
             static_cast<T*>(p.o)[b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
                                  head * p.o_head_stride + col] = T(x);
@@ -180,43 +251,94 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     }
 }
 
-constexpr int MAX_SPLITS = 128;  // src/cuda/decode.rs caps num_splits to this
+constexpr int MAX_SPLITS = 128;     // src/cuda/decode.rs caps num_splits to this
+constexpr int COMBINE_THREADS = 256;  // src/cuda/decode.rs launches the combine with this many
+constexpr int COMBINE_PREFETCH = 4;   // partial-O loads per thread issued before the weights
 
-// Merges the splits of one (b, head, token) row per warp: O = sum_s w_s O_s with
+// Merges the splits of one (b, head, token) row per block: O = sum_s w_s O_s with
 // w_s = exp(lse_s - lse) and lse = log sum_s exp(lse_s). Splits that saw no key have
-// lse_s = -inf and weigh nothing. The weights are computed once per row, across the lanes.
+// lse_s = -inf and weigh nothing. The block's threads are (split group, 4-column chunk) pairs,
+// so the row's splits are read in parallel, coalesced along d, 16 bytes a load; the first
+// loads are issued before warp 0 has the weights, so the two memory latencies overlap.
 template <typename T> __device__ __forceinline__ void flash_decode_combine(const DecodeParams& dp) {
     const AttnParams& p = dp.a;
-    __shared__ float weights[8][MAX_SPLITS];  // 8 warps per block
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+    __shared__ float weights[MAX_SPLITS];
+    __shared__ float4 part[COMBINE_THREADS];
+    const int tid = threadIdx.x, lane = tid % 32;
+    const int64_t row = blockIdx.x;
     const int64_t rows = int64_t(p.b) * p.h * p.seqlen_q;
-    if (row >= rows) return;
     const int splits = dp.num_splits;
-    float mx = -INFINITY;
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, dp.lse_partial[s * rows + row]);
+    const int c4 = p.d / 4, groups = COMBINE_THREADS / c4;
+    const int col = tid % c4, grp = tid / c4;
+    const bool active = grp < groups;
+    const float4* src = reinterpret_cast<const float4*>(dp.o_partial) + row * c4 + col;
+    const int64_t split_stride = rows * c4;
+
+    float4 pre[COMBINE_PREFETCH];
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-    float sum = 0.f;
-    for (int s = lane; s < splits; s += 32) {
-        const float l = dp.lse_partial[s * rows + row];
-        const float w = l == -INFINITY ? 0.f : expf(l - mx);
-        weights[warp][s] = w;
-        sum += w;
+    for (int i = 0; i < COMBINE_PREFETCH; ++i) {
+        const int s = grp + i * groups;
+        pre[i] = active && s < splits ? __ldg(src + s * split_stride) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    if (tid < 32) {
+        constexpr int PER_LANE = MAX_SPLITS / 32;
+        float l[PER_LANE];
+        float mx = -INFINITY;
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-    __syncwarp();
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int token = row % p.seqlen_q, head = (row / p.seqlen_q) % p.h;
-    const int b = row / (int64_t(p.seqlen_q) * p.h);
-    T* out = static_cast<T*>(p.o) + b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
-             head * p.o_head_stride;
-    for (int col = lane; col < p.d; col += 32) {
-        float acc = 0.f;
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int s = lane + 32 * i;
+            l[i] = s < splits ? __ldg(dp.lse_partial + s * rows + row) : -INFINITY;
+            mx = fmaxf(mx, l[i]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            l[i] = l[i] == -INFINITY ? 0.f : __expf(l[i] - mx);
+            sum += l[i];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i)
+            if (lane + 32 * i < splits) weights[lane + 32 * i] = l[i] * inv;
+    }
+    __syncthreads();
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const auto add = [&](float w, const float4& x) {
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
+    };
+#pragma unroll
+    for (int i = 0; i < COMBINE_PREFETCH; ++i) {
+        const int s = grp + i * groups;
+        if (active && s < splits) add(weights[s], pre[i]);
+    }
+    if (active) {
 #pragma unroll 4
-        for (int s = 0; s < splits; ++s) acc += weights[warp][s] * dp.o_partial[(s * rows + row) * p.d + col];
-        out[col] = T(acc * inv);
+        for (int s = grp + COMBINE_PREFETCH * groups; s < splits; s += groups)
+            add(weights[s], __ldg(src + s * split_stride));
+    }
+    part[tid] = acc;
+    __syncthreads();
+    if (tid < c4) {
+        float4 x = part[tid];
+        for (int gi = 1; gi < groups; ++gi) {
+            const float4 y = part[gi * c4 + tid];
+            x.x += y.x;
+            x.y += y.y;
+            x.z += y.z;
+            x.w += y.w;
+        }
+        const int token = row % p.seqlen_q, head = (row / p.seqlen_q) % p.h;
+        const int b = row / (int64_t(p.seqlen_q) * p.h);
+        T* out = static_cast<T*>(p.o) + b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
+                 head * p.o_head_stride + 4 * tid;
+        *reinterpret_cast<uint2*>(out) = make_uint2(MmaOp<T>::pack(x.x, x.y), MmaOp<T>::pack(x.z, x.w));
     }
 }
 
@@ -224,12 +346,13 @@ template <typename T> __device__ __forceinline__ void flash_decode_combine(const
     extern "C" __global__ void flash_append_##NAME(const __grid_constant__ AppendParams ap) { \
         flash_append<T>(ap);                                                                  \
     }                                                                                         \
-    extern "C" __global__ void flash_decode_combine_##NAME(                                   \
+    extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) flash_decode_combine_##NAME( \
         const __grid_constant__ DecodeParams dp) {                                            \
         flash_decode_combine<T>(dp);                                                          \
     }
 #define FLASH_DECODE(NAME, T, D)                                                              \
-    extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D>::THREADS)                 \
+    extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D>::THREADS,                 \
+                                                 DecodeTraits<T, D>::MIN_BLOCKS)              \
         flash_decode_##NAME##_d##D(const __grid_constant__ DecodeParams dp) {                 \
         flash_decode<DecodeTraits<T, D>>(dp);                                                 \
     }

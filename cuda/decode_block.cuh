@@ -1,4 +1,5 @@
-// Row addressing of the KV cache for the append and decode kernels (contiguous or paged).
+// Row addressing of the KV cache for the append and decode kernels (contiguous or paged), and
+// the decode kernel's per-warp tile copies.
 #pragma once
 #include "copy.cuh"
 #include "params.cuh"
@@ -19,5 +20,93 @@ struct CacheRows {
             r = j % page_size;
         }
         return cache + page * page_stride + int64_t(r) * row_stride + h_k * head_stride;
+    }
+};
+
+// 16 bytes global -> shared at a shared-window address; `bytes` < 16 zero-fills the rest.
+__device__ __forceinline__ void cp_async_16_to(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_16_to(uint32_t dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(bytes));
+}
+
+// A copy of `x` the compiler cannot see through (see `opaque` in mma.cuh): the per-copy row
+// offsets are loop invariant, and hoisting all of them out of the key loop costs two
+// registers each.
+__device__ __forceinline__ int64_t opaque64(int64_t x) {
+    asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+    return x;
+}
+
+// One warp copies a BN x D tile whose rows are `row_stride` apart in global memory into a
+// padded shared tile. Each lane keeps one 16-byte column of the tile and walks down the rows,
+// so a copy is one 64-bit pointer step and one cp.async: no per-chunk row arithmetic. Rows of
+// D / 8 chunks are spread over LPR lanes (a power of two, so each lane's column is fixed);
+// lanes past the last chunk of a row (head dims 96, 160, 192, 224) copy nothing.
+template <typename T, int BN, int D> struct WarpTileCopy {
+    static constexpr int CPR = D / CHUNK;
+    static constexpr int LPR = CPR <= 4 ? 4 : CPR <= 8 ? 8 : CPR <= 16 ? 16 : 32;
+    static constexpr int RSTEP = 32 / LPR;  // rows between a lane's copies
+    static constexpr int PASSES = BN / RSTEP;
+    static constexpr int STRIDE = D + SMEM_PAD;
+    static_assert(CPR <= 32 && BN % RSTEP == 0, "one warp-wide pass covers whole rows");
+
+    int row, col;  // this lane's first row and its column (elements)
+
+    __device__ __forceinline__ explicit WarpTileCopy(int lane)
+        : row(lane / LPR), col(lane % LPR * CHUNK) {}
+
+    __device__ __forceinline__ bool active() const { return CPR == LPR || col < D; }
+
+    // All BN rows and D columns exist.
+    __device__ __forceinline__ void full(T* smem, const T* tile, int64_t row_stride) const {
+        if (!active()) return;
+        const T* src = tile + row * row_stride + col;
+        const uint32_t dst = smem_addr(smem + row * STRIDE + col);
+        const int64_t step = opaque64(RSTEP * row_stride);
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i, src += step)
+            cp_async_16_to(dst + i * RSTEP * STRIDE * int(sizeof(T)), src);
+    }
+
+    // Rows found one by one (pages shorter than a tile): lane r < BN holds the address of K
+    // row r and lane BN + r that of V row r, or null past the end, and shuffles hand them to
+    // the copying lanes. Missing rows and columns at or past `cols_valid` are zero-filled.
+    __device__ __forceinline__ void gathered(T* sk, T* sv, const T* my_row, const T* fallback,
+                                             int cols_valid) const {
+        static_assert(2 * BN == 32, "one lane per K row and one per V row");
+        const uint32_t dk = smem_addr(sk + row * STRIDE + col);
+        const uint32_t dv = smem_addr(sv + row * STRIDE + col);
+        const bool col_ok = active() && col < cols_valid;
+        const uint64_t mine = reinterpret_cast<uint64_t>(my_row);
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) {
+            const int r = row + i * RSTEP;
+            const T* k = reinterpret_cast<const T*>(__shfl_sync(0xffffffff, mine, r));
+            const T* v = reinterpret_cast<const T*>(__shfl_sync(0xffffffff, mine, BN + r));
+            const int off = i * RSTEP * STRIDE * int(sizeof(T));
+            if (!active()) continue;
+            const bool k_ok = col_ok && k != nullptr, v_ok = col_ok && v != nullptr;
+            cp_async_16_to(dk + off, k_ok ? k + col : fallback, k_ok ? 16 : 0);
+            cp_async_16_to(dv + off, v_ok ? v + col : fallback, v_ok ? 16 : 0);
+        }
+    }
+
+    // Rows at or past `rows_valid` and columns at or past `cols_valid` are zero-filled (they
+    // name row 0, a valid address, and read nothing).
+    __device__ __forceinline__ void partial(T* smem, const T* tile, int64_t row_stride,
+                                            int rows_valid, int cols_valid) const {
+        if (!active()) return;
+        const T* src = tile + row * row_stride + col;
+        const uint32_t dst = smem_addr(smem + row * STRIDE + col);
+        const int64_t step = opaque64(RSTEP * row_stride);
+        const bool col_ok = col < cols_valid;
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i, src += step) {
+            const bool ok = col_ok && row + i * RSTEP < rows_valid;
+            cp_async_16_to(dst + i * RSTEP * STRIDE * int(sizeof(T)), ok ? src : tile, ok ? 16 : 0);
+        }
     }
 };

@@ -13,11 +13,11 @@
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-template <typename T_, int D_> struct Sm90Traits {
+template <typename T_, int D_, int GROUPS_ = 2, int BN_ = 128> struct Sm90Traits {
     using T = T_;
     static constexpr int D = D_;
-    static constexpr int BM = 128, BN = 128;  // query rows, keys per tile
-    static constexpr int GROUPS = BM / 64;      // warpgroups, 64 rows each
+    static constexpr int GROUPS = GROUPS_;      // warpgroups, 64 rows each
+    static constexpr int BM = 64 * GROUPS, BN = BN_;  // query rows, keys per tile
     static constexpr int THREADS = GROUPS * 128;
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -160,4 +160,22 @@ template <class K> __device__ __forceinline__ void flash_fwd_sm90(const AttnPara
 FLASH_FWD_SM90(f16, __half, 64)
 FLASH_FWD_SM90(f16, __half, 128)
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 64)
+// Trial (CANDLE_FLASH_SM90_G3=1): three warpgroups, 192 query rows, at d = 64.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_fwd_sm90_bf16_d64_g3(const __grid_constant__ AttnParams p) {
+    flash_fwd_sm90<Sm90Traits<__nv_bfloat16, 64, 3>>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_fwd_sm90_f16_d64_g3(const __grid_constant__ AttnParams p) {
+    flash_fwd_sm90<Sm90Traits<__half, 64, 3>>(p);
+}
+// Trial (CANDLE_FLASH_SM90_N192=1): 192-key tiles at d = 64.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_fwd_sm90_bf16_d64_n192(const __grid_constant__ AttnParams p) {
+    flash_fwd_sm90<Sm90Traits<__nv_bfloat16, 64, 2, 192>>(p);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_fwd_sm90_f16_d64_n192(const __grid_constant__ AttnParams p) {
+    flash_fwd_sm90<Sm90Traits<__half, 64, 2, 192>>(p);
+}
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)

@@ -51,20 +51,28 @@ struct BwdParams {
     void* dk;          // (b, seqlen_k, h_k, d)
     void* dv;          // (b, seqlen_k, h_k, d)
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    // Non-deterministic path (d <= 128): dQ summed with atomics in f32, laid out like dq,
+    // zeroed before the dK/dV/dQ kernel; null when the dQ kernel computes dq directly.
+    float* dq_accum;
+    int64_t dq_accum_len;  // elements of dq (and of dq_accum)
 };
 
 // KV-cache decoding. `a.q`/`a.o` are (b, seqlen_q, h, d) with a.seqlen_q the query tokens;
 // `a.k`/`a.v` are the caches: (b, capacity, h_k, d) with a.k_batch_stride the per-sequence
 // stride, or paged (num_pages, page_size, h_k, d) with a.k_batch_stride the per-page stride
 // and block_table mapping (sequence, page index) -> page.
+constexpr int DECODE_INLINE_SEQLENS = 128;
 struct DecodeParams {
     AttnParams a;
-    const int* seqlens;      // (b) cached tokens to attend to (the append ran before)
+    const int* seqlens;      // (b) cached tokens to attend to (the append ran before), or
+                             // null: they are in seqlens_inline (b <= DECODE_INLINE_SEQLENS)
     const int* block_table;  // (b, max_pages) or null (one contiguous cache per sequence)
     int max_pages, page_size;  // page_size = capacity when not paged
     int num_splits;            // key-range splits per (sequence, K/V head, row tile)
     float* o_partial;          // (num_splits, b, h, seqlen_q, d) when num_splits > 1
     float* lse_partial;        // (num_splits, b, h, seqlen_q)
+    // Small batches pass their lengths with the launch instead of a host-to-device copy.
+    int seqlens_inline[DECODE_INLINE_SEQLENS];
 };
 
 // In-place append of new K (or V) rows (b, s_new, h_k, d) at cache rows start[b]..

@@ -1,4 +1,12 @@
-//! Backward launchers: dsum, the dK/dV kernel and the dQ kernel (`cuda/bwd.cu`).
+//! Backward launchers (`cuda/bwd.cu`): dsum, then either
+//! - the dK/dV kernel and the dQ kernel (deterministic; any head dim), or
+//! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
+//!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
+//!
+//! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
+//! accuracy: `separate` forces the deterministic kernels everywhere; `bn128` makes the fused
+//! kernel take 128 keys per block over 8 warps (FA2's shape) where that variant is compiled
+//! (d 64 and 128, no dropout) instead of 64 keys over 4 warps.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
@@ -11,8 +19,8 @@ use super::{
 };
 use crate::params::Problem;
 
-/// Backward tile shapes for one compiled head dim; mirror of `BwdConfig` in
-/// `cuda/bwd_traits.cuh`.
+/// Backward tile shapes for one compiled head dim; mirror of `BwdConfig` and
+/// `BwdFusedConfig` in `cuda/bwd_traits.cuh`.
 #[derive(Clone, Copy, Debug)]
 struct BwdTile {
     d: usize,
@@ -22,7 +30,12 @@ struct BwdTile {
     kv_bm: usize,
     q_bm: usize,
     q_bn: usize,
+    /// Streamed query rows per tile of the fused dK/dV/dQ kernel.
+    fused_bm: usize,
 }
+
+/// The fused kernel double-buffers its Q/dO tiles (and their row statistics).
+const FUSED_STAGES: usize = 2;
 
 impl BwdTile {
     fn for_head_dim(d: usize) -> Self {
@@ -34,7 +47,15 @@ impl BwdTile {
             kv_bm: if d <= 96 { 64 } else { 32 },
             q_bm: 64,
             q_bn: if d <= 128 { 64 } else { 32 },
+            fused_bm: if d <= 96 { 64 } else { 32 },
         }
+    }
+    /// Whether the fused kernel exists: one block must own all of dK and dV's columns.
+    fn has_fused(&self) -> bool {
+        self.d <= 128
+    }
+    fn has_fused_wide(&self) -> bool {
+        self.d == 64 || self.d == 128
     }
     const THREADS: u32 = 128;
     fn splits(&self) -> usize {
@@ -45,6 +66,42 @@ impl BwdTile {
     }
     fn q_smem_bytes(&self) -> u32 {
         ((2 * self.q_bm + 2 * self.q_bn) * (self.d + 8) * 2) as u32
+    }
+    /// K, V (`bn` keys); per stage Q, dO, LSE and dsum; the dS^T tile (`bn` x `fused_bm` + 8).
+    fn fused_smem_bytes(&self, bn: usize) -> u32 {
+        let bm = self.fused_bm;
+        ((2 * bn + 2 * FUSED_STAGES * bm) * (self.d + 8) * 2
+            + bn * (bm + 8) * 2
+            + 2 * FUSED_STAGES * bm * 4) as u32
+    }
+}
+
+/// Which backward kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BwdPath {
+    /// dK/dV kernel + dQ kernel: deterministic, every head dim.
+    Separate,
+    /// dK/dV/dQ kernel with atomic dQ + convert kernel; `wide`: the 128-key, 8-warp shape.
+    Fused { wide: bool },
+}
+
+/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn128` or unset.
+fn bwd_override() -> Option<&'static str> {
+    static OVERRIDE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    OVERRIDE
+        .get_or_init(|| std::env::var("CANDLE_FLASH_BWD").ok())
+        .as_deref()
+}
+
+impl BwdPath {
+    fn choose(tile: &BwdTile, deterministic: bool, dropout: bool) -> Self {
+        let env = bwd_override();
+        if deterministic || !tile.has_fused() || env == Some("separate") {
+            Self::Separate
+        } else {
+            let wide = env == Some("bn128") && tile.has_fused_wide() && !dropout;
+            Self::Fused { wide }
+        }
     }
 }
 
@@ -57,11 +114,12 @@ fn cuda_storage<'a>(storage: &'a candle::Storage, name: &str) -> Result<&'a Cuda
 
 /// Backward pass: returns one buffer `[dq | dk | dv]` in q's dtype, dq `(b, sq, h, d)` and
 /// dk, dv `(b, sk, hk, d)`, all contiguous. `out`, `grad_out` and `lse` are contiguous.
-/// Deterministic: no floating-point atomics (dQ has a pass of its own).
+/// With `deterministic`, no floating-point atomics (dQ has a pass of its own); otherwise dQ's
+/// summation order over key blocks varies from run to run where the fused kernel exists.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn bwd(
     problem: &Problem,
-    _deterministic: bool,
+    deterministic: bool,
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
@@ -70,14 +128,16 @@ pub(crate) fn bwd(
     lse: &Tensor,
 ) -> Result<CudaStorage> {
     match q.0.dtype() {
-        DType::F16 => bwd_typed::<f16>(problem, q, k, v, out, grad_out, lse),
-        DType::BF16 => bwd_typed::<bf16>(problem, q, k, v, out, grad_out, lse),
+        DType::F16 => bwd_typed::<f16>(problem, deterministic, q, k, v, out, grad_out, lse),
+        DType::BF16 => bwd_typed::<bf16>(problem, deterministic, q, k, v, out, grad_out, lse),
         dt => bail!("q: dtype {dt:?} is not supported on CUDA, expected F16 or BF16"),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn bwd_typed<T: CudaDType + DeviceRepr>(
     problem: &Problem,
+    deterministic: bool,
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
@@ -121,7 +181,14 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         },
         dk_row_stride: (s.hk * s.d) as i64,
         dk_head_stride: s.d as i64,
+        dq_accum_len: nq as i64,
         ..BwdParams::default()
+    };
+    let path = BwdPath::choose(&tile, deterministic, params.a.drop_threshold != 0);
+    // The fused kernel adds into it; rows that no key reaches keep their zeros.
+    let mut dq_accum = match path {
+        BwdPath::Fused { .. } => Some(dev.alloc_zeros::<f32>(nq)?),
+        BwdPath::Separate => None,
     };
     let offsets = seq_offsets(problem, &dev)?;
     {
@@ -134,6 +201,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         let (lse_ptr, _lse_sync) = lse_view.device_ptr(&stream);
         let (grads_ptr, _grads_sync) = grads.device_ptr_mut(&stream);
         let (dsum_ptr, _dsum_sync) = dsum.device_ptr_mut(&stream);
+        let dq_accum_ptr = dq_accum.as_mut().map(|b| b.device_ptr_mut(&stream));
         let elem = std::mem::size_of::<T>() as u64;
         (params.a.q, params.a.k, params.a.v, params.a.o, params.a.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
@@ -142,6 +210,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         params.dq = grads_ptr;
         params.dk = grads_ptr + nq as u64 * elem;
         params.dv = grads_ptr + (nq + nkv) as u64 * elem;
+        params.dq_accum = dq_accum_ptr.as_ref().map_or(0, |(ptr, _)| *ptr);
 
         let rows_per_block = 8; // one warp per row, 256 threads
         launch(
@@ -152,22 +221,52 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
             0,
             &params,
         )?;
-        launch(
-            &dev,
-            &format!("flash_bwd_dkdv_{dtype}_d{}", tile.d),
-            (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
-            BwdTile::THREADS,
-            tile.kv_smem_bytes(),
-            &params,
-        )?;
-        launch(
-            &dev,
-            &format!("flash_bwd_dq_{dtype}_d{}", tile.d),
-            (s.sq.div_ceil(tile.q_bm), s.h, s.b),
-            BwdTile::THREADS,
-            tile.q_smem_bytes(),
-            &params,
-        )?;
+        match path {
+            BwdPath::Separate => {
+                launch(
+                    &dev,
+                    &format!("flash_bwd_dkdv_{dtype}_d{}", tile.d),
+                    (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
+                    BwdTile::THREADS,
+                    tile.kv_smem_bytes(),
+                    &params,
+                )?;
+                launch(
+                    &dev,
+                    &format!("flash_bwd_dq_{dtype}_d{}", tile.d),
+                    (s.sq.div_ceil(tile.q_bm), s.h, s.b),
+                    BwdTile::THREADS,
+                    tile.q_smem_bytes(),
+                    &params,
+                )?;
+            }
+            BwdPath::Fused { wide } => {
+                // Dropout has a kernel of its own (its Philox code costs registers); `choose`
+                // picks the wide shape only without dropout.
+                let (bn, warps, variant) = match (wide, params.a.drop_threshold != 0) {
+                    (true, _) => (128, 8, "_bn128"),
+                    (false, true) => (64, 4, "_dropout"),
+                    (false, false) => (64, 4, ""),
+                };
+                launch(
+                    &dev,
+                    &format!("flash_bwd_dkdvq_{dtype}_d{}{variant}", tile.d),
+                    (s.sk.div_ceil(bn), s.hk, s.b),
+                    32 * warps,
+                    tile.fused_smem_bytes(bn),
+                    &params,
+                )?;
+                let (threads, per_thread) = (256, 8);
+                launch(
+                    &dev,
+                    &format!("flash_bwd_dq_convert_{dtype}"),
+                    (nq.div_ceil(threads * per_thread), 1, 1),
+                    threads as u32,
+                    0,
+                    &params,
+                )?;
+            }
+        }
     }
     Ok(CudaStorage::wrap_cuda_slice(grads, dev))
 }

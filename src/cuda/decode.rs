@@ -3,7 +3,9 @@
 use std::sync::Mutex;
 
 use candle::backend::BackendStorage;
-use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use candle::cuda_backend::cudarc::driver::sys::{
+    CUdevice_attribute, CUdeviceptr, CUfunction_attribute,
+};
 use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
@@ -14,10 +16,15 @@ use super::{
     FwdTile,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
+use crate::ptx;
+
+/// `DECODE_INLINE_SEQLENS` in `cuda/params.cuh`: batches up to this size pass their lengths
+/// inside the parameter block instead of through a host-to-device copy per call.
+const INLINE_SEQLENS: usize = 128;
 
 /// Mirror of `struct DecodeParams` in `cuda/params.cuh`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct DecodeParams {
     a: AttnParams,
     seqlens: CUdeviceptr,
@@ -27,6 +34,7 @@ struct DecodeParams {
     num_splits: i32,
     o_partial: CUdeviceptr,
     lse_partial: CUdeviceptr,
+    seqlens_inline: [i32; INLINE_SEQLENS],
 }
 
 // SAFETY: plain-old-data with the C layout of `DecodeParams`, passed by value.
@@ -61,6 +69,11 @@ const DECODE_WARPS: usize = 4;
 const DECODE_KEYS_PER_TILE: usize = 16;
 /// `MAX_SPLITS` in `cuda/decode.cu` (the combine kernel's weight buffer).
 const MAX_SPLITS: usize = 128;
+/// `COMBINE_THREADS` in `cuda/decode.cu`: one block of this many threads per output row.
+const COMBINE_THREADS: u32 = 256;
+/// Fewest key tiles per warp worth a split of their own: each split also pays for loading Q,
+/// filling its ring, merging its warps and writing a partial row.
+const MIN_TILES_PER_WARP: usize = 4;
 
 /// Q tile plus, per warp, 2 stages of K and V tiles (the merge reuses them as f32).
 fn decode_smem_bytes(d: usize) -> u32 {
@@ -159,35 +172,79 @@ fn append_typed<T: CudaDType + DeviceRepr>(
     Ok(())
 }
 
-/// Streaming multiprocessors of `dev`, asked of the driver once per device (the decode
-/// launcher needs it on every call).
-fn multiprocessors(dev: &candle::CudaDevice) -> Result<usize> {
-    static SMS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+/// What the split heuristic needs to know about a device and decode kernel: its
+/// streaming multiprocessors, and how many blocks of the kernel one of them holds at once
+/// (registers and shared memory, asked of the driver). Cached per (device, kernel).
+fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize, usize)> {
+    type Known = Vec<(usize, String, (usize, usize))>;
+    static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
     let ordinal = dev.cuda_stream().context().ordinal();
-    let mut known = SMS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(&(_, sms)) = known.iter().find(|(o, _)| *o == ordinal) {
-        return Ok(sms);
+    let mut known = KNOWN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, _, r)) = known.iter().find(|(o, k, _)| *o == ordinal && k == kernel) {
+        return Ok(*r);
     }
     let sms = dev
         .cuda_stream()
         .context()
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()? as usize;
-    known.push((ordinal, sms));
-    Ok(sms)
+    let func = dev.get_or_load_custom_func(kernel, "candle_flash_decode", ptx::DECODE)?;
+    // The occupancy calculator refuses more dynamic shared memory than the attribute allows.
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    let per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(
+            32 * DECODE_WARPS as u32,
+            smem as usize,
+            None,
+        )
+        .w()? as usize;
+    let r = (sms, per_sm.max(1));
+    known.push((ordinal, kernel.to_string(), r));
+    Ok(r)
 }
 
-/// How many slices of each sequence's key range run in parallel (flash-decoding): one when
-/// batch x heads x row tiles already gives two waves of blocks (about three fit per SM), else
-/// enough for two waves, keeping at least four key tiles per warp.
-fn num_splits(blocks: usize, key_tiles: usize, sms: usize) -> usize {
-    let slots = 3 * sms;
-    if blocks >= 2 * slots {
-        return 1;
+/// `CANDLE_FLASH_DECODE_SPLITS=n` forces n splits (capped by `MAX_SPLITS`): a tuning aid for
+/// measuring the heuristic against its alternatives. Read once.
+fn forced_splits() -> Option<usize> {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        std::env::var("CANDLE_FLASH_DECODE_SPLITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+    })
+}
+
+/// How many slices of each sequence's key range run in parallel (flash-decoding), for
+/// `blocks` = batch x K/V heads x row tiles, `key_tiles` 16-key tiles in the longest
+/// sequence, and `slots` = SMs x resident blocks per SM (one wave).
+///
+/// The kernel streams K and V, so its time is the bytes read over the bandwidth as long as
+/// every SM is full; blocks run in waves of `slots`, and a last wave that leaves slots empty
+/// costs a full wave's time for less work. The efficiency of `s` splits is therefore
+/// `n / (ceil(n / slots) * slots)` with `n = blocks * s`; among the splits within 3% of the
+/// best we take the fewest (less merging, longer runs per warp), never going below
+/// `MIN_TILES_PER_WARP` key tiles per warp.
+fn num_splits(blocks: usize, key_tiles: usize, slots: usize) -> usize {
+    if let Some(n) = forced_splits() {
+        return n.min(MAX_SPLITS);
     }
-    let wanted = (2 * slots).div_ceil(blocks.max(1));
-    let most = (key_tiles / (4 * DECODE_WARPS)).max(1);
-    wanted.min(most).clamp(1, MAX_SPLITS)
+    let blocks = blocks.max(1);
+    let most = (key_tiles / (MIN_TILES_PER_WARP * DECODE_WARPS)).clamp(1, MAX_SPLITS);
+    let efficiency = |s: usize| {
+        let n = blocks * s;
+        n as f64 / (n.div_ceil(slots) * slots) as f64
+    };
+    let best = (1..=most).map(efficiency).fold(0.0, f64::max);
+    (1..=most)
+        .find(|&s| efficiency(s) >= best - 0.03)
+        .unwrap_or(1)
 }
 
 /// Attention of `q` `(b, s_q, h, d)` over each sequence's first `seqlens[b]` cached tokens.
@@ -219,9 +276,14 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let group = p.h / p.hk;
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
-    let key_tile = DECODE_KEYS_PER_TILE;
-    let sms = multiprocessors(&dev)?;
-    let splits = num_splits(p.b * p.hk * row_tiles, max_len.div_ceil(key_tile), sms);
+    let kernel = format!("flash_decode_{dtype}_d{}", tile.d);
+    let smem = decode_smem_bytes(tile.d);
+    let (sms, per_sm) = residency(&dev, &kernel, smem)?;
+    let splits = num_splits(
+        p.b * p.hk * row_tiles,
+        max_len.div_ceil(DECODE_KEYS_PER_TILE),
+        sms * per_sm,
+    );
 
     let out_elems = p.b * p.s_q * p.h * p.d;
     // SAFETY: the decode kernel (or the combine kernel, when split) writes every element.
@@ -237,7 +299,15 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     // SAFETY: each split writes its rows of both buffers before the combine kernel reads them.
     let mut o_partial = unsafe { dev.alloc::<f32>(partial_rows * p.d)? };
     let mut lse_partial = unsafe { dev.alloc::<f32>(partial_rows)? };
-    let seqlens = Some(to_device_i32(&dev, &p.seqlens)?);
+    let mut seqlens_inline = [0i32; INLINE_SEQLENS];
+    let seqlens = if p.b <= INLINE_SEQLENS {
+        for (dst, &len) in seqlens_inline.iter_mut().zip(&p.seqlens) {
+            *dst = len as i32;
+        }
+        None
+    } else {
+        Some(to_device_i32(&dev, &p.seqlens)?)
+    };
     let (block_table, max_pages, page_size) = paging_args(&dev, &p.paging)?;
 
     let [qb, qr, qh] = strides3(ql);
@@ -295,22 +365,22 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             num_splits: splits as i32,
             o_partial: op_ptr,
             lse_partial: lp_ptr,
+            seqlens_inline,
         };
         launch(
             &dev,
-            &format!("flash_decode_{dtype}_d{}", tile.d),
+            &kernel,
             (splits, p.hk * row_tiles, p.b),
             32 * DECODE_WARPS as u32,
-            decode_smem_bytes(tile.d),
+            smem,
             &params,
         )?;
         if splits > 1 {
-            let rows_per_block = 8;
             launch(
                 &dev,
                 &format!("flash_decode_combine_{dtype}"),
-                ((p.b * p.h * p.s_q).div_ceil(rows_per_block), 1, 1),
-                32 * rows_per_block as u32,
+                (p.b * p.h * p.s_q, 1, 1),
+                COMBINE_THREADS,
                 0,
                 &params,
             )?;

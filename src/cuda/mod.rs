@@ -7,11 +7,11 @@ mod decode;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::{append, decode};
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::result::memset_d8_async;
-use candle::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUfunction_attribute};
 use candle::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
     SyncOnDrop,
@@ -83,6 +83,8 @@ struct BwdParams {
     dk_batch_stride: i64,
     dk_row_stride: i64,
     dk_head_stride: i64,
+    dq_accum: CUdeviceptr,
+    dq_accum_len: i64,
 }
 
 // SAFETY: as for `AttnParams`.
@@ -206,6 +208,16 @@ pub(super) struct FwdTile {
 }
 
 impl FwdTile {
+    /// The tile of the forward kernel for head dim `d` (d <= 256 was validated), with or
+    /// without dropout: d = 128 without dropout has the registers for 64-key tiles.
+    fn for_forward(d: usize, dropout: bool) -> Self {
+        let tile = Self::for_head_dim(d);
+        match (tile.d, dropout) {
+            (128, false) => Self { bn: 64, ..tile },
+            _ => tile,
+        }
+    }
+
     /// The smallest compiled head dim >= d (d <= 256 was validated).
     fn for_head_dim(d: usize) -> Self {
         let (d, bm, bn, warps) = match d {
@@ -229,6 +241,51 @@ impl FwdTile {
     fn smem_bytes(&self) -> u32 {
         ((self.bm + 2 * self.bn) * (self.d + 8) * 2) as u32
     }
+}
+
+/// The wgmma forward kernel (`cuda/fwd_sm90.cu`): warpgroups of 64 query rows, key tiles in
+/// two stages; mirror of `Sm90Traits`.
+struct Sm90Tile;
+
+impl Sm90Tile {
+    fn supports(d: usize) -> bool {
+        d == 64 || d == 128
+    }
+
+    /// `(warpgroups of 64 query rows, keys per tile, kernel name suffix)`; shared memory is Q,
+    /// two stages of K and V (unpadded, swizzled rows) and 1 KB for the alignment. Trials at
+    /// d = 64: `CANDLE_FLASH_SM90_D64=g3` (3 warpgroups), `=n192` (192-key tiles).
+    fn shape(d: usize) -> (usize, usize, &'static str) {
+        static TRIAL: OnceLock<String> = OnceLock::new();
+        let trial = TRIAL.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_D64").unwrap_or_default());
+        match (d, trial.as_str()) {
+            (64, "g3") => (3, 128, "_g3"),
+            (64, "n192") => (2, 192, "_n192"),
+            _ => (2, 128, ""),
+        }
+    }
+}
+
+/// Whether the forward runs the wgmma kernel: on compute capability 9.x, unless
+/// `CANDLE_FLASH_FWD=mma` asks for the mma.sync kernel (read once; for A/B comparisons).
+fn use_sm90(dev: &candle::CudaDevice) -> Result<bool> {
+    static FORCED_MMA: OnceLock<bool> = OnceLock::new();
+    if *FORCED_MMA.get_or_init(|| std::env::var("CANDLE_FLASH_FWD").is_ok_and(|v| v == "mma")) {
+        return Ok(false);
+    }
+    static MAJOR: Mutex<Vec<(usize, i32)>> = Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut known = MAJOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&(_, major)) = known.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(major == 9);
+    }
+    let major = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .w()?;
+    known.push((ordinal, major));
+    Ok(major == 9)
 }
 
 /// Whether outputs are filled with NaN before each launch, so that elements a kernel fails to
@@ -267,7 +324,9 @@ fn launch<P: DeviceRepr>(
     if x == 0 || y == 0 || z == 0 {
         return Ok(());
     }
-    let (module, ptx) = if name.starts_with("flash_fwd") {
+    let (module, ptx) = if name.starts_with("flash_fwd_sm90") {
+        ("candle_flash_fwd_sm90", ptx::FWD_SM90)
+    } else if name.starts_with("flash_fwd") {
         ("candle_flash_fwd", ptx::FWD)
     } else if name.starts_with("flash_bwd") {
         ("candle_flash_bwd", ptx::BWD)
@@ -342,8 +401,6 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     let s = problem.shape;
     let dev = q.device.clone();
     let stream = dev.cuda_stream();
-    let tile = FwdTile::for_head_dim(s.d);
-
     let q_view = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
     let k_view = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
     let v_view = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
@@ -354,6 +411,9 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     poison(&stream, &mut lse)?;
 
     let mut params = AttnParams::new(problem, ql, kl, vl)?;
+    // Dropout has kernels of its own (its Philox code costs registers in the loop).
+    let dropout = params.drop_threshold != 0;
+    let tile = FwdTile::for_forward(s.d, dropout);
     let offsets = seq_offsets(problem, &dev)?;
     {
         let _offset_syncs = set_seq_offsets(&mut params, &offsets, &stream);
@@ -364,16 +424,32 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
-        let name = format!("flash_fwd_{}_d{}", dtype_name(q.dtype())?, tile.d);
-        let grid = (s.sq.div_ceil(tile.bm), s.h, s.b);
-        launch(
-            &dev,
-            &name,
-            grid,
-            tile.threads(),
-            tile.smem_bytes(),
-            &params,
-        )?;
+        let dtype = dtype_name(q.dtype())?;
+        if !dropout && Sm90Tile::supports(tile.d) && use_sm90(&dev)? {
+            let (groups, bn, suffix) = Sm90Tile::shape(tile.d);
+            let name = format!("flash_fwd_sm90_{dtype}_d{}{suffix}", tile.d);
+            let grid = (s.sq.div_ceil(64 * groups), s.h, s.b);
+            launch(
+                &dev,
+                &name,
+                grid,
+                128 * groups as u32,
+                ((64 * groups + 4 * bn) * tile.d * 2 + 1024) as u32,
+                &params,
+            )?;
+        } else {
+            let suffix = if dropout { "_dropout" } else { "" };
+            let name = format!("flash_fwd_{dtype}_d{}{suffix}", tile.d);
+            let grid = (s.sq.div_ceil(tile.bm), s.h, s.b);
+            launch(
+                &dev,
+                &name,
+                grid,
+                tile.threads(),
+                tile.smem_bytes(),
+                &params,
+            )?;
+        }
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
