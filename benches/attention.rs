@@ -4,7 +4,7 @@
 //! device's copy bandwidth measured in the same run.
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--no-naive] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -107,7 +107,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--no-naive] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -138,6 +138,7 @@ struct Args {
     quick: bool,
     decode_only: bool,
     no_decode: bool,
+    no_naive: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -148,6 +149,7 @@ impl Args {
             quick: false,
             decode_only: false,
             no_decode: false,
+            no_naive: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -156,6 +158,7 @@ impl Args {
                 "--quick" => args.quick = true,
                 "--decode-only" => args.decode_only = true,
                 "--no-decode" => args.no_decode = true,
+                "--no-naive" => args.no_naive = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -317,6 +320,7 @@ fn run(args: &Args, dev: &Device) {
         dtype: args.dtype,
         records: Vec::new(),
         start: Instant::now(),
+        no_naive: args.no_naive,
     };
     if !args.decode_only {
         println!(
@@ -347,6 +351,8 @@ struct Bench {
     /// JSON objects, one per record.
     records: Vec<String>,
     start: Instant,
+    /// `--no-naive`: only our kernels (A/B runs of kernel variants).
+    no_naive: bool,
 }
 
 impl Bench {
@@ -355,7 +361,9 @@ impl Bench {
         match sets.collect::<Result<Vec<_>>>() {
             Ok(sets) => {
                 self.flash(case, &sets);
-                self.naive(case, &sets);
+                if !self.no_naive {
+                    self.naive(case, &sets);
+                }
             }
             Err(e) => println!("skipped {case}: inputs: {}", first_line(&e)),
         }

@@ -10,7 +10,10 @@
 //! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
 //! runs only those sections: fwd, bwd, varlen (varlen, padding, dropout), kvcache, misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
-//! reliability.
+//! reliability; `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
+//! computes every reference on the CPU, so that the device runs only our kernels, copies and
+//! Candle's element-wise kernels (see `cuda_suite::reference_device`), and shrinks the
+//! reliability checks. Each section prints its time.
 
 #[cfg(not(feature = "cuda"))]
 fn main() {
@@ -42,9 +45,10 @@ mod kvcache;
 #[cfg(feature = "cuda")]
 mod cuda_suite {
     use std::process::ExitCode;
+    use std::sync::OnceLock;
     use std::time::Instant;
 
-    use candle::{DType, Device, Result, Tensor, Var, D};
+    use candle::{DType, Device, Result, Shape, Tensor, Var, D};
     use candle_flash::{attention_slow, flash_attn, FlashAttn};
 
     /// Counts results and prints failures as they happen.
@@ -89,7 +93,55 @@ mod cuda_suite {
         }
     }
 
+    /// Whether the binary runs under compute-sanitizer (`--sanitize`, from scripts/sanitize.sh).
+    pub(crate) fn sanitize() -> bool {
+        static SANITIZE: OnceLock<bool> = OnceLock::new();
+        *SANITIZE.get_or_init(|| std::env::args().any(|a| a == "--sanitize"))
+    }
+
+    /// Where the references (`attention_slow` in f32 and in low precision, its gradients, the
+    /// LSE) are computed: on `dev`, or under `--sanitize` on the CPU. There the device must run
+    /// only our kernels, plain copies and Candle's element-wise kernels on inputs and on our
+    /// outputs: initcheck does not see cuBLAS's writes (Candle's matmul on CUDA), so every
+    /// Candle kernel that read a reference's product was reported (117,504 reports in
+    /// `affine_bf16` and `cast_bf16_f32`, none in ours), and those reports would hide ours.
+    pub(crate) fn reference_device(dev: &Device) -> Device {
+        if sanitize() {
+            Device::Cpu
+        } else {
+            dev.clone()
+        }
+    }
+
+    /// `t` where references are computed: `t` itself, or a CPU copy under `--sanitize`.
+    pub(crate) fn to_reference(t: &Tensor) -> Result<Tensor> {
+        t.to_device(&reference_device(t.device()))
+    }
+
+    /// Standard normal values in `dtype` on `dev`. Under `--sanitize` they are drawn on the CPU
+    /// and copied, so that no curand kernel runs (see `reference_device`).
+    pub(crate) fn randn<S: Into<Shape>>(shape: S, dtype: DType, dev: &Device) -> Result<Tensor> {
+        if sanitize() && !dev.is_cpu() {
+            Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(dev)
+        } else {
+            Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)
+        }
+    }
+
+    /// `a` and `b` on one device: as they are, or both on the CPU when they differ (an output
+    /// of ours on the GPU against a CPU reference under `--sanitize`).
+    pub(crate) fn on_one_device(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+        if a.device().same_device(b.device()) {
+            Ok((a.clone(), b.clone()))
+        } else {
+            Ok((a.to_device(&Device::Cpu)?, b.to_device(&Device::Cpu)?))
+        }
+    }
+
     pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let (a, b) = on_one_device(a, b)?;
         let a = a.to_dtype(DType::F32)?;
         let b = b.to_dtype(DType::F32)?;
         a.sub(&b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
@@ -165,9 +217,9 @@ mod cuda_suite {
     }
 
     fn fwd_case(dev: &Device, c: Case) -> Result<()> {
-        let q = Tensor::randn(0f32, 1.0, (c.b, c.sq, c.h, c.d), dev)?.to_dtype(c.dtype)?;
-        let k = Tensor::randn(0f32, 1.0, (c.b, c.sk, c.hk, c.d), dev)?.to_dtype(c.dtype)?;
-        let v = Tensor::randn(0f32, 1.0, (c.b, c.sk, c.hk, c.d), dev)?.to_dtype(c.dtype)?;
+        let q = randn((c.b, c.sq, c.h, c.d), c.dtype, dev)?;
+        let k = randn((c.b, c.sk, c.hk, c.d), c.dtype, dev)?;
+        let v = randn((c.b, c.sk, c.hk, c.d), c.dtype, dev)?;
         let scale = 1.0 / (c.d as f32).sqrt();
         let (out, lse) = FlashAttn::new()
             .causal(c.causal)
@@ -178,6 +230,7 @@ mod cuda_suite {
         if has_nan(&out)? {
             candle::bail!("output has NaN (unwritten or bad math)");
         }
+        let (q, k, v) = (to_reference(&q)?, to_reference(&k)?, to_reference(&v)?);
         let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
         let reference = attention_slow(&f32_of(&q)?, &f32_of(&k)?, &f32_of(&v)?, scale, c.causal)?;
         let low = attention_slow(&q, &k, &v, scale, c.causal)?;
@@ -253,13 +306,9 @@ mod cuda_suite {
     /// and a row stride that is not a multiple of 8 (copied once by the op).
     fn strided_inputs(dev: &Device) -> Result<()> {
         let (b, s, h, d) = (2, 97, 4, 64);
-        let q = Tensor::randn(0f32, 1.0, (b, h, s, d), dev)?
-            .to_dtype(DType::BF16)?
-            .transpose(1, 2)?;
-        let k = Tensor::randn(0f32, 1.0, (b, s + 9, h, d), dev)?
-            .to_dtype(DType::BF16)?
-            .narrow(1, 9, s)?;
-        let v_wide = Tensor::randn(0f32, 1.0, (b, s, h, d + 4), dev)?.to_dtype(DType::BF16)?;
+        let q = randn((b, h, s, d), DType::BF16, dev)?.transpose(1, 2)?;
+        let k = randn((b, s + 9, h, d), DType::BF16, dev)?.narrow(1, 9, s)?;
+        let v_wide = randn((b, s, h, d + 4), DType::BF16, dev)?;
         let v = v_wide.narrow(3, 0, d)?;
         let out = flash_attn(&q, &k, &v, true)?;
         let expected = flash_attn(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, true)?;
@@ -272,9 +321,9 @@ mod cuda_suite {
 
     /// 100 runs on the same inputs give bitwise-identical outputs.
     fn repeatable(dev: &Device, runs: usize) -> Result<()> {
-        let q = Tensor::randn(0f32, 1.0, (2, 1023, 8, 128), dev)?.to_dtype(DType::BF16)?;
-        let k = Tensor::randn(0f32, 1.0, (2, 1023, 2, 128), dev)?.to_dtype(DType::BF16)?;
-        let v = Tensor::randn(0f32, 1.0, (2, 1023, 2, 128), dev)?.to_dtype(DType::BF16)?;
+        let q = randn((2, 1023, 8, 128), DType::BF16, dev)?;
+        let k = randn((2, 1023, 2, 128), DType::BF16, dev)?;
+        let v = randn((2, 1023, 2, 128), DType::BF16, dev)?;
         let first = flash_attn(&q, &k, &v, true)?
             .to_dtype(DType::F32)?
             .flatten_all()?
@@ -295,11 +344,12 @@ mod cuda_suite {
         Ok(())
     }
 
-    /// The CPU op (f32 math) agrees with the CUDA backend of `attention_slow`.
+    /// The CPU op (f32 math) agrees with `attention_slow` on the GPU (on the CPU under
+    /// `--sanitize`, see `reference_device`).
     fn cpu_vs_cuda(dev: &Device) -> Result<()> {
-        let q = Tensor::randn(0f32, 1.0, (2, 113, 4, 40), dev)?;
-        let k = Tensor::randn(0f32, 1.0, (2, 203, 2, 40), dev)?;
-        let v = Tensor::randn(0f32, 1.0, (2, 203, 2, 40), dev)?;
+        let q = randn((2, 113, 4, 40), DType::F32, dev)?;
+        let k = randn((2, 203, 2, 40), DType::F32, dev)?;
+        let v = randn((2, 203, 2, 40), DType::F32, dev)?;
         let cpu = Device::Cpu;
         let ours = flash_attn(
             &q.to_device(&cpu)?,
@@ -307,6 +357,7 @@ mod cuda_suite {
             &v.to_device(&cpu)?,
             true,
         )?;
+        let (q, k, v) = (to_reference(&q)?, to_reference(&k)?, to_reference(&v)?);
         let reference = attention_slow(&q, &k, &v, 1.0 / 40f32.sqrt(), true)?.to_device(&cpu)?;
         let diff = max_abs_diff(&ours, &reference)?;
         if diff > 1e-4 {
@@ -325,9 +376,8 @@ mod cuda_suite {
 
     /// Bad input that only a GPU can produce: f32 on CUDA, mixed devices, head_dim % 8 != 0.
     fn cuda_errors(dev: &Device) -> Result<()> {
-        let t = |shape: (usize, usize, usize, usize), dt: DType, dev: &Device| {
-            Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dt)
-        };
+        let t =
+            |shape: (usize, usize, usize, usize), dt: DType, dev: &Device| randn(shape, dt, dev);
         let q = t((1, 8, 2, 64), DType::BF16, dev)?;
         let f = t((1, 8, 2, 64), DType::F32, dev)?;
         expect_error(flash_attn(&f, &f, &f, false), "q: dtype F32")?;
@@ -363,12 +413,18 @@ mod cuda_suite {
     }
 
     fn bwd_case(dev: &Device, c: Case) -> Result<()> {
-        let q = Tensor::randn(0f32, 1.0, (c.b, c.sq, c.h, c.d), dev)?.to_dtype(c.dtype)?;
-        let k = Tensor::randn(0f32, 1.0, (c.b, c.sk, c.hk, c.d), dev)?.to_dtype(c.dtype)?;
-        let v = Tensor::randn(0f32, 1.0, (c.b, c.sk, c.hk, c.d), dev)?.to_dtype(c.dtype)?;
-        let w = Tensor::randn(0f32, 1.0, (c.b, c.sq, c.h, c.d), dev)?.to_dtype(c.dtype)?;
+        let q = randn((c.b, c.sq, c.h, c.d), c.dtype, dev)?;
+        let k = randn((c.b, c.sk, c.hk, c.d), c.dtype, dev)?;
+        let v = randn((c.b, c.sk, c.hk, c.d), c.dtype, dev)?;
+        let w = randn((c.b, c.sq, c.h, c.d), c.dtype, dev)?;
         let scale = 1.0 / (c.d as f32).sqrt();
         let ours = grads_of(&q, &k, &v, &w, |q, k, v| flash_attn(q, k, v, c.causal))?;
+        let (q, k, v, w) = (
+            to_reference(&q)?,
+            to_reference(&k)?,
+            to_reference(&v)?,
+            to_reference(&w)?,
+        );
         let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
         let reference = grads_of(
             &f32_of(&q)?,
@@ -429,10 +485,10 @@ mod cuda_suite {
 
     /// The backward is bitwise reproducible (it uses no floating-point atomics).
     fn repeatable_backward(dev: &Device, runs: usize) -> Result<()> {
-        let q = Tensor::randn(0f32, 1.0, (2, 777, 8, 128), dev)?.to_dtype(DType::BF16)?;
-        let k = Tensor::randn(0f32, 1.0, (2, 901, 2, 128), dev)?.to_dtype(DType::BF16)?;
-        let v = Tensor::randn(0f32, 1.0, (2, 901, 2, 128), dev)?.to_dtype(DType::BF16)?;
-        let w = Tensor::randn(0f32, 1.0, (2, 777, 8, 128), dev)?.to_dtype(DType::BF16)?;
+        let q = randn((2, 777, 8, 128), DType::BF16, dev)?;
+        let k = randn((2, 901, 2, 128), DType::BF16, dev)?;
+        let v = randn((2, 901, 2, 128), DType::BF16, dev)?;
+        let w = randn((2, 777, 8, 128), DType::BF16, dev)?;
         let attn = FlashAttn::new().causal(true).deterministic(true);
         let bits = |gs: [Tensor; 3]| -> Result<Vec<u32>> {
             let mut all = vec![];
@@ -459,22 +515,22 @@ mod cuda_suite {
     /// A small model trains on CUDA: gradients reach the projection weights through
     /// flash_attn, and SGD steps lower the loss.
     fn training_step(dev: &Device) -> Result<()> {
-        use candle_nn::{linear_no_bias, Module, Optimizer, VarBuilder, VarMap, SGD};
+        use candle_nn::{Optimizer, SGD};
         let (b, s, h, d) = (2, 67, 4, 32);
-        let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
-        let proj = [
-            linear_no_bias(h * d, h * d, vb.pp("q"))?,
-            linear_no_bias(h * d, h * d, vb.pp("k"))?,
-            linear_no_bias(h * d, h * d, vb.pp("v"))?,
-        ];
-        let x = Tensor::randn(0f32, 1.0, (b, s, h * d), dev)?;
-        let target = Tensor::randn(0f32, 1.0, (b, s, h, d), dev)?.to_dtype(DType::BF16)?;
-        let mut opt = SGD::new(varmap.all_vars(), 0.5)?;
+        let n = h * d;
+        // Kaiming-normal (out, in) weights, as `candle_nn::linear_no_bias` would make them.
+        let weights = (0..3)
+            .map(|_| {
+                let w = (randn((n, n), DType::F32, dev)? * (2.0 / n as f64).sqrt())?;
+                Var::from_tensor(&w)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let x = randn((b, s, n), DType::F32, dev)?;
+        let target = randn((b, s, h, d), DType::BF16, dev)?;
+        let mut opt = SGD::new(weights.clone(), 0.5)?;
         let loss_of = || -> Result<Tensor> {
             let heads = |i: usize| {
-                proj[i]
-                    .forward(&x)?
+                project(&x, weights[i].as_tensor())?
                     .reshape((b, s, h, d))?
                     .to_dtype(DType::BF16)
             };
@@ -485,7 +541,7 @@ mod cuda_suite {
         for _ in 0..5 {
             let loss = loss_of()?;
             let grads = loss.backward()?;
-            for var in varmap.all_vars() {
+            for var in &weights {
                 match grads.get(var.as_tensor()) {
                     Some(g) if g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0 => {}
                     _ => candle::bail!("a projection weight got no gradient"),
@@ -500,6 +556,19 @@ mod cuda_suite {
         }
         println!("training step: loss {first:.4} -> {last:.4} after 5 SGD steps");
         Ok(())
+    }
+
+    /// `x wᵀ` for x `(b, s, in)` and w `(out, in)`, what `candle_nn::Linear` computes. Under
+    /// `--sanitize` as a broadcast product and a sum: a matmul runs cuBLAS, whose output
+    /// initcheck does not see written (see `reference_device`), and flash_attn reads it.
+    fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        if sanitize() {
+            x.unsqueeze(2)?
+                .broadcast_mul(&w.unsqueeze(0)?.unsqueeze(0)?)?
+                .sum(D::Minus1)
+        } else {
+            x.broadcast_matmul(&w.t()?)
+        }
     }
 
     /// Device memory in use, sampled every 200 us on another thread while `f` runs; the
@@ -546,7 +615,7 @@ mod cuda_suite {
         let mut extras = vec![];
         for s in [16384usize, 65536] {
             let (h, d) = (16, 128);
-            let mk = || Tensor::randn(0f32, 1.0, (1, s, h, d), dev)?.to_dtype(DType::BF16);
+            let mk = || randn((1, s, h, d), DType::BF16, dev);
             let (q, k, v) = (
                 Var::from_tensor(&mk()?)?,
                 Var::from_tensor(&mk()?)?,
@@ -604,47 +673,19 @@ mod cuda_suite {
         };
         let mut suite = Suite::default();
         let start = Instant::now();
-        if sections.run("fwd") {
-            fwd_section(&dev, quick, &mut suite, start);
-        }
-        if sections.run("bwd") {
-            bwd_section(&dev, quick, &mut suite);
-        }
-        if sections.run("misc") {
-            suite.record("training step", training_step(&dev));
-            if !quick {
-                suite.record("linear memory", linear_memory(&dev));
+        for (name, section) in SECTIONS {
+            if !sections.run(name) {
+                continue;
             }
-        }
-        if sections.run("varlen") {
-            let start_vd = Instant::now();
-            crate::varlen_dropout::run(&dev, quick, &mut suite);
+            let (passed, failed, section_start) = (suite.passed, suite.failed, Instant::now());
+            section(&dev, quick, &mut suite);
+            // Per section, so that scripts/sanitize.sh can size its per-section time limit.
             println!(
-                "varlen, padding, dropout: {:.1}s",
-                start_vd.elapsed().as_secs_f32()
+                "section {name}: {} passed, {} failed, {:.1}s",
+                suite.passed - passed,
+                suite.failed - failed,
+                section_start.elapsed().as_secs_f32()
             );
-        }
-        if sections.run("kvcache") {
-            let start_kv = Instant::now();
-            let failed_before = suite.failed;
-            crate::kvcache::run(&dev, quick, &mut suite);
-            println!(
-                "kv-cache decoding: {} failed ({:.1}s)",
-                suite.failed - failed_before,
-                start_kv.elapsed().as_secs_f32()
-            );
-        }
-        if sections.run("misc") {
-            suite.record("strided inputs", strided_inputs(&dev));
-            suite.record(
-                "repeatable forward",
-                repeatable(&dev, if quick { 3 } else { 100 }),
-            );
-            suite.record("cpu op vs cuda attention_slow", cpu_vs_cuda(&dev));
-            suite.record("cuda input errors", cuda_errors(&dev));
-        }
-        if sections.run("reliability") {
-            crate::reliability::run(&dev, quick, &mut suite);
         }
         println!("elapsed {:.1}s", start.elapsed().as_secs_f32());
         println!("gpu: {} passed, {} failed", suite.passed, suite.failed);
@@ -655,12 +696,22 @@ mod cuda_suite {
         }
     }
 
+    type Section = fn(&Device, bool, &mut Suite);
+
+    /// The sections in the order they run; `--only` picks among them.
+    const SECTIONS: [(&str, Section); 6] = [
+        ("fwd", fwd_section),
+        ("bwd", bwd_section),
+        ("varlen", crate::varlen_dropout::run),
+        ("kvcache", crate::kvcache::run),
+        ("misc", misc_section),
+        ("reliability", crate::reliability::run),
+    ];
+
     /// The sections `--only` names; all of them without the flag.
     struct Sections(Option<Vec<String>>);
 
     impl Sections {
-        const ALL: [&'static str; 6] = ["fwd", "bwd", "varlen", "kvcache", "misc", "reliability"];
-
         fn from_args() -> std::result::Result<Self, String> {
             let args: Vec<String> = std::env::args().collect();
             let Some(i) = args.iter().position(|a| a == "--only") else {
@@ -670,10 +721,10 @@ mod cuda_suite {
                 .get(i + 1)
                 .ok_or("--only needs a comma-separated list of sections")?;
             let names: Vec<String> = list.split(',').map(str::to_string).collect();
-            if let Some(bad) = names.iter().find(|n| !Self::ALL.contains(&n.as_str())) {
+            let known: Vec<&str> = SECTIONS.iter().map(|(name, _)| *name).collect();
+            if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
                 return Err(format!(
-                    "--only: unknown section {bad:?}, expected one of {:?}",
-                    Self::ALL
+                    "--only: unknown section {bad:?}, expected one of {known:?}"
                 ));
             }
             Ok(Self(Some(names)))
@@ -686,32 +737,31 @@ mod cuda_suite {
         }
     }
 
-    fn fwd_section(dev: &Device, quick: bool, suite: &mut Suite, start: Instant) {
-        let grid = fwd_grid(quick);
-        let n = grid.len();
-        for c in grid {
+    fn fwd_section(dev: &Device, quick: bool, suite: &mut Suite) {
+        for c in fwd_grid(quick) {
             suite.record(&format!("fwd {c}"), fwd_case(dev, c));
         }
-        println!(
-            "fwd grid: {n} cases, {} failed so far ({:.1}s)",
-            suite.failed,
-            start.elapsed().as_secs_f32()
+    }
+
+    /// Training, memory, strided inputs, repeatability, CPU vs CUDA, input errors.
+    fn misc_section(dev: &Device, quick: bool, suite: &mut Suite) {
+        suite.record("training step", training_step(dev));
+        if !quick {
+            suite.record("linear memory", linear_memory(dev));
+        }
+        suite.record("strided inputs", strided_inputs(dev));
+        suite.record(
+            "repeatable forward",
+            repeatable(dev, if quick { 3 } else { 100 }),
         );
+        suite.record("cpu op vs cuda attention_slow", cpu_vs_cuda(dev));
+        suite.record("cuda input errors", cuda_errors(dev));
     }
 
     fn bwd_section(dev: &Device, quick: bool, suite: &mut Suite) {
-        let grid = bwd_grid(quick);
-        let n = grid.len();
-        let bwd_start = Instant::now();
-        let failed_before = suite.failed;
-        for c in grid {
+        for c in bwd_grid(quick) {
             suite.record(&format!("bwd {c}"), bwd_case(dev, c));
         }
-        println!(
-            "bwd grid: {n} cases, {} failed ({:.1}s)",
-            suite.failed - failed_before,
-            bwd_start.elapsed().as_secs_f32()
-        );
         suite.record(
             "repeatable backward",
             repeatable_backward(dev, if quick { 3 } else { 50 }),

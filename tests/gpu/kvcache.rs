@@ -6,11 +6,7 @@ use candle_flash::{
     attention_slow, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, KvCache,
 };
 
-use crate::cuda_suite::{has_nan, max_abs_diff, Suite};
-
-fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
-    Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)
-}
+use crate::cuda_suite::{has_nan, max_abs_diff, randn, to_reference, Suite};
 
 #[derive(Clone, Debug)]
 struct DecodeCase {
@@ -132,9 +128,9 @@ fn decode_case(dev: &Device, c: &DecodeCase, dtype: DType) -> Result<()> {
             }
             continue;
         }
-        let qi = q.i(i..i + 1)?;
-        let ki = k_after.i((i..i + 1, 0..total))?;
-        let vi = v_after.i((i..i + 1, 0..total))?;
+        let qi = to_reference(&q.i(i..i + 1)?)?;
+        let ki = to_reference(&k_after.i((i..i + 1, 0..total))?)?;
+        let vi = to_reference(&v_after.i((i..i + 1, 0..total))?)?;
         let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
         let reference =
             attention_slow(&f32_of(&qi)?, &f32_of(&ki)?, &f32_of(&vi)?, scale, c.causal)?;
@@ -167,7 +163,7 @@ fn generation_loop(dev: &Device) -> Result<()> {
         outs.push(cache.append_and_attend(&s(&qs)?, &s(&ks)?, &s(&vs)?, &opts)?);
     }
     let stepwise = Tensor::cat(&outs, 1)?;
-    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    let f32_of = |t: &Tensor| to_reference(t)?.to_dtype(DType::F32);
     let full = attention_slow(
         &f32_of(&qs)?,
         &f32_of(&ks)?,

@@ -9,8 +9,9 @@
 //!   single-threaded runs;
 //! - leaks: 10,000 forward+backward calls leave device memory use flat.
 //!
-//! Flags, read here: `--sanitize` shrinks the repeated and long checks so that the binary
-//! runs under compute-sanitizer (scripts/sanitize.sh) in minutes; combine it with `--quick`.
+//! With `--sanitize` (scripts/sanitize.sh, with `--quick`) the repeated and long checks
+//! shrink so that the section runs under compute-sanitizer in a minute or two, and inputs and
+//! references come from the CPU as everywhere in the suite (`cuda_suite::reference_device`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
@@ -18,7 +19,9 @@ use std::time::Instant;
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow, flash_attn, FlashAttn};
 
-use crate::cuda_suite::{grads_of, max_abs_diff, Suite};
+use crate::cuda_suite::{
+    grads_of, max_abs_diff, on_one_device, randn, sanitize, to_reference, Suite,
+};
 
 /// How much of the repeated and long checks to run.
 #[derive(Clone, Copy, Debug)]
@@ -29,11 +32,6 @@ struct Budget {
     thread_calls: usize,
     /// seqlen_k of the long-row check.
     long_row: usize,
-    /// Whether the long-row check compares with `attention_slow`. Under compute-sanitizer it
-    /// runs our kernels alone: cuBLAS's large bf16 products there gave initcheck 2.8 million
-    /// reports in candle's `affine_bf16` (reads of cuBLAS output it did not see written) and
-    /// 290 s of run time.
-    long_row_reference: bool,
 }
 
 impl Budget {
@@ -43,19 +41,16 @@ impl Budget {
                 leak_calls: 30,
                 thread_calls: 2,
                 long_row: 4096,
-                long_row_reference: false,
             },
             (true, false) => Self {
                 leak_calls: 1000,
                 thread_calls: 5,
                 long_row: 65536,
-                long_row_reference: true,
             },
             (false, false) => Self {
                 leak_calls: 10_000,
                 thread_calls: 25,
                 long_row: 65536,
-                long_row_reference: true,
             },
         }
     }
@@ -68,7 +63,7 @@ const OUT_ABS_SLACK: f32 = 1e-5;
 const GRAD_ABS_SLACK: f32 = 1e-4;
 
 pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
-    let sanitize = std::env::args().any(|a| a == "--sanitize");
+    let sanitize = sanitize();
     let budget = Budget::new(quick, sanitize);
     let start = Instant::now();
     let (passed, failed) = (suite.passed, suite.failed);
@@ -124,10 +119,6 @@ fn doing<T>(what: &str, result: Result<T>) -> Result<T> {
         let first = e.to_string().lines().next().unwrap_or_default().to_string();
         candle::Error::Msg(format!("{what}: {first}"))
     })
-}
-
-fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
-    Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)
 }
 
 fn bf16(shape: &[usize], dev: &Device) -> Result<Tensor> {
@@ -463,7 +454,8 @@ fn new_non_finite(ours: &Tensor, reference: &Tensor) -> Result<usize> {
             .le(f32::MAX)?
             .to_dtype(DType::F32)
     };
-    let (ours, reference) = (finite(ours)?, finite(reference)?);
+    let (ours, reference) = on_one_device(ours, reference)?;
+    let (ours, reference) = (finite(&ours)?, finite(&reference)?);
     let bad = reference
         .mul(&ours.affine(-1.0, 1.0)?)?
         .sum_all()?
@@ -505,7 +497,8 @@ fn rule(
 }
 
 /// One numerics case: the output against the f32 reference and the low-precision `low`
-/// (same math in the inputs' dtype), and with `grads` the gradients of `sum(out * w)` too.
+/// (same math in the inputs' dtype; both on the reference device), and with `grads` the
+/// gradients of `sum(out * w)` too.
 fn check_case(
     q: &Tensor,
     k: &Tensor,
@@ -518,14 +511,15 @@ fn check_case(
         Some(s) => s,
         None => 1.0 / (q.dim(3)? as f32).sqrt(),
     };
+    let (qr, kr, vr) = (to_reference(q)?, to_reference(k)?, to_reference(v)?);
     let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-    let (qf, kf, vf) = (f32_of(q)?, f32_of(k)?, f32_of(v)?);
+    let (qf, kf, vf) = (f32_of(&qr)?, f32_of(&kr)?, f32_of(&vr)?);
     let exact = |q: &Tensor, k: &Tensor, v: &Tensor| attention_slow(q, k, v, scale, attn.causal);
     let ours = attn.forward(q, k, v)?;
     let mut notes = vec![rule(
         "out",
         &ours,
-        &low(q, k, v)?,
+        &low(&qr, &kr, &vr)?,
         &exact(&qf, &kf, &vf)?,
         2.0,
         OUT_ABS_SLACK,
@@ -533,8 +527,9 @@ fn check_case(
     if grads {
         let w = randn(ours.dims(), q.dtype(), q.device())?;
         let ours = grads_of(q, k, v, &w, |q, k, v| attn.forward(q, k, v))?;
-        let reference = grads_of(&qf, &kf, &vf, &f32_of(&w)?, exact)?;
-        let lows = grads_of(q, k, v, &w, low)?;
+        let wr = to_reference(&w)?;
+        let reference = grads_of(&qf, &kf, &vf, &f32_of(&wr)?, exact)?;
+        let lows = grads_of(&qr, &kr, &vr, &wr, low)?;
         for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
             notes.push(rule(
                 name,
@@ -547,26 +542,6 @@ fn check_case(
         }
     }
     Ok(notes.join(", "))
-}
-
-/// Forward (with LSE) and backward of our op alone: every value finite.
-fn all_finite(q: &Tensor, k: &Tensor, v: &Tensor, attn: &FlashAttn) -> Result<String> {
-    let (out, lse) = attn.forward_with_lse(q, k, v)?;
-    let w = randn(out.dims(), q.dtype(), q.device())?;
-    let grads = grads_of(q, k, v, &w, |q, k, v| attn.forward(q, k, v))?;
-    let [dq, dk, dv] = &grads;
-    for (name, t) in [
-        ("out", &out),
-        ("lse", &lse),
-        ("dq", dq),
-        ("dk", dk),
-        ("dv", dv),
-    ] {
-        if let Some(x) = host(t)?.into_iter().find(|x| !x.is_finite()) {
-            candle::bail!("{name} has {x}");
-        }
-    }
-    Ok("our kernels alone (--sanitize): out, lse, dq, dk, dv finite".to_string())
 }
 
 fn numerics(dev: &Device, budget: Budget, suite: &mut Suite) {
@@ -617,7 +592,7 @@ fn numerics(dev: &Device, budget: Budget, suite: &mut Suite) {
         );
     }
 
-    // One very long row: 64 queries over 64k keys (4k with --sanitize, our kernels alone).
+    // One very long row: 64 queries over 64k keys (4k with --sanitize).
     let sk = budget.long_row;
     record(
         &format!("long row bf16 sq=64 sk={sk} h=4/1 d=128 causal"),
@@ -625,9 +600,6 @@ fn numerics(dev: &Device, budget: Budget, suite: &mut Suite) {
             let q = bf16(&[1, 64, 4, 128], dev)?;
             let (k, v) = (bf16(&[1, sk, 1, 128], dev)?, bf16(&[1, sk, 1, 128], dev)?);
             let attn = FlashAttn::new().causal(true);
-            if !budget.long_row_reference {
-                return all_finite(&q, &k, &v, &attn);
-            }
             let scale = 1.0 / 128f32.sqrt();
             check_case(&q, &k, &v, &attn, true, &|q, k, v| {
                 attention_slow(q, k, v, scale, true)

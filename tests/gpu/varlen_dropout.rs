@@ -5,11 +5,9 @@ use candle_flash::{
     attention_slow, attention_slow_dropout, dropout_mask, FlashAttn, Padding, VarLen,
 };
 
-use crate::cuda_suite::{grads_of, has_nan, max_abs_diff, Case, Suite};
-
-fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
-    Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)
-}
+use crate::cuda_suite::{
+    grads_of, has_nan, max_abs_diff, randn, reference_device, to_reference, Case, Suite,
+};
 
 /// Concatenates per-sequence results along dim 0 (rows).
 fn cat_rows(parts: &[Tensor]) -> Result<Tensor> {
@@ -63,6 +61,12 @@ fn varlen_case(
         }
         cat_rows(&outs)
     };
+    let (q, k, v, w) = (
+        to_reference(&q)?,
+        to_reference(&k)?,
+        to_reference(&v)?,
+        to_reference(&w)?,
+    );
     let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
     let (q32, k32, v32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?);
     let reference = looped(&q32, &k32, &v32)?;
@@ -101,12 +105,13 @@ fn padded_batch(dev: &Device) -> Result<()> {
         .causal(true)
         .forward_padded(&q, &k, &v, &pad, &pad)?;
     let scale = 1.0 / (d as f32).sqrt();
+    let (qr, kr, vr) = (to_reference(&q)?, to_reference(&k)?, to_reference(&v)?);
     for (i, &len) in lengths.iter().enumerate() {
         let sl = |t: &Tensor| t.i((i..i + 1, 0..len));
         let expected = attention_slow(
-            &sl(&q)?.to_dtype(DType::F32)?,
-            &sl(&k)?.to_dtype(DType::F32)?,
-            &sl(&v)?.to_dtype(DType::F32)?,
+            &sl(&qr)?.to_dtype(DType::F32)?,
+            &sl(&kr)?.to_dtype(DType::F32)?,
+            &sl(&vr)?.to_dtype(DType::F32)?,
             scale,
             true,
         )?;
@@ -225,14 +230,20 @@ fn dropout_case(dev: &Device, c: Case) -> Result<()> {
     if max_abs_diff(&out, &other)? == 0.0 {
         candle::bail!("another offset gave the same output");
     }
-    let keep = dropout_mask(p, seed, offset, b, h, sq, sk)?.to_device(dev)?;
+    let keep = dropout_mask(p, seed, offset, b, h, sq, sk)?.to_device(&reference_device(dev))?;
     let slow = |q: &Tensor, k: &Tensor, v: &Tensor| {
         attention_slow_dropout(q, k, v, scale, causal, &keep, p)
     };
+    let (qr, kr, vr, wr) = (
+        to_reference(&q)?,
+        to_reference(&k)?,
+        to_reference(&v)?,
+        to_reference(&w)?,
+    );
     let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-    let (q32, k32, v32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?);
+    let (q32, k32, v32) = (f32_of(&qr)?, f32_of(&kr)?, f32_of(&vr)?);
     let reference = slow(&q32, &k32, &v32)?;
-    let low = slow(&q, &k, &v)?;
+    let low = slow(&qr, &kr, &vr)?;
     let (err, base) = (
         max_abs_diff(&out, &reference)?,
         max_abs_diff(&low, &reference)?,
@@ -241,8 +252,8 @@ fn dropout_case(dev: &Device, c: Case) -> Result<()> {
         candle::bail!("out: max error {err:.3e} > 2 x {base:.3e} + 1e-5");
     }
     let ours = grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?;
-    let reference = grads_of(&q32, &k32, &v32, &f32_of(&w)?, slow)?;
-    let low = grads_of(&q, &k, &v, &w, slow)?;
+    let reference = grads_of(&q32, &k32, &v32, &f32_of(&wr)?, slow)?;
+    let low = grads_of(&qr, &kr, &vr, &wr, slow)?;
     for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
         let (err, base) = (
             max_abs_diff(&ours[i], &reference[i])?,
@@ -276,12 +287,15 @@ fn varlen_dropout(dev: &Device) -> Result<()> {
     let (cq, ck) = (varlen.cu_seqlens_q(), varlen.cu_seqlens_k());
     let (max_q, max_k) = (varlen.max_seqlen_q(), varlen.max_seqlen_k());
     let full_mask = dropout_mask(p, seed, offset, lens.len(), h, max_q, max_k)?;
+    let (qr, kr, vr) = (to_reference(&q)?, to_reference(&k)?, to_reference(&v)?);
     for (b, &(sq, sk)) in lens.iter().enumerate() {
-        let keep = full_mask.i((b..b + 1, .., 0..sq, 0..sk))?.to_device(dev)?;
+        let keep = full_mask
+            .i((b..b + 1, .., 0..sq, 0..sk))?
+            .to_device(&reference_device(dev))?;
         let (q0, k0) = (cq[b] as usize, ck[b] as usize);
-        let qb = q.i(q0..q0 + sq)?.unsqueeze(0)?.to_dtype(DType::F32)?;
-        let kb = k.i(k0..k0 + sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
-        let vb = v.i(k0..k0 + sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        let qb = qr.i(q0..q0 + sq)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        let kb = kr.i(k0..k0 + sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        let vb = vr.i(k0..k0 + sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
         let expected = attention_slow_dropout(&qb, &kb, &vb, scale, true, &keep, p)?.squeeze(0)?;
         let err = max_abs_diff(&out.i(q0..q0 + sq)?, &expected)?;
         if err > 5e-2 {
