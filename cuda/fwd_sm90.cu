@@ -1,10 +1,11 @@
 // The forward kernel on Hopper tensor cores (wgmma, sm_90a): FlashAttention-2 Algorithm 1
-// with the matmuls issued per warpgroup instead of per warp. Two warpgroups share a block of
-// 128 query rows (64 each) and stream 128-key tiles of K and V through two cp.async stages,
-// so the next tile's copy overlaps the whole of the current tile's work. S = Q K^T reads both
+// with the matmuls issued per warpgroup instead of per warp. Two warpgroups (three at d = 64
+// from seqlen 2k on) share a block of query rows, 64 each, and stream 128-key tiles of K and
+// V through two cp.async stages, so the next tile's copy overlaps the whole of the current
+// tile's work. S = Q K^T reads both
 // operands from shared memory; O += P V takes P from registers (the S accumulators, packed)
 // and V from shared memory, MN-major. Mask, online softmax and the epilogue are the mma.sync
-// kernel's (the accumulator layout is the same). Entry points flash_fwd_sm90_<dtype>_d<D>
+// kernel's (the accumulator layout is the same). Entry points flash_fwd_sm90_<dtype>_d<D>[_g3]
 // for D = 64 and 128, without dropout; src/cuda/mod.rs falls back to fwd.cu for the rest.
 #include "gemm.cuh"
 #include "mask.cuh"
@@ -13,11 +14,11 @@
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-template <typename T_, int D_, int GROUPS_ = 2, int BN_ = 128> struct Sm90Traits {
+template <typename T_, int D_, int GROUPS_ = 2> struct Sm90Traits {
     using T = T_;
     static constexpr int D = D_;
     static constexpr int GROUPS = GROUPS_;      // warpgroups, 64 rows each
-    static constexpr int BM = 64 * GROUPS, BN = BN_;  // query rows, keys per tile
+    static constexpr int BM = 64 * GROUPS, BN = 128;  // query rows, keys per tile
     static constexpr int THREADS = GROUPS * 128;
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -160,7 +161,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_sm90(const AttnPara
 FLASH_FWD_SM90(f16, __half, 64)
 FLASH_FWD_SM90(f16, __half, 128)
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 64)
-// Trial (CANDLE_FLASH_SM90_G3=1): three warpgroups, 192 query rows, at d = 64.
+// d = 64 from seqlen 2k on: three warpgroups, 192 query rows (see Sm90Tile in src/cuda/mod.rs).
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_bf16_d64_g3(const __grid_constant__ AttnParams p) {
     flash_fwd_sm90<Sm90Traits<__nv_bfloat16, 64, 3>>(p);
@@ -168,14 +169,5 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_f16_d64_g3(const __grid_constant__ AttnParams p) {
     flash_fwd_sm90<Sm90Traits<__half, 64, 3>>(p);
-}
-// Trial (CANDLE_FLASH_SM90_N192=1): 192-key tiles at d = 64.
-extern "C" __global__ void __launch_bounds__(256, 1)
-    flash_fwd_sm90_bf16_d64_n192(const __grid_constant__ AttnParams p) {
-    flash_fwd_sm90<Sm90Traits<__nv_bfloat16, 64, 2, 192>>(p);
-}
-extern "C" __global__ void __launch_bounds__(256, 1)
-    flash_fwd_sm90_f16_d64_n192(const __grid_constant__ AttnParams p) {
-    flash_fwd_sm90<Sm90Traits<__half, 64, 2, 192>>(p);
 }
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)

@@ -3,10 +3,13 @@
 //! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
 //!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
 //!
+//! The fused kernel takes 128 keys per block over 8 warps (FA2's shape) where that variant is
+//! compiled (d 64 and 128, no dropout), else 64 keys over 4 warps: at hd 128, seqlen 8k the
+//! wide one measured 207 against 192 TFLOP/s (H200, docs/PERF.md).
+//!
 //! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
-//! accuracy: `separate` forces the deterministic kernels everywhere; `bn128` makes the fused
-//! kernel take 128 keys per block over 8 warps (FA2's shape) where that variant is compiled
-//! (d 64 and 128, no dropout) instead of 64 keys over 4 warps.
+//! accuracy: `separate` forces the deterministic kernels everywhere; `bn64` forces the
+//! 64-key fused kernel.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
@@ -85,7 +88,7 @@ enum BwdPath {
     Fused { wide: bool },
 }
 
-/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn128` or unset.
+/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn64` or unset.
 fn bwd_override() -> Option<&'static str> {
     static OVERRIDE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     OVERRIDE
@@ -99,7 +102,7 @@ impl BwdPath {
         if deterministic || !tile.has_fused() || env == Some("separate") {
             Self::Separate
         } else {
-            let wide = env == Some("bn128") && tile.has_fused_wide() && !dropout;
+            let wide = env != Some("bn64") && tile.has_fused_wide() && !dropout;
             Self::Fused { wide }
         }
     }

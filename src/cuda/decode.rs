@@ -231,9 +231,16 @@ fn forced_splits() -> Option<usize> {
 /// `n / (ceil(n / slots) * slots)` with `n = blocks * s`; among the splits within 3% of the
 /// best we take the fewest (less merging, longer runs per warp), never going below
 /// `MIN_TILES_PER_WARP` key tiles per warp.
+///
+/// About two resident blocks per SM already stream near the bandwidth limit, so a grid that
+/// fills half the slots runs unsplit: GQA 32/8, hd 128, (b, L) = (32, 4k) has 256 blocks for
+/// 396 slots and took 0.136 ms unsplit against 0.147 ms with 3 splits (H200; docs/PERF.md).
 fn num_splits(blocks: usize, key_tiles: usize, slots: usize) -> usize {
     if let Some(n) = forced_splits() {
         return n.min(MAX_SPLITS);
+    }
+    if blocks * 2 >= slots {
+        return 1;
     }
     let blocks = blocks.max(1);
     let most = (key_tiles / (MIN_TILES_PER_WARP * DECODE_WARPS)).clamp(1, MAX_SPLITS);

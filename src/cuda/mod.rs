@@ -11,7 +11,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::result::memset_d8_async;
-use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::sys::{
+    CUdevice_attribute, CUdeviceptr, CUfunction_attribute,
+};
 use candle::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
     SyncOnDrop,
@@ -248,20 +250,31 @@ impl FwdTile {
 struct Sm90Tile;
 
 impl Sm90Tile {
+    /// Keys per tile.
+    const BN: usize = 128;
+
     fn supports(d: usize) -> bool {
         d == 64 || d == 128
     }
 
-    /// `(warpgroups of 64 query rows, keys per tile, kernel name suffix)`; shared memory is Q,
-    /// two stages of K and V (unpadded, swizzled rows) and 1 KB for the alignment. Trials at
-    /// d = 64: `CANDLE_FLASH_SM90_D64=g3` (3 warpgroups), `=n192` (192-key tiles).
-    fn shape(d: usize) -> (usize, usize, &'static str) {
-        static TRIAL: OnceLock<String> = OnceLock::new();
-        let trial = TRIAL.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_D64").unwrap_or_default());
-        match (d, trial.as_str()) {
-            (64, "g3") => (3, 128, "_g3"),
-            (64, "n192") => (2, 192, "_n192"),
-            _ => (2, 128, ""),
+    /// `(warpgroups of 64 query rows, kernel name suffix)` for head dim `d` and `seqlen_q`
+    /// query rows. At d = 64, three warpgroups (192 rows) overlap one group's softmax with
+    /// the others' matmuls better: 324 against 280 TFLOP/s at seqlen 2k, 309 against 274 at 8k
+    /// causal; but at 1k causal the larger blocks lose (142 against 160), so they start at 2k
+    /// (H200, docs/PERF.md). `CANDLE_FLASH_SM90_D64=g2|g3` forces one (read once; A/B runs).
+    fn shape(d: usize, seqlen_q: usize) -> (usize, &'static str) {
+        static FORCED: OnceLock<String> = OnceLock::new();
+        let forced =
+            FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_D64").unwrap_or_default());
+        let g3 = match forced.as_str() {
+            "g3" => true,
+            "g2" => false,
+            _ => seqlen_q >= 2048,
+        };
+        if d == 64 && g3 {
+            (3, "_g3")
+        } else {
+            (2, "")
         }
     }
 }
@@ -275,7 +288,9 @@ fn use_sm90(dev: &candle::CudaDevice) -> Result<bool> {
     }
     static MAJOR: Mutex<Vec<(usize, i32)>> = Mutex::new(Vec::new());
     let ordinal = dev.cuda_stream().context().ordinal();
-    let mut known = MAJOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut known = MAJOR
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(&(_, major)) = known.iter().find(|(o, _)| *o == ordinal) {
         return Ok(major == 9);
     }
@@ -426,7 +441,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let dtype = dtype_name(q.dtype())?;
         if !dropout && Sm90Tile::supports(tile.d) && use_sm90(&dev)? {
-            let (groups, bn, suffix) = Sm90Tile::shape(tile.d);
+            let (groups, suffix) = Sm90Tile::shape(tile.d, s.sq);
             let name = format!("flash_fwd_sm90_{dtype}_d{}{suffix}", tile.d);
             let grid = (s.sq.div_ceil(64 * groups), s.h, s.b);
             launch(
@@ -434,7 +449,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                 &name,
                 grid,
                 128 * groups as u32,
-                ((64 * groups + 4 * bn) * tile.d * 2 + 1024) as u32,
+                ((64 * groups + 4 * Sm90Tile::BN) * tile.d * 2 + 1024) as u32,
                 &params,
             )?;
         } else {

@@ -187,7 +187,32 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     } else {
         vec![vec![1, 7, 255, 4097], vec![0, 300, 64], vec![8191]]
     };
+    // First (the quick grid keeps the first 12): page sizes that are not a multiple of the
+    // kernel's 16-key tile (rows looked up one by one), and a batch past the 128 lengths that
+    // travel inline with the launch.
     let mut cases = vec![];
+    for page_size in [8, 24] {
+        cases.push(DecodeCase {
+            lens: vec![1, 7, 255, 100],
+            s_q: 4,
+            s_new: 3,
+            h: 8,
+            hk: 2,
+            d: 128,
+            causal: true,
+            page_size: Some(page_size),
+        });
+    }
+    cases.push(DecodeCase {
+        lens: (0..130).map(|i| (i * 37) % 300).collect(),
+        s_q: 1,
+        s_new: 1,
+        h: 4,
+        hk: 4,
+        d: 64,
+        causal: true,
+        page_size: None,
+    });
     for lens in &len_sets {
         for &(s_q, s_new) in &[(1usize, 1usize), (4, 4), (16, 0), (1, 0), (4, 9)] {
             for &(h, hk) in &[(8usize, 8usize), (8, 2), (32, 4)] {
