@@ -1,7 +1,9 @@
 // KV-cache decoding, launched in this order:
 //   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k, b)
-//   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (splits, h_k * tiles, b)
+//   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
 //   flash_decode_combine_<dtype>  merge the splits by their LSE (flash-decoding)  grid (rows, 1, 1)
+// or, with DecodeParams::counters set, the decode kernel's last split of each row tile merges
+// (merge_splits) and no combine kernel runs.
 // The decode kernel reuses the forward's pieces (gemm.cuh, softmax.cuh, mask.cuh, copy.cuh)
 // but not its block layout: a decode step has a handful of query rows, so the block's warps
 // split the keys instead of the rows (see DecodeTraits). The query heads that share a K/V
@@ -44,6 +46,9 @@ template <typename T_, int D_> struct DecodeTraits {
     static constexpr bool Q_IN_REGS = D <= 128;
     // Blocks per SM that fit in shared memory (3 up to D = 128); hold registers to that too.
     static constexpr int MIN_BLOCKS = D <= 128 ? 3 : D <= 192 ? 2 : 1;
+    // Partial-O loads in flight per thread in the fused combine (merge_splits): 4 registers
+    // each, which small head dims would pay for in occupancy.
+    static constexpr int MERGE_UNROLL = D <= 32 ? 8 : 16;
     static constexpr int RING = 2 * 2 * BN * STRIDE;  // per warp: 2 stages x (K, V), elements
     // The merge reuses the rings as f32: NWARPS x ROWS x D partial O, then row max and sum.
     static constexpr int MERGE_BYTES = NWARPS * ROWS * (D + 2) * 4;
@@ -66,6 +71,125 @@ __device__ __forceinline__ void gemm_qk(float (&s)[1][2][4], const uint32_t (&qf
     }
 }
 
+constexpr int MAX_SPLITS = 128;  // src/cuda/decode.rs caps num_splits to this
+
+// The fused combine, run by the last split of a row tile to finish: the same merge as
+// flash_decode_combine (weights exp(lse_s - lse), -inf splits weigh nothing, rows without
+// keys give 0) over the tile's rows with a query. One block does what the combine kernel
+// spreads over a block per row, from partials that sit in L2, so its time is L2 round trips:
+// each thread keeps UNROLL 16-byte loads in flight, the first batch issued before the weights
+// are known, and when the tile has fewer float4 columns than threads (few rows, small d) the
+// threads also split the splits. Loads are ld.global.cg: L1 is not coherent across SMs, and
+// the other splits' rows were written by other SMs during this launch.
+template <typename T, int ROWS, int THREADS, int UNROLL>
+__device__ __forceinline__ void merge_splits(const DecodeParams& dp, float* smem, int b, int h_k,
+                                             int m0, int tid) {
+    const AttnParams& p = dp.a;
+    const int group = p.h_h_k_ratio, splits = dp.num_splits;
+    const int n_rows = min(ROWS, p.seqlen_q * group - m0);
+    const int c4 = p.d / 4, n = n_rows * c4;  // float4 outputs of the tile
+    const int groups = max(1, THREADS / n);   // threads per output, each a share of the splits
+    const int grp = tid / n;
+    const bool active = grp < groups;
+    const int64_t split_stride = int64_t(p.b) * p.h * p.seqlen_q * c4;  // float4s
+    float* weights = smem;                                               // (ROWS, MAX_SPLITS)
+    float4* part = reinterpret_cast<float4*>(weights + ROWS * MAX_SPLITS);  // (THREADS)
+    const auto part_row = [&](int r) {  // row r's index within one split's partials
+        const int token = (m0 + r) / group, head = h_k * group + (m0 + r) % group;
+        return (int64_t(b) * p.h + head) * p.seqlen_q + token;
+    };
+    const auto part_o = [&](int e) {
+        return reinterpret_cast<const float4*>(dp.o_partial) + part_row(e / c4) * c4 + e % c4;
+    };
+    float4 x[UNROLL];
+    const auto load = [&](const float4* src, int k0) {  // this thread's splits k0.. of output e
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int s = grp + (k0 + u) * groups;
+            x[u] = active && s < splits ? __ldcg(src + s * split_stride)
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    load(part_o(tid % n), 0);
+
+    const int warp = tid / 32, lane = tid % 32;
+    constexpr int PER_LANE = MAX_SPLITS / 32;
+    for (int r = warp; r < n_rows; r += THREADS / 32) {
+        const float* lse = dp.lse_partial + part_row(r);
+        const int64_t lse_stride = split_stride / c4;
+        float l[PER_LANE];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int s = lane + 32 * i;
+            l[i] = s < splits ? __ldcg(lse + s * lse_stride) : -INFINITY;
+            mx = fmaxf(mx, l[i]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            l[i] = l[i] == -INFINITY ? 0.f : __expf(l[i] - mx);
+            sum += l[i];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) weights[r * MAX_SPLITS + lane + 32 * i] = l[i] * inv;
+    }
+    __syncthreads();
+
+    const auto sum_splits = [&](int e) {  // x holds the first batch of output e
+        const float* w = weights + (e / c4) * MAX_SPLITS;
+        const float4* src = part_o(e);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k0 = 0;;) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int s = grp + (k0 + u) * groups;
+                const float wu = s < splits ? w[s] : 0.f;
+                acc.x += wu * x[u].x;
+                acc.y += wu * x[u].y;
+                acc.z += wu * x[u].z;
+                acc.w += wu * x[u].w;
+            }
+            k0 += UNROLL;
+            if (grp + k0 * groups >= splits) return acc;
+            load(src, k0);
+        }
+    };
+    const auto store = [&](int e, const float4& acc) {
+        const int r = e / c4, token = (m0 + r) / group, head = h_k * group + (m0 + r) % group;
+        T* out = static_cast<T*>(p.o) + b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
+                 head * p.o_head_stride + 4 * (e % c4);
+        *reinterpret_cast<uint2*>(out) =
+            make_uint2(MmaOp<T>::pack(acc.x, acc.y), MmaOp<T>::pack(acc.z, acc.w));
+    };
+    if (groups == 1) {
+        for (int e = tid; e < n; e += THREADS) {
+            const float4 acc = sum_splits(e);
+            if (e + THREADS < n) load(part_o(e + THREADS), 0);
+            store(e, acc);
+        }
+        return;
+    }
+    part[tid] = active ? sum_splits(tid % n) : make_float4(0.f, 0.f, 0.f, 0.f);
+    __syncthreads();
+    if (tid < n) {
+        float4 acc = part[tid];
+        for (int g = 1; g < groups; ++g) {
+            const float4 y = part[g * n + tid];
+            acc.x += y.x;
+            acc.y += y.y;
+            acc.z += y.z;
+            acc.w += y.w;
+        }
+        store(tid, acc);
+    }
+}
+
 template <class K> __device__ __forceinline__ void flash_decode(const DecodeParams& dp) {
     using T = typename K::T;
     constexpr int D = K::D, BN = K::BN, STRIDE = K::STRIDE, DT = K::DT, NW = K::NWARPS;
@@ -78,8 +202,10 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const int group = p.h_h_k_ratio;
     const int rows = p.seqlen_q * group;  // packed (token, head) rows of one K/V head
     const int tiles = (rows + ROWS - 1) / ROWS;
-    const int split = blockIdx.x, h_k = blockIdx.y / tiles, b = blockIdx.z;
-    const int m0 = (blockIdx.y % tiles) * ROWS;
+    // Heads vary fastest across the grid: blocks resident together read the same token range
+    // of every K/V head, which in a (b, L, h_k, d) cache is one contiguous run of memory.
+    const int split = blockIdx.y, h_k = blockIdx.x / tiles, b = blockIdx.z;
+    const int m0 = (blockIdx.x % tiles) * ROWS;
     const int seqlen_k = dp.seqlens != nullptr ? dp.seqlens[b] : dp.seqlens_inline[b];
     SeqInfo seq(p, b);
     seq.seqlen_q = p.seqlen_q;
@@ -188,6 +314,9 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with its ring: reuse the rings for the merge
 
+    static_assert((ROWS * MAX_SPLITS + 4 * K::THREADS) * 4 <=
+                      K::SMEM_BYTES - ROWS * STRIDE * int(sizeof(T)),
+                  "merge_splits' weights and partial sums fit in the rings");
     float* sO = reinterpret_cast<float*>(rings);  // (NW, ROWS, D), unnormalised
     float* sM = sO + NW * ROWS * D;               // (NW, ROWS) row max of raw scores
     float* sL = sM + NW * ROWS;                   // (NW, ROWS) row sum
@@ -249,9 +378,24 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                                  head * p.o_head_stride + col] = T(x);
         }
     }
+    if (!split_out || dp.counters == nullptr) return;
+
+    // Fused combine: the split of this row tile that finishes last merges all of them, which
+    // saves the combine kernel's launch gap and ramp. Every thread fences its own partial
+    // stores before the block counts itself as arrived, so a block that sees the count reach
+    // the end also sees every other split's rows.
+    __shared__ unsigned int arrived;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0)  // wraps to 0 on the last arrival: the counter is clean for the next launch
+        arrived = atomicInc(dp.counters + blockIdx.z * gridDim.x + blockIdx.x, dp.num_splits - 1);
+    __syncthreads();
+    if (arrived != unsigned(dp.num_splits - 1)) return;
+    __threadfence();  // acquire side: no load below may be served from before the count
+    merge_splits<T, ROWS, K::THREADS, K::MERGE_UNROLL>(dp, reinterpret_cast<float*>(rings), b,
+                                                       h_k, m0, tid);
 }
 
-constexpr int MAX_SPLITS = 128;     // src/cuda/decode.rs caps num_splits to this
 constexpr int COMBINE_THREADS = 256;  // src/cuda/decode.rs launches the combine with this many
 constexpr int COMBINE_PREFETCH = 4;   // partial-O loads per thread issued before the weights
 

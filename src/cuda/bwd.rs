@@ -3,13 +3,15 @@
 //! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
 //!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
 //!
-//! The fused kernel takes 128 keys per block over 8 warps (FA2's shape) where that variant is
-//! compiled (d 64 and 128, no dropout), else 64 keys over 4 warps: at hd 128, seqlen 8k the
-//! wide one measured 207 against 192 TFLOP/s (H200, docs/PERF.md).
+//! On Hopper at d 64 and 128 without dropout the fused kernel is the wgmma one
+//! (`cuda/bwd_sm90.cu`). Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
+//! warps (FA2's shape) where that variant is compiled (d 64 and 128, no dropout), else 64 keys
+//! over 4 warps: at hd 128, seqlen 8k the wide one measured 207 against 192 TFLOP/s (H200,
+//! docs/PERF.md).
 //!
 //! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
-//! accuracy: `separate` forces the deterministic kernels everywhere; `bn64` forces the
-//! 64-key fused kernel.
+//! accuracy: `separate` forces the deterministic kernels everywhere; `bn64` and `bn128` force
+//! the mma.sync fused kernel of that shape.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
@@ -18,7 +20,8 @@ use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
 use super::{
-    dtype_name, launch, poison, seq_offsets, set_seq_offsets, AttnParams, BwdParams, FwdTile,
+    dtype_name, launch, poison, seq_offsets, set_seq_offsets, use_sm90, AttnParams, BwdParams,
+    FwdTile,
 };
 use crate::params::Problem;
 
@@ -79,6 +82,15 @@ impl BwdTile {
     }
 }
 
+/// Keys per block of the wgmma backward kernel (`BwdSm90Traits` in `cuda/bwd_sm90.cu`).
+const SM90_BN: usize = 128;
+
+/// K, V (128 keys), two stages of Q, dO (64 rows) and their row statistics, the dS^T tile
+/// (128 x 64), unpadded (swizzled) rows, plus 1 KB for the alignment.
+fn sm90_smem_bytes(d: usize) -> u32 {
+    (2 * SM90_BN * d * 2 + 4 * 64 * d * 2 + SM90_BN * 64 * 2 + 4 * 64 * 4 + 1024) as u32
+}
+
 /// Which backward kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum BwdPath {
@@ -86,9 +98,12 @@ enum BwdPath {
     Separate,
     /// dK/dV/dQ kernel with atomic dQ + convert kernel; `wide`: the 128-key, 8-warp shape.
     Fused { wide: bool },
+    /// The wgmma dK/dV/dQ kernel (`cuda/bwd_sm90.cu`) + convert kernel: d 64 and 128 on
+    /// Hopper, no dropout.
+    Sm90,
 }
 
-/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn64` or unset.
+/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn64`, `bn128` or unset.
 fn bwd_override() -> Option<&'static str> {
     static OVERRIDE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     OVERRIDE
@@ -97,10 +112,12 @@ fn bwd_override() -> Option<&'static str> {
 }
 
 impl BwdPath {
-    fn choose(tile: &BwdTile, deterministic: bool, dropout: bool) -> Self {
+    fn choose(tile: &BwdTile, deterministic: bool, dropout: bool, hopper: bool) -> Self {
         let env = bwd_override();
         if deterministic || !tile.has_fused() || env == Some("separate") {
             Self::Separate
+        } else if hopper && tile.has_fused_wide() && !dropout && env.is_none() {
+            Self::Sm90
         } else {
             let wide = env != Some("bn64") && tile.has_fused_wide() && !dropout;
             Self::Fused { wide }
@@ -187,10 +204,15 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         dq_accum_len: nq as i64,
         ..BwdParams::default()
     };
-    let path = BwdPath::choose(&tile, deterministic, params.a.drop_threshold != 0);
+    let path = BwdPath::choose(
+        &tile,
+        deterministic,
+        params.a.drop_threshold != 0,
+        use_sm90(&dev)?,
+    );
     // The fused kernel adds into it; rows that no key reaches keep their zeros.
     let mut dq_accum = match path {
-        BwdPath::Fused { .. } => Some(dev.alloc_zeros::<f32>(nq)?),
+        BwdPath::Fused { .. } | BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
         BwdPath::Separate => None,
     };
     let offsets = seq_offsets(problem, &dev)?;
@@ -243,22 +265,34 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                     &params,
                 )?;
             }
-            BwdPath::Fused { wide } => {
-                // Dropout has a kernel of its own (its Philox code costs registers); `choose`
-                // picks the wide shape only without dropout.
-                let (bn, warps, variant) = match (wide, params.a.drop_threshold != 0) {
-                    (true, _) => (128, 8, "_bn128"),
-                    (false, true) => (64, 4, "_dropout"),
-                    (false, false) => (64, 4, ""),
-                };
-                launch(
-                    &dev,
-                    &format!("flash_bwd_dkdvq_{dtype}_d{}{variant}", tile.d),
-                    (s.sk.div_ceil(bn), s.hk, s.b),
-                    32 * warps,
-                    tile.fused_smem_bytes(bn),
-                    &params,
-                )?;
+            BwdPath::Fused { .. } | BwdPath::Sm90 => {
+                if path == BwdPath::Sm90 {
+                    launch(
+                        &dev,
+                        &format!("flash_bwd_sm90_{dtype}_d{}", tile.d),
+                        (s.sk.div_ceil(SM90_BN), s.hk, s.b),
+                        256,
+                        sm90_smem_bytes(tile.d),
+                        &params,
+                    )?;
+                } else {
+                    // Dropout has a kernel of its own (its Philox code costs registers);
+                    // `choose` picks the wide shape only without dropout.
+                    let wide = path == BwdPath::Fused { wide: true };
+                    let (bn, warps, variant) = match (wide, params.a.drop_threshold != 0) {
+                        (true, _) => (128, 8, "_bn128"),
+                        (false, true) => (64, 4, "_dropout"),
+                        (false, false) => (64, 4, ""),
+                    };
+                    launch(
+                        &dev,
+                        &format!("flash_bwd_dkdvq_{dtype}_d{}{variant}", tile.d),
+                        (s.sk.div_ceil(bn), s.hk, s.b),
+                        32 * warps,
+                        tile.fused_smem_bytes(bn),
+                        &params,
+                    )?;
+                }
                 let (threads, per_thread) = (256, 8);
                 launch(
                     &dev,

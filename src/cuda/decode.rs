@@ -34,6 +34,7 @@ struct DecodeParams {
     num_splits: i32,
     o_partial: CUdeviceptr,
     lse_partial: CUdeviceptr,
+    counters: CUdeviceptr,
     seqlens_inline: [i32; INLINE_SEQLENS],
 }
 
@@ -221,6 +222,46 @@ fn forced_splits() -> Option<usize> {
     })
 }
 
+/// `CANDLE_FLASH_DECODE_COMBINE=kernel` merges the splits with the separate combine kernel
+/// instead of in the decode kernel's last split of each row tile: an A/B switch. Read once.
+fn fused_combine() -> bool {
+    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FUSED
+        .get_or_init(|| !std::env::var("CANDLE_FLASH_DECODE_COMBINE").is_ok_and(|v| v == "kernel"))
+}
+
+/// Arrival counters of the fused combine, one `u32` per (sequence, K/V head, row tile),
+/// kept per (device, stream) and grown on demand. They are zero between launches because the
+/// last split of each tile wraps its counter back to 0 (`atomicInc`), so a call needs no
+/// memset of its own, which would cost a stream operation about as long as the combine
+/// kernel's launch gap that fusing removes. Keyed by stream as well as device so that
+/// launches that may overlap never share counters; the slice holds its stream, so the key
+/// cannot be reused by another stream while the entry lives. Entries live until exit.
+type CounterCache = Vec<((usize, usize), CudaSlice<u32>)>;
+static COUNTERS: Mutex<CounterCache> = Mutex::new(Vec::new());
+
+/// The zeroed counters for `dev`'s stream, at least `n` of them.
+fn arrival_counters<'a>(
+    cache: &'a mut CounterCache,
+    dev: &candle::CudaDevice,
+    n: usize,
+) -> Result<&'a mut CudaSlice<u32>> {
+    let stream = dev.cuda_stream();
+    let key = (stream.context().ordinal(), stream.cu_stream() as usize);
+    let i = match cache.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            cache.push((key, dev.alloc_zeros::<u32>(n.next_power_of_two())?));
+            cache.len() - 1
+        }
+    };
+    if cache[i].1.len() < n {
+        // The old slice is freed in stream order, after the launches that used it.
+        cache[i].1 = dev.alloc_zeros::<u32>(n.next_power_of_two())?;
+    }
+    Ok(&mut cache[i].1)
+}
+
 /// How many slices of each sequence's key range run in parallel (flash-decoding), for
 /// `blocks` = batch x K/V heads x row tiles, `key_tiles` 16-key tiles in the longest
 /// sequence, and `slots` = SMs x resident blocks per SM (one wave).
@@ -293,7 +334,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     );
 
     let out_elems = p.b * p.s_q * p.h * p.d;
-    // SAFETY: the decode kernel (or the combine kernel, when split) writes every element.
+    // SAFETY: the decode kernel (its last split of each row tile, or the combine kernel, when
+    // split) writes every element.
     let mut out = unsafe { dev.alloc::<T>(out_elems)? };
     poison(&stream, &mut out)?;
     // Unsplit calls need no partial buffers; one element keeps the allocation legal (CUDA
@@ -316,6 +358,22 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         Some(to_device_i32(&dev, &p.seqlens)?)
     };
     let (block_table, max_pages, page_size) = paging_args(&dev, &p.paging)?;
+    let fused = splits > 1 && fused_combine();
+    // Held until the launch is queued: another thread's call on this stream must not grow
+    // (and free) the counters in between.
+    let mut counter_cache = if fused {
+        Some(
+            COUNTERS
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )
+    } else {
+        None
+    };
+    let mut counters = match counter_cache.as_deref_mut() {
+        Some(cache) => Some(arrival_counters(cache, &dev, p.b * p.hk * row_tiles)?),
+        None => None,
+    };
 
     let [qb, qr, qh] = strides3(ql);
     let [kb, kr, kh] = strides3(kl);
@@ -357,6 +415,13 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         let (o_ptr, o_sync) = out.device_ptr_mut(&stream);
         let (op_ptr, op_sync) = o_partial.device_ptr_mut(&stream);
         let (lp_ptr, lp_sync) = lse_partial.device_ptr_mut(&stream);
+        let (counters_ptr, counters_sync) = match &mut counters {
+            Some(c) => {
+                let (ptr, sync) = c.device_ptr_mut(&stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
         let params = DecodeParams {
             a: AttnParams {
                 q: q_ptr,
@@ -372,17 +437,18 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             num_splits: splits as i32,
             o_partial: op_ptr,
             lse_partial: lp_ptr,
+            counters: counters_ptr,
             seqlens_inline,
         };
         launch(
             &dev,
             &kernel,
-            (splits, p.hk * row_tiles, p.b),
+            (p.hk * row_tiles, splits, p.b),
             32 * DECODE_WARPS as u32,
             smem,
             &params,
         )?;
-        if splits > 1 {
+        if splits > 1 && !fused {
             launch(
                 &dev,
                 &format!("flash_decode_combine_{dtype}"),
@@ -393,6 +459,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             )?;
         }
         drop((q_sync, k_sync, v_sync, o_sync, op_sync, lp_sync, syncs));
+        drop(counters_sync);
     }
+    drop(counter_cache);
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

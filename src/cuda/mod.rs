@@ -253,8 +253,11 @@ impl Sm90Tile {
     /// Keys per tile.
     const BN: usize = 128;
 
-    fn supports(d: usize) -> bool {
-        d == 64 || d == 128
+    /// Head dims 64 and 128; at d = 64 short causal rows stay on the mma.sync kernel, whose
+    /// two resident blocks per SM hide each block's first loads better: 182 against 160
+    /// TFLOP/s at seqlen 1k causal (H200, docs/PERF.md).
+    fn supports(d: usize, seqlen_q: usize, causal: bool) -> bool {
+        d == 128 || (d == 64 && !(causal && seqlen_q <= 1024))
     }
 
     /// `(warpgroups of 64 query rows, kernel name suffix)` for head dim `d` and `seqlen_q`
@@ -341,6 +344,8 @@ fn launch<P: DeviceRepr>(
     }
     let (module, ptx) = if name.starts_with("flash_fwd_sm90") {
         ("candle_flash_fwd_sm90", ptx::FWD_SM90)
+    } else if name.starts_with("flash_bwd_sm90") {
+        ("candle_flash_bwd_sm90", ptx::BWD_SM90)
     } else if name.starts_with("flash_fwd") {
         ("candle_flash_fwd", ptx::FWD)
     } else if name.starts_with("flash_bwd") {
@@ -440,7 +445,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let dtype = dtype_name(q.dtype())?;
-        if !dropout && Sm90Tile::supports(tile.d) && use_sm90(&dev)? {
+        if !dropout && Sm90Tile::supports(tile.d, s.sq, problem.causal) && use_sm90(&dev)? {
             let (groups, suffix) = Sm90Tile::shape(tile.d, s.sq);
             let name = format!("flash_fwd_sm90_{dtype}_d{}{suffix}", tile.d);
             let grid = (s.sq.div_ceil(64 * groups), s.h, s.b);
