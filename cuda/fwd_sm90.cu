@@ -1,6 +1,6 @@
 // The forward kernel on Hopper tensor cores (wgmma, sm_90a): FlashAttention-2 Algorithm 1
 // with the matmuls issued per warpgroup instead of per warp. Two warpgroups (three at d = 64
-// from seqlen 2k on) share a block of query rows, 64 each, and stream 128-key tiles of K and
+// from seqlen 1k on) share a block of query rows, 64 each, and stream 128-key tiles of K and
 // V through two cp.async stages, so the next tile's copy overlaps the whole of the current
 // tile's work. S = Q K^T reads both
 // operands from shared memory; O += P V takes P from registers (the S accumulators, packed)
@@ -161,7 +161,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_sm90(const AttnPara
 FLASH_FWD_SM90(f16, __half, 64)
 FLASH_FWD_SM90(f16, __half, 128)
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 64)
-// d = 64 from seqlen 2k on: three warpgroups, 192 query rows (see Sm90Tile in src/cuda/mod.rs).
+// d = 64 from seqlen 1k on: three warpgroups, 192 query rows (see Sm90Tile in src/cuda/mod.rs).
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_bf16_d64_g3(const __grid_constant__ AttnParams p) {
     flash_fwd_sm90<Sm90Traits<__nv_bfloat16, 64, 3>>(p);

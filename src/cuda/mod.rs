@@ -253,18 +253,18 @@ impl Sm90Tile {
     /// Keys per tile.
     const BN: usize = 128;
 
-    /// Head dims 64 and 128; at d = 64 short causal rows stay on the mma.sync kernel, whose
-    /// two resident blocks per SM hide each block's first loads better: 182 against 160
-    /// TFLOP/s at seqlen 1k causal (H200, docs/PERF.md).
+    /// Head dims 64 and 128; at d = 64 causal rows up to 2k stay on the mma.sync kernel, whose
+    /// two resident blocks per SM hide each block's first loads better: 183 against 160
+    /// TFLOP/s at seqlen 1k, 221 against 213 at 2k (H200, docs/PERF.md).
     fn supports(d: usize, seqlen_q: usize, causal: bool) -> bool {
-        d == 128 || (d == 64 && !(causal && seqlen_q <= 1024))
+        d == 128 || (d == 64 && !(causal && seqlen_q <= 2048))
     }
 
     /// `(warpgroups of 64 query rows, kernel name suffix)` for head dim `d` and `seqlen_q`
     /// query rows. At d = 64, three warpgroups (192 rows) overlap one group's softmax with
-    /// the others' matmuls better: 324 against 280 TFLOP/s at seqlen 2k, 309 against 274 at 8k
-    /// causal; but at 1k causal the larger blocks lose (142 against 160), so they start at 2k
-    /// (H200, docs/PERF.md). `CANDLE_FLASH_SM90_D64=g2|g3` forces one (read once; A/B runs).
+    /// the others' matmuls better: 274 against 257 TFLOP/s at seqlen 1k, 324 against 280 at
+    /// 2k, 309 against 274 at 8k causal (H200, docs/PERF.md); below 1k, two.
+    /// `CANDLE_FLASH_SM90_D64=g2|g3` forces one (read once; A/B runs).
     fn shape(d: usize, seqlen_q: usize) -> (usize, &'static str) {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
@@ -272,7 +272,7 @@ impl Sm90Tile {
         let g3 = match forced.as_str() {
             "g3" => true,
             "g2" => false,
-            _ => seqlen_q >= 2048,
+            _ => seqlen_q >= 1024,
         };
         if d == 64 && g3 {
             (3, "_g3")
