@@ -16,13 +16,17 @@ if [ ! -x "$BIN/bench-attention" ] || [ .gpu/bench-attention.xz -nt "$BIN/bench-
 fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(8x8192 1x65536)
-metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers,launch__occupancy_limit_warps,sm__cycles_active.avg
+metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers,launch__occupancy_limit_warps,sm__cycles_active.avg,smsp__inst_executed.sum
+# Where warps wait (percent of active warp cycles), to tell memory latency from issue limits.
+for r in long_scoreboard short_scoreboard barrier membar wait lg_throttle mio_throttle math_pipe_throttle not_selected selected no_instruction branch_resolving dispatch_stall misc; do
+  metrics+=,smsp__warps_issue_stalled_${r}_per_warp_active.pct
+done
 log=$OUT/ncu-decode.txt
 : > "$log"
 for shape in "${shapes[@]}"; do
   echo "### $shape: metrics of launches 30-37 (after the check call and warm-up)" >> "$log"
   CANDLE_FLASH_BENCH_DECODE=$shape timeout 240 ncu --clock-control none \
-    --kernel-name regex:flash_decode --launch-skip 30 --launch-count 8 --metrics "$metrics" \
+    --kernel-name regex:flash_decode --launch-skip 30 --launch-count 2 --metrics "$metrics" \
     "$BIN/bench-attention" --decode-only 2>&1 | grep -v "^==PROF==" >> "$log"
   echo "### $shape: sections of one decode launch" >> "$log"
   CANDLE_FLASH_BENCH_DECODE=$shape timeout 240 ncu --clock-control none \

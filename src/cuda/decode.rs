@@ -264,35 +264,23 @@ fn arrival_counters<'a>(
 
 /// How many slices of each sequence's key range run in parallel (flash-decoding), for
 /// `blocks` = batch x K/V heads x row tiles, `key_tiles` 16-key tiles in the longest
-/// sequence, and `slots` = SMs x resident blocks per SM (one wave).
+/// sequence, `sms` multiprocessors and `slots` = SMs x resident blocks per SM.
 ///
-/// The kernel streams K and V, so its time is the bytes read over the bandwidth as long as
-/// every SM is full; blocks run in waves of `slots`, and a last wave that leaves slots empty
-/// costs a full wave's time for less work. The efficiency of `s` splits is therefore
-/// `n / (ceil(n / slots) * slots)` with `n = blocks * s`; among the splits within 3% of the
-/// best we take the fewest (less merging, longer runs per warp), never going below
+/// Measured (H200, GQA 32/8, hd 128, docs/PERF.md): one block per SM streams K and V as fast
+/// as three, and any grid a little past the SM count pays a tail (at (1, 64k): 16 splits =
+/// 128 blocks 0.074 ms, 17 = 136 blocks 0.086 ms, 49 = 392 blocks, 0.080 ms). So the splits
+/// fill the SMs once, never past them; a grid that fills half the slots on its own runs
+/// unsplit ((32, 4k): 256 blocks, 0.134 ms against 0.147 ms with 3 splits). At least
 /// `MIN_TILES_PER_WARP` key tiles per warp.
-///
-/// About two resident blocks per SM already stream near the bandwidth limit, so a grid that
-/// fills half the slots runs unsplit: GQA 32/8, hd 128, (b, L) = (32, 4k) has 256 blocks for
-/// 396 slots and took 0.136 ms unsplit against 0.147 ms with 3 splits (H200; docs/PERF.md).
-fn num_splits(blocks: usize, key_tiles: usize, slots: usize) -> usize {
+fn num_splits(blocks: usize, key_tiles: usize, sms: usize, slots: usize) -> usize {
     if let Some(n) = forced_splits() {
         return n.min(MAX_SPLITS);
     }
     if blocks * 2 >= slots {
         return 1;
     }
-    let blocks = blocks.max(1);
     let most = (key_tiles / (MIN_TILES_PER_WARP * DECODE_WARPS)).clamp(1, MAX_SPLITS);
-    let efficiency = |s: usize| {
-        let n = blocks * s;
-        n as f64 / (n.div_ceil(slots) * slots) as f64
-    };
-    let best = (1..=most).map(efficiency).fold(0.0, f64::max);
-    (1..=most)
-        .find(|&s| efficiency(s) >= best - 0.03)
-        .unwrap_or(1)
+    (sms / blocks.max(1)).clamp(1, most)
 }
 
 /// Attention of `q` `(b, s_q, h, d)` over each sequence's first `seqlens[b]` cached tokens.
@@ -330,6 +318,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let splits = num_splits(
         p.b * p.hk * row_tiles,
         max_len.div_ceil(DECODE_KEYS_PER_TILE),
+        sms,
         sms * per_sm,
     );
 
