@@ -17,7 +17,8 @@
 template <typename T_, int D_> struct BwdSm90Traits {
     using T = T_;
     static constexpr int D = D_;
-    static constexpr int BN = 128, BM = 64;  // keys per block (64 per warpgroup), query rows per tile
+    static constexpr int BN = 128;  // keys per block, 64 per warpgroup
+    static constexpr int BM = 64;   // query rows per streamed tile
     static constexpr int THREADS = 256;
     static constexpr int NQ = BM / 8;        // n8 tiles of S^T per warpgroup row
     static constexpr int DT = D / 8;         // n8 tiles of dK, dV
@@ -76,8 +77,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     // whatever was requested before. Rows past the end read LSE 0 and dsum 0: their Q and dO
     // rows are zero, so they add nothing to dV, dK, and their dQ is never stored.
     const auto load_tile_into = [&](int bidh, int m0, int stage) {
-        const int64_t qo = seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
-        const int64_t oo = seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
+        const int64_t qo =
+            seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
+        const int64_t oo =
+            seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
         const uint32_t sQ = sQ0 + 2 * stage * K::Q_BYTES;
         sm90::load_panels<T, BM, D, K::THREADS>(
             sQ, static_cast<const T*>(p.q) + qo + int64_t(m0) * p.q_row_stride, p.q_row_stride,
@@ -105,7 +108,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     const uint32_t sK_mine = sK + group * 64 * 128, sV_mine = sV + group * 64 * 128;
     // This warpgroup's dQ columns [group * DQ_N, +DQ_N): whole panels at D = 128, half a
     // panel (64 bytes into each swizzled row) at D = 64.
-    const uint32_t sK_dq = sK + (DQ_N % 64 == 0 ? group * (DQ_N / 64) * BN * 128 : group * DQ_N * 2);
+    const uint32_t sK_dq =
+        sK + (DQ_N % 64 == 0 ? group * (DQ_N / 64) * BN * 128 : group * DQ_N * 2);
 
     for (int it = 0; it < n_tiles; ++it, next_tile(bidh, m0)) {
         const int stage = it % 2;
@@ -197,7 +201,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         sm90::fence_operand(dv);
         sm90::fence_operand(dk);
         float* dq_accum =
-            bp.dq_accum + seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
+            bp.dq_accum +
+            seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + wrow + g + 8 * r;
@@ -229,7 +234,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
             const int64_t off = int64_t(row) * bp.dk_row_stride + col;
             *reinterpret_cast<uint32_t*>(dk_out + off) =
                 MmaOp<T>::pack(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
-            *reinterpret_cast<uint32_t*>(dv_out + off) = MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(dv_out + off) =
+                MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
         }
     }
 }

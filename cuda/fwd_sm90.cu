@@ -40,7 +40,9 @@ template <class K> struct Sm90Fwd {
     float o[1][DT][4];
     OnlineSoftmax<1> softmax;
 
-    __device__ __forceinline__ uint32_t sK(int stage) const { return sKV + stage * 2 * K::KV_BYTES; }
+    __device__ __forceinline__ uint32_t sK(int stage) const {
+        return sKV + stage * 2 * K::KV_BYTES;
+    }
     __device__ __forceinline__ uint32_t sV(int stage) const { return sK(stage) + K::KV_BYTES; }
 
     __device__ __forceinline__ void load_kv(int nb, int stage) const {
