@@ -5,6 +5,7 @@
 // already as the A operands of dV += P^T dO and dK += dS^T Q.
 #pragma once
 #include "bwd_dq_accum.cuh"
+#include "bwd_tiles.cuh"
 #include "bwd_traits.cuh"
 #include "copy.cuh"
 #include "gemm.cuh"
@@ -12,8 +13,7 @@
 #include "params.cuh"
 #include "philox.cuh"
 #include "seq_info.cuh"
-
-constexpr float LOG2E = 1.4426950408889634f;
+#include "softmax.cuh"
 
 // MAYBE_DROPOUT = false compiles the dropout code out (it costs registers in the loop) for
 // launches without dropout.
@@ -56,21 +56,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     zero(dk);
     zero(dv);
     const Mask mask(p, seq);
-    int mb_begin, mb_end;
-    mask.template query_blocks<BM, BN>(n0, seq.seqlen_q, &mb_begin, &mb_end);
-
-    // The streamed tiles, one per (query head of the GQA group, visible query block): every
-    // query head of the group adds to this K/V head's gradient (line 21's sum).
-    // Tiles are numbered it = 0, 1, ..., head-major; (bidh, m0) follows `it` by increments.
-    const int n_tiles = max(mb_end - mb_begin, 0) * p.h_h_k_ratio;
-    const int m0_begin = mb_begin * BM, m0_end = mb_end * BM;
-    const auto next_tile = [&](int& bidh, int& m0) {
-        m0 += BM;
-        if (m0 == m0_end) {
-            m0 = m0_begin;
-            ++bidh;
-        }
-    };
+    const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);  // (bidh, m0) follows it
     const auto load_q_do = [&](int bidh, int m0, int stage) {
         const T* q = static_cast<const T*>(p.q) +
                      seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
@@ -88,8 +74,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         const int row = m0 + tid;
         const int64_t off = seq.lse_offset(p, bidb, bidh);
         const float l = row < seq.seqlen_q ? p.lse[off + row] : -INFINITY;
-        // A row that saw no key (or is past the end) has P = 0: exp2(s - inf).
-        lse2 = l == -INFINITY ? INFINITY : l * LOG2E;
+        lse2 = lse_log2(l);  // rows past the end read -inf, so P = 0 there too
         dsum = row < seq.seqlen_q ? bp.dsum[off + row] : 0.f;
     };
 
@@ -105,15 +90,15 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         cp_async_4(sLse_all + stage * BM + tid, p.lse + off, valid);
         cp_async_4(sDsum_all + stage * BM + tid, bp.dsum + off, valid);
     };
-    int bidh = bidh_k * p.h_h_k_ratio, m0 = m0_begin;  // tile it
+    int bidh = bidh_k * p.h_h_k_ratio, m0 = tiles.m0_begin;  // tile it
     if constexpr (STAGES == 2) {
-        if (n_tiles > 0) {
+        if (tiles.count > 0) {
             load_q_do(bidh, m0, 0);
             load_row_stats(bidh, m0, 0);
         }
         cp_async_commit();
     }
-    for (int it = 0; it < n_tiles; ++it, next_tile(bidh, m0)) {
+    for (int it = 0; it < tiles.count; ++it, tiles.next(bidh, m0)) {
         const int stage = STAGES == 2 ? it % 2 : 0;
         const T* sQ = sQ_all + stage * BM * STRIDE;
         const T* sdO = sdO_all + stage * BM * STRIDE;
@@ -131,9 +116,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
             // Tile it is visible to every warp, and every warp is done with tile it - 1, whose
             // stage the next tile's copy now overwrites while this one is computed.
             __syncthreads();
-            if (it + 1 < n_tiles) {
+            if (it + 1 < tiles.count) {
                 int next_bidh = bidh, next_m0 = m0;
-                next_tile(next_bidh, next_m0);
+                tiles.next(next_bidh, next_m0);
                 load_q_do(next_bidh, next_m0, stage ^ 1);
                 load_row_stats(next_bidh, next_m0, stage ^ 1);
             }
@@ -141,11 +126,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         }
         const Dropout dropout(p, bidb, bidh);
         const bool use_dropout = MAYBE_DROPOUT && dropout.active();
-        // LSE of column `col` in log2 units; a row that saw no key has P = 0: exp2(s - inf).
+        // LSE of column `col` in log2 units (single-buffered tiles stored it converted).
         const auto lse2 = [&](int col) {
             if constexpr (STAGES == 1) return sLse[col];
-            const float l = sLse[col];
-            return l == -INFINITY ? INFINITY : l * LOG2E;
+            return lse_log2(sLse[col]);
         };
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)

@@ -6,6 +6,7 @@
 #pragma once
 #include "bwd_traits.cuh"
 #include "copy.cuh"
+#include "softmax.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -54,7 +55,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
             const float l = row < seq.seqlen_q ? p.lse[row_base + row] : -INFINITY;
-            lse2[mt][r] = l == -INFINITY ? INFINITY : l * LOG2E;
+            lse2[mt][r] = lse_log2(l);
             dsum[mt][r] = row < seq.seqlen_q ? bp.dsum[row_base + row] : 0.f;
         }
 

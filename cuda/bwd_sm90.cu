@@ -9,9 +9,11 @@
 // Entry points flash_bwd_sm90_<dtype>_d<D> for D = 64 and 128, non-deterministic, without
 // dropout; src/cuda/bwd.rs runs the mma.sync kernels for everything else.
 #include "bwd_dq_accum.cuh"
+#include "bwd_tiles.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "seq_info.cuh"
+#include "softmax.cuh"
 #include "wgmma.cuh"
 
 template <typename T_, int D_> struct BwdSm90Traits {
@@ -28,8 +30,6 @@ template <typename T_, int D_> struct BwdSm90Traits {
     static constexpr int SMEM_BYTES = 2 * KV_BYTES + 4 * Q_BYTES + DS_BYTES + 4 * BM * 4 + 1024;
     static_assert(D % 64 == 0 && BM == 64, "panel tiles; dS^T is one 64-column panel");
 };
-
-constexpr float BWD_LOG2E = 1.4426950408889634f;
 
 template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParams& bp) {
     using T = typename K::T;
@@ -60,19 +60,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
                                             seq.seqlen_k - n0, p.d, tid);
 
     const Mask mask(p, seq);
-    int mb_begin, mb_end;
-    mask.template query_blocks<BM, BN>(n0, seq.seqlen_q, &mb_begin, &mb_end);
-    // Tiles it = 0, 1, ...: every query head of the GQA group (line 21's sum), then every
-    // visible query block; (bidh, m0) follows it.
-    const int n_tiles = max(mb_end - mb_begin, 0) * p.h_h_k_ratio;
-    const int m0_begin = mb_begin * BM, m0_end = mb_end * BM;
-    const auto next_tile = [&](int& bidh, int& m0) {
-        m0 += BM;
-        if (m0 == m0_end) {
-            m0 = m0_begin;
-            ++bidh;
-        }
-    };
+    const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);  // (bidh, m0) follows it
     // Q, dO and the row statistics of tile (bidh, m0) into `stage`, one cp.async group with
     // whatever was requested before. Rows past the end read LSE 0 and dsum 0: their Q and dO
     // rows are zero, so they add nothing to dV, dK, and their dQ is never stored.
@@ -96,8 +84,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
             cp_async_4(sStats + 2 * stage * BM + BM + tid, bp.dsum + off, valid);
         }
     };
-    int bidh = bidh_k * p.h_h_k_ratio, m0 = m0_begin;
-    if (n_tiles > 0) load_tile_into(bidh, m0, 0);
+    int bidh = bidh_k * p.h_h_k_ratio, m0 = tiles.m0_begin;
+    if (tiles.count > 0) load_tile_into(bidh, m0, 0);
     cp_async_commit();  // K, V and the first tile
 
     float dk[DT][4], dv[DT][4];
@@ -111,7 +99,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     const uint32_t sK_dq =
         sK + (DQ_N % 64 == 0 ? group * (DQ_N / 64) * BN * 128 : group * DQ_N * 2);
 
-    for (int it = 0; it < n_tiles; ++it, next_tile(bidh, m0)) {
+    for (int it = 0; it < tiles.count; ++it, tiles.next(bidh, m0)) {
         const int stage = it % 2;
         const uint32_t sQ = sQ0 + 2 * stage * K::Q_BYTES, sdO = sQ + K::Q_BYTES;
         const float* sLse = sStats + 2 * stage * BM;
@@ -119,9 +107,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         cp_async_wait<0>();
         sm90::fence_proxy_async();
         __syncthreads();  // tile it landed for everyone; everyone is done with tile it - 1
-        if (it + 1 < n_tiles) {
+        if (it + 1 < tiles.count) {
             int next_bidh = bidh, next_m0 = m0;
-            next_tile(next_bidh, next_m0);
+            tiles.next(next_bidh, next_m0);
             load_tile_into(next_bidh, next_m0, stage ^ 1);
         }
         cp_async_commit();
@@ -153,9 +141,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + (e % 2);
-                const float l = sLse[col];
-                const float l2 = l == -INFINITY ? INFINITY : l * BWD_LOG2E;
-                st[0][nt][e] = exp2f(fmaf(st[0][nt][e], p.scale_log2, -l2));
+                st[0][nt][e] = exp2f(fmaf(st[0][nt][e], p.scale_log2, -lse_log2(sLse[col])));
                 dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - sDsum[col]);
             }
         uint32_t a_p[1][NQ / 2][4], a_ds[1][NQ / 2][4];
@@ -193,7 +179,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         sm90::fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            sm90::WgmmaTT<T, DQ_N>::ss(dq, sm90::mnmajor_desc(sdS, BN, kk),
+            sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
                                        sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
         sm90::commit();
         sm90::wait<0>();

@@ -4,6 +4,14 @@
 #pragma once
 #include <cmath>
 
+constexpr float LOG2E = 1.4426950408889634f;
+
+// A row's LSE as the backward reads it: in log2 units, so P = exp2(scale_log2 s - lse2). A row
+// that saw no key has LSE -inf; +inf makes its P = exp2(s - inf) = 0 instead of NaN.
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == -INFINITY ? INFINITY : lse * LOG2E;
+}
+
 template <int MT> struct OnlineSoftmax {
     float row_max[MT][2];  // running max of the raw scores q.k (not yet scaled)
     float row_sum[MT][2];  // this thread's part of the running sum; reduced once at the end

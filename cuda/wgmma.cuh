@@ -1,14 +1,14 @@
-// Hopper warpgroup matrix multiply (wgmma.mma_async, sm_90a) for the forward kernel in
-// fwd_sm90.cu: shared-memory matrix descriptors over 128-byte-swizzled tiles, and the three
-// instruction shapes it needs. A warpgroup is 4 warps (128 threads) computing a 64-row tile;
+// Hopper warpgroup matrix multiply (wgmma.mma_async, sm_90a) for fwd_sm90.cu and
+// bwd_sm90.cu: shared-memory matrix descriptors over 128-byte-swizzled tiles, and the
+// instruction shapes they need. A warpgroup is 4 warps (128 threads) computing a 64-row tile;
 // warp w of the group holds rows 16w..16w+15 in the mma.sync C layout (mma.cuh), one n8 tile
-// after another, so the forward's softmax, mask and pack_a code applies unchanged.
+// after another, so the mma.sync kernels' softmax, mask and pack_a code applies unchanged.
 //
 // Tile layout in shared memory ("panels"): a ROWS x D tile is D/64 panels of ROWS x 64
 // elements; each 128-byte row of a panel holds its eight 16-byte chunks in the order
 // chunk ^ (row % 8) (the 128B swizzle the hardware undoes). Panels start 1024-byte aligned.
 // The same layout serves as the K-major A/B operand (Q, K: rows are m or n, contiguous k)
-// and as the MN-major B operand (V: rows are k = keys, contiguous n = head dim).
+// and as the MN-major operand (V: rows are k = keys, contiguous n = head dim).
 #pragma once
 #include <cstdint>
 
@@ -17,7 +17,6 @@
 
 namespace sm90 {
 
-constexpr int PANEL_COLS = 64;    // elements per 128-byte panel row
 constexpr int ATOM_BYTES = 1024;  // 8 rows x 128 bytes: one swizzle atom
 
 // Byte offset of (row, 16-byte chunk c of the row's D / 8) in a ROWS-row panel tile.
@@ -90,316 +89,66 @@ template <int NT> __device__ __forceinline__ void fence_operand(float (&d)[NT][4
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
+// The instruction shapes: m64nNk16, f32 accumulators d[N / 8][4] (the mma.sync C layout per
+// warp), f16 or bf16 inputs. `ss` reads A and B from shared memory, both K-major (S = Q K^T,
+// S^T = K Q^T, dP^T = V dO^T); `ss_mn` both MN-major (dQ = dS K with dS^T stored key-major);
+// `rs` takes A from registers and B MN-major (O += P V, dV += P^T dO, dK += dS^T Q).
+// scale_d = 0 overwrites d, 1 accumulates.
 template <typename T, int N> struct Wgmma;
 
+// Operand lists of the accumulator ("+f", one per register) and their names in the asm text.
+#define SM90_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define SM90_ACC_32 SM90_ACC4(0), SM90_ACC4(1), SM90_ACC4(2), SM90_ACC4(3)
+#define SM90_ACC_64 SM90_ACC_32, SM90_ACC4(4), SM90_ACC4(5), SM90_ACC4(6), SM90_ACC4(7)
+#define SM90_ACC_128 SM90_ACC_64, SM90_ACC4(8), SM90_ACC4(9), SM90_ACC4(10), SM90_ACC4(11), \
+    SM90_ACC4(12), SM90_ACC4(13), SM90_ACC4(14), SM90_ACC4(15)
+#define SM90_REGS_32 "%0, %1, %2, %3, %4, %5, %6, %7, " \
+    "%8, %9, %10, %11, %12, %13, %14, %15"
+#define SM90_REGS_64 SM90_REGS_32 ", %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31"
+#define SM90_REGS_128 SM90_REGS_64 ", %32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, "                                                     \
+    "%48, %49, %50, %51, %52, %53, %54, %55, "                                                     \
+    "%56, %57, %58, %59, %60, %61, %62, %63"
 
-template <> struct Wgmma<__half, 64> {
-    // d (64 x 64, f32) (+)= A (64 x 16, shared, K-major) B^T (B 64 x 16, shared, K-major)
-    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-    // d (64 x 64, f32) (+)= A (64 x 16, registers, mma.sync A layout) B (16 x 64, shared,
-    // MN-major)
-    static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4],
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    }
-};
+// One Wgmma<T, N>; I0..I5 are the asm operand numbers after the N / 2 accumulators.
+#define SM90_WGMMA(T, TY, N, I0, I1, I2, I3, I4, I5)                                          \
+    template <> struct Wgmma<T, N> {                                                               \
+        template <int TA, int TB>                                                                  \
+        static __device__ __forceinline__ void ss_t(float (&d)[N / 8][4], uint64_t desc_a,         \
+                                                    uint64_t desc_b, int scale_d) {                \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\n"                         \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "           \
+                         "{" SM90_REGS_##N "}, %" #I0 ", %" #I1 ", p, 1, 1, %" #I3 ", %" #I4       \
+                         ";\n}\n"                                                                  \
+                         : SM90_ACC_##N                                                            \
+                         : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));              \
+        }                                                                                          \
+        static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64_t desc_a,           \
+                                                  uint64_t desc_b, int scale_d) {                  \
+            ss_t<0, 0>(d, desc_a, desc_b, scale_d);                                                \
+        }                                                                                          \
+        static __device__ __forceinline__ void ss_mn(float (&d)[N / 8][4], uint64_t desc_a,        \
+                                                     uint64_t desc_b, int scale_d) {               \
+            ss_t<1, 1>(d, desc_a, desc_b, scale_d);                                                \
+        }                                                                                          \
+        static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4],    \
+                                                  uint64_t desc_b, int scale_d) {                  \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #I5 ", 0;\n"                         \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " "           \
+                         "{" SM90_REGS_##N "}, {%" #I0 ", %" #I1 ", %" #I2 ", %" #I3 "}, %" #I4    \
+                         ", p, 1, 1, 1;\n}\n"                                                      \
+                         : SM90_ACC_##N                                                            \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),                \
+                           "r"(scale_d));                                                          \
+        }                                                                                          \
+    };
 
-template <> struct Wgmma<__half, 128> {
-    // d (64 x 128, f32) (+)= A (64 x 16, shared, K-major) B^T (B 128 x 16, shared, K-major)
-    static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, "
-            "%40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, "
-            "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-    // d (64 x 128, f32) (+)= A (64 x 16, registers, mma.sync A layout) B (16 x 128, shared,
-    // MN-major)
-    static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4],
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, "
-            "%40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, "
-            "%56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    }
-};
-
-template <> struct Wgmma<__nv_bfloat16, 64> {
-    // d (64 x 64, f32) (+)= A (64 x 16, shared, K-major) B^T (B 64 x 16, shared, K-major)
-    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-    // d (64 x 64, f32) (+)= A (64 x 16, registers, mma.sync A layout) B (16 x 64, shared,
-    // MN-major)
-    static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4],
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    }
-};
-
-template <> struct Wgmma<__nv_bfloat16, 128> {
-    // d (64 x 128, f32) (+)= A (64 x 16, shared, K-major) B^T (B 128 x 16, shared, K-major)
-    static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, "
-            "%40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, "
-            "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-    // d (64 x 128, f32) (+)= A (64 x 16, registers, mma.sync A layout) B (16 x 128, shared,
-    // MN-major)
-    static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4],
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, "
-            "%40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, "
-            "%56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    }
-};
-
-
-// dQ = dS K in the backward (bwd_sm90.cu): both operands MN-major in shared memory (dS^T
-// stored key-major, K row-major), N = half the head dim per warpgroup.
-template <typename T, int N> struct WgmmaTT;
-
-template <> struct WgmmaTT<__half, 32> {
-    // d (64 x 32, f32) (+)= A (64 x 16, shared, MN-major) B (16 x 32, shared, MN-major)
-    static __device__ __forceinline__ void ss(float (&d)[4][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-};
-
-template <> struct WgmmaTT<__half, 64> {
-    // d (64 x 64, f32) (+)= A (64 x 16, shared, MN-major) B (16 x 64, shared, MN-major)
-    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-};
-
-template <> struct WgmmaTT<__nv_bfloat16, 32> {
-    // d (64 x 32, f32) (+)= A (64 x 16, shared, MN-major) B (16 x 32, shared, MN-major)
-    static __device__ __forceinline__ void ss(float (&d)[4][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-};
-
-template <> struct WgmmaTT<__nv_bfloat16, 64> {
-    // d (64 x 64, f32) (+)= A (64 x 16, shared, MN-major) B (16 x 64, shared, MN-major)
-    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t desc_a,
-                                              uint64_t desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, "
-            "%8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, "
-            "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    }
-};
+SM90_WGMMA(__half, "f16", 32, 16, 17, 18, 19, 20, 21)
+SM90_WGMMA(__half, "f16", 64, 32, 33, 34, 35, 36, 37)
+SM90_WGMMA(__half, "f16", 128, 64, 65, 66, 67, 68, 69)
+SM90_WGMMA(__nv_bfloat16, "bf16", 32, 16, 17, 18, 19, 20, 21)
+SM90_WGMMA(__nv_bfloat16, "bf16", 64, 32, 33, 34, 35, 36, 37)
+SM90_WGMMA(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69)
 
 }  // namespace sm90
