@@ -1,9 +1,8 @@
 // KV-cache decoding, launched in this order:
 //   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k, b)
 //   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
-//   flash_decode_combine_<dtype>  merge the splits by their LSE (flash-decoding)  grid (rows, 1, 1)
-// or, with DecodeParams::counters set, the decode kernel's last split of each row tile merges
-// (merge_splits) and no combine kernel runs.
+// When split, the last split of each row tile to finish merges them by their LSE
+// (flash-decoding; merge_splits, through DecodeParams::counters).
 // The decode kernel reuses the forward's pieces (gemm.cuh, softmax.cuh, mask.cuh, copy.cuh)
 // but not its block layout: a decode step has a handful of query rows, so the block's warps
 // split the keys instead of the rows (see DecodeTraits). The query heads that share a K/V
@@ -46,7 +45,7 @@ template <typename T_, int D_> struct DecodeTraits {
     static constexpr bool Q_IN_REGS = D <= 128;
     // Blocks per SM that fit in shared memory (3 up to D = 128); hold registers to that too.
     static constexpr int MIN_BLOCKS = D <= 128 ? 3 : D <= 192 ? 2 : 1;
-    // Partial-O loads in flight per thread in the fused combine (merge_splits): 4 registers
+    // Partial-O loads in flight per thread in the merge (merge_splits): 4 registers
     // each, which small head dims would pay for in occupancy.
     static constexpr int MERGE_UNROLL = D <= 32 ? 8 : 16;
     static constexpr int RING = 2 * 2 * BN * STRIDE;  // per warp: 2 stages x (K, V), elements
@@ -73,10 +72,10 @@ __device__ __forceinline__ void gemm_qk(float (&s)[1][2][4], const uint32_t (&qf
 
 constexpr int MAX_SPLITS = 128;  // src/cuda/decode.rs caps num_splits to this
 
-// The fused combine, run by the last split of a row tile to finish: the same merge as
-// flash_decode_combine (weights exp(lse_s - lse), -inf splits weigh nothing, rows without
-// keys give 0) over the tile's rows with a query. One block does what the combine kernel
-// spreads over a block per row, from partials that sit in L2, so its time is L2 round trips:
+// The merge of the splits, run by the last split of a row tile to finish (weights
+// exp(lse_s - lse) with lse = log sum_s exp(lse_s), -inf splits weigh nothing, rows without
+// keys give 0) over the tile's rows with a query. One block merges them all, from partials
+// that sit in L2, so its time is L2 round trips:
 // each thread keeps UNROLL 16-byte loads in flight, the first batch issued before the weights
 // are known, and when the tile has fewer float4 columns than threads (few rows, small d) the
 // threads also split the splits. Loads are ld.global.cg: L1 is not coherent across SMs, and
@@ -380,8 +379,8 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     }
     if (!split_out || dp.counters == nullptr) return;
 
-    // Fused combine: the split of this row tile that finishes last merges all of them, which
-    // saves the combine kernel's launch gap and ramp. Every thread fences its own partial
+    // The split of this row tile that finishes last merges all of them, which saves a
+    // separate combine kernel's launch gap and ramp. Every thread fences its own partial
     // stores before the block counts itself as arrived, so a block that sees the count reach
     // the end also sees every other split's rows.
     __shared__ unsigned int arrived;
@@ -396,103 +395,9 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                                                        h_k, m0, tid);
 }
 
-constexpr int COMBINE_THREADS = 256;  // src/cuda/decode.rs launches the combine with this many
-constexpr int COMBINE_PREFETCH = 4;   // partial-O loads per thread issued before the weights
-
-// Merges the splits of one (b, head, token) row per block: O = sum_s w_s O_s with
-// w_s = exp(lse_s - lse) and lse = log sum_s exp(lse_s). Splits that saw no key have
-// lse_s = -inf and weigh nothing. The block's threads are (split group, 4-column chunk) pairs,
-// so the row's splits are read in parallel, coalesced along d, 16 bytes a load; the first
-// loads are issued before warp 0 has the weights, so the two memory latencies overlap.
-template <typename T> __device__ __forceinline__ void flash_decode_combine(const DecodeParams& dp) {
-    const AttnParams& p = dp.a;
-    __shared__ float weights[MAX_SPLITS];
-    __shared__ float4 part[COMBINE_THREADS];
-    const int tid = threadIdx.x, lane = tid % 32;
-    const int64_t row = blockIdx.x;
-    const int64_t rows = int64_t(p.b) * p.h * p.seqlen_q;
-    const int splits = dp.num_splits;
-    const int c4 = p.d / 4, groups = COMBINE_THREADS / c4;
-    const int col = tid % c4, grp = tid / c4;
-    const bool active = grp < groups;
-    const float4* src = reinterpret_cast<const float4*>(dp.o_partial) + row * c4 + col;
-    const int64_t split_stride = rows * c4;
-
-    float4 pre[COMBINE_PREFETCH];
-#pragma unroll
-    for (int i = 0; i < COMBINE_PREFETCH; ++i) {
-        const int s = grp + i * groups;
-        pre[i] = active && s < splits ? __ldg(src + s * split_stride) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    if (tid < 32) {
-        constexpr int PER_LANE = MAX_SPLITS / 32;
-        float l[PER_LANE];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            const int s = lane + 32 * i;
-            l[i] = s < splits ? __ldg(dp.lse_partial + s * rows + row) : -INFINITY;
-            mx = fmaxf(mx, l[i]);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            l[i] = l[i] == -INFINITY ? 0.f : __expf(l[i] - mx);
-            sum += l[i];
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i)
-            if (lane + 32 * i < splits) weights[lane + 32 * i] = l[i] * inv;
-    }
-    __syncthreads();
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    const auto add = [&](float w, const float4& x) {
-        acc.x += w * x.x;
-        acc.y += w * x.y;
-        acc.z += w * x.z;
-        acc.w += w * x.w;
-    };
-#pragma unroll
-    for (int i = 0; i < COMBINE_PREFETCH; ++i) {
-        const int s = grp + i * groups;
-        if (active && s < splits) add(weights[s], pre[i]);
-    }
-    if (active) {
-#pragma unroll 4
-        for (int s = grp + COMBINE_PREFETCH * groups; s < splits; s += groups)
-            add(weights[s], __ldg(src + s * split_stride));
-    }
-    part[tid] = acc;
-    __syncthreads();
-    if (tid < c4) {
-        float4 x = part[tid];
-        for (int gi = 1; gi < groups; ++gi) {
-            const float4 y = part[gi * c4 + tid];
-            x.x += y.x;
-            x.y += y.y;
-            x.z += y.z;
-            x.w += y.w;
-        }
-        const int token = row % p.seqlen_q, head = (row / p.seqlen_q) % p.h;
-        const int b = row / (int64_t(p.seqlen_q) * p.h);
-        T* out = static_cast<T*>(p.o) + b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
-                 head * p.o_head_stride + 4 * tid;
-        *reinterpret_cast<uint2*>(out) = make_uint2(MmaOp<T>::pack(x.x, x.y), MmaOp<T>::pack(x.z, x.w));
-    }
-}
-
 #define FLASH_DECODE_DTYPE(NAME, T)                                                           \
     extern "C" __global__ void flash_append_##NAME(const __grid_constant__ AppendParams ap) { \
         flash_append<T>(ap);                                                                  \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) flash_decode_combine_##NAME( \
-        const __grid_constant__ DecodeParams dp) {                                            \
-        flash_decode_combine<T>(dp);                                                          \
     }
 #define FLASH_DECODE(NAME, T, D)                                                              \
     extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D>::THREADS,                 \

@@ -71,8 +71,8 @@ struct DecodeParams {
     int num_splits;            // key-range splits per (sequence, K/V head, row tile)
     float* o_partial;          // (num_splits, b, h, seqlen_q, d) when num_splits > 1
     float* lse_partial;        // (num_splits, b, h, seqlen_q)
-    // Fused combine: one arrival counter per (b, h_k, row tile), zero at launch and left zero
-    // (the last split of a tile resets its counter). Null: the combine kernel merges.
+    // Split merge: one arrival counter per (b, h_k, row tile), zero at launch and left zero
+    // (the last split of a tile resets its counter). Set whenever num_splits > 1.
     unsigned int* counters;
     // Small batches pass their lengths with the launch instead of a host-to-device copy.
     int seqlens_inline[DECODE_INLINE_SEQLENS];

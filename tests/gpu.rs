@@ -147,6 +147,44 @@ mod cuda_suite {
         a.sub(&b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 
+    /// FlashAttention's accuracy rule: `ours` is at most `factor` times as far from the f32
+    /// `reference` as `low` (the same math done in f16/bf16), plus `slack`.
+    fn check_rule(
+        what: &str,
+        ours: &Tensor,
+        low: &Tensor,
+        reference: &Tensor,
+        factor: f32,
+        slack: f32,
+    ) -> Result<()> {
+        let err = max_abs_diff(ours, reference)?;
+        let base = max_abs_diff(low, reference)?;
+        if err > factor * base + slack {
+            candle::bail!(
+                "{what}: max error {err:.3e} > {factor} x {base:.3e} (the same math in f16/bf16) + {slack:e}"
+            );
+        }
+        Ok(())
+    }
+
+    /// The rule for outputs: 2x + 1e-5.
+    pub(crate) fn check_output(
+        what: &str,
+        ours: &Tensor,
+        low: &Tensor,
+        reference: &Tensor,
+    ) -> Result<()> {
+        check_rule(what, ours, low, reference, 2.0, 1e-5)
+    }
+
+    /// The rule for gradients `[dq, dk, dv]`: 3x + 1e-4.
+    pub(crate) fn check_grads(ours: &[Tensor], low: &[Tensor], reference: &[Tensor]) -> Result<()> {
+        for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+            check_rule(name, &ours[i], &low[i], &reference[i], 3.0, 1e-4)?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn has_nan(t: &Tensor) -> Result<bool> {
         let t = t.to_dtype(DType::F32)?.flatten_all()?;
         let n = t
@@ -234,14 +272,7 @@ mod cuda_suite {
         let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
         let reference = attention_slow(&f32_of(&q)?, &f32_of(&k)?, &f32_of(&v)?, scale, c.causal)?;
         let low = attention_slow(&q, &k, &v, scale, c.causal)?;
-        let ours = max_abs_diff(&out, &reference)?;
-        let base = max_abs_diff(&low, &reference)?;
-        if ours > 2.0 * base + 1e-5 {
-            candle::bail!(
-                "max error {ours:.3e} > 2 x {base:.3e} (attention_slow in {:?}) + 1e-5",
-                c.dtype
-            );
-        }
+        check_output("out", &out, &low, &reference)?;
         check_lse(&lse, &lse_reference(&q, &k, scale, c.causal)?)
     }
 
@@ -448,16 +479,8 @@ mod cuda_suite {
             if has_nan(&ours[i])? {
                 candle::bail!("{name} has NaN (unwritten or bad math)");
             }
-            let err = max_abs_diff(&ours[i], &reference[i])?;
-            let base = max_abs_diff(&low[i], &reference[i])?;
-            if err > 3.0 * base + 1e-4 {
-                candle::bail!(
-                    "{name}: max error {err:.3e} > 3 x {base:.3e} (attention_slow in {:?}) + 1e-4",
-                    c.dtype
-                );
-            }
         }
-        Ok(())
+        check_grads(&ours, &low, &reference)
     }
 
     fn bwd_grid(quick: bool) -> Vec<Case> {

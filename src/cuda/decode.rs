@@ -68,10 +68,8 @@ unsafe impl DeviceRepr for AppendParams {}
 const DECODE_ROWS: usize = 16;
 const DECODE_WARPS: usize = 4;
 const DECODE_KEYS_PER_TILE: usize = 16;
-/// `MAX_SPLITS` in `cuda/decode.cu` (the combine kernel's weight buffer).
+/// `MAX_SPLITS` in `cuda/decode.cu` (the merge's weight buffer).
 const MAX_SPLITS: usize = 128;
-/// `COMBINE_THREADS` in `cuda/decode.cu`: one block of this many threads per output row.
-const COMBINE_THREADS: u32 = 256;
 /// Fewest key tiles per warp worth a split of their own: each split also pays for loading Q,
 /// filling its ring, merging its warps and writing a partial row.
 const MIN_TILES_PER_WARP: usize = 4;
@@ -222,19 +220,11 @@ fn forced_splits() -> Option<usize> {
     })
 }
 
-/// `CANDLE_FLASH_DECODE_COMBINE=kernel` merges the splits with the separate combine kernel
-/// instead of in the decode kernel's last split of each row tile: an A/B switch. Read once.
-fn fused_combine() -> bool {
-    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FUSED
-        .get_or_init(|| !std::env::var("CANDLE_FLASH_DECODE_COMBINE").is_ok_and(|v| v == "kernel"))
-}
-
-/// Arrival counters of the fused combine, one `u32` per (sequence, K/V head, row tile),
+/// Arrival counters of the merge, one `u32` per (sequence, K/V head, row tile),
 /// kept per (device, stream) and grown on demand. They are zero between launches because the
 /// last split of each tile wraps its counter back to 0 (`atomicInc`), so a call needs no
-/// memset of its own, which would cost a stream operation about as long as the combine
-/// kernel's launch gap that fusing removes. Keyed by stream as well as device so that
+/// memset of its own, which would cost a stream operation about as long as the launch gap of
+/// the separate combine kernel this merge replaced. Keyed by stream as well as device so that
 /// launches that may overlap never share counters; the slice holds its stream, so the key
 /// cannot be reused by another stream while the entry lives. Entries live until exit.
 type CounterCache = Vec<((usize, usize), CudaSlice<u32>)>;
@@ -323,8 +313,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     );
 
     let out_elems = p.b * p.s_q * p.h * p.d;
-    // SAFETY: the decode kernel (its last split of each row tile, or the combine kernel, when
-    // split) writes every element.
+    // SAFETY: the decode kernel (when split, the last split of each row tile) writes every
+    // element.
     let mut out = unsafe { dev.alloc::<T>(out_elems)? };
     poison(&stream, &mut out)?;
     // Unsplit calls need no partial buffers; one element keeps the allocation legal (CUDA
@@ -334,7 +324,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     } else {
         1
     };
-    // SAFETY: each split writes its rows of both buffers before the combine kernel reads them.
+    // SAFETY: each split writes its rows of both buffers before it counts itself in; the last
+    // to arrive reads them.
     let mut o_partial = unsafe { dev.alloc::<f32>(partial_rows * p.d)? };
     let mut lse_partial = unsafe { dev.alloc::<f32>(partial_rows)? };
     let mut seqlens_inline = [0i32; INLINE_SEQLENS];
@@ -347,10 +338,9 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         Some(to_device_i32(&dev, &p.seqlens)?)
     };
     let (block_table, max_pages, page_size) = paging_args(&dev, &p.paging)?;
-    let fused = splits > 1 && fused_combine();
     // Held until the launch is queued: another thread's call on this stream must not grow
     // (and free) the counters in between.
-    let mut counter_cache = if fused {
+    let mut counter_cache = if splits > 1 {
         Some(
             COUNTERS
                 .lock()
@@ -437,16 +427,6 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             smem,
             &params,
         )?;
-        if splits > 1 && !fused {
-            launch(
-                &dev,
-                &format!("flash_decode_combine_{dtype}"),
-                (p.b * p.h * p.s_q, 1, 1),
-                COMBINE_THREADS,
-                0,
-                &params,
-            )?;
-        }
         drop((q_sync, k_sync, v_sync, o_sync, op_sync, lp_sync, syncs));
         drop(counters_sync);
     }

@@ -6,7 +6,7 @@ use candle_flash::{
     attention_slow, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, KvCache,
 };
 
-use crate::cuda_suite::{has_nan, max_abs_diff, randn, to_reference, Suite};
+use crate::cuda_suite::{check_output, has_nan, max_abs_diff, randn, to_reference, Suite};
 
 #[derive(Clone, Debug)]
 struct DecodeCase {
@@ -136,15 +136,12 @@ fn decode_case(dev: &Device, c: &DecodeCase, dtype: DType) -> Result<()> {
             attention_slow(&f32_of(&qi)?, &f32_of(&ki)?, &f32_of(&vi)?, scale, c.causal)?;
         let low = attention_slow(&qi, &ki, &vi, scale, c.causal)?;
         let ours = out.i(i..i + 1)?;
-        let (err, base) = (
-            max_abs_diff(&ours, &reference)?,
-            max_abs_diff(&low, &reference)?,
-        );
-        if err > 2.0 * base + 1e-5 {
-            candle::bail!(
-                "sequence {i} (len {total}): max error {err:.3e} > 2 x {base:.3e} + 1e-5"
-            );
-        }
+        check_output(
+            &format!("sequence {i} (len {total})"),
+            &ours,
+            &low,
+            &reference,
+        )?;
     }
     Ok(())
 }

@@ -6,7 +6,8 @@ use candle_flash::{
 };
 
 use crate::cuda_suite::{
-    grads_of, has_nan, max_abs_diff, randn, reference_device, to_reference, Case, Suite,
+    check_grads, check_output, grads_of, has_nan, max_abs_diff, randn, reference_device,
+    to_reference, Case, Suite,
 };
 
 /// Concatenates per-sequence results along dim 0 (rows).
@@ -71,25 +72,10 @@ fn varlen_case(
     let (q32, k32, v32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?);
     let reference = looped(&q32, &k32, &v32)?;
     let low = looped(&q, &k, &v)?;
-    let (err, base) = (
-        max_abs_diff(&out, &reference)?,
-        max_abs_diff(&low, &reference)?,
-    );
-    if err > 2.0 * base + 1e-5 {
-        candle::bail!("out: max error {err:.3e} > 2 x {base:.3e} + 1e-5");
-    }
+    check_output("out", &out, &low, &reference)?;
     let reference = grads_of(&q32, &k32, &v32, &f32_of(&w)?, looped)?;
     let low = grads_of(&q, &k, &v, &w, looped)?;
-    for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
-        let (err, base) = (
-            max_abs_diff(&ours[i], &reference[i])?,
-            max_abs_diff(&low[i], &reference[i])?,
-        );
-        if err > 3.0 * base + 1e-4 {
-            candle::bail!("{name}: max error {err:.3e} > 3 x {base:.3e} + 1e-4");
-        }
-    }
-    Ok(())
+    check_grads(&ours, &low, &reference)
 }
 
 /// A padded batch with a key-padding mask through `forward_padded` equals the per-sequence
@@ -244,26 +230,11 @@ fn dropout_case(dev: &Device, c: Case) -> Result<()> {
     let (q32, k32, v32) = (f32_of(&qr)?, f32_of(&kr)?, f32_of(&vr)?);
     let reference = slow(&q32, &k32, &v32)?;
     let low = slow(&qr, &kr, &vr)?;
-    let (err, base) = (
-        max_abs_diff(&out, &reference)?,
-        max_abs_diff(&low, &reference)?,
-    );
-    if err > 2.0 * base + 1e-5 {
-        candle::bail!("out: max error {err:.3e} > 2 x {base:.3e} + 1e-5");
-    }
+    check_output("out", &out, &low, &reference)?;
     let ours = grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?;
     let reference = grads_of(&q32, &k32, &v32, &f32_of(&wr)?, slow)?;
     let low = grads_of(&qr, &kr, &vr, &wr, slow)?;
-    for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
-        let (err, base) = (
-            max_abs_diff(&ours[i], &reference[i])?,
-            max_abs_diff(&low[i], &reference[i])?,
-        );
-        if err > 3.0 * base + 1e-4 {
-            candle::bail!("{name}: max error {err:.3e} > 3 x {base:.3e} + 1e-4");
-        }
-    }
-    Ok(())
+    check_grads(&ours, &low, &reference)
 }
 
 /// Dropout on a packed batch equals dropout on each sequence as a batch of one with the
