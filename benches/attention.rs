@@ -3,6 +3,20 @@
 //! decoding ([`candle_flash::flash_attn_with_kvcache`]) in GB/s of K+V read, against the
 //! device's copy bandwidth measured in the same run.
 //!
+//! Passes of candle-flash:
+//! - `fwd`: [`FlashAttn::forward`] on detached inputs (no graph).
+//! - `bwd`: [`FlashAttn::backward`] called directly on the `(out, lse)` of one
+//!   [`FlashAttn::forward_with_lse`] per input set (run outside the timed region): the
+//!   backward kernels alone, like scripts/torch_bench.py's `torch.autograd.grad(out, (q, k, v),
+//!   dout)`, so the two compare kernel for kernel.
+//! - `bwd-autograd`: `loss.backward()` re-run on one kept graph per input set, i.e. the same
+//!   kernels plus Candle's autograd bookkeeping (a `zeros_like` + `add` per gradient, ~0.7 ms on
+//!   an H200); the line under it estimates that bookkeeping by timing the same backward with the
+//!   attention op replaced by one that computes nothing.
+//! - `fwd+bwd`: forward then `loss.backward()`, through autograd: the training path users run.
+//!
+//! Candle's own attention has `fwd` and `fwd+bwd` (through autograd).
+//!
 //! ```text
 //! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--no-naive] [--dtype bf16|f16] [--json PATH]
 //! ```
@@ -276,7 +290,7 @@ fn grid(quick: bool) -> Vec<Case> {
 
 fn flop_factor(pass: &str) -> f64 {
     match pass {
-        "bwd" => 2.5,
+        "bwd" | "bwd-autograd" => 2.5,
         "fwd+bwd" => 3.5,
         _ => 1.0,
     }
@@ -324,7 +338,7 @@ fn run(args: &Args, dev: &Device) {
     };
     if !args.decode_only {
         println!(
-            "{:<12} {:<8} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
+            "{:<12} {:<12} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
             "impl", "pass", "hd", "seqlen", "batch", "heads", "causal", "ms", "TFLOP/s"
         );
         for case in grid(args.quick) {
@@ -374,32 +388,47 @@ impl Bench {
         let opts = FlashAttn::new().causal(case.causal);
         let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
         let fwd = self.record(FLASH, "fwd", case, try_time(|| time_fwd(&dev, sets, &attn)));
-        let bwd = self.record(FLASH, "bwd", case, try_time(|| time_bwd(&dev, sets, &attn)));
+        self.record(
+            FLASH,
+            "bwd",
+            case,
+            try_time(|| time_bwd_direct(&dev, sets, &opts)),
+        );
+        let bwd_autograd = self.record(
+            FLASH,
+            "bwd-autograd",
+            case,
+            try_time(|| time_bwd(&dev, sets, &attn)),
+        );
+        if let Some(bwd_autograd) = bwd_autograd {
+            self.print_autograd_overhead(sets, bwd_autograd);
+        }
         let fwd_bwd = self.record(
             FLASH,
             "fwd+bwd",
             case,
             try_time(|| time_fwd_bwd(&dev, sets, &attn)),
         );
-        match (bwd, fwd, fwd_bwd) {
-            (Some(bwd), _, _) => {
-                // Tells the kernel's share from Candle's: a number to read, not to record.
-                if let Ok(ms) = try_time(|| time_autograd_overhead(&dev, sets)) {
-                    println!(
-                        "{:<21} of which ~{ms:.3} ms ({:.0}%) is Candle's autograd bookkeeping \
-                         (zeros_like + add per gradient)",
-                        "",
-                        100.0 * ms / bwd
-                    );
-                }
+        // The autograd backward alone failed (for example if it cannot run twice on one graph)
+        // but the forward and forward+backward did: derive it from the two.
+        if let (None, Some(fwd), Some(fwd_bwd)) = (bwd_autograd, fwd, fwd_bwd) {
+            if fwd_bwd > fwd {
+                println!("{:<25} bwd-autograd derived as (fwd+bwd) - fwd:", "");
+                self.record(FLASH, "bwd-autograd", case, Ok(fwd_bwd - fwd));
             }
-            // Backward alone failed (for example if it cannot run twice on one graph) but the
-            // forward and forward+backward did: derive it from the two.
-            (None, Some(fwd), Some(fwd_bwd)) if fwd_bwd > fwd => {
-                println!("{:<21} bwd derived as (fwd+bwd) - fwd:", "");
-                self.record(FLASH, "bwd", case, Ok(fwd_bwd - fwd));
-            }
-            _ => {}
+        }
+    }
+
+    /// Tells the kernels' share of `bwd-autograd` (`autograd_ms`) from Candle's: a number to
+    /// read, not to record.
+    fn print_autograd_overhead(&self, sets: &[Inputs], autograd_ms: f64) {
+        if let Ok(ms) = try_time(|| time_autograd_overhead(&self.dev, sets)) {
+            println!(
+                "{:<25} of which ~{ms:.3} ms ({:.0}%) is Candle's autograd bookkeeping \
+                 (zeros_like + add per gradient)",
+                "",
+                100.0 * ms / autograd_ms
+            );
         }
     }
 
@@ -459,7 +488,7 @@ impl Bench {
         let c = case;
         let heads = format!("{}/{}", c.heads, c.heads_k);
         let row = format!(
-            "{imp:<12} {pass:<8} {:>4} {:>6} {:>5} {heads:>6} {:>6}",
+            "{imp:<12} {pass:<12} {:>4} {:>6} {:>5} {heads:>6} {:>6}",
             c.hd,
             c.seqlen,
             c.batch(),
@@ -780,9 +809,31 @@ fn time_fwd(dev: &Device, sets: &[Inputs], attn: &Attn) -> Result<f64> {
     })
 }
 
-/// Backward alone: one graph per input set is built once and its backward re-run (like
-/// torch's `retain_graph=True`). Includes Candle's per-gradient zeros_like + add, measured
-/// separately by [`time_autograd_overhead`].
+/// Backward alone, called directly ([`FlashAttn::backward`]): one forward per input set, outside
+/// the timed region, gives its `(out, lse)`; then only the backward runs, with no graph and no
+/// gradient accumulation (like `torch.autograd.grad` on the flash kernel).
+fn time_bwd_direct(dev: &Device, sets: &[Inputs], opts: &FlashAttn) -> Result<f64> {
+    let saved = sets
+        .iter()
+        .map(|s| {
+            let (q, k, v) = (
+                s.q.as_tensor().detach(),
+                s.k.as_tensor().detach(),
+                s.v.as_tensor().detach(),
+            );
+            let (out, lse) = opts.forward_with_lse(&q, &k, &v)?;
+            Ok((q, k, v, out, lse, s.dout.clone()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    time_ms(dev, |i| {
+        let (q, k, v, out, lse, dout) = &saved[i % saved.len()];
+        opts.backward(q, k, v, out, lse, dout).map(drop)
+    })
+}
+
+/// Backward alone through Candle's autograd: one graph per input set is built once and its
+/// backward re-run (like torch's `retain_graph=True`). Includes Candle's per-gradient
+/// zeros_like + add, measured separately by [`time_autograd_overhead`].
 fn time_bwd(dev: &Device, sets: &[Inputs], attn: &Attn) -> Result<f64> {
     let losses = sets
         .iter()

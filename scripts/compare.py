@@ -6,6 +6,13 @@ tflops} as written by benches/attention.rs (impl "candle-flash", "candle-naive")
 scripts/torch_bench.py ("torch-flash", "torch-cudnn"). Records without `tflops` but with
 `gbps` are shown in GB/s.
 
+Our "bwd" is `FlashAttn::backward` called directly (the kernels alone, as torch's
+`torch.autograd.grad` times them); the ratios of the bwd table use it. Our "bwd-autograd"
+(the same backward through Candle's `loss.backward()`, with its per-gradient bookkeeping) gets
+no table of its own: it is the bwd table's "ours via autograd" column. (Bench JSON written
+before the bench had "bwd-autograd" recorded the autograd figure as "bwd".) "fwd+bwd" runs
+through autograd on both sides.
+
 Decode records (pass "decode", with `gbps` of K+V read) get a table of their own, one row per
 (batch, L): ours against PyTorch SDPA's backends (impl "torch-<backend>", "-packed" for the
 form with the query heads of a K/V group packed as rows, "+graph" for CUDA-graph replays),
@@ -26,6 +33,11 @@ LABELS = {"candle-flash": "ours", "torch-flash": "torch flash", "torch-cudnn": "
           "candle-naive": "candle naive"}
 COLORS = {"candle-flash": "C0", "torch-flash": "C1", "torch-cudnn": "C2", "candle-naive": "C3"}
 PASS_ORDER = ["fwd", "bwd", "fwd+bwd"]
+# Our backward through Candle's autograd: shown as a column of the bwd table, next to ours.
+AUTOGRAD_PASS = "bwd-autograd"
+OURS_AUTOGRAD = "candle-flash-autograd"
+LABELS[OURS_AUTOGRAD] = "ours via autograd"
+COLORS[OURS_AUTOGRAD] = "C4"
 # Passes with their own tables, out of the per-pass ones above.
 SPECIAL_PASSES = ("decode", "copy")
 DECODE_ORDER = [(1, 8192), (8, 8192), (1, 65536), (32, 4096)]
@@ -61,14 +73,27 @@ def is_gqa(hh):
 
 
 def table(records):
-    """{pass: {(hd, seqlen, causal, heads): {impl: value}}}; a later record of a key wins."""
+    """{pass: {(hd, seqlen, causal, heads): {impl: value}}}; a later record of a key wins.
+
+    A "bwd-autograd" record of impl X goes to the "bwd" pass as impl "X-autograd"."""
     out = {}
     for r in records:
         if value(r) is None or r.get("pass") in SPECIAL_PASSES:
             continue
         key = (r["hd"], r["seqlen"], bool(r["causal"]), heads(r))
-        out.setdefault(r["pass"], {}).setdefault(key, {})[r["impl"]] = value(r)
+        pas, impl = r["pass"], r["impl"]
+        if pas == AUTOGRAD_PASS:
+            pas, impl = "bwd", impl + "-autograd"
+        out.setdefault(pas, {}).setdefault(key, {})[impl] = value(r)
     return out
+
+
+def columns(rows):
+    """IMPLS, with "ours via autograd" after ours where any row has it."""
+    if not any(OURS_AUTOGRAD in v for v in rows.values()):
+        return IMPLS
+    at = IMPLS.index(OURS) + 1
+    return IMPLS[:at] + [OURS_AUTOGRAD] + IMPLS[at:]
 
 
 def passes(tab):
@@ -91,16 +116,17 @@ def markdown(records, tab):
     lines = []
     for pas in passes(tab):
         u = unit(records, pas)
+        impls = columns(tab[pas])
         lines += [f"### {pas} ({u})", "",
-                  "| hd | seqlen | causal | heads | " + " | ".join(LABELS[i] for i in IMPLS)
+                  "| hd | seqlen | causal | heads | " + " | ".join(LABELS[i] for i in impls)
                   + " | ours/flash | ours/cuDNN |",
-                  "|---:|---:|:---:|:---:|" + "---:|" * (len(IMPLS) + 2)]
+                  "|---:|---:|:---:|:---:|" + "---:|" * (len(impls) + 2)]
         for key in sorted(tab[pas], key=lambda k: (is_gqa(k[3]), k)):
             hd, seqlen, causal, hh = key
             v = tab[pas][key]
             ours = v.get("candle-flash")
             cells = [str(hd), str(seqlen), "yes" if causal else "no", hh]
-            cells += [fmt(v.get(i)) for i in IMPLS]
+            cells += [fmt(v.get(i)) for i in impls]
             cells += [fmt(ratio(ours, v.get("torch-flash")), ".2f"), fmt(ratio(ours, v.get("torch-cudnn")), ".2f")]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")

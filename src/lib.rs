@@ -6,6 +6,9 @@
 //!
 //! - [`flash_attn`] / [`FlashAttn::forward`]: `(batch, seqlen, num_heads, head_dim)` tensors,
 //!   causal masks aligned bottom-right, MQA/GQA by head indexing, differentiable.
+//! - [`FlashAttn::backward`]: that backward called directly on the `(out, lse)` of
+//!   [`FlashAttn::forward_with_lse`], without Candle's autograd (custom autograd, gradient
+//!   checkpointing).
 //! - [`FlashAttn::forward_varlen`]: packed `(total, num_heads, head_dim)` batches of
 //!   variable-length sequences described by a [`VarLen`]; [`Padding`] and
 //!   [`FlashAttn::forward_padded`] for padded batches with a key-padding mask.

@@ -2,9 +2,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use candle::{Result, Tensor};
+use candle::{bail, Result, Tensor};
 
-use crate::fwd::FlashAttnOp;
+use crate::bwd::FlashAttnBwdOp;
+use crate::fwd::{aligned, FlashAttnOp};
 use crate::padding::Padding;
 use crate::params::{self, AttnShape, Dropout, Problem};
 use crate::varlen::VarLen;
@@ -166,6 +167,74 @@ impl FlashAttn {
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let shape = params::validate(q, k, v)?;
         FlashAttnOp::new(self.problem(shape, None)?, self.deterministic).run(q, k, v)
+    }
+
+    /// The backward pass of [`FlashAttn::forward`], called directly: given q, k, v, the `out`
+    /// and `lse` that [`FlashAttn::forward_with_lse`] returned for them with the same options,
+    /// and the output gradient `grad_out`, returns `(dq, dk, dv)` shaped like q, k, v, in
+    /// their dtype (dK and dV summed over each MQA/GQA group).
+    ///
+    /// It is the same computation that `backward()` through [`FlashAttn::forward`] runs (the
+    /// same kernels, so the same gradients), without Candle's autograd: no graph is recorded
+    /// and the results are plain tensors. Call it to write a custom autograd function, for
+    /// gradient checkpointing, or to avoid Candle's bookkeeping around each gradient (a
+    /// `zeros_like` + `add` per tensor, which dominates short sequences on a GPU).
+    ///
+    /// - `q`, `k`, `v`: as in [`FlashAttn::forward`];
+    /// - `out`, `grad_out`: q's shape, dtype and device;
+    /// - `lse`: f32 `(batch, num_heads, seqlen_q)` on q's device.
+    ///
+    /// Dropout: the backward must drop the forward's entries, so with `dropout_p > 0`
+    /// [`FlashAttn::rng_offset()`] must be set (to the same value for both calls); it is an
+    /// error otherwise, as the process-wide counter would give a different mask.
+    ///
+    /// Errors: the errors of [`FlashAttn::forward`], and `out`, `grad_out` or `lse` of the
+    /// wrong shape, dtype or device (each naming the argument and the expected value).
+    ///
+    /// ```
+    /// # fn main() -> candle::Result<()> {
+    /// use candle::{Device, Tensor};
+    /// let dev = Device::Cpu;
+    /// let q = Tensor::randn(0f32, 1.0, (1, 16, 4, 32), &dev)?;
+    /// let k = Tensor::randn(0f32, 1.0, (1, 16, 2, 32), &dev)?;
+    /// let v = Tensor::randn(0f32, 1.0, (1, 16, 2, 32), &dev)?;
+    /// let attn = candle_flash::FlashAttn::new().causal(true);
+    /// let (out, lse) = attn.forward_with_lse(&q, &k, &v)?;
+    /// let grad_out = Tensor::randn(0f32, 1.0, out.shape(), &dev)?;
+    /// let (dq, dk, dv) = attn.backward(&q, &k, &v, &out, &lse, &grad_out)?;
+    /// assert_eq!((dq.dims(), dk.dims(), dv.dims()), (q.dims(), k.dims(), v.dims()));
+    /// # Ok(()) }
+    /// ```
+    pub fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let shape = params::validate(q, k, v)?;
+        params::validate_bwd_inputs(q, out, lse, grad_out, &shape)?;
+        params::check_dropout(self.dropout_p)?;
+        // `problem` would draw a fresh offset from the counter: a mask the forward never used.
+        if self.dropout_p > 0.0 && self.rng_offset.is_none() {
+            bail!(
+                "rng_offset: backward with dropout_p {} needs the forward's dropout mask; set \
+                 FlashAttn::rng_offset to the same value for forward_with_lse and backward",
+                self.dropout_p
+            )
+        }
+        let problem = self.problem(shape, None)?;
+        if shape.total_q * shape.h == 0 {
+            // No query row: the forward computed nothing, and nothing depends on k or v.
+            let zeros = |t: &Tensor| t.zeros_like();
+            return Ok((zeros(q)?, zeros(k)?, zeros(v)?));
+        }
+        let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+        // The CUDA kernels read the LSE with its contiguous layout (as the forward writes it).
+        let lse = lse.contiguous()?;
+        FlashAttnBwdOp::new(problem, self.deterministic).run(&q, &k, &v, out, grad_out, &lse)
     }
 
     /// Attention over a packed batch of variable-length sequences (no work is spent on

@@ -308,6 +308,49 @@ pub(crate) fn check_supported(q: &Tensor, k: &Tensor, v: &Tensor, shape: &AttnSh
     Ok(())
 }
 
+/// Checks what [`crate::FlashAttn::backward`] reads besides q, k, v against q and the
+/// problem's sizes: `out` and `grad_out` with q's device, dtype and shape; `lse` f32
+/// `(batch, num_heads, seqlen_q)` on q's device.
+pub(crate) fn validate_bwd_inputs(
+    q: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    grad_out: &Tensor,
+    shape: &AttnShape,
+) -> Result<()> {
+    for (name, t) in [("out", out), ("grad_out", grad_out)] {
+        check_like_q(q, t, name)?;
+        if t.dims() != q.dims() {
+            bail!(
+                "{name}: expected q's shape {:?} (batch, seqlen_q, num_heads, head_dim), got {:?}",
+                q.dims(),
+                t.dims()
+            )
+        }
+    }
+    if !lse.device().same_device(q.device()) {
+        bail!(
+            "lse: expected the same device as q ({:?}), got {:?}",
+            q.device().location(),
+            lse.device().location()
+        )
+    }
+    if lse.dtype() != DType::F32 {
+        bail!(
+            "lse: expected dtype F32 (as forward_with_lse returns it), got {:?}",
+            lse.dtype()
+        )
+    }
+    let expected = [shape.b, shape.h, shape.sq];
+    if lse.dims() != expected {
+        bail!(
+            "lse: expected shape {expected:?} (batch, num_heads, seqlen_q), got {:?}",
+            lse.dims()
+        )
+    }
+    Ok(())
+}
+
 /// Checks the softmax scale the user gave.
 pub(crate) fn check_scale(scale: f32) -> Result<()> {
     if !scale.is_finite() || scale <= 0.0 {
