@@ -1,12 +1,13 @@
 // The forward kernel on Hopper tensor cores (wgmma, sm_90a): FlashAttention-2 Algorithm 1
-// with the matmuls issued per warpgroup instead of per warp. Two warpgroups (three at d = 64
-// from seqlen 1k on) share a block of query rows, 64 each, and stream 128-key tiles of K and
-// V through two cp.async stages, so the next tile's copy overlaps the whole of the current
-// tile's work. S = Q K^T reads both
-// operands from shared memory; O += P V takes P from registers (the S accumulators, packed)
-// and V from shared memory, MN-major. Mask, online softmax and the epilogue are the mma.sync
-// kernel's (the accumulator layout is the same). Entry points flash_fwd_sm90_<dtype>_d<D>[_g3]
-// for D = 64 and 128, without dropout; src/cuda/mod.rs falls back to fwd.cu for the rest.
+// with the matmuls issued per warpgroup instead of per warp. One, two or three warpgroups
+// share a block of query rows, 64 each, and stream key tiles of K and V (128 keys; 64 in the
+// one-warpgroup d = 128 kernel) through two cp.async stages, so the next tile's copy overlaps
+// the whole of the current tile's work. S = Q K^T reads both operands from shared memory;
+// O += P V takes P from registers (the S accumulators, packed) and V from shared memory,
+// MN-major. Mask, online softmax and the epilogue are the mma.sync kernel's (the accumulator
+// layout is the same). Which shape runs where: Sm90Tile in src/cuda/mod.rs. Entry points
+// flash_fwd_sm90_<dtype>_d<D>[_g1_n<BN>|_g3] for D = 64 and 128, without dropout; src/cuda/mod.rs
+// falls back to fwd.cu for the rest.
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -14,11 +15,11 @@
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-template <typename T_, int D_, int GROUPS_ = 2> struct Sm90Traits {
+template <typename T_, int D_, int GROUPS_ = 2, int BN_ = 128> struct Sm90Traits {
     using T = T_;
     static constexpr int D = D_;
     static constexpr int GROUPS = GROUPS_;      // warpgroups, 64 rows each
-    static constexpr int BM = 64 * GROUPS, BN = 128;  // query rows, keys per tile
+    static constexpr int BM = 64 * GROUPS, BN = BN_;  // query rows, keys per tile
     static constexpr int THREADS = GROUPS * 128;
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -173,3 +174,18 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90<Sm90Traits<__half, 64, 3>>(p);
 }
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)
+
+// One warpgroup per block, small enough that two (d = 128, 64-key tiles), three (d = 64,
+// 128-key tiles) or four (d = 64, 64-key tiles) blocks share an SM: one block's first loads, softmax and epilogue then overlap another's
+// matmuls, which is what short and causal sequences need (few key tiles per block).
+#define FLASH_FWD_SM90_G1(NAME, T, D, BN, MIN_BLOCKS)                                         \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)                             \
+        flash_fwd_sm90_##NAME##_d##D##_g1##_n##BN(const __grid_constant__ AttnParams p) {             \
+        flash_fwd_sm90<Sm90Traits<T, D, 1, BN>>(p);                                           \
+    }
+FLASH_FWD_SM90_G1(f16, __half, 64, 128, 3)
+FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 64, 128, 3)
+FLASH_FWD_SM90_G1(f16, __half, 128, 64, 2)
+FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 128, 64, 2)
+FLASH_FWD_SM90_G1(f16, __half, 64, 64, 4)
+FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 64, 64, 4)

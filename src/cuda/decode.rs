@@ -3,17 +3,15 @@
 use std::sync::Mutex;
 
 use candle::backend::BackendStorage;
-use candle::cuda_backend::cudarc::driver::sys::{
-    CUdevice_attribute, CUdeviceptr, CUfunction_attribute,
-};
+use candle::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
 use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    device_ptr_opt, dtype_name, launch, poison, strides3, to_device_i32, to_i32, AttnParams,
-    FwdTile,
+    device_ptr_opt, dtype_name, launch, poison, stream_counters, strides3, to_device_i32, to_i32,
+    AttnParams, FwdTile, StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 use crate::ptx;
@@ -184,11 +182,7 @@ fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize
     if let Some((_, _, r)) = known.iter().find(|(o, k, _)| *o == ordinal && k == kernel) {
         return Ok(*r);
     }
-    let sms = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()? as usize;
+    let sms = super::device_facts(dev)?.sms;
     let func = dev.get_or_load_custom_func(kernel, "candle_flash_decode", ptx::DECODE)?;
     // The occupancy calculator refuses more dynamic shared memory than the attribute allows.
     func.set_attribute(
@@ -220,37 +214,12 @@ fn forced_splits() -> Option<usize> {
     })
 }
 
-/// Arrival counters of the merge, one `u32` per (sequence, K/V head, row tile),
-/// kept per (device, stream) and grown on demand. They are zero between launches because the
-/// last split of each tile wraps its counter back to 0 (`atomicInc`), so a call needs no
-/// memset of its own, which would cost a stream operation about as long as the launch gap of
-/// the separate combine kernel this merge replaced. Keyed by stream as well as device so that
-/// launches that may overlap never share counters; the slice holds its stream, so the key
-/// cannot be reused by another stream while the entry lives. Entries live until exit.
-type CounterCache = Vec<((usize, usize), CudaSlice<u32>)>;
-static COUNTERS: Mutex<CounterCache> = Mutex::new(Vec::new());
-
-/// The zeroed counters for `dev`'s stream, at least `n` of them.
-fn arrival_counters<'a>(
-    cache: &'a mut CounterCache,
-    dev: &candle::CudaDevice,
-    n: usize,
-) -> Result<&'a mut CudaSlice<u32>> {
-    let stream = dev.cuda_stream();
-    let key = (stream.context().ordinal(), stream.cu_stream() as usize);
-    let i = match cache.iter().position(|(k, _)| *k == key) {
-        Some(i) => i,
-        None => {
-            cache.push((key, dev.alloc_zeros::<u32>(n.next_power_of_two())?));
-            cache.len() - 1
-        }
-    };
-    if cache[i].1.len() < n {
-        // The old slice is freed in stream order, after the launches that used it.
-        cache[i].1 = dev.alloc_zeros::<u32>(n.next_power_of_two())?;
-    }
-    Ok(&mut cache[i].1)
-}
+/// Arrival counters of the merge, one `u32` per (sequence, K/V head, row tile) (see
+/// [`StreamCounters`]). They are zero between launches because the last split of each tile
+/// wraps its counter back to 0 (`atomicInc`), so a call needs no memset of its own, which
+/// would cost a stream operation about as long as the launch gap of the separate combine
+/// kernel this merge replaced.
+static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
 
 /// How many slices of each sequence's key range run in parallel (flash-decoding), for
 /// `blocks` = batch x K/V heads x row tiles, `key_tiles` 16-key tiles in the longest
@@ -350,7 +319,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         None
     };
     let mut counters = match counter_cache.as_deref_mut() {
-        Some(cache) => Some(arrival_counters(cache, &dev, p.b * p.hk * row_tiles)?),
+        Some(cache) => Some(stream_counters(cache, &dev, p.b * p.hk * row_tiles)?),
         None => None,
     };
 

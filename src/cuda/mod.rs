@@ -250,60 +250,141 @@ impl FwdTile {
 struct Sm90Tile;
 
 impl Sm90Tile {
-    /// Keys per tile.
-    const BN: usize = 128;
-
-    /// Head dims 64 and 128; at d = 64 causal rows up to 2k stay on the mma.sync kernel, whose
-    /// two resident blocks per SM hide each block's first loads better: 183 against 160
-    /// TFLOP/s at seqlen 1k, 221 against 213 at 2k (H200, docs/PERF.md).
-    fn supports(d: usize, seqlen_q: usize, causal: bool) -> bool {
-        d == 128 || (d == 64 && !(causal && seqlen_q <= 2048))
+    /// Head dims 64 and 128 (`CANDLE_FLASH_FWD=mma` keeps everything on the mma.sync kernel).
+    fn supports(d: usize) -> bool {
+        d == 64 || d == 128
     }
 
-    /// `(warpgroups of 64 query rows, kernel name suffix)` for head dim `d` and `seqlen_q`
-    /// query rows. At d = 64, three warpgroups (192 rows) overlap one group's softmax with
-    /// the others' matmuls better: 274 against 257 TFLOP/s at seqlen 1k, 324 against 280 at
-    /// 2k, 309 against 274 at 8k causal (H200, docs/PERF.md); below 1k, two.
-    /// `CANDLE_FLASH_SM90_D64=g2|g3` forces one (read once; A/B runs).
-    fn shape(d: usize, seqlen_q: usize) -> (usize, &'static str) {
+    /// `(warpgroups of 64 query rows, kernel name suffix)` for head dim `d`, `seqlen_q` query
+    /// rows and the mask. Measured on the H200 (bf16, docs/PERF.md, same-run A/B):
+    /// - one warpgroup (`_g1_n<keys per tile>`; three blocks per SM at d = 64, four with
+    ///   64-key tiles, two at d = 128 with 64-key tiles) wherever blocks have few key tiles or
+    ///   unequal work, since co-resident blocks hide each other's first loads, softmax and
+    ///   epilogue: at d = 64 every causal length (211 against 141 TFLOP/s at 1k, 333 against
+    ///   307 at 8k; with 64-key tiles up to 2k: 241-244 at 1k, 282-285 against 266-269 at 2k)
+    ///   and non-causal below 4k (323 against 272 at 1k), at d = 128 causal up to 2k (229-235
+    ///   against 213-216 at 1k);
+    /// - three warpgroups (`_g3`, 192 rows sharing each K/V tile) at d = 64 non-causal from 4k
+    ///   (364 against 339 at 8k);
+    /// - two otherwise (d = 128: 325 against 303 at 1k non-causal, 320 against 308 at 4k
+    ///   causal).
+    ///
+    /// `CANDLE_FLASH_SM90_SHAPE=g1|g1n64|g2|g3` forces one (read once; A/B runs; g1n64 and
+    /// g3 only at d = 64).
+    fn shape(d: usize, seqlen_q: usize, causal: bool) -> Sm90Shape {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
-            FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_D64").unwrap_or_default());
-        let g3 = match forced.as_str() {
-            "g3" => true,
-            "g2" => false,
-            _ => seqlen_q >= 1024,
+            FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_SHAPE").unwrap_or_default());
+        let (groups, bn) = match (forced.as_str(), d) {
+            ("g1n64", 64) => (1, 64),
+            ("g1", 128) => (1, 64),
+            ("g1", _) => (1, 128),
+            ("g2", _) => (2, 128),
+            ("g3", 64) => (3, 128),
+            (_, 64) if causal && seqlen_q <= 2048 => (1, 64),
+            (_, 64) if causal || seqlen_q < 4096 => (1, 128),
+            (_, 64) => (3, 128),
+            _ if causal && seqlen_q <= 2048 => (1, 64),
+            _ => (2, 128),
         };
-        if d == 64 && g3 {
-            (3, "_g3")
-        } else {
-            (2, "")
+        Sm90Shape { groups, bn }
+    }
+}
+
+/// One wgmma forward kernel's block: warpgroups of 64 query rows and keys per tile.
+#[derive(Clone, Copy, Debug)]
+struct Sm90Shape {
+    groups: usize,
+    bn: usize,
+}
+
+impl Sm90Shape {
+    /// `flash_fwd_sm90_<dtype>_d<D><suffix>` (the entry points in cuda/fwd_sm90.cu).
+    fn suffix(&self) -> String {
+        match self.groups {
+            1 => format!("_g1_n{}", self.bn),
+            2 => String::new(),
+            g => format!("_g{g}"),
         }
     }
+
+    /// Q tile, two stages of K and V tiles, 1 KB for the swizzle alignment:
+    /// `Sm90Traits::SMEM_BYTES`.
+    fn smem_bytes(&self, d: usize) -> u32 {
+        ((64 * self.groups + 4 * self.bn) * d * 2 + 1024) as u32
+    }
+}
+
+/// What the launchers ask of a device once: compute capability major and SM count.
+#[derive(Clone, Copy)]
+pub(crate) struct DeviceFacts {
+    pub major: i32,
+    pub sms: usize,
+}
+
+/// [`DeviceFacts`] of `dev`, cached per device ordinal.
+pub(crate) fn device_facts(dev: &candle::CudaDevice) -> Result<DeviceFacts> {
+    static KNOWN: Mutex<Vec<(usize, DeviceFacts)>> = Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut known = KNOWN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&(_, facts)) = known.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(facts);
+    }
+    let context = dev.cuda_stream().context().clone();
+    let facts = DeviceFacts {
+        major: context
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .w()?,
+        sms: context
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()? as usize,
+    };
+    known.push((ordinal, facts));
+    Ok(facts)
+}
+
+/// Counters that kernels keep zero between launches (they reset them themselves, so a call
+/// needs no memset of its own), kept per (device, stream) and grown on demand. Keyed by
+/// stream as well as device so that launches that may overlap never share counters; the
+/// slice holds its stream, so the key cannot be reused by another stream while the entry
+/// lives. Entries live until exit. Hold the cache's lock until the launch is queued: another
+/// thread's call on the stream must not grow (and free) the counters in between.
+pub(crate) type StreamCounters = Vec<((usize, usize), CudaSlice<u32>)>;
+
+/// The zeroed counters for `dev`'s stream, at least `n` of them.
+pub(crate) fn stream_counters<'a>(
+    cache: &'a mut StreamCounters,
+    dev: &candle::CudaDevice,
+    n: usize,
+) -> Result<&'a mut CudaSlice<u32>> {
+    let stream = dev.cuda_stream();
+    let key = (stream.context().ordinal(), stream.cu_stream() as usize);
+    let i = match cache.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            cache.push((key, dev.alloc_zeros::<u32>(n.next_power_of_two())?));
+            cache.len() - 1
+        }
+    };
+    if cache[i].1.len() < n {
+        // The old slice is freed in stream order, after the launches that used it.
+        cache[i].1 = dev.alloc_zeros::<u32>(n.next_power_of_two())?;
+    }
+    Ok(&mut cache[i].1)
 }
 
 /// Whether the forward runs the wgmma kernel: on compute capability 9.x, unless
 /// `CANDLE_FLASH_FWD=mma` asks for the mma.sync kernel (read once; for A/B comparisons).
 fn use_sm90(dev: &candle::CudaDevice) -> Result<bool> {
-    static FORCED_MMA: OnceLock<bool> = OnceLock::new();
-    if *FORCED_MMA.get_or_init(|| std::env::var("CANDLE_FLASH_FWD").is_ok_and(|v| v == "mma")) {
-        return Ok(false);
-    }
-    static MAJOR: Mutex<Vec<(usize, i32)>> = Mutex::new(Vec::new());
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut known = MAJOR
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(&(_, major)) = known.iter().find(|(o, _)| *o == ordinal) {
-        return Ok(major == 9);
-    }
-    let major = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        .w()?;
-    known.push((ordinal, major));
-    Ok(major == 9)
+    Ok(forced_fwd() != "mma" && device_facts(dev)?.major == 9)
+}
+
+/// `CANDLE_FLASH_FWD=mma` forces the mma.sync forward kernels, read once.
+fn forced_fwd() -> &'static str {
+    static FORCED: OnceLock<String> = OnceLock::new();
+    FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_FWD").unwrap_or_default())
 }
 
 /// Whether outputs are filled with NaN before each launch, so that elements a kernel fails to
@@ -445,16 +526,15 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let dtype = dtype_name(q.dtype())?;
-        if !dropout && Sm90Tile::supports(tile.d, s.sq, problem.causal) && use_sm90(&dev)? {
-            let (groups, suffix) = Sm90Tile::shape(tile.d, s.sq);
-            let name = format!("flash_fwd_sm90_{dtype}_d{}{suffix}", tile.d);
-            let grid = (s.sq.div_ceil(64 * groups), s.h, s.b);
+        if !dropout && Sm90Tile::supports(tile.d) && use_sm90(&dev)? {
+            let shape = Sm90Tile::shape(tile.d, s.sq, problem.causal);
+            let name = format!("flash_fwd_sm90_{dtype}_d{}{}", tile.d, shape.suffix());
             launch(
                 &dev,
                 &name,
-                grid,
-                128 * groups as u32,
-                ((64 * groups + 4 * Sm90Tile::BN) * tile.d * 2 + 1024) as u32,
+                (s.sq.div_ceil(64 * shape.groups), s.h, s.b),
+                128 * shape.groups as u32,
+                shape.smem_bytes(tile.d),
                 &params,
             )?;
         } else {
