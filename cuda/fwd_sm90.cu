@@ -1,7 +1,7 @@
 // The forward kernel on Hopper tensor cores (wgmma, sm_90a): FlashAttention-2 Algorithm 1
 // with the matmuls issued per warpgroup instead of per warp. One, two or three warpgroups
-// share a block of query rows, 64 each, and stream key tiles of K and V (128 keys; 64 in the
-// one-warpgroup d = 128 kernel) through two cp.async stages, so the next tile's copy overlaps
+// share a block of query rows, 64 each, and stream key tiles of K and V (128 keys; 64 or 48
+// in the one-warpgroup kernels) through two cp.async stages, so the next tile's copy overlaps
 // the whole of the current tile's work. S = Q K^T reads both operands from shared memory;
 // O += P V takes P from registers (the S accumulators, packed) and V from shared memory,
 // MN-major. Mask, online softmax and the epilogue are the mma.sync kernel's (the accumulator
@@ -175,8 +175,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 }
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)
 
-// One warpgroup per block, small enough that two (d = 128, 64-key tiles), three (d = 64,
-// 128-key tiles) or four (d = 64, 64-key tiles) blocks share an SM: one block's first loads, softmax and epilogue then overlap another's
+// One warpgroup per block, small enough that three (d = 64 with 128-key tiles, d = 128 with
+// 48-key tiles) or four (d = 64, 64-key tiles) blocks share an SM: one block's first loads, softmax and epilogue then overlap another's
 // matmuls, which is what short and causal sequences need (few key tiles per block).
 #define FLASH_FWD_SM90_G1(NAME, T, D, BN, MIN_BLOCKS)                                         \
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)                             \
@@ -185,7 +185,7 @@ FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)
     }
 FLASH_FWD_SM90_G1(f16, __half, 64, 128, 3)
 FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 64, 128, 3)
-FLASH_FWD_SM90_G1(f16, __half, 128, 64, 2)
-FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 128, 64, 2)
 FLASH_FWD_SM90_G1(f16, __half, 64, 64, 4)
 FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 64, 64, 4)
+FLASH_FWD_SM90_G1(f16, __half, 128, 48, 3)
+FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 128, 48, 3)

@@ -99,13 +99,14 @@ template <typename T, int N> struct Wgmma;
 // Operand lists of the accumulator ("+f", one per register) and their names in the asm text.
 #define SM90_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define SM90_ACC_32 SM90_ACC4(0), SM90_ACC4(1), SM90_ACC4(2), SM90_ACC4(3)
-#define SM90_ACC_64 SM90_ACC_32, SM90_ACC4(4), SM90_ACC4(5), SM90_ACC4(6), SM90_ACC4(7)
+#define SM90_ACC_48 SM90_ACC_32, SM90_ACC4(4), SM90_ACC4(5)
+#define SM90_ACC_64 SM90_ACC_48, SM90_ACC4(6), SM90_ACC4(7)
 #define SM90_ACC_128 SM90_ACC_64, SM90_ACC4(8), SM90_ACC4(9), SM90_ACC4(10), SM90_ACC4(11), \
     SM90_ACC4(12), SM90_ACC4(13), SM90_ACC4(14), SM90_ACC4(15)
 #define SM90_REGS_32 "%0, %1, %2, %3, %4, %5, %6, %7, " \
     "%8, %9, %10, %11, %12, %13, %14, %15"
-#define SM90_REGS_64 SM90_REGS_32 ", %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31"
+#define SM90_REGS_48 SM90_REGS_32 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define SM90_REGS_64 SM90_REGS_48 ", %24, %25, %26, %27, %28, %29, %30, %31"
 #define SM90_REGS_128 SM90_REGS_64 ", %32, %33, %34, %35, %36, %37, %38, %39, " \
     "%40, %41, %42, %43, %44, %45, %46, %47, "                                                     \
     "%48, %49, %50, %51, %52, %53, %54, %55, "                                                     \
@@ -145,9 +146,11 @@ template <typename T, int N> struct Wgmma;
     };
 
 SM90_WGMMA(__half, "f16", 32, 16, 17, 18, 19, 20, 21)
+SM90_WGMMA(__half, "f16", 48, 24, 25, 26, 27, 28, 29)
 SM90_WGMMA(__half, "f16", 64, 32, 33, 34, 35, 36, 37)
 SM90_WGMMA(__half, "f16", 128, 64, 65, 66, 67, 68, 69)
 SM90_WGMMA(__nv_bfloat16, "bf16", 32, 16, 17, 18, 19, 20, 21)
+SM90_WGMMA(__nv_bfloat16, "bf16", 48, 24, 25, 26, 27, 28, 29)
 SM90_WGMMA(__nv_bfloat16, "bf16", 64, 32, 33, 34, 35, 36, 37)
 SM90_WGMMA(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69)
 

@@ -258,12 +258,13 @@ impl Sm90Tile {
     /// `(warpgroups of 64 query rows, kernel name suffix)` for head dim `d`, `seqlen_q` query
     /// rows and the mask. Measured on the H200 (bf16, docs/PERF.md, same-run A/B):
     /// - one warpgroup (`_g1_n<keys per tile>`; three blocks per SM at d = 64, four with
-    ///   64-key tiles, two at d = 128 with 64-key tiles) wherever blocks have few key tiles or
-    ///   unequal work, since co-resident blocks hide each other's first loads, softmax and
+    ///   64-key tiles, three at d = 128 with 48-key tiles) wherever blocks have few key tiles
+    ///   or unequal work, since co-resident blocks hide each other's first loads, softmax and
     ///   epilogue: at d = 64 every causal length (211 against 141 TFLOP/s at 1k, 333 against
     ///   307 at 8k; with 64-key tiles up to 2k: 241-244 at 1k, 282-285 against 266-269 at 2k)
-    ///   and non-causal below 4k (323 against 272 at 1k), at d = 128 causal up to 2k (229-235
-    ///   against 213-216 at 1k);
+    ///   and non-causal below 4k (323 against 272 at 1k), at d = 128 causal up to 2k (243-246
+    ///   against 213-216 at 1k with two warpgroups, 235 with one and 64-key tiles at two
+    ///   blocks per SM);
     /// - three warpgroups (`_g3`, 192 rows sharing each K/V tile) at d = 64 non-causal from 4k
     ///   (364 against 339 at 8k);
     /// - two otherwise (d = 128: 325 against 303 at 1k non-causal, 320 against 308 at 4k
@@ -277,14 +278,14 @@ impl Sm90Tile {
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_SHAPE").unwrap_or_default());
         let (groups, bn) = match (forced.as_str(), d) {
             ("g1n64", 64) => (1, 64),
-            ("g1", 128) => (1, 64),
+            ("g1", 128) => (1, 48),
             ("g1", _) => (1, 128),
             ("g2", _) => (2, 128),
             ("g3", 64) => (3, 128),
             (_, 64) if causal && seqlen_q <= 2048 => (1, 64),
             (_, 64) if causal || seqlen_q < 4096 => (1, 128),
             (_, 64) => (3, 128),
-            _ if causal && seqlen_q <= 2048 => (1, 64),
+            _ if causal && seqlen_q <= 2048 => (1, 48),
             _ => (2, 128),
         };
         Sm90Shape { groups, bn }
