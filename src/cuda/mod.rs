@@ -255,8 +255,7 @@ impl Sm90Tile {
         d == 64 || d == 128
     }
 
-    /// `(warpgroups of 64 query rows, kernel name suffix)` for head dim `d`, `seqlen_q` query
-    /// rows and the mask. Measured on the H200 (bf16, docs/PERF.md, same-run A/B):
+    /// The block shape for head dim `d`, `seqlen_q` query rows and the mask. Measured on the H200 (bf16, docs/PERF.md, same-run A/B):
     /// - one warpgroup (`_g1_n<keys per tile>`; three blocks per SM at d = 64, four with
     ///   64-key tiles, three at d = 128 with 48-key tiles) wherever blocks have few key tiles
     ///   or unequal work, since co-resident blocks hide each other's first loads, softmax and
@@ -270,8 +269,8 @@ impl Sm90Tile {
     /// - two otherwise (d = 128: 325 against 303 at 1k non-causal, 320 against 308 at 4k
     ///   causal).
     ///
-    /// `CANDLE_FLASH_SM90_SHAPE=g1|g1n64|g2|g3` forces one (read once; A/B runs; g1n64 and
-    /// g3 only at d = 64).
+    /// `CANDLE_FLASH_SM90_SHAPE=g1|g1n64|g2|g3` forces one (read once; A/B runs; g1 is the
+    /// 48-key kernel at d = 128, g1n64 and g3 exist only at d = 64).
     fn shape(d: usize, seqlen_q: usize, causal: bool) -> Sm90Shape {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
