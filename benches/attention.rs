@@ -563,20 +563,7 @@ impl Bench {
         let dev = self.dev.clone();
         let size = COPY_ELEMS * 2;
         let bytes = 2 * size;
-        let timed = try_run(|| {
-            let stream = dev.as_cuda_device()?.cuda_stream();
-            let src = stream
-                .alloc_zeros::<u16>(COPY_ELEMS)
-                .map_err(candle::Error::wrap)?;
-            let mut dst = stream
-                .alloc_zeros::<u16>(COPY_ELEMS)
-                .map_err(candle::Error::wrap)?;
-            time_ms_with(&dev, PREFILL_TIMING, |_| {
-                stream
-                    .memcpy_dtod(&src, &mut dst)
-                    .map_err(candle::Error::wrap)
-            })
-        });
+        let timed = try_run(|| memcpy_timing(&dev));
         match timed {
             Ok(t) if t.ms.is_finite() && t.ms > 0.0 => {
                 let gbps = bytes as f64 / (t.ms * 1e-3) / 1e9;
@@ -1108,4 +1095,26 @@ fn gpu_name(dev: &Device) -> Option<String> {
 #[cfg(not(feature = "cuda"))]
 fn gpu_name(_: &Device) -> Option<String> {
     None
+}
+
+/// Times `cuMemcpyDtoDAsync` of `COPY_ELEMS` 2-byte elements into a second buffer.
+#[cfg(feature = "cuda")]
+fn memcpy_timing(dev: &Device) -> Result<Timed> {
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    let src = stream
+        .alloc_zeros::<u16>(COPY_ELEMS)
+        .map_err(candle::Error::wrap)?;
+    let mut dst = stream
+        .alloc_zeros::<u16>(COPY_ELEMS)
+        .map_err(candle::Error::wrap)?;
+    time_ms_with(dev, PREFILL_TIMING, |_| {
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(candle::Error::wrap)
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn memcpy_timing(_dev: &Device) -> Result<Timed> {
+    candle::bail!("the copy bandwidth needs the cuda feature")
 }
