@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 OUT=${OUT:-./out}
-BIN=/tmp/candle-flash-bin
+# shellcheck source=scripts/staged-bin.sh
+source scripts/staged-bin.sh
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
@@ -31,10 +32,8 @@ if [ ! -f .gpu/gpu.xz ]; then
   echo "error: .gpu/gpu.xz missing: run scripts/stage-gpu.sh here and carry .gpu" >&2
   exit 1
 fi
-mkdir -p "$BIN"
 for f in .gpu/*.xz; do
-  xz -dc "$f" > "$BIN/$(basename "$f" .xz)"
-  chmod +x "$BIN/$(basename "$f" .xz)"
+  staged_bin "$(basename "$f" .xz)"
 done
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -8,11 +8,10 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-./out}
-BIN=/tmp/candle-flash-bin
-mkdir -p "$OUT" "$BIN"
-if [ ! -x "$BIN/bench-attention" ] || [ .gpu/bench-attention.xz -nt "$BIN/bench-attention" ]; then
-  xz -dc .gpu/bench-attention.xz > "$BIN/bench-attention" && chmod +x "$BIN/bench-attention"
-fi
+mkdir -p "$OUT"
+# shellcheck source=scripts/staged-bin.sh
+source scripts/staged-bin.sh
+staged_bin bench-attention || exit 1
 cases=("$@")
 [ ${#cases[@]} -gt 0 ] || cases=(128/8192/n 64/2048/n)
 log=$OUT/ncu-attn.txt

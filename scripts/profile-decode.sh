@@ -9,11 +9,10 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-./out}
-BIN=/tmp/candle-flash-bin
-mkdir -p "$OUT" "$BIN"
-if [ ! -x "$BIN/bench-attention" ] || [ .gpu/bench-attention.xz -nt "$BIN/bench-attention" ]; then
-  xz -dc .gpu/bench-attention.xz > "$BIN/bench-attention" && chmod +x "$BIN/bench-attention"
-fi
+mkdir -p "$OUT"
+# shellcheck source=scripts/staged-bin.sh
+source scripts/staged-bin.sh
+staged_bin bench-attention || exit 1
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(8x8192 1x65536)
 metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers,launch__occupancy_limit_warps,sm__cycles_active.avg,smsp__inst_executed.sum

@@ -44,7 +44,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-./out}
 TIMEOUT=${SANITIZE_TIMEOUT:-240}
 BUDGET=${SANITIZE_BUDGET:-540}
-BIN=/tmp/candle-flash-bin
+# shellcheck source=scripts/staged-bin.sh
+source scripts/staged-bin.sh
 ALL_SECTIONS=(fwd bwd varlen kvcache misc reliability)
 T0=$(date +%s)
 
@@ -89,16 +90,7 @@ if [ -z "$SANITIZER" ]; then
   exit 1
 fi
 
-# A staged binary newer than the unpacked one (a fresh .gpu/ on a warm machine) wins.
-if [ -f .gpu/gpu.xz ] && { [ ! -x "$BIN/gpu" ] || [ .gpu/gpu.xz -nt "$BIN/gpu" ]; }; then
-  mkdir -p "$BIN"
-  xz -dc .gpu/gpu.xz > "$BIN/gpu"
-  chmod +x "$BIN/gpu"
-fi
-if [ ! -x "$BIN/gpu" ]; then
-  echo "error: neither $BIN/gpu nor .gpu/gpu.xz: run scripts/stage-gpu.sh here and carry .gpu" >&2
-  exit 1
-fi
+staged_bin gpu || exit 1
 
 mkdir -p "$OUT"
 # Per-(tool, section) logs live outside $OUT: everything left there comes back, and only the

@@ -119,16 +119,33 @@ impl FlashAttn {
     /// The problem description of one call: checks the scale and dropout probability, draws
     /// the RNG offset.
     fn problem(&self, shape: AttnShape, varlen: Option<&VarLen>) -> Result<Problem> {
+        self.problem_with_offset(shape, varlen, || {
+            Ok(self
+                .rng_offset
+                .unwrap_or_else(|| NEXT_RNG_OFFSET.fetch_add(1, Ordering::Relaxed)))
+        })
+    }
+
+    /// [`FlashAttn::problem`] with the dropout RNG offset from `offset`, asked only when
+    /// dropout is on and the scale and probability are valid.
+    fn problem_with_offset(
+        &self,
+        shape: AttnShape,
+        varlen: Option<&VarLen>,
+        offset: impl FnOnce() -> Result<u64>,
+    ) -> Result<Problem> {
         let scale = self.softmax_scale.unwrap_or(1.0 / (shape.d as f32).sqrt());
         params::check_scale(scale)?;
         params::check_dropout(self.dropout_p)?;
-        let dropout = (self.dropout_p > 0.0).then(|| Dropout {
-            p: self.dropout_p,
-            seed: self.seed,
-            offset: self
-                .rng_offset
-                .unwrap_or_else(|| NEXT_RNG_OFFSET.fetch_add(1, Ordering::Relaxed)),
-        });
+        let dropout = if self.dropout_p > 0.0 {
+            Some(Dropout {
+                p: self.dropout_p,
+                seed: self.seed,
+                offset: offset()?,
+            })
+        } else {
+            None
+        };
         Ok(Problem {
             shape,
             scale,
@@ -216,16 +233,15 @@ impl FlashAttn {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let shape = params::validate(q, k, v)?;
         params::validate_bwd_inputs(q, out, lse, grad_out, &shape)?;
-        params::check_dropout(self.dropout_p)?;
-        // `problem` would draw a fresh offset from the counter: a mask the forward never used.
-        if self.dropout_p > 0.0 && self.rng_offset.is_none() {
-            bail!(
+        // Not the process-wide counter: its next offset is a mask the forward never used.
+        let problem = self.problem_with_offset(shape, None, || match self.rng_offset {
+            Some(offset) => Ok(offset),
+            None => bail!(
                 "rng_offset: backward with dropout_p {} needs the forward's dropout mask; set \
                  FlashAttn::rng_offset to the same value for forward_with_lse and backward",
                 self.dropout_p
-            )
-        }
-        let problem = self.problem(shape, None)?;
+            ),
+        })?;
         if shape.total_q * shape.h == 0 {
             // No query row: the forward computed nothing, and nothing depends on k or v.
             let zeros = |t: &Tensor| t.zeros_like();

@@ -179,18 +179,24 @@ pub(crate) fn check_last_dim_contiguous(t: &Tensor, name: &str) -> Result<()> {
 
 /// Checks that `t` (named `name` in the message) has q's device and dtype.
 pub(crate) fn check_like_q(q: &Tensor, t: &Tensor, name: &str) -> Result<()> {
-    if !t.device().same_device(q.device()) {
-        bail!(
-            "{name}: expected the same device as q ({:?}), got {:?}",
-            q.device().location(),
-            t.device().location()
-        )
-    }
+    check_same_device(q, t, name)?;
     if t.dtype() != q.dtype() {
         bail!(
             "{name}: expected the same dtype as q ({:?}), got {:?}",
             q.dtype(),
             t.dtype()
+        )
+    }
+    Ok(())
+}
+
+/// Checks that `t` (named `name` in the message) is on q's device.
+fn check_same_device(q: &Tensor, t: &Tensor, name: &str) -> Result<()> {
+    if !t.device().same_device(q.device()) {
+        bail!(
+            "{name}: expected the same device as q ({:?}), got {:?}",
+            q.device().location(),
+            t.device().location()
         )
     }
     Ok(())
@@ -328,13 +334,7 @@ pub(crate) fn validate_bwd_inputs(
             )
         }
     }
-    if !lse.device().same_device(q.device()) {
-        bail!(
-            "lse: expected the same device as q ({:?}), got {:?}",
-            q.device().location(),
-            lse.device().location()
-        )
-    }
+    check_same_device(q, lse, "lse")?;
     if lse.dtype() != DType::F32 {
         bail!(
             "lse: expected dtype F32 (as forward_with_lse returns it), got {:?}",

@@ -6,7 +6,7 @@ mod common;
 
 use candle::{DType, Result, Tensor, Var};
 use candle_flash::{attention_slow, FlashAttn};
-use common::{assert_close, grads, max_abs_diff, randn, with_causal, Case};
+use common::{assert_close, assert_fails, grads, max_abs_diff, randn, with_causal, Case};
 
 const NAMES: [&str; 3] = ["dq", "dk", "dv"];
 const SEED: u64 = 0x0bad_cafe_f00d_d00d;
@@ -244,22 +244,6 @@ impl Valid {
     }
 }
 
-fn assert_error(result: Result<(Tensor, Tensor, Tensor)>, expected: &[&str]) {
-    let message = match result {
-        Ok((dq, _, _)) => panic!(
-            "expected an error containing {expected:?}, got dq of shape {:?}",
-            dq.dims()
-        ),
-        Err(e) => e.to_string(),
-    };
-    for part in expected {
-        assert!(
-            message.contains(part),
-            "error {message:?} does not contain {part:?}"
-        );
-    }
-}
-
 #[test]
 fn valid_inputs_pass() {
     let t = Valid::new();
@@ -272,7 +256,7 @@ fn valid_inputs_pass() {
 fn out_of_wrong_shape() {
     let t = Valid::new();
     let out = t.out.narrow(1, 0, 7).unwrap();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new(), &out, &t.lse, &t.grad_out),
         &["out:", "q's shape [2, 8, 4, 16]", "[2, 7, 4, 16]"],
     );
@@ -282,7 +266,7 @@ fn out_of_wrong_shape() {
 fn out_of_wrong_dtype() {
     let t = Valid::new();
     let out = t.out.to_dtype(DType::BF16).unwrap();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new(), &out, &t.lse, &t.grad_out),
         &["out:", "dtype as q (F32)", "BF16"],
     );
@@ -292,7 +276,7 @@ fn out_of_wrong_dtype() {
 fn grad_out_of_wrong_dtype() {
     let t = Valid::new();
     let grad_out = t.grad_out.to_dtype(DType::F16).unwrap();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new(), &t.out, &t.lse, &grad_out),
         &["grad_out:", "dtype as q (F32)", "F16"],
     );
@@ -302,7 +286,7 @@ fn grad_out_of_wrong_dtype() {
 fn grad_out_of_wrong_shape() {
     let t = Valid::new();
     let grad_out = t.grad_out.reshape((2, 8, 2, 32)).unwrap();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new(), &t.out, &t.lse, &grad_out),
         &["grad_out:", "q's shape [2, 8, 4, 16]", "[2, 8, 2, 32]"],
     );
@@ -313,7 +297,7 @@ fn lse_of_wrong_shape() {
     let t = Valid::new();
     // (batch, seqlen_q, num_heads) instead of (batch, num_heads, seqlen_q).
     let lse = t.lse.transpose(1, 2).unwrap();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new(), &t.out, &lse, &t.grad_out),
         &[
             "lse:",
@@ -322,7 +306,7 @@ fn lse_of_wrong_shape() {
         ],
     );
     let lse = t.lse.flatten_all().unwrap();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new(), &t.out, &lse, &t.grad_out),
         &["lse:", "[2, 4, 8]", "[64]"],
     );
@@ -332,7 +316,7 @@ fn lse_of_wrong_shape() {
 fn lse_of_wrong_dtype() {
     let t = Valid::new();
     let lse = t.lse.to_dtype(DType::BF16).unwrap();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new(), &t.out, &lse, &t.grad_out),
         &["lse:", "F32", "BF16"],
     );
@@ -341,7 +325,7 @@ fn lse_of_wrong_dtype() {
 #[test]
 fn dropout_without_rng_offset() {
     let t = Valid::new();
-    assert_error(
+    assert_fails(
         t.backward_with(&FlashAttn::new().dropout(0.1), &t.out, &t.lse, &t.grad_out),
         &[
             "rng_offset",
@@ -358,7 +342,7 @@ fn dropout_without_rng_offset() {
 #[test]
 fn bad_dropout_p_and_scale() {
     let t = Valid::new();
-    assert_error(
+    assert_fails(
         t.backward_with(
             &FlashAttn::new().dropout(1.5).rng_offset(0),
             &t.out,
@@ -367,7 +351,7 @@ fn bad_dropout_p_and_scale() {
         ),
         &["dropout_p:", "[0, 1)", "1.5"],
     );
-    assert_error(
+    assert_fails(
         t.backward_with(
             &FlashAttn::new().softmax_scale(-1.0),
             &t.out,
@@ -382,7 +366,7 @@ fn bad_dropout_p_and_scale() {
 fn bad_qkv_are_reported_like_forward() {
     let t = Valid::new();
     let k = t.k.narrow(3, 0, 8).unwrap();
-    assert_error(
+    assert_fails(
         FlashAttn::new().backward(&t.q, &k, &t.v, &t.out, &t.lse, &t.grad_out),
         &["k:", "head_dim 8", "q's head_dim 16"],
     );

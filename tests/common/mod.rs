@@ -90,6 +90,20 @@ pub fn max_abs(a: &Tensor) -> Result<f32> {
     Ok(a.into_iter().fold(0.0, |m, x| m.max(x.abs())))
 }
 
+/// Asserts that `result` is an error whose message contains every part of `expected`.
+pub fn assert_fails<T>(result: Result<T>, expected: &[&str]) {
+    let message = match result {
+        Ok(_) => panic!("expected an error containing {expected:?}, got Ok"),
+        Err(e) => e.to_string(),
+    };
+    for part in expected {
+        assert!(
+            message.contains(part),
+            "error {message:?} does not contain {part:?}"
+        );
+    }
+}
+
 /// Asserts `max |ours - reference| <= tol · max(1, max |reference|)`.
 pub fn assert_close(what: &str, ours: &Tensor, reference: &Tensor, tol: f32) -> Result<()> {
     let err = max_abs_diff(ours, reference)?;

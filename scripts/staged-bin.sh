@@ -1,0 +1,19 @@
+# Sourced by the scripts that run ON the lent GPU machine: the binaries that
+# scripts/stage-gpu.sh put in .gpu/ (xz-compressed), unpacked once into $BIN.
+# shellcheck shell=bash
+
+BIN=${CANDLE_FLASH_BIN:-/tmp/candle-flash-bin}
+
+# staged_bin NAME: makes $BIN/NAME from .gpu/NAME.xz unless an unpacked copy at least as new
+# is there (a fresh .gpu/ on a warm machine wins); fails if neither exists.
+staged_bin() {
+  local name=$1
+  mkdir -p "$BIN"
+  if [ -f ".gpu/$name.xz" ] && { [ ! -x "$BIN/$name" ] || [ ".gpu/$name.xz" -nt "$BIN/$name" ]; }; then
+    xz -dc ".gpu/$name.xz" > "$BIN/$name" && chmod +x "$BIN/$name" || return 1
+  fi
+  if [ ! -x "$BIN/$name" ]; then
+    echo "error: neither $BIN/$name nor .gpu/$name.xz: run scripts/stage-gpu.sh here and carry .gpu" >&2
+    return 1
+  fi
+}
