@@ -5,9 +5,9 @@
 // the whole of the current tile's work. S = Q K^T reads both operands from shared memory;
 // O += P V takes P from registers (the S accumulators, packed) and V from shared memory,
 // MN-major. Mask, online softmax and the epilogue are the mma.sync kernel's (the accumulator
-// layout is the same). Which shape runs where: Sm90Tile in src/cuda/mod.rs. Entry points
-// flash_fwd_sm90_<dtype>_d<D>[_g1_n<BN>|_g3] for D = 64 and 128, without dropout; src/cuda/mod.rs
-// falls back to fwd.cu for the rest.
+// layout is the same). Which shape runs where: Sm90Shape::choose in src/cuda/mod.rs. Entry
+// points flash_fwd_sm90_<dtype>_d<D>[_g1_n<BN>|_g3] for D = 64 and 128, without dropout;
+// src/cuda/mod.rs falls back to fwd.cu for the rest.
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -164,7 +164,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_sm90(const AttnPara
 FLASH_FWD_SM90(f16, __half, 64)
 FLASH_FWD_SM90(f16, __half, 128)
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 64)
-// d = 64 non-causal from seqlen 4k on: three warpgroups, 192 query rows (Sm90Tile::shape).
+// d = 64 non-causal from seqlen 4k on: three warpgroups, 192 query rows (Sm90Shape::choose).
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_fwd_sm90_bf16_d64_g3(const __grid_constant__ AttnParams p) {
     flash_fwd_sm90<Sm90Traits<__nv_bfloat16, 64, 3>>(p);

@@ -20,7 +20,7 @@ use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
 use super::{
-    dtype_name, launch, poison, seq_offsets, set_seq_offsets, use_sm90, AttnParams, BwdParams,
+    device_facts, dtype_name, launch, poison, seq_offsets, set_seq_offsets, AttnParams, BwdParams,
     FwdTile,
 };
 use crate::params::Problem;
@@ -208,7 +208,8 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         &tile,
         deterministic,
         params.a.drop_threshold != 0,
-        use_sm90(&dev)?,
+        // Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
+        device_facts(&dev)?.major == 9,
     );
     // The fused kernel adds into it; rows that no key reaches keep their zeros.
     let mut dq_accum = match path {

@@ -245,11 +245,15 @@ impl FwdTile {
     }
 }
 
-/// The wgmma forward kernel (`cuda/fwd_sm90.cu`): warpgroups of 64 query rows, key tiles in
-/// two stages; mirror of `Sm90Traits`.
-struct Sm90Tile;
+/// One wgmma forward kernel's block (`cuda/fwd_sm90.cu`, mirror of `Sm90Traits`):
+/// warpgroups of 64 query rows and keys per tile, key tiles in two stages.
+#[derive(Clone, Copy, Debug)]
+struct Sm90Shape {
+    groups: usize,
+    bn: usize,
+}
 
-impl Sm90Tile {
+impl Sm90Shape {
     /// Head dims 64 and 128 (`CANDLE_FLASH_FWD=mma` keeps everything on the mma.sync kernel).
     fn supports(d: usize) -> bool {
         d == 64 || d == 128
@@ -272,7 +276,7 @@ impl Sm90Tile {
     ///
     /// `CANDLE_FLASH_SM90_SHAPE=g1|g1n64|g2|g3` forces one (read once; A/B runs; g1 is the
     /// 48-key kernel at d = 128, g1n64 and g3 exist only at d = 64).
-    fn shape(d: usize, seqlen_q: usize, causal: bool) -> Sm90Shape {
+    fn choose(d: usize, seqlen_q: usize, causal: bool) -> Self {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_SHAPE").unwrap_or_default());
@@ -288,18 +292,9 @@ impl Sm90Tile {
             _ if causal && seqlen_q <= 2048 => (1, 48),
             _ => (2, 128),
         };
-        Sm90Shape { groups, bn }
+        Self { groups, bn }
     }
-}
 
-/// One wgmma forward kernel's block: warpgroups of 64 query rows and keys per tile.
-#[derive(Clone, Copy, Debug)]
-struct Sm90Shape {
-    groups: usize,
-    bn: usize,
-}
-
-impl Sm90Shape {
     /// `flash_fwd_sm90_<dtype>_d<D><suffix>` (the entry points in cuda/fwd_sm90.cu).
     fn suffix(&self) -> String {
         match self.groups {
@@ -527,8 +522,8 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let dtype = dtype_name(q.dtype())?;
-        if !dropout && Sm90Tile::supports(tile.d) && use_sm90(&dev)? {
-            let shape = Sm90Tile::shape(tile.d, s.sq, problem.causal);
+        if !dropout && Sm90Shape::supports(tile.d) && use_sm90(&dev)? {
+            let shape = Sm90Shape::choose(tile.d, s.sq, problem.causal);
             let name = format!("flash_fwd_sm90_{dtype}_d{}{}", tile.d, shape.suffix());
             launch(
                 &dev,
