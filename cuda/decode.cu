@@ -38,7 +38,8 @@ template <typename T_, int D_> struct DecodeTraits {
     static constexpr int D = D_, NWARPS = 4, THREADS = 32 * NWARPS;
     static constexpr int ROWS = 16;  // one m16 tile of packed (token, head) rows
     static constexpr int BN = 16;    // keys per warp tile
-    static constexpr int STRIDE = D + SMEM_PAD;
+    static constexpr int STRIDE = D + SMEM_PAD;        // Q tile pitch (padded rows)
+    static constexpr int PITCH = SwizzledRows<D>::PITCH;  // K/V tile pitch (swizzled rows)
     static constexpr int DT = D / 8;
     // Q's A fragments stay in registers across tiles up to D = 128 (32 registers); larger
     // head dims need those registers for O and re-read Q from shared memory.
@@ -48,25 +49,57 @@ template <typename T_, int D_> struct DecodeTraits {
     // Partial-O loads in flight per thread in the merge (merge_splits): 4 registers
     // each, which small head dims would pay for in occupancy.
     static constexpr int MERGE_UNROLL = D <= 32 ? 8 : 16;
-    static constexpr int RING = 2 * 2 * BN * STRIDE;  // per warp: 2 stages x (K, V), elements
+    static constexpr int RING = 2 * 2 * BN * PITCH;  // per warp: 2 stages x (K, V), elements
     // The merge reuses the rings as f32: NWARPS x ROWS x D partial O, then row max and sum.
     static constexpr int MERGE_BYTES = NWARPS * ROWS * (D + 2) * 4;
-    static constexpr int SMEM_BYTES = ROWS * STRIDE * int(sizeof(T)) +
+    static_assert(ROWS * STRIDE * int(sizeof(T)) % 128 == 0, "K/V rings start 128-byte aligned");
+    // Q tile, rings (or the merge's buffers), then the merge's arrival count.
+    static constexpr int ARRIVED_OFFSET = ROWS * STRIDE * int(sizeof(T)) +
         (NWARPS * RING * int(sizeof(T)) > MERGE_BYTES ? NWARPS * RING * int(sizeof(T)) : MERGE_BYTES);
+    static constexpr int SMEM_BYTES = ARRIVED_OFFSET + 16;
 };
 
-// S += Q K^T for one m16 row tile and 16 keys, Q's A fragments in registers.
-template <typename T, int KSTEPS, int STRIDE>
-__device__ __forceinline__ void gemm_qk(float (&s)[1][2][4], const uint32_t (&qf)[KSTEPS][4],
-                                        const T* k, int lane) {
+// S += Q K^T for one m16 row tile and 16 keys of a SwizzledRows K tile. Q's A fragments come
+// from registers (Q_IN_REGS) or from the padded Q tile `q`. The K rows a lane addresses have
+// row % 8 == lane % 8, so logical chunk 2 kk + (lane / 8) % 2 sits at chunk 2 kk ^ y.
+template <typename T, int KSTEPS, int STRIDE, int PITCH, bool Q_IN_REGS, int QF>
+__device__ __forceinline__ void gemm_qk(float (&s)[1][2][4], const uint32_t (&qf)[QF][4],
+                                        const T* q, const T* k, int lane) {
     const int mi = lane / 8;
-    const uint32_t b_base = opaque(smem_addr(k + ((mi / 2) * 8 + lane % 8) * STRIDE + (mi % 2) * 8));
+    const uint32_t k_row = opaque(smem_addr(k) + ((mi / 2) * 8 + lane % 8) * PITCH * int(sizeof(T)));
+    const int y = (mi % 2) ^ (lane % 8);
+    const uint32_t q_base = Q_IN_REGS ? 0 : opaque(smem_addr(q + (lane % 16) * STRIDE + (lane / 16) * 8));
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
+        uint32_t a[4];
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a[j] = qf[kk][j];
+        } else {
+            ldmatrix_x4(a, q_base + kk * 16 * int(sizeof(T)));
+        }
         uint32_t bf[4];
-        ldmatrix_x4(bf, b_base + kk * 16 * int(sizeof(T)));
-        MmaOp<T>::run(s[0][0], qf[kk], bf[0], bf[1]);
-        MmaOp<T>::run(s[0][1], qf[kk], bf[2], bf[3]);
+        ldmatrix_x4(bf, k_row + (((2 * kk) ^ y) << 4));
+        MmaOp<T>::run(s[0][0], a, bf[0], bf[1]);
+        MmaOp<T>::run(s[0][1], a, bf[2], bf[3]);
+    }
+}
+
+// O += P V for 16 keys of a SwizzledRows V tile, P's A fragments in registers; V is read
+// k-major through ldmatrix.trans, logical chunk 2 np + lane / 16 at chunk 2 np ^ y.
+template <typename T, int DT, int PITCH>
+__device__ __forceinline__ void gemm_pv(float (&o)[1][DT][4], const uint32_t (&pa)[1][1][4],
+                                        const T* v, int lane) {
+    static_assert(DT % 2 == 0, "V is loaded two n8 tiles at a time");
+    const int mi = lane / 8;
+    const uint32_t v_row = opaque(smem_addr(v) + ((mi % 2) * 8 + lane % 8) * PITCH * int(sizeof(T)));
+    const int y = (mi / 2) ^ (lane % 8);
+#pragma unroll
+    for (int np = 0; np < DT / 2; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, v_row + (((2 * np) ^ y) << 4));
+        MmaOp<T>::run(o[0][2 * np], pa[0][0], bf[0], bf[1]);
+        MmaOp<T>::run(o[0][2 * np + 1], pa[0][0], bf[2], bf[3]);
     }
 }
 
@@ -191,12 +224,16 @@ __device__ __forceinline__ void merge_splits(const DecodeParams& dp, float* smem
 
 template <class K> __device__ __forceinline__ void flash_decode(const DecodeParams& dp) {
     using T = typename K::T;
-    constexpr int D = K::D, BN = K::BN, STRIDE = K::STRIDE, DT = K::DT, NW = K::NWARPS;
+    constexpr int D = K::D, BN = K::BN, STRIDE = K::STRIDE, PITCH = K::PITCH, DT = K::DT;
+    constexpr int NW = K::NWARPS;
     constexpr int ROWS = K::ROWS, KSTEPS = D / 16;
     const AttnParams& p = dp.a;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // No static shared memory in this kernel: it would come first and push this base off
+    // the 128-byte alignment the swizzled K/V rows rely on (every row 16 bytes off a sector
+    // boundary moved each sector twice: 16.8 M sectors for 8.4 M at (8, 8k)).
+    extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* rings = sQ + ROWS * STRIDE;
+    T* rings = sQ + ROWS * STRIDE;  // 128-byte aligned (static_assert in DecodeTraits)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int group = p.h_h_k_ratio;
     const int rows = p.seqlen_q * group;  // packed (token, head) rows of one K/V head
@@ -246,11 +283,11 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const WarpTileCopy<T, BN, D> copy(lane);
     const bool full_cols = p.d == D;
 
-    T* ring = rings + warp * K::RING;  // stage s: K at ring + s * 2 * BN * STRIDE, V after it
+    T* ring = rings + warp * K::RING;  // stage s: K at ring + s * 2 * BN * PITCH, V after it
     const auto prefetch = [&](int tile, int stage, int page) {
         const int n0 = tile * BN;
-        T* sK = ring + stage * 2 * BN * STRIDE;
-        T* sV = sK + BN * STRIDE;
+        T* sK = ring + stage * 2 * BN * PITCH;
+        T* sV = sK + BN * PITCH;
         if (row_lookup) {
             const int j = n0 + lane % BN;
             const bool is_v = lane >= BN;
@@ -295,19 +332,16 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         cp_async_commit();
         cp_async_wait<1>();
         __syncwarp();  // this tile landed for the whole warp
-        const T* sK = ring + stage * 2 * BN * STRIDE;
+        const T* sK = ring + stage * 2 * BN * PITCH;
         float s[1][2][4];
         zero(s);
-        if constexpr (K::Q_IN_REGS)
-            gemm_qk<T, KSTEPS, STRIDE>(s, qf, sK, lane);
-        else
-            gemm_ss<T, 1, 2, KSTEPS, STRIDE>(s, sQ, sK, lane);
+        gemm_qk<T, KSTEPS, STRIDE, PITCH, K::Q_IN_REGS>(s, qf, sQ, sK, lane);
         if (mask.template block_needs_mask<BN>(q_first, q_last, tile * BN))
             mask.apply<1, 2>(s, m0, tile * BN, lane, group);
         softmax.update(s, o, p.scale_log2);
         uint32_t pa[1][1][4];
         pack_a<T, 1, 2>(s, pa);
-        gemm_rs<T, 1, 1, DT, STRIDE>(o, pa, sK + BN * STRIDE, lane);
+        gemm_pv<T, DT, PITCH>(o, pa, sK + BN * PITCH, lane);
         __syncwarp();  // every lane is done with this stage before it is refilled
     }
     cp_async_wait<0>();
@@ -383,7 +417,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     // separate combine kernel's launch gap and ramp. Every thread fences its own partial
     // stores before the block counts itself as arrived, so a block that sees the count reach
     // the end also sees every other split's rows.
-    __shared__ unsigned int arrived;
+    unsigned int& arrived = *reinterpret_cast<unsigned int*>(smem_raw + K::ARRIVED_OFFSET);
     __threadfence();
     __syncthreads();
     if (tid == 0)  // wraps to 0 on the last arrival: the counter is clean for the next launch

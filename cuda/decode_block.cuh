@@ -40,35 +40,57 @@ __device__ __forceinline__ int64_t opaque64(int64_t x) {
     return x;
 }
 
+// The decode kernel's K/V tiles in shared memory: rows of PITCH elements (D rounded up to
+// eight 16-byte chunks, so every row starts on a 128-byte boundary), chunk c of row r stored
+// at chunk c ^ (r % 8) so that the eight rows an ldmatrix reads hit eight different bank
+// groups.
+//
+// Why not the padded rows (D + 8) of copy.cuh: a cp.async whose 32-byte global sector lands
+// across a 32-byte boundary of shared memory moves that sector twice, and a padded row
+// starts 16 bytes off such a boundary every other row. A probe streaming K like the decode
+// kernel (H200; ncu): padded rows 6.29 M sectors and 2.75 M L2 requests for 4.19 M sectors
+// of data, 3.9 TB/s; dense or swizzled rows 4.19 M sectors, 1.05 M requests, 4.0 TB/s.
+template <int D> struct SwizzledRows {
+    static constexpr int CHUNKS = (D / CHUNK + 7) / 8 * 8;  // 16-byte chunks per row
+    static constexpr int PITCH = CHUNKS * CHUNK;             // elements per row
+    static constexpr int ROW_BYTES = PITCH * 2;              // 16-bit elements
+};
+
 // One warp copies a BN x D tile whose rows are `row_stride` apart in global memory into a
-// padded shared tile. Each lane keeps one 16-byte column of the tile and walks down the rows,
+// SwizzledRows tile. Each lane keeps one 16-byte column of the tile and walks down the rows,
 // so a copy is one 64-bit pointer step and one cp.async: no per-chunk row arithmetic. Rows of
 // D / 8 chunks are spread over LPR lanes (a power of two, so each lane's column is fixed);
-// lanes past the last chunk of a row (head dims 96, 160, 192, 224) copy nothing.
+// lanes past the last chunk of a row (head dims 96, 160, 192, 224) copy nothing. A lane's
+// rows are row + i * RSTEP with row < RSTEP <= 8 and RSTEP a power of two, so the swizzle of
+// its i-th row is row ^ (i * RSTEP % 8): one XOR with a constant per unrolled copy.
 template <typename T, int BN, int D> struct WarpTileCopy {
+    using Rows = SwizzledRows<D>;
     static constexpr int CPR = D / CHUNK;
     static constexpr int LPR = CPR <= 4 ? 4 : CPR <= 8 ? 8 : CPR <= 16 ? 16 : 32;
     static constexpr int RSTEP = 32 / LPR;  // rows between a lane's copies
     static constexpr int PASSES = BN / RSTEP;
-    static constexpr int STRIDE = D + SMEM_PAD;
-    static_assert(CPR <= 32 && BN % RSTEP == 0, "one warp-wide pass covers whole rows");
+    static_assert(CPR <= 32 && BN % RSTEP == 0 && RSTEP <= 8, "one warp-wide pass covers whole rows");
 
-    int row, col;  // this lane's first row and its column (elements)
+    int row, chunk;  // this lane's first row and its (logical) 16-byte column
 
-    __device__ __forceinline__ explicit WarpTileCopy(int lane)
-        : row(lane / LPR), col(lane % LPR * CHUNK) {}
+    __device__ __forceinline__ explicit WarpTileCopy(int lane) : row(lane / LPR), chunk(lane % LPR) {}
 
-    __device__ __forceinline__ bool active() const { return CPR == LPR || col < D; }
+    __device__ __forceinline__ bool active() const { return CPR == LPR || chunk < CPR; }
+
+    // Shared address of this lane's i-th copy in the tile at `smem`.
+    __device__ __forceinline__ uint32_t dst(uint32_t smem, int i) const {
+        return smem + (row + i * RSTEP) * Rows::ROW_BYTES +
+               (((chunk ^ row) ^ ((i * RSTEP) & 7)) << 4);
+    }
 
     // All BN rows and D columns exist.
     __device__ __forceinline__ void full(T* smem, const T* tile, int64_t row_stride) const {
         if (!active()) return;
-        const T* src = tile + row * row_stride + col;
-        const uint32_t dst = smem_addr(smem + row * STRIDE + col);
+        const T* src = tile + row * row_stride + chunk * CHUNK;
+        const uint32_t base = smem_addr(smem);
         const int64_t step = opaque64(RSTEP * row_stride);
 #pragma unroll
-        for (int i = 0; i < PASSES; ++i, src += step)
-            cp_async_16_to(dst + i * RSTEP * STRIDE * int(sizeof(T)), src);
+        for (int i = 0; i < PASSES; ++i, src += step) cp_async_16_to(dst(base, i), src);
     }
 
     // Rows found one by one (pages shorter than a tile): lane r < BN holds the address of K
@@ -77,8 +99,8 @@ template <typename T, int BN, int D> struct WarpTileCopy {
     __device__ __forceinline__ void gathered(T* sk, T* sv, const T* my_row, const T* fallback,
                                              int cols_valid) const {
         static_assert(2 * BN == 32, "one lane per K row and one per V row");
-        const uint32_t dk = smem_addr(sk + row * STRIDE + col);
-        const uint32_t dv = smem_addr(sv + row * STRIDE + col);
+        const uint32_t dk = smem_addr(sk), dv = smem_addr(sv);
+        const int col = chunk * CHUNK;
         const bool col_ok = active() && col < cols_valid;
         const uint64_t mine = reinterpret_cast<uint64_t>(my_row);
 #pragma unroll
@@ -86,11 +108,10 @@ template <typename T, int BN, int D> struct WarpTileCopy {
             const int r = row + i * RSTEP;
             const T* k = reinterpret_cast<const T*>(__shfl_sync(0xffffffff, mine, r));
             const T* v = reinterpret_cast<const T*>(__shfl_sync(0xffffffff, mine, BN + r));
-            const int off = i * RSTEP * STRIDE * int(sizeof(T));
             if (!active()) continue;
             const bool k_ok = col_ok && k != nullptr, v_ok = col_ok && v != nullptr;
-            cp_async_16_to(dk + off, k_ok ? k + col : fallback, k_ok ? 16 : 0);
-            cp_async_16_to(dv + off, v_ok ? v + col : fallback, v_ok ? 16 : 0);
+            cp_async_16_to(dst(dk, i), k_ok ? k + col : fallback, k_ok ? 16 : 0);
+            cp_async_16_to(dst(dv, i), v_ok ? v + col : fallback, v_ok ? 16 : 0);
         }
     }
 
@@ -99,14 +120,14 @@ template <typename T, int BN, int D> struct WarpTileCopy {
     __device__ __forceinline__ void partial(T* smem, const T* tile, int64_t row_stride,
                                             int rows_valid, int cols_valid) const {
         if (!active()) return;
-        const T* src = tile + row * row_stride + col;
-        const uint32_t dst = smem_addr(smem + row * STRIDE + col);
+        const T* src = tile + row * row_stride + chunk * CHUNK;
+        const uint32_t base = smem_addr(smem);
         const int64_t step = opaque64(RSTEP * row_stride);
-        const bool col_ok = col < cols_valid;
+        const bool col_ok = chunk * CHUNK < cols_valid;
 #pragma unroll
         for (int i = 0; i < PASSES; ++i, src += step) {
             const bool ok = col_ok && row + i * RSTEP < rows_valid;
-            cp_async_16_to(dst + i * RSTEP * STRIDE * int(sizeof(T)), ok ? src : tile, ok ? 16 : 0);
+            cp_async_16_to(dst(base, i), ok ? src : tile, ok ? 16 : 0);
         }
     }
 };

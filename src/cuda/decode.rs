@@ -72,13 +72,17 @@ const MAX_SPLITS: usize = 128;
 /// filling its ring, merging its warps and writing a partial row.
 const MIN_TILES_PER_WARP: usize = 4;
 
-/// Q tile plus, per warp, 2 stages of K and V tiles (the merge reuses them as f32).
+/// `DecodeTraits::SMEM_BYTES`: Q tile (rows padded by 8 elements), per warp 2 stages of K and
+/// V tiles (swizzled rows of `d` rounded up to 64 elements, `SwizzledRows` in
+/// `cuda/decode_block.cuh`; the merge reuses them as f32), then the merge's arrival count.
 fn decode_smem_bytes(d: usize) -> u32 {
-    let stride = d + 8;
-    let q = DECODE_ROWS * stride * 2;
-    let rings = DECODE_WARPS * 2 * 2 * DECODE_KEYS_PER_TILE * stride * 2;
+    let q = DECODE_ROWS * (d + 8) * 2;
+    let pitch = d.next_multiple_of(64);
+    let rings = DECODE_WARPS * 2 * 2 * DECODE_KEYS_PER_TILE * pitch * 2;
     let merge = DECODE_WARPS * DECODE_ROWS * (d + 2) * 4;
-    (q + rings.max(merge)) as u32
+    // The merge's arrival count.
+    let arrived = 16;
+    (q + rings.max(merge) + arrived) as u32
 }
 
 /// `(block_table, max_pages, page_size)` for the kernels; no table for a contiguous cache.
