@@ -5,7 +5,8 @@
 #
 # Usage: bash scripts/profile-decode.sh [BxL ...]   (default: 8x8192 1x65536)
 # Writes $OUT/ncu-decode.txt: per shape, a metric table of a few launches of each kernel and
-# the full SpeedOfLight/Occupancy/WarpState sections of one decode launch.
+# the full SpeedOfLight/Occupancy/WarpState sections of one decode launch. PyTorch's decode
+# kernels for the same shapes: `ncu ... python3 scripts/profile-torch-decode.py B L`.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-./out}
