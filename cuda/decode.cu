@@ -3,9 +3,10 @@
 //   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
 // When split, the last split of each row tile to finish merges them by their LSE
 // (flash-decoding; merge_splits, through DecodeParams::counters).
-// The decode kernel reuses the forward's pieces (gemm.cuh, softmax.cuh, mask.cuh, copy.cuh)
-// but not its block layout: a decode step has a handful of query rows, so the block's warps
-// split the keys instead of the rows (see DecodeTraits). The query heads that share a K/V
+// The decode kernel reuses the forward's softmax, mask and fragment packing (softmax.cuh,
+// mask.cuh, gemm.cuh's pack_a) but not its block layout: a decode step has a handful of query
+// rows, so the block's warps split the keys instead of the rows (see DecodeTraits), and its
+// K/V tiles are swizzled rows (SwizzledRows), read by gemm_qk / gemm_pv below. The query heads that share a K/V
 // head are folded into the rows of one tile (GQA packing): row r holds token r / group of
 // head h_k * group + r % group, so each K/V element is read once per group, not per head.
 #include "decode_block.cuh"
@@ -411,7 +412,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                                  head * p.o_head_stride + col] = T(x);
         }
     }
-    if (!split_out || dp.counters == nullptr) return;
+    if (!split_out) return;  // split launches always pass counters (src/cuda/decode.rs)
 
     // The split of this row tile that finishes last merges all of them, which saves a
     // separate combine kernel's launch gap and ramp. Every thread fences its own partial

@@ -147,24 +147,57 @@ mod cuda_suite {
         a.sub(&b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 
-    /// FlashAttention's accuracy rule: `ours` is at most `factor` times as far from the f32
-    /// `reference` as `low` (the same math done in f16/bf16), plus `slack`.
-    fn check_rule(
+    /// Elements where `reference` is finite and `ours` is not.
+    fn new_non_finite(ours: &Tensor, reference: &Tensor) -> Result<usize> {
+        let finite = |t: &Tensor| -> Result<Tensor> {
+            // NaN compares false, and so does inf.
+            t.to_dtype(DType::F32)?
+                .abs()?
+                .le(f32::MAX)?
+                .to_dtype(DType::F32)
+        };
+        let (ours, reference) = on_one_device(ours, reference)?;
+        let (ours, reference) = (finite(&ours)?, finite(&reference)?);
+        let bad = reference
+            .mul(&ours.affine(-1.0, 1.0)?)?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        Ok(bad as usize)
+    }
+
+    /// FlashAttention's accuracy rule for one tensor: `ours` has the reference's shape, no
+    /// inf/NaN where the f32 `reference` has none, and is at most `factor` times as far from
+    /// it as `low` (the same math done in f16/bf16), plus `slack`. Returns the margins.
+    pub(crate) fn check_rule(
         what: &str,
         ours: &Tensor,
         low: &Tensor,
         reference: &Tensor,
         factor: f32,
         slack: f32,
-    ) -> Result<()> {
+    ) -> Result<String> {
+        if ours.dims() != reference.dims() {
+            candle::bail!(
+                "{what}: shape {:?}, expected {:?}",
+                ours.dims(),
+                reference.dims()
+            );
+        }
+        let bad = new_non_finite(ours, reference)?;
+        if bad > 0 {
+            candle::bail!("{what}: {bad} inf/NaN values where the f32 reference is finite");
+        }
         let err = max_abs_diff(ours, reference)?;
         let base = max_abs_diff(low, reference)?;
-        if err > factor * base + slack {
+        if !base.is_finite() {
+            candle::bail!("{what}: the low-precision baseline is not finite ({base}): bad test");
+        }
+        if err.is_nan() || err > factor * base + slack {
             candle::bail!(
                 "{what}: max error {err:.3e} > {factor} x {base:.3e} (the same math in f16/bf16) + {slack:e}"
             );
         }
-        Ok(())
+        Ok(format!("{what} {err:.2e} <= {factor}x{base:.2e}"))
     }
 
     /// The rule for outputs: 2x + 1e-5.
@@ -174,7 +207,7 @@ mod cuda_suite {
         low: &Tensor,
         reference: &Tensor,
     ) -> Result<()> {
-        check_rule(what, ours, low, reference, 2.0, 1e-5)
+        check_rule(what, ours, low, reference, 2.0, 1e-5).map(|_| ())
     }
 
     /// The rule for gradients `[dq, dk, dv]`: 3x + 1e-4.

@@ -19,9 +19,7 @@ use std::time::Instant;
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow, flash_attn, FlashAttn};
 
-use crate::cuda_suite::{
-    grads_of, max_abs_diff, on_one_device, randn, sanitize, to_reference, Suite,
-};
+use crate::cuda_suite::{check_rule as rule, grads_of, randn, sanitize, to_reference, Suite};
 
 /// How much of the repeated and long checks to run.
 #[derive(Clone, Copy, Debug)]
@@ -444,57 +442,6 @@ fn no_keys(dev: &Device) -> Result<()> {
 // Numerics at the edges
 
 type AttnFn<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
-
-/// Elements where `reference` is finite and `ours` is not.
-fn new_non_finite(ours: &Tensor, reference: &Tensor) -> Result<usize> {
-    let finite = |t: &Tensor| -> Result<Tensor> {
-        // NaN compares false, and so does inf.
-        t.to_dtype(DType::F32)?
-            .abs()?
-            .le(f32::MAX)?
-            .to_dtype(DType::F32)
-    };
-    let (ours, reference) = on_one_device(ours, reference)?;
-    let (ours, reference) = (finite(&ours)?, finite(&reference)?);
-    let bad = reference
-        .mul(&ours.affine(-1.0, 1.0)?)?
-        .sum_all()?
-        .to_scalar::<f32>()?;
-    Ok(bad as usize)
-}
-
-/// The accuracy rule for one tensor: no inf/NaN where the f32 reference has none, and
-/// `max |ours - reference| <= factor * max |low - reference| + slack`. Returns a short
-/// description of the margins.
-fn rule(
-    what: &str,
-    ours: &Tensor,
-    low: &Tensor,
-    reference: &Tensor,
-    factor: f32,
-    slack: f32,
-) -> Result<String> {
-    if ours.dims() != reference.dims() {
-        candle::bail!(
-            "{what}: shape {:?}, expected {:?}",
-            ours.dims(),
-            reference.dims()
-        );
-    }
-    let bad = new_non_finite(ours, reference)?;
-    if bad > 0 {
-        candle::bail!("{what}: {bad} inf/NaN values where the f32 reference is finite");
-    }
-    let err = max_abs_diff(ours, reference)?;
-    let base = max_abs_diff(low, reference)?;
-    if !base.is_finite() {
-        candle::bail!("{what}: the low-precision baseline is not finite ({base}): bad test");
-    }
-    if err.is_nan() || err > factor * base + slack {
-        candle::bail!("{what}: max error {err:.3e} > {factor} x {base:.3e} (same math in low precision) + {slack:e}");
-    }
-    Ok(format!("{what} {err:.2e} <= {factor}x{base:.2e}"))
-}
 
 /// One numerics case: the output against the f32 reference and the low-precision `low`
 /// (same math in the inputs' dtype; both on the reference device), and with `grads` the
