@@ -12,6 +12,7 @@
 #include "decode_block.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
+#include "pdl.cuh"
 #include "seq_info.cuh"
 #include "softmax.cuh"
 
@@ -34,9 +35,9 @@ template <typename T> __device__ __forceinline__ void flash_append(const AppendP
 // reads every K/V byte once and does little math per byte, so what matters is many copies
 // in flight, no block-wide barrier inside the loop, and few instructions per byte: at 12
 // warps per SM the loop must stay near 300 instructions per 8 KB tile to keep up with HBM.
-template <typename T_, int D_> struct DecodeTraits {
+template <typename T_, int D_, int NWARPS_ = 4> struct DecodeTraits {
     using T = T_;
-    static constexpr int D = D_, NWARPS = 4, THREADS = 32 * NWARPS;
+    static constexpr int D = D_, NWARPS = NWARPS_, THREADS = 32 * NWARPS;
     static constexpr int ROWS = 16;  // one m16 tile of packed (token, head) rows
     static constexpr int BN = 16;    // keys per warp tile
     static constexpr int STRIDE = D + SMEM_PAD;        // Q tile pitch (padded rows)
@@ -46,7 +47,8 @@ template <typename T_, int D_> struct DecodeTraits {
     // head dims need those registers for O and re-read Q from shared memory.
     static constexpr bool Q_IN_REGS = D <= 128;
     // Blocks per SM that fit in shared memory (3 up to D = 128); hold registers to that too.
-    static constexpr int MIN_BLOCKS = D <= 128 ? 3 : D <= 192 ? 2 : 1;
+    // 8-warp blocks run one per SM (split launches, see src/cuda/decode.rs).
+    static constexpr int MIN_BLOCKS = NWARPS == 8 ? 1 : D <= 128 ? 3 : D <= 192 ? 2 : 1;
     // Partial-O loads in flight per thread in the merge (merge_splits): 4 registers
     // each, which small head dims would pay for in occupancy.
     static constexpr int MERGE_UNROLL = D <= 32 ? 8 : 16;
@@ -229,6 +231,13 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     constexpr int NW = K::NWARPS;
     constexpr int ROWS = K::ROWS, KSTEPS = D / 16;
     const AttnParams& p = dp.a;
+    // Launched programmatically (src/cuda/decode.rs): the grid is set up while the kernel
+    // ahead of it finishes, and touches no global memory before that kernel (the append, the
+    // projection that wrote q, the previous decode step) has completed. It never triggers its
+    // own dependents early: blocks of a next decode made resident beside this grid's took
+    // its SMs' free slots and upset the block placement (H200: (32, 4k) 0.17 ms against
+    // 0.125 with the implicit trigger at exit; docs/PERF.md).
+    pdl_wait();
     // No static shared memory in this kernel: it would come first and push this base off
     // the 128-byte alignment the swizzled K/V rows rely on (every row 16 bytes off a sector
     // boundary moved each sector twice: 16.8 M sectors for 8.4 M at (8, 8k)).
@@ -440,6 +449,12 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         flash_decode_##NAME##_d##D(const __grid_constant__ DecodeParams dp) {                 \
         flash_decode<DecodeTraits<T, D>>(dp);                                                 \
     }
+#define FLASH_DECODE_W(NAME, T, D, W)                                                         \
+    extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D, W>::THREADS,              \
+                                                 DecodeTraits<T, D, W>::MIN_BLOCKS)           \
+        flash_decode_##NAME##_d##D##_w##W(const __grid_constant__ DecodeParams dp) {          \
+        flash_decode<DecodeTraits<T, D, W>>(dp);                                              \
+    }
 #define FLASH_DECODE_ALL(NAME, T)                                                             \
     FLASH_DECODE_DTYPE(NAME, T)                                                               \
     FLASH_DECODE(NAME, T, 32)                                                                 \
@@ -449,7 +464,11 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     FLASH_DECODE(NAME, T, 160)                                                                \
     FLASH_DECODE(NAME, T, 192)                                                                \
     FLASH_DECODE(NAME, T, 224)                                                                \
-    FLASH_DECODE(NAME, T, 256)
+    FLASH_DECODE(NAME, T, 256)                                                                \
+    FLASH_DECODE_W(NAME, T, 32, 8)                                                            \
+    FLASH_DECODE_W(NAME, T, 64, 8)                                                            \
+    FLASH_DECODE_W(NAME, T, 96, 8)                                                            \
+    FLASH_DECODE_W(NAME, T, 128, 8)
 
 FLASH_DECODE_ALL(f16, __half)
 FLASH_DECODE_ALL(bf16, __nv_bfloat16)

@@ -10,8 +10,8 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    device_ptr_opt, dtype_name, launch, poison, stream_counters, strides3, to_device_i32, to_i32,
-    AttnParams, FwdTile, StreamCounters,
+    device_ptr_opt, dtype_name, launch, launch_programmatic, poison, programmatic_launch,
+    stream_counters, strides3, to_device_i32, to_i32, AttnParams, FwdTile, StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 use crate::ptx;
@@ -61,10 +61,14 @@ struct AppendParams {
 // SAFETY: as above.
 unsafe impl DeviceRepr for AppendParams {}
 
-/// Decode block shape, mirror of `DecodeTraits` in `cuda/decode.cu`: 4 warps share 16
-/// packed query rows; each warp streams its own 16-key tiles through a two-stage ring.
+/// Decode block shape, mirror of `DecodeTraits` in `cuda/decode.cu`: 4 warps (8 in split
+/// launches, [`block_warps`]) share 16 packed query rows; each warp streams its own 16-key
+/// tiles through a two-stage ring.
 const DECODE_ROWS: usize = 16;
 const DECODE_WARPS: usize = 4;
+/// Warps of a split launch's blocks (`flash_decode_*_w8`), up to this head dim.
+const SPLIT_WARPS: usize = 8;
+const SPLIT_WARPS_MAX_D: usize = 128;
 const DECODE_KEYS_PER_TILE: usize = 16;
 /// `MAX_SPLITS` in `cuda/decode.cu` (the merge's weight buffer).
 const MAX_SPLITS: usize = 128;
@@ -75,11 +79,11 @@ const MIN_TILES_PER_WARP: usize = 4;
 /// `DecodeTraits::SMEM_BYTES`: Q tile (rows padded by 8 elements), per warp 2 stages of K and
 /// V tiles (swizzled rows of `d` rounded up to 64 elements, `SwizzledRows` in
 /// `cuda/decode_block.cuh`; the merge reuses them as f32), then the merge's arrival count.
-fn decode_smem_bytes(d: usize) -> u32 {
+fn decode_smem_bytes(d: usize, warps: usize) -> u32 {
     let q = DECODE_ROWS * (d + 8) * 2;
     let pitch = d.next_multiple_of(64);
-    let rings = DECODE_WARPS * 2 * 2 * DECODE_KEYS_PER_TILE * pitch * 2;
-    let merge = DECODE_WARPS * DECODE_ROWS * (d + 2) * 4;
+    let rings = warps * 2 * 2 * DECODE_KEYS_PER_TILE * pitch * 2;
+    let merge = warps * DECODE_ROWS * (d + 2) * 4;
     // The merge's arrival count.
     let arrived = 16;
     (q + rings.max(merge) + arrived) as u32
@@ -176,7 +180,12 @@ fn append_typed<T: CudaDType + DeviceRepr>(
 /// What the split heuristic needs to know about a device and decode kernel: its
 /// streaming multiprocessors, and how many blocks of the kernel one of them holds at once
 /// (registers and shared memory, asked of the driver). Cached per (device, kernel).
-fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize, usize)> {
+fn residency(
+    dev: &candle::CudaDevice,
+    kernel: &str,
+    warps: usize,
+    smem: u32,
+) -> Result<(usize, usize)> {
     type Known = Vec<(usize, String, (usize, usize))>;
     static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
     let ordinal = dev.cuda_stream().context().ordinal();
@@ -195,11 +204,7 @@ fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize
     )
     .w()?;
     let per_sm = func
-        .occupancy_max_active_blocks_per_multiprocessor(
-            32 * DECODE_WARPS as u32,
-            smem as usize,
-            None,
-        )
+        .occupancy_max_active_blocks_per_multiprocessor(32 * warps as u32, smem as usize, None)
         .w()? as usize;
     let r = (sms, per_sm.max(1));
     known.push((ordinal, kernel.to_string(), r));
@@ -216,6 +221,41 @@ fn forced_splits() -> Option<usize> {
             .and_then(|v| v.parse().ok())
             .filter(|&n| n > 0)
     })
+}
+
+/// `CANDLE_FLASH_DECODE_WARPS=4` keeps split launches at 4-warp blocks (a tuning aid for
+/// measuring [`block_warps`] against the alternative). Read once.
+fn forced_warps() -> Option<usize> {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        std::env::var("CANDLE_FLASH_DECODE_WARPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n == 4 || n == SPLIT_WARPS)
+    })
+}
+
+/// Warps per decode block, and the split count that goes with them. A split launch fills
+/// the SMs once with one block each (see [`num_splits`]), so its blocks get 8 warps: twice
+/// the K/V tiles in flight per SM (H200, hd 128: (8, 8k) 0.0670 ms against 0.0683 with 4
+/// warps, same run; docs/PERF.md). Unsplit grids fill the SMs with several 4-warp blocks
+/// (6 warps measured no faster at (32, 4k)). Head dims above `SPLIT_WARPS_MAX_D` keep 4
+/// warps: 8 rings of 16 x 256 keys do not fit in shared memory.
+fn block_warps(
+    blocks: usize,
+    key_tiles: usize,
+    sms: usize,
+    slots: usize,
+    d: usize,
+) -> (usize, usize) {
+    let splits = num_splits(blocks, key_tiles, sms, slots, DECODE_WARPS);
+    if splits == 1 || d > SPLIT_WARPS_MAX_D || forced_warps() == Some(DECODE_WARPS) {
+        return (DECODE_WARPS, splits);
+    }
+    match num_splits(blocks, key_tiles, sms, slots, SPLIT_WARPS) {
+        1 => (DECODE_WARPS, splits),
+        wide => (SPLIT_WARPS, wide),
+    }
 }
 
 /// Arrival counters of the merge, one `u32` per (sequence, K/V head, row tile) (see
@@ -235,14 +275,14 @@ static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
 /// fill the SMs once, never past them; a grid that fills half the slots on its own runs
 /// unsplit ((32, 4k): 256 blocks, 0.134 ms against 0.147 ms with 3 splits). At least
 /// `MIN_TILES_PER_WARP` key tiles per warp.
-fn num_splits(blocks: usize, key_tiles: usize, sms: usize, slots: usize) -> usize {
+fn num_splits(blocks: usize, key_tiles: usize, sms: usize, slots: usize, warps: usize) -> usize {
     if let Some(n) = forced_splits() {
         return n.min(MAX_SPLITS);
     }
     if blocks * 2 >= slots {
         return 1;
     }
-    let most = (key_tiles / (MIN_TILES_PER_WARP * DECODE_WARPS)).clamp(1, MAX_SPLITS);
+    let most = (key_tiles / (MIN_TILES_PER_WARP * warps)).clamp(1, MAX_SPLITS);
     (sms / blocks.max(1)).clamp(1, most)
 }
 
@@ -275,15 +315,21 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let group = p.h / p.hk;
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
-    let kernel = format!("flash_decode_{dtype}_d{}", tile.d);
-    let smem = decode_smem_bytes(tile.d);
-    let (sms, per_sm) = residency(&dev, &kernel, smem)?;
-    let splits = num_splits(
+    let kernel4 = format!("flash_decode_{dtype}_d{}", tile.d);
+    let (sms, per_sm) = residency(&dev, &kernel4, DECODE_WARPS, decode_smem_bytes(tile.d, 4))?;
+    let (warps, splits) = block_warps(
         p.b * p.hk * row_tiles,
         max_len.div_ceil(DECODE_KEYS_PER_TILE),
         sms,
         sms * per_sm,
+        tile.d,
     );
+    let kernel = if warps == DECODE_WARPS {
+        kernel4
+    } else {
+        format!("{kernel4}_w{warps}")
+    };
+    let smem = decode_smem_bytes(tile.d, warps);
 
     let out_elems = p.b * p.s_q * p.h * p.d;
     // SAFETY: the decode kernel (when split, the last split of each row tile) writes every
@@ -392,14 +438,17 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             counters: counters_ptr,
             seqlens_inline,
         };
-        launch(
-            &dev,
-            &kernel,
-            (p.hk * row_tiles, splits, p.b),
-            32 * DECODE_WARPS as u32,
-            smem,
-            &params,
-        )?;
+        let grid = (p.hk * row_tiles, splits, p.b);
+        let threads = 32 * warps as u32;
+        // A decode step is a few tens of microseconds, so the launch gap after the kernel
+        // before it (the append, q's projection, the previous step) is a few percent of it;
+        // launched programmatically the kernel waits in `pdl_wait` instead (H200, (8, 8k):
+        // 0.0683 ms against 0.0707; docs/PERF.md).
+        if programmatic_launch(&dev)? {
+            launch_programmatic(&dev, &kernel, grid, threads, smem, &params)?;
+        } else {
+            launch(&dev, &kernel, grid, threads, smem, &params)?;
+        }
         drop((q_sync, k_sync, v_sync, o_sync, op_sync, lp_sync, syncs));
         drop(counters_sync);
     }

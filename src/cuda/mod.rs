@@ -15,8 +15,8 @@ use candle::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUdeviceptr, CUfunction_attribute,
 };
 use candle::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-    SyncOnDrop,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg, SyncOnDrop,
 };
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
@@ -406,18 +406,96 @@ fn poison<T: DeviceRepr>(stream: &Arc<CudaStream>, buf: &mut CudaSlice<T>) -> Re
 fn launch<P: DeviceRepr>(
     dev: &candle::CudaDevice,
     name: &str,
-    (x, y, z): (usize, usize, usize),
+    grid: (usize, usize, usize),
     threads: u32,
     smem: u32,
     params: &P,
 ) -> Result<()> {
+    let Some((func, cfg)) = prepare_launch(dev, name, grid, threads, smem)? else {
+        return Ok(());
+    };
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(params);
+    // SAFETY: the parameter block describes live allocations of the sizes the kernel indexes
+    // (shapes checked by `params::validate`, buffers allocated by the caller for them).
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Whether kernels written for it (`cuda/pdl.cuh`) are launched as programmatic dependents:
+/// Hopper and later, unless `CANDLE_FLASH_PDL=0` (read once) asks for plain launches.
+fn programmatic_launch(dev: &candle::CudaDevice) -> Result<bool> {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("CANDLE_FLASH_PDL").is_ok_and(|v| v == "0"));
+    Ok(!off && device_facts(dev)?.major >= 9)
+}
+
+/// [`launch`] with programmatic stream serialization: the kernel's blocks may be dispatched
+/// while the kernel ahead of it in the stream finishes, so the launch overlaps that tail.
+/// Only for kernels that call `pdl_wait` (cuda/pdl.cuh) before they touch global memory.
+fn launch_programmatic<P: DeviceRepr>(
+    dev: &candle::CudaDevice,
+    name: &str,
+    grid: (usize, usize, usize),
+    threads: u32,
+    smem: u32,
+    params: &P,
+) -> Result<()> {
+    use candle::cuda_backend::cudarc::driver::sys;
+    let Some((func, cfg)) = prepare_launch(dev, name, grid, threads, smem)? else {
+        return Ok(());
+    };
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    // SAFETY: zero is a valid bit pattern for this plain C struct; the id and value are set.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    // SAFETY: as in `launch`; `params` outlives the call (the driver copies the parameter
+    // block at launch) and the function belongs to the stream's context.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .w()?;
+    Ok(())
+}
+
+/// The function `name` from the PTX module of its kernel family, its dynamic shared memory
+/// allowed, and the launch shape; `None` for an empty grid (nothing to launch).
+fn prepare_launch(
+    dev: &candle::CudaDevice,
+    name: &str,
+    (x, y, z): (usize, usize, usize),
+    threads: u32,
+    smem: u32,
+) -> Result<Option<(CudaFunction, LaunchConfig)>> {
     if x > i32::MAX as usize || y > 65535 || z > 65535 {
         bail!(
             "{name}: launch grid ({x}, {y}, {z}) exceeds CUDA's limits (too many heads or batches)"
         )
     }
     if x == 0 || y == 0 || z == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let (module, ptx) = if name.starts_with("flash_fwd_sm90") {
         ("candle_flash_fwd_sm90", ptx::FWD_SM90)
@@ -441,12 +519,7 @@ fn launch<P: DeviceRepr>(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    let mut builder = func.builder();
-    builder.arg(params);
-    // SAFETY: the parameter block describes live allocations of the sizes the kernel indexes
-    // (shapes checked by `params::validate`, buffers allocated by the caller for them).
-    unsafe { builder.launch(cfg) }.w()?;
-    Ok(())
+    Ok(Some((func.into_cuda_function(), cfg)))
 }
 
 fn dtype_name(dtype: DType) -> Result<&'static str> {

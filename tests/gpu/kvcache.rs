@@ -228,10 +228,11 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             }
         }
     }
-    // Other head dims and no mask, on one setting each.
-    for d in [40, 64, 96, 256] {
+    // Other head dims and no mask, on one setting each; 2000 keys make it a split launch
+    // with 8-warp blocks up to hd 128 (src/cuda/decode.rs, `block_warps`).
+    for d in [32, 40, 64, 96, 160, 256] {
         cases.push(DecodeCase {
-            lens: vec![33, 1000],
+            lens: vec![33, 2000],
             s_q: 4,
             s_new: 2,
             h: 8,

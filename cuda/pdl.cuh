@@ -1,0 +1,10 @@
+// Programmatic dependent launch (Hopper). A kernel launched with the
+// PROGRAMMATIC_STREAM_SERIALIZATION attribute is launched as soon as the blocks of the kernel
+// ahead of it in the stream have exited (or triggered it early), not after that kernel's
+// completion has gone through the stream: its grid set-up and block dispatch, a few
+// microseconds, overlap the end of the kernel before. It must not touch global memory
+// before `pdl_wait`. Launched without the attribute, `pdl_wait` does nothing.
+#pragma once
+
+// Waits until the grids this one depends on have completed and their memory is visible.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
