@@ -210,6 +210,21 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         causal: true,
         page_size: None,
     });
+    // Split launches (8-warp blocks, the merge in the last split; see `block_warps` in
+    // src/cuda/decode.rs), contiguous and paged, so that the quick grid (and with it the
+    // sanitizer runs) covers them too.
+    for (d, page_size) in [(128, None), (64, Some(16))] {
+        cases.push(DecodeCase {
+            lens: vec![33, 2000],
+            s_q: 1,
+            s_new: 1,
+            h: 8,
+            hk: 2,
+            d,
+            causal: true,
+            page_size,
+        });
+    }
     for lens in &len_sets {
         for &(s_q, s_new) in &[(1usize, 1usize), (4, 4), (16, 0), (1, 0), (4, 9)] {
             for &(h, hk) in &[(8usize, 8usize), (8, 2), (32, 4)] {
