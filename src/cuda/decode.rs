@@ -225,14 +225,9 @@ fn forced_splits() -> Option<usize> {
 
 /// `CANDLE_FLASH_DECODE_WARPS=4` keeps split launches at 4-warp blocks (a tuning aid for
 /// measuring [`block_warps`] against the alternative). Read once.
-fn forced_warps() -> Option<usize> {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| {
-        std::env::var("CANDLE_FLASH_DECODE_WARPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n| n == 4 || n == SPLIT_WARPS)
-    })
+fn four_warps_forced() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_DECODE_WARPS").is_ok_and(|v| v == "4"))
 }
 
 /// Warps per decode block, and the split count that goes with them. A split launch fills
@@ -240,7 +235,8 @@ fn forced_warps() -> Option<usize> {
 /// the K/V tiles in flight per SM (H200, hd 128: (8, 8k) 0.0670 ms against 0.0683 with 4
 /// warps, same run; docs/PERF.md). Unsplit grids fill the SMs with several 4-warp blocks
 /// (6 warps measured no faster at (32, 4k)). Head dims above `SPLIT_WARPS_MAX_D` keep 4
-/// warps: 8 rings of 16 x 256 keys do not fit in shared memory.
+/// warps: at 224 and 256 eight warps' rings do not fit in shared memory, and 160 and 192
+/// (which would fit) were not measured.
 fn block_warps(
     blocks: usize,
     key_tiles: usize,
@@ -249,7 +245,7 @@ fn block_warps(
     d: usize,
 ) -> (usize, usize) {
     let splits = num_splits(blocks, key_tiles, sms, slots, DECODE_WARPS);
-    if splits == 1 || d > SPLIT_WARPS_MAX_D || forced_warps() == Some(DECODE_WARPS) {
+    if splits == 1 || d > SPLIT_WARPS_MAX_D || four_warps_forced() {
         return (DECODE_WARPS, splits);
     }
     match num_splits(blocks, key_tiles, sms, slots, SPLIT_WARPS) {
@@ -316,7 +312,12 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
     let kernel4 = format!("flash_decode_{dtype}_d{}", tile.d);
-    let (sms, per_sm) = residency(&dev, &kernel4, DECODE_WARPS, decode_smem_bytes(tile.d, 4))?;
+    let (sms, per_sm) = residency(
+        &dev,
+        &kernel4,
+        DECODE_WARPS,
+        decode_smem_bytes(tile.d, DECODE_WARPS),
+    )?;
     let (warps, splits) = block_warps(
         p.b * p.hk * row_tiles,
         max_len.div_ceil(DECODE_KEYS_PER_TILE),
