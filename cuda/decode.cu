@@ -1,14 +1,16 @@
 // KV-cache decoding, launched in this order:
 //   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k, b)
 //   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
+//   flash_decode_<dtype>_d<D>_w8  the same with 8 warps (split launches, D <= 128)
 // When split, the last split of each row tile to finish merges them by their LSE
 // (flash-decoding; merge_splits, through DecodeParams::counters).
 // The decode kernel reuses the forward's softmax, mask and fragment packing (softmax.cuh,
 // mask.cuh, gemm.cuh's pack_a) but not its block layout: a decode step has a handful of query
 // rows, so the block's warps split the keys instead of the rows (see DecodeTraits), and its
-// K/V tiles are swizzled rows (SwizzledRows), read by gemm_qk / gemm_pv below. The query heads that share a K/V
-// head are folded into the rows of one tile (GQA packing): row r holds token r / group of
-// head h_k * group + r % group, so each K/V element is read once per group, not per head.
+// K/V tiles are swizzled rows (SwizzledRows), read by gemm_qk / gemm_pv below. The query
+// heads that share a K/V head are folded into the rows of one tile (GQA packing): row r holds
+// token r / group of head h_k * group + r % group, so each K/V element is read once per
+// group, not per head.
 #include "decode_block.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"

@@ -176,11 +176,12 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)
 
 // One warpgroup per block, small enough that three (d = 64 with 128-key tiles, d = 128 with
-// 48-key tiles) or four (d = 64, 64-key tiles) blocks share an SM: one block's first loads, softmax and epilogue then overlap another's
-// matmuls, which is what short and causal sequences need (few key tiles per block).
+// 48-key tiles) or four (d = 64, 64-key tiles) blocks share an SM: one block's first loads,
+// softmax and epilogue then overlap another's matmuls, which is what short and causal
+// sequences need (few key tiles per block).
 #define FLASH_FWD_SM90_G1(NAME, T, D, BN, MIN_BLOCKS)                                         \
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS)                             \
-        flash_fwd_sm90_##NAME##_d##D##_g1##_n##BN(const __grid_constant__ AttnParams p) {             \
+        flash_fwd_sm90_##NAME##_d##D##_g1##_n##BN(const __grid_constant__ AttnParams p) {     \
         flash_fwd_sm90<Sm90Traits<T, D, 1, BN>>(p);                                           \
     }
 FLASH_FWD_SM90_G1(f16, __half, 64, 128, 3)

@@ -209,7 +209,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         deterministic,
         params.a.drop_threshold != 0,
         // Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
-        device_facts(&dev)?.major == 9,
+        device_facts(&dev)?.hopper(),
     );
     // The fused kernel adds into it; rows that no key reaches keep their zeros.
     let mut dq_accum = match path {

@@ -10,8 +10,8 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    device_ptr_opt, dtype_name, launch, launch_programmatic, poison, programmatic_launch,
-    stream_counters, strides3, to_device_i32, to_i32, AttnParams, FwdTile, StreamCounters,
+    device_ptr_opt, dtype_name, launch, launch_programmatic, poison, stream_counters, strides3,
+    to_device_i32, to_i32, AttnParams, FwdTile, StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 use crate::ptx;
@@ -177,15 +177,10 @@ fn append_typed<T: CudaDType + DeviceRepr>(
     Ok(())
 }
 
-/// What the split heuristic needs to know about a device and decode kernel: its
+/// What the split heuristic needs to know about a device and 4-warp decode kernel: its
 /// streaming multiprocessors, and how many blocks of the kernel one of them holds at once
 /// (registers and shared memory, asked of the driver). Cached per (device, kernel).
-fn residency(
-    dev: &candle::CudaDevice,
-    kernel: &str,
-    warps: usize,
-    smem: u32,
-) -> Result<(usize, usize)> {
+fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize, usize)> {
     type Known = Vec<(usize, String, (usize, usize))>;
     static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
     let ordinal = dev.cuda_stream().context().ordinal();
@@ -204,7 +199,11 @@ fn residency(
     )
     .w()?;
     let per_sm = func
-        .occupancy_max_active_blocks_per_multiprocessor(32 * warps as u32, smem as usize, None)
+        .occupancy_max_active_blocks_per_multiprocessor(
+            32 * DECODE_WARPS as u32,
+            smem as usize,
+            None,
+        )
         .w()? as usize;
     let r = (sms, per_sm.max(1));
     known.push((ordinal, kernel.to_string(), r));
@@ -312,12 +311,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
     let kernel4 = format!("flash_decode_{dtype}_d{}", tile.d);
-    let (sms, per_sm) = residency(
-        &dev,
-        &kernel4,
-        DECODE_WARPS,
-        decode_smem_bytes(tile.d, DECODE_WARPS),
-    )?;
+    let (sms, per_sm) = residency(&dev, &kernel4, decode_smem_bytes(tile.d, DECODE_WARPS))?;
     let (warps, splits) = block_warps(
         p.b * p.hk * row_tiles,
         max_len.div_ceil(DECODE_KEYS_PER_TILE),
@@ -439,17 +433,18 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             counters: counters_ptr,
             seqlens_inline,
         };
-        let grid = (p.hk * row_tiles, splits, p.b);
-        let threads = 32 * warps as u32;
         // A decode step is a few tens of microseconds, so the launch gap after the kernel
         // before it (the append, q's projection, the previous step) is a few percent of it;
         // launched programmatically the kernel waits in `pdl_wait` instead (H200, (8, 8k):
         // 0.0683 ms against 0.0707; docs/PERF.md).
-        if programmatic_launch(&dev)? {
-            launch_programmatic(&dev, &kernel, grid, threads, smem, &params)?;
-        } else {
-            launch(&dev, &kernel, grid, threads, smem, &params)?;
-        }
+        launch_programmatic(
+            &dev,
+            &kernel,
+            (p.hk * row_tiles, splits, p.b),
+            32 * warps as u32,
+            smem,
+            &params,
+        )?;
         drop((q_sync, k_sync, v_sync, o_sync, op_sync, lp_sync, syncs));
         drop(counters_sync);
     }

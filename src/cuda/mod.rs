@@ -318,6 +318,14 @@ pub(crate) struct DeviceFacts {
     pub sms: usize,
 }
 
+impl DeviceFacts {
+    /// Compute capability 9.x: the wgmma kernels, and programmatic launch, are built for
+    /// sm_90a only.
+    pub fn hopper(&self) -> bool {
+        self.major == 9
+    }
+}
+
 /// [`DeviceFacts`] of `dev`, cached per device ordinal.
 pub(crate) fn device_facts(dev: &candle::CudaDevice) -> Result<DeviceFacts> {
     static KNOWN: Mutex<Vec<(usize, DeviceFacts)>> = Mutex::new(Vec::new());
@@ -374,7 +382,7 @@ pub(crate) fn stream_counters<'a>(
 /// Whether the forward runs the wgmma kernel: on compute capability 9.x, unless
 /// `CANDLE_FLASH_FWD=mma` asks for the mma.sync kernel (read once; for A/B comparisons).
 fn use_sm90(dev: &candle::CudaDevice) -> Result<bool> {
-    Ok(forced_fwd() != "mma" && device_facts(dev)?.major == 9)
+    Ok(forced_fwd() != "mma" && device_facts(dev)?.hopper())
 }
 
 /// `CANDLE_FLASH_FWD=mma` forces the mma.sync forward kernels, read once.
@@ -423,17 +431,10 @@ fn launch<P: DeviceRepr>(
     Ok(())
 }
 
-/// Whether kernels written for it (`cuda/pdl.cuh`) are launched as programmatic dependents:
-/// Hopper and later, unless `CANDLE_FLASH_PDL=0` (read once) asks for plain launches.
-fn programmatic_launch(dev: &candle::CudaDevice) -> Result<bool> {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("CANDLE_FLASH_PDL").is_ok_and(|v| v == "0"));
-    Ok(!off && device_facts(dev)?.major >= 9)
-}
-
-/// [`launch`] with programmatic stream serialization: the kernel's blocks may be dispatched
-/// while the kernel ahead of it in the stream finishes, so the launch overlaps that tail.
-/// Only for kernels that call `pdl_wait` (cuda/pdl.cuh) before they touch global memory.
+/// [`launch`] with programmatic stream serialization on Hopper: the kernel's blocks may be
+/// dispatched while the kernel ahead of it in the stream finishes, so the launch overlaps
+/// that tail. Only for kernels that call `pdl_wait` (cuda/pdl.cuh) before they touch global
+/// memory. A plain [`launch`] elsewhere, or when `CANDLE_FLASH_PDL=0` (read once).
 fn launch_programmatic<P: DeviceRepr>(
     dev: &candle::CudaDevice,
     name: &str,
@@ -443,6 +444,11 @@ fn launch_programmatic<P: DeviceRepr>(
     params: &P,
 ) -> Result<()> {
     use candle::cuda_backend::cudarc::driver::sys;
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("CANDLE_FLASH_PDL").is_ok_and(|v| v == "0"));
+    if off || !device_facts(dev)?.hopper() {
+        return launch(dev, name, grid, threads, smem, params);
+    }
     let Some((func, cfg)) = prepare_launch(dev, name, grid, threads, smem)? else {
         return Ok(());
     };
