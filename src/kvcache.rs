@@ -20,6 +20,8 @@ use crate::fwd::aligned;
 use crate::options::FlashAttn;
 use crate::params::{self, AppendProblem, AttnShape, DecodeProblem, Paging};
 
+mod append_varlen;
+
 /// Shape of the new keys and values, in messages.
 const NEW_KV_DIMS: &str = "(batch, seqlen_new, num_heads_k, head_dim)";
 
@@ -612,6 +614,12 @@ impl PagedKvCache {
             block_table: Vec::new(),
         };
         let lengths = lengths_after(&self.lengths, s_new, &paging)?;
+        self.allocate_for(&lengths)
+    }
+
+    /// The block table and free list once every sequence `b` holds `lengths[b]` tokens
+    /// (at least as many as now). Errors: too few free pages.
+    fn allocate_for(&self, lengths: &[u32]) -> Result<(Vec<u32>, Vec<u32>)> {
         let (mut table, mut free) = (self.block_table.clone(), self.free.clone());
         for (b, &len) in lengths.iter().enumerate() {
             let (held, needed) = (self.held(b), (len as usize).div_ceil(self.page_size));
@@ -619,10 +627,11 @@ impl PagedKvCache {
                 let Some(page) = free.pop() else {
                     bail!(
                         "PagedKvCache: out of pages: sequence {b} needs {} more page(s) for \
-                         {} + {s_new} tokens (page_size {}), but only {} were left \
+                         {} + {} tokens (page_size {}), but only {} were left \
                          ({} of {} pages were free before this call)",
                         needed - held,
                         self.lengths[b],
+                        len - self.lengths[b],
                         self.page_size,
                         p - held,
                         self.free.len(),

@@ -694,3 +694,152 @@ fn paged_kv_cache_out_of_pages() -> Result<()> {
     assert_eq!(small.free_pages(), 16);
     Ok(())
 }
+
+/// A cache of either layout behind one interface, for the ragged-append tests.
+enum AnyCache {
+    Flat(KvCache),
+    Paged(PagedKvCache),
+}
+
+impl AnyCache {
+    fn new(layout: Layout, b: usize, capacity: usize, hk: usize, d: usize) -> Result<Self> {
+        Ok(match layout {
+            Layout::Contiguous => {
+                AnyCache::Flat(KvCache::new(b, capacity, hk, d, DType::F32, &Device::Cpu)?)
+            }
+            Layout::Paged(ps) => {
+                let per_seq = capacity.div_ceil(ps);
+                AnyCache::Paged(PagedKvCache::new(
+                    b,
+                    b * per_seq,
+                    ps,
+                    per_seq,
+                    hk,
+                    d,
+                    DType::F32,
+                    &Device::Cpu,
+                )?)
+            }
+        })
+    }
+    fn append_varlen(&mut self, k: &Tensor, v: &Tensor, lens: &[usize]) -> Result<()> {
+        match self {
+            AnyCache::Flat(c) => c.append_varlen(k, v, lens),
+            AnyCache::Paged(c) => c.append_varlen(k, v, lens),
+        }
+    }
+    fn step(&mut self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let opts = FlashAttn::new().causal(true);
+        match self {
+            AnyCache::Flat(c) => c.append_and_attend(q, k, v, &opts),
+            AnyCache::Paged(c) => c.append_and_attend(q, k, v, &opts),
+        }
+    }
+    fn lengths(&self) -> Vec<u32> {
+        match self {
+            AnyCache::Flat(c) => c.lengths().to_vec(),
+            AnyCache::Paged(c) => c.lengths().to_vec(),
+        }
+    }
+}
+
+#[test]
+fn ragged_append_then_decode() -> Result<()> {
+    let (h, hk, d) = (4, 2, 16);
+    // An empty sequence, one that ends exactly on a page, one that spans pages.
+    let lens = [5usize, 0, 16, 33];
+    let total: usize = lens.iter().sum();
+    for layout in [Layout::Contiguous, Layout::Paged(16), Layout::Paged(3)] {
+        let k_new = randn((total, hk, d), DType::F32)?;
+        let v_new = randn((total, hk, d), DType::F32)?;
+        let mut cache = AnyCache::new(layout, lens.len(), 40, hk, d)?;
+        cache.append_varlen(&k_new, &v_new, &lens)?;
+        assert_eq!(cache.lengths(), vec![5, 0, 16, 33]);
+        // A second ragged append continues each sequence where it stopped.
+        let more = [1usize, 2, 0, 3];
+        let (k_more, v_more) = (
+            randn((6, hk, d), DType::F32)?,
+            randn((6, hk, d), DType::F32)?,
+        );
+        cache.append_varlen(&k_more, &v_more, &more)?;
+        let q = randn((lens.len(), 1, h, d), DType::F32)?;
+        let k_step = randn((lens.len(), 1, hk, d), DType::F32)?;
+        let v_step = randn((lens.len(), 1, hk, d), DType::F32)?;
+        let out = cache.step(&q, &k_step, &v_step)?;
+        let (mut start, mut start_more) = (0, 0);
+        for s in 0..lens.len() {
+            let keys = |a: &Tensor, b: &Tensor, step: &Tensor| -> Result<Tensor> {
+                Tensor::cat(
+                    &[
+                        &a.narrow(0, start, lens[s])?.unsqueeze(0)?,
+                        &b.narrow(0, start_more, more[s])?.unsqueeze(0)?,
+                        &step.i(s..s + 1)?,
+                    ],
+                    1,
+                )
+            };
+            let k = keys(&k_new, &k_more, &k_step)?;
+            let v = keys(&v_new, &v_more, &v_step)?;
+            let expect = attention_slow(&q.i(s..s + 1)?, &k, &v, 1.0 / (d as f32).sqrt(), true)?;
+            assert_close(
+                &format!("{layout:?} seq {s}"),
+                &out.i(s..s + 1)?,
+                &expect,
+                F32_TOL,
+            )?;
+            start += lens[s];
+            start_more += more[s];
+        }
+        assert_eq!(cache.lengths(), vec![7, 3, 17, 37]);
+    }
+    Ok(())
+}
+
+#[test]
+fn ragged_append_errors_write_nothing() -> Result<()> {
+    let (hk, d) = (2, 8);
+    for layout in [Layout::Contiguous, Layout::Paged(4)] {
+        let mut cache = AnyCache::new(layout, 2, 8, hk, d)?;
+        let k = randn((6, hk, d), DType::F32)?;
+        let cases: Vec<(Tensor, Vec<usize>, &str)> = vec![
+            (
+                k.clone(),
+                vec![6],
+                "seqlens_new: 1 entries for a cache of 2 sequences",
+            ),
+            (k.clone(), vec![2, 3], "k_new: expected (total=5"),
+            (k.clone(), vec![0, 9], "k_new: expected (total=9"),
+            (
+                randn((9, hk, d), DType::F32)?,
+                vec![0, 9],
+                "more than the cache capacity of 8",
+            ),
+            (randn((6, hk, 4), DType::F32)?, vec![3, 3], "head_dim=8"),
+            (k.to_dtype(DType::F16)?, vec![3, 3], "dtype F16 differs"),
+        ];
+        for (kn, lens, needle) in cases {
+            let err = cache
+                .append_varlen(&kn, &kn, &lens)
+                .expect_err(needle)
+                .to_string();
+            assert!(err.contains(needle), "{layout:?}: {err:?} lacks {needle:?}");
+            assert_eq!(
+                cache.lengths(),
+                vec![0, 0],
+                "{layout:?}: lengths changed on error"
+            );
+        }
+        cache.append_varlen(&k, &k, &[6, 0])?;
+        assert_eq!(cache.lengths(), vec![6, 0]);
+    }
+    // Out of pages: 2 sequences share a pool of 3 pages of 4 tokens.
+    let mut paged = PagedKvCache::new(2, 3, 4, 3, hk, d, DType::F32, &Device::Cpu)?;
+    let k = randn((14, hk, d), DType::F32)?;
+    let err = paged
+        .append_varlen(&k, &k, &[9, 5])
+        .expect_err("out of pages")
+        .to_string();
+    assert!(err.contains("out of pages"), "{err}");
+    assert_eq!((paged.lengths(), paged.free_pages()), (&[0u32, 0][..], 3));
+    Ok(())
+}

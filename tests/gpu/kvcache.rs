@@ -4,6 +4,7 @@
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::{
     attention_slow, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, KvCache,
+    PagedKvCache,
 };
 
 use crate::cuda_suite::{check_output, has_nan, max_abs_diff, randn, to_reference, Suite};
@@ -269,4 +270,65 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         }
     }
     suite.record("decode generation loop", generation_loop(dev));
+    for page_size in [None, Some(16), Some(5)] {
+        suite.record(
+            &format!("ragged append then decode, page_size {page_size:?}"),
+            ragged_append(dev, page_size),
+        );
+    }
+}
+
+/// `append_varlen` (a packed prefill of prompts of different lengths, one of them empty)
+/// followed by a decoding step: each sequence's output equals attention over exactly its own
+/// keys, so no row of another sequence or of stale memory was written or read.
+fn ragged_append(dev: &Device, page_size: Option<usize>) -> Result<()> {
+    let (h, hk, d, dtype) = (8, 2, 64, DType::BF16);
+    let lens = [37usize, 0, 300, 1];
+    let total: usize = lens.iter().sum();
+    let (b, capacity) = (lens.len(), 320);
+    let k_new = randn(&[total, hk, d], dtype, dev)?;
+    let v_new = randn(&[total, hk, d], dtype, dev)?;
+    let q = randn(&[b, 1, h, d], dtype, dev)?;
+    let k_step = randn(&[b, 1, hk, d], dtype, dev)?;
+    let v_step = randn(&[b, 1, hk, d], dtype, dev)?;
+    let opts = FlashAttn::new().causal(true);
+    let out = match page_size {
+        None => {
+            let mut c = KvCache::new(b, capacity, hk, d, dtype, dev)?;
+            c.append_varlen(&k_new, &v_new, &lens)?;
+            c.append_and_attend(&q, &k_step, &v_step, &opts)?
+        }
+        Some(ps) => {
+            let per_seq = capacity.div_ceil(ps);
+            let mut c = PagedKvCache::new(b, b * per_seq, ps, per_seq, hk, d, dtype, dev)?;
+            c.append_varlen(&k_new, &v_new, &lens)?;
+            c.append_and_attend(&q, &k_step, &v_step, &opts)?
+        }
+    };
+    let mut start = 0;
+    for (s, &len) in lens.iter().enumerate() {
+        let keys = |packed: &Tensor, step: &Tensor| -> Result<Tensor> {
+            let own = packed.narrow(0, start, len)?.unsqueeze(0)?;
+            Tensor::cat(&[&own, &step.i(s..s + 1)?], 1)
+        };
+        let (k, v) = (keys(&k_new, &k_step)?, keys(&v_new, &v_step)?);
+        let qs = q.i(s..s + 1)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let reference = attention_slow(
+            &to_reference(&qs)?,
+            &to_reference(&k)?,
+            &to_reference(&v)?,
+            scale,
+            true,
+        )?;
+        let low = attention_slow(&qs, &k, &v, scale, true)?;
+        check_output(
+            &format!("sequence {s}"),
+            &out.i(s..s + 1)?,
+            &low,
+            &reference,
+        )?;
+        start += len;
+    }
+    Ok(())
 }

@@ -1,0 +1,285 @@
+//! Batched generation: one packed prefill of every prompt, then one decoding step per token
+//! for all sequences together, each at its own position in its own KV cache rows.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use candle::{DType, Device, Tensor, D};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+
+use super::model::{AttnImpl, Cache, CacheLayout, Llama};
+
+/// How tokens are chosen and when generation stops.
+#[derive(Clone, Debug)]
+pub struct GenOpts {
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    pub seed: u64,
+    /// 1.0 turns it off.
+    pub repeat_penalty: f32,
+    pub repeat_last_n: usize,
+    pub eos_ids: Vec<u32>,
+    /// Generate `max_new_tokens` even past an end-of-sequence token (benchmarks).
+    pub ignore_eos: bool,
+    pub layout: CacheLayout,
+    /// Keep each step's logits `(batch, vocab)` (tests).
+    pub record_logits: bool,
+}
+
+/// What a generation measured, with the definitions of candle's llama example.
+#[derive(Clone, Debug, Default)]
+pub struct GenStats {
+    pub batch: usize,
+    pub prompt_tokens: usize,
+    /// Tokens generated over all sequences.
+    pub generated_tokens: usize,
+    /// Prefill of every prompt and the first sampled token of each.
+    pub time_to_first_token: Duration,
+    /// From the second token on.
+    pub decode_time: Duration,
+    /// Decoding steps after the first token (each makes one token per running sequence).
+    pub decode_steps: usize,
+    /// Peak device memory of the run (CUDA: the memory pool's high-water mark).
+    pub peak_memory: Option<u64>,
+}
+
+impl GenStats {
+    pub fn prompt_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64()
+    }
+
+    /// Generated tokens per second over all sequences, from the second token on.
+    pub fn generated_tokens_per_s(&self) -> f64 {
+        (self.generated_tokens - self.batch.min(self.generated_tokens)) as f64
+            / self.decode_time.as_secs_f64().max(1e-12)
+    }
+}
+
+/// The output of [`generate`].
+pub struct Generation {
+    /// New tokens of each sequence (an end-of-sequence token included when one ended it).
+    pub tokens: Vec<Vec<u32>>,
+    pub stats: GenStats,
+    /// Logits of each step, when [`GenOpts::record_logits`].
+    pub logits: Vec<Tensor>,
+}
+
+/// Chooses the next token of each sequence from `logits` `(batch, vocab)` f32.
+struct Sampler {
+    processors: Vec<LogitsProcessor>,
+    greedy: bool,
+    penalty: f32,
+    last_n: usize,
+}
+
+impl Sampler {
+    fn new(opts: &GenOpts, batch: usize) -> Self {
+        Self {
+            processors: (0..batch)
+                .map(|b| {
+                    LogitsProcessor::from_sampling(opts.seed + b as u64, opts.sampling.clone())
+                })
+                .collect(),
+            greedy: matches!(opts.sampling, Sampling::ArgMax),
+            penalty: opts.repeat_penalty,
+            last_n: opts.repeat_last_n,
+        }
+    }
+
+    fn sample(&mut self, logits: &Tensor, history: &[Vec<u32>]) -> Result<Vec<u32>> {
+        if self.greedy && self.penalty == 1.0 {
+            // On the device: only the chosen ids cross to the host.
+            return Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
+        }
+        let logits = logits.to_device(&Device::Cpu)?;
+        let mut out = Vec::with_capacity(history.len());
+        for (b, proc) in self.processors.iter_mut().enumerate() {
+            let mut row = logits.get(b)?;
+            if self.penalty != 1.0 {
+                let h = &history[b];
+                let start = h.len().saturating_sub(self.last_n);
+                row = candle_transformers::utils::apply_repeat_penalty(
+                    &row,
+                    self.penalty,
+                    &h[start..],
+                )?;
+            }
+            out.push(proc.sample(&row)?);
+        }
+        Ok(out)
+    }
+}
+
+/// Peak device memory: the CUDA memory pool's high-water mark (Candle allocates from it).
+pub mod memory {
+    use candle::Device;
+
+    #[cfg(feature = "cuda")]
+    fn pool(
+        dev: &candle::CudaDevice,
+    ) -> Option<candle::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+        use candle::cuda_backend::cudarc::driver::sys;
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread().ok()?;
+        let mut pool = std::ptr::null_mut();
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(pool)
+    }
+
+    /// Resets the high-water mark to what is in use now.
+    pub fn reset_peak(dev: &Device) {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = dev {
+            use candle::cuda_backend::cudarc::driver::sys;
+            if let Some(p) = pool(d) {
+                let mut zero = 0u64;
+                let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+                unsafe { sys::cuMemPoolSetAttribute(p, attr, &mut zero as *mut u64 as *mut _) };
+            }
+        }
+        let _ = dev;
+    }
+
+    /// Bytes: the pool's high-water mark on CUDA, the process's peak resident set on the CPU.
+    pub fn peak(dev: &Device) -> Option<u64> {
+        match dev {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                use candle::cuda_backend::cudarc::driver::sys;
+                let p = pool(d)?;
+                let mut v = 0u64;
+                let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+                let r =
+                    unsafe { sys::cuMemPoolGetAttribute(p, attr, &mut v as *mut u64 as *mut _) };
+                (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+            }
+            Device::Cpu => {
+                let status = std::fs::read_to_string("/proc/self/status").ok()?;
+                let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+                let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+                Some(kb * 1024)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Generates up to `opts.max_new_tokens` for every prompt (token ids, BOS included where the
+/// tokenizer adds one). `on_token(seq, token)` sees each new token as soon as it is chosen.
+pub fn generate(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    opts: &GenOpts,
+    mut on_token: impl FnMut(usize, u32),
+) -> Result<Generation> {
+    let dev = model.device().clone();
+    let batch = prompts.len();
+    if batch == 0 {
+        anyhow::bail!("prompt: no prompt given")
+    }
+    if let Some(b) = prompts.iter().position(|p| p.is_empty()) {
+        anyhow::bail!("prompt {b}: no tokens")
+    }
+    let seqlens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let max_prompt = seqlens.iter().copied().max().unwrap_or(0);
+    let capacity = max_prompt + opts.max_new_tokens;
+    let max_pos = model.config().max_position_embeddings;
+    if capacity > max_pos {
+        anyhow::bail!(
+            "prompt: {max_prompt} tokens + {} new ones exceed the model's \
+             max_position_embeddings of {max_pos}",
+            opts.max_new_tokens
+        )
+    }
+    let mut cache = Cache::new(
+        model.config(),
+        model.attn_impl(),
+        opts.layout,
+        batch,
+        capacity,
+        model.dtype(),
+        &dev,
+    )?;
+    let mut sampler = Sampler::new(opts, batch);
+    let mut history: Vec<Vec<u32>> = prompts.to_vec();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); batch];
+    let mut done = vec![false; batch];
+    let mut logits_log = Vec::new();
+    let mut stats = GenStats {
+        batch,
+        prompt_tokens: seqlens.iter().sum(),
+        ..GenStats::default()
+    };
+    if opts.max_new_tokens == 0 {
+        return Ok(Generation {
+            tokens,
+            stats,
+            logits: logits_log,
+        });
+    }
+    dev.synchronize()?;
+    memory::reset_peak(&dev);
+    let start = Instant::now();
+    let ids: Vec<u32> = prompts.iter().flatten().copied().collect();
+    let ids = Tensor::new(ids, &dev)?;
+    let hidden = model.forward_packed(&ids, &seqlens, Some(&mut cache), None)?;
+    let mut logits = model.logits(&Llama::last_tokens(&hidden, &seqlens)?)?;
+    let mut decode_start = start;
+    for step in 0..opts.max_new_tokens {
+        if opts.record_logits {
+            logits_log.push(logits.to_device(&Device::Cpu)?);
+        }
+        let next = sampler.sample(&logits, &history)?;
+        for (b, &t) in next.iter().enumerate() {
+            if done[b] {
+                continue;
+            }
+            tokens[b].push(t);
+            history[b].push(t);
+            on_token(b, t);
+            if !opts.ignore_eos && opts.eos_ids.contains(&t) {
+                done[b] = true;
+            }
+        }
+        if step == 0 {
+            stats.time_to_first_token = start.elapsed();
+            decode_start = Instant::now();
+        } else {
+            stats.decode_steps += 1;
+        }
+        if step + 1 == opts.max_new_tokens || done.iter().all(|&d| d) {
+            break;
+        }
+        // Finished sequences keep stepping (their output is dropped) so the batch stays whole.
+        let ids = Tensor::new(next, &dev)?;
+        let hidden = model.forward_step(&ids, &mut cache)?;
+        logits = model.logits(&hidden)?;
+    }
+    dev.synchronize()?;
+    stats.decode_time = decode_start.elapsed();
+    stats.generated_tokens = tokens.iter().map(Vec::len).sum();
+    stats.peak_memory = memory::peak(&dev);
+    Ok(Generation {
+        tokens,
+        stats,
+        logits: logits_log,
+    })
+}
+
+/// The attention implementation's name, for tables.
+pub fn attn_name(a: AttnImpl) -> &'static str {
+    match a {
+        AttnImpl::Flash => "flash",
+        AttnImpl::Naive => "naive",
+    }
+}
+
+/// `dtype` from its command-line name.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    Ok(match s {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        other => anyhow::bail!("--dtype {other:?}: expected f32, f16 or bf16"),
+    })
+}

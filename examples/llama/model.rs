@@ -1,0 +1,901 @@
+//! A LLaMA-style decoder (RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP) whose
+//! attention runs through candle-flash. Shared by the inference example (`examples/llama`),
+//! the fine-tuning example (`examples/finetune`) and their tests.
+//!
+//! Every forward call works on a flat list of tokens `(n, hidden)` with one position each,
+//! which is what lets one code path serve three cases without padding:
+//! - a packed batch of prompts or training documents ([`Llama::forward_packed`]): the
+//!   sequences of a [`candle_flash::VarLen`] one after another, attention by
+//!   `forward_varlen` (causal), so no token sees another sequence and no work is spent on pad;
+//! - a decoding step ([`Llama::forward_step`]): one new token per sequence, attention over
+//!   each sequence's KV cache ([`candle_flash::KvCache`] or [`candle_flash::PagedKvCache`]),
+//!   appended in place;
+//! - the same two with [`AttnImpl::Naive`]: plain Candle attention (scores, mask, softmax,
+//!   `repeat_kv`) and a cache grown by concatenation, for comparison.
+
+use std::collections::HashMap;
+
+use candle::{DType, Device, Module, Result, Tensor, D};
+use candle_flash::{FlashAttn, KvCache, Padding, PagedKvCache, VarLen};
+use candle_nn::VarBuilder;
+
+#[path = "config.rs"]
+mod config;
+pub use config::{Config, RopeScaling, TokenIds};
+
+/// How attention is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnImpl {
+    /// candle-flash: `forward_varlen` for packed sequences, the KV-cache kernels for steps.
+    Flash,
+    /// Plain Candle ops: scores, additive mask, softmax in f32, `repeat_kv` for GQA, and a
+    /// cache grown with `Tensor::cat` (what Candle models do without this crate).
+    Naive,
+}
+
+/// Options of a training forward pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TrainOpts {
+    /// Dropout on the attention probabilities (flash: regenerated in its backward).
+    pub attn_dropout: f32,
+    /// Seed of that dropout; each layer uses `seed + layer`.
+    pub seed: u64,
+}
+
+/// A linear map `x W^T (+ b)` with an optional low-rank adapter `+ scale * (x A^T) B^T`
+/// (LoRA). Weights are kept in their stored dtype (f32 master weights when training) and
+/// cast to the activations' dtype at use, the way mixed precision does it.
+#[derive(Clone, Debug)]
+pub struct Proj {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub lora: Option<Lora>,
+}
+
+/// A LoRA adapter of one projection: `a` `(rank, in)`, `b` `(out, rank)`, `scale = alpha / rank`.
+#[derive(Clone, Debug)]
+pub struct Lora {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scale: f64,
+}
+
+impl Proj {
+    fn load(vb: &VarBuilder, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        let weight = vb.get_with_hints((out, inp), "weight", init_normal())?;
+        let bias = if bias {
+            Some(vb.get_with_hints(out, "bias", candle_nn::Init::Const(0.0))?)
+        } else {
+            None
+        };
+        Ok(Self {
+            weight,
+            bias,
+            lora: None,
+        })
+    }
+
+    /// `x` is `(n, in)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dt = x.dtype();
+        let mut y = x.matmul(&self.weight.to_dtype(dt)?.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(&b.to_dtype(dt)?)?;
+        }
+        if let Some(l) = &self.lora {
+            let low = x.matmul(&l.a.to_dtype(dt)?.t()?)?;
+            let delta = low.matmul(&l.b.to_dtype(dt)?.t()?)?;
+            y = (y + (delta * l.scale)?)?;
+        }
+        Ok(y)
+    }
+}
+
+fn init_normal() -> candle_nn::Init {
+    candle_nn::Init::Randn {
+        mean: 0.0,
+        stdev: 0.02,
+    }
+}
+
+/// RMSNorm. The fused Candle kernel has no backward, so training uses the op-by-op form.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn load(vb: &VarBuilder, size: usize, eps: f64) -> Result<Self> {
+        let weight = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.0))?;
+        Ok(Self { weight, eps })
+    }
+
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let w = self.weight.to_dtype(x.dtype())?;
+        if train {
+            candle_nn::ops::rms_norm_slow(x, &w, self.eps as f32)
+        } else {
+            candle_nn::ops::rms_norm(x, &w, self.eps as f32)
+        }
+    }
+}
+
+/// Rotary embedding tables `(max_positions, head_dim / 2)` in the model dtype, computed in
+/// f64 from the configured inverse frequencies (LLaMA 3 scaling included).
+#[derive(Clone, Debug)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(cfg: &Config, max_positions: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        let inv = cfg.rope_inv_freq();
+        let half = inv.len();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for f in &inv {
+                // f32 angles, as Hugging Face computes them, then cos/sin.
+                let angle = (p as f32 * *f as f32) as f64;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let shape = (max_positions, half);
+        Ok(Self {
+            cos: Tensor::from_vec(cos, shape, dev)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, shape, dev)?.to_dtype(dtype)?,
+        })
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.cos.dim(0).unwrap_or(0)
+    }
+
+    /// The tables at each token's position, `(n, head_dim / 2)` each in `dtype`.
+    fn at(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.cos.index_select(positions, 0)?.to_dtype(dtype)?,
+            self.sin.index_select(positions, 0)?.to_dtype(dtype)?,
+        ))
+    }
+
+    /// Rotates `x` `(n, heads, head_dim)` (non-interleaved halves, as LLaMA checkpoints
+    /// are stored). Inference uses Candle's fused `rope_thd` (no backward); training the
+    /// differentiable op-by-op form.
+    fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, train: bool) -> Result<Tensor> {
+        if !train {
+            let x4 = x.unsqueeze(0)?.contiguous()?;
+            return candle_nn::rotary_emb::rope_thd(&x4, cos, sin)?.squeeze(0);
+        }
+        let half = x.dim(D::Minus1)? / 2;
+        let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(1)?;
+        let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(1)?;
+        let (x1, x2) = (
+            x.narrow(D::Minus1, 0, half)?,
+            x.narrow(D::Minus1, half, half)?,
+        );
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+    }
+}
+
+/// The KV cache of one layer, for the attention implementation that uses it.
+#[derive(Debug)]
+pub enum LayerCache {
+    Flash(KvCache),
+    Paged(PagedKvCache),
+    Naive(NaiveCache),
+}
+
+/// The concatenating cache of the naive path: `(batch, kv_heads, keys, head_dim)` tensors
+/// whose first `prompt_max` keys are the right-padded prompts (`prompt_lens[b]` real ones)
+/// and whose later keys are one per generated token for every sequence.
+#[derive(Debug, Default)]
+pub struct NaiveCache {
+    kv: Option<(Tensor, Tensor)>,
+    prompt_lens: Vec<usize>,
+    prompt_max: usize,
+}
+
+/// The caches of every layer and the number of tokens each sequence holds.
+#[derive(Debug)]
+pub struct Cache {
+    layers: Vec<LayerCache>,
+    lengths: Vec<usize>,
+    capacity: usize,
+}
+
+/// How the KV cache is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheLayout {
+    /// One `(batch, capacity, kv_heads, head_dim)` tensor per layer.
+    Contiguous,
+    /// A pool of pages of `page_size` tokens, enough for `batch * capacity` tokens.
+    Paged { page_size: usize },
+}
+
+impl Cache {
+    /// An empty cache for `batch` sequences of up to `capacity` tokens each.
+    pub fn new(
+        cfg: &Config,
+        attn: AttnImpl,
+        layout: CacheLayout,
+        batch: usize,
+        capacity: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Self> {
+        let (hk, d) = (cfg.num_kv_heads(), cfg.head_dim());
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| -> Result<LayerCache> {
+                Ok(match (attn, layout) {
+                    (AttnImpl::Naive, _) => LayerCache::Naive(NaiveCache::default()),
+                    (AttnImpl::Flash, CacheLayout::Contiguous) => {
+                        LayerCache::Flash(KvCache::new(batch, capacity, hk, d, dtype, dev)?)
+                    }
+                    (AttnImpl::Flash, CacheLayout::Paged { page_size }) => {
+                        let per_seq = capacity.div_ceil(page_size);
+                        LayerCache::Paged(PagedKvCache::new(
+                            batch,
+                            batch * per_seq,
+                            page_size,
+                            per_seq,
+                            hk,
+                            d,
+                            dtype,
+                            dev,
+                        )?)
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            lengths: vec![0; batch],
+            capacity,
+        })
+    }
+
+    /// Tokens held by each sequence.
+    pub fn lengths(&self) -> &[usize] {
+        &self.lengths
+    }
+
+    /// Tokens each sequence can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// How the tokens of one forward call are grouped.
+enum Pass<'a> {
+    /// Whole sequences packed one after another, attending causally within each; with a
+    /// cache, they are the prompts and fill it.
+    Packed {
+        varlen: &'a VarLen,
+        seqlens: &'a [usize],
+        train: Option<TrainOpts>,
+    },
+    /// One new token for every sequence of the cache.
+    Step,
+}
+
+#[derive(Clone, Debug)]
+struct Attention {
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
+    /// q, k and v weights stacked, for one matmul in inference.
+    qkv: Option<Proj>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+}
+
+impl Attention {
+    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Self> {
+        let (h, hk, d) = (cfg.num_attention_heads, cfg.num_kv_heads(), cfg.head_dim());
+        let e = cfg.hidden_size;
+        Ok(Self {
+            q: Proj::load(&vb.pp("q_proj"), h * d, e, cfg.qkv_bias())?,
+            k: Proj::load(&vb.pp("k_proj"), hk * d, e, cfg.qkv_bias())?,
+            v: Proj::load(&vb.pp("v_proj"), hk * d, e, cfg.qkv_bias())?,
+            o: Proj::load(&vb.pp("o_proj"), e, h * d, cfg.o_bias())?,
+            qkv: None,
+            heads: h,
+            kv_heads: hk,
+            head_dim: d,
+            scale: 1.0 / (d as f64).sqrt(),
+        })
+    }
+
+    fn fuse(&mut self) -> Result<()> {
+        let (q, k, v) = (&self.q, &self.k, &self.v);
+        if q.lora.is_some() || k.lora.is_some() || v.lora.is_some() {
+            self.qkv = None;
+            return Ok(());
+        }
+        let weight = Tensor::cat(&[&q.weight, &k.weight, &v.weight], 0)?;
+        let bias = match (&q.bias, &k.bias, &v.bias) {
+            (Some(a), Some(b), Some(c)) => Some(Tensor::cat(&[a, b, c], 0)?),
+            _ => None,
+        };
+        self.qkv = Some(Proj {
+            weight,
+            bias,
+            lora: None,
+        });
+        Ok(())
+    }
+
+    /// q `(n, h, d)`, k and v `(n, hk, d)`.
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let n = x.dim(0)?;
+        let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        let (q, k, v) = match &self.qkv {
+            Some(qkv) => {
+                let y = qkv.forward(x)?;
+                (
+                    y.narrow(1, 0, h * d)?,
+                    y.narrow(1, h * d, hk * d)?,
+                    y.narrow(1, (h + hk) * d, hk * d)?,
+                )
+            }
+            None => (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?),
+        };
+        Ok((
+            q.reshape((n, h, d))?,
+            k.reshape((n, hk, d))?,
+            v.reshape((n, hk, d))?,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        cos_sin: &(Tensor, Tensor),
+        pass: &Pass,
+        attn: AttnImpl,
+        cache: Option<&mut LayerCache>,
+        layer: usize,
+    ) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let train = matches!(pass, Pass::Packed { train: Some(_), .. });
+        let (q, k, v) = self.project(x)?;
+        let q = rope.apply(&q, &cos_sin.0, &cos_sin.1, train)?;
+        let k = rope.apply(&k, &cos_sin.0, &cos_sin.1, train)?;
+        let y = match pass {
+            Pass::Packed {
+                varlen,
+                seqlens,
+                train,
+            } => {
+                let y = match attn {
+                    AttnImpl::Flash => {
+                        let mut opts = FlashAttn::new()
+                            .causal(true)
+                            .softmax_scale(self.scale as f32);
+                        if let Some(t) = train.filter(|t| t.attn_dropout > 0.0) {
+                            opts = opts.dropout(t.attn_dropout).seed(t.seed + layer as u64);
+                        }
+                        opts.forward_varlen(&q, &k, &v, varlen)?
+                    }
+                    AttnImpl::Naive => {
+                        let p = train.map(|t| t.attn_dropout).unwrap_or(0.0);
+                        self.naive_packed(&q, &k, &v, seqlens, p)?
+                    }
+                };
+                if let Some(cache) = cache {
+                    fill_cache(cache, &k, &v, seqlens)?;
+                }
+                y
+            }
+            Pass::Step => {
+                let b = n;
+                let Some(cache) = cache else {
+                    candle::bail!("a decoding step needs a cache")
+                };
+                let opts = FlashAttn::new()
+                    .causal(true)
+                    .softmax_scale(self.scale as f32);
+                let q4 = q.reshape((b, 1, self.heads, self.head_dim))?;
+                let k4 = k.reshape((b, 1, self.kv_heads, self.head_dim))?;
+                let v4 = v.reshape((b, 1, self.kv_heads, self.head_dim))?;
+                match cache {
+                    LayerCache::Flash(c) => c.append_and_attend(&q4, &k4, &v4, &opts)?,
+                    LayerCache::Paged(c) => c.append_and_attend(&q4, &k4, &v4, &opts)?,
+                    LayerCache::Naive(c) => self.naive_step(c, &q4, &k4, &v4)?,
+                }
+                .reshape((b, self.heads, self.head_dim))?
+            }
+        };
+        self.o.forward(&y.reshape((n, self.heads * self.head_dim))?)
+    }
+
+    /// `(b, s, hk, d)` → `(b, h, s, d)` with each K/V head copied for its query heads.
+    fn repeat_kv(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.transpose(1, 2)?;
+        let group = self.heads / self.kv_heads;
+        if group == 1 {
+            return x.contiguous();
+        }
+        let (b, hk, s, d) = x.dims4()?;
+        x.unsqueeze(2)?
+            .broadcast_as((b, hk, group, s, d))?
+            .reshape((b, hk * group, s, d))
+    }
+
+    /// dropout(softmax(q k^T * scale + mask)) v in plain ops: q `(b, sq, h, d)`, k and v
+    /// `(b, h, sk, d)` (heads repeated), mask broadcast to `(b, h, sq, sk)`. Returns
+    /// `(b, sq, h, d)`.
+    fn naive_core(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        dropout: f32,
+    ) -> Result<Tensor> {
+        let dt = q.dtype();
+        let q = q.transpose(1, 2)?.contiguous()?;
+        let scores = (q.matmul(&k.t()?)? * self.scale)?.to_dtype(DType::F32)?;
+        let scores = scores.broadcast_add(mask)?;
+        let mut p = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dt)?;
+        if dropout > 0.0 {
+            p = candle_nn::ops::dropout(&p, dropout)?;
+        }
+        p.matmul(v)?.transpose(1, 2)
+    }
+
+    fn naive_packed(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqlens: &[usize],
+        dropout: f32,
+    ) -> Result<Tensor> {
+        let max = seqlens.iter().copied().max().unwrap_or(0);
+        let pad = Padding::from_lengths(seqlens, max)?;
+        let (qp, kp, vp) = (pad.pad(q)?, pad.pad(k)?, pad.pad(v)?);
+        let mask = packed_mask(seqlens, max, q.device())?;
+        let (kr, vr) = (self.repeat_kv(&kp)?, self.repeat_kv(&vp)?);
+        let y = self.naive_core(&qp, &kr, &vr, &mask, dropout)?;
+        pad.unpad(&y.contiguous()?)
+    }
+
+    fn naive_step(
+        &self,
+        cache: &mut NaiveCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let (k, v) = (k.transpose(1, 2)?, v.transpose(1, 2)?); // (b, hk, 1, d)
+        let (k, v) = match &cache.kv {
+            Some((ck, cv)) => (Tensor::cat(&[ck, &k], 2)?, Tensor::cat(&[cv, &v], 2)?),
+            None => (k.contiguous()?, v.contiguous()?),
+        };
+        cache.kv = Some((k.clone(), v.clone()));
+        let keys = k.dim(2)?;
+        let b = q.dim(0)?;
+        // Key j of sequence b is real when it is one of its prompt tokens or a generated one.
+        let mut mask = vec![0f32; b * keys];
+        for (s, row) in mask.chunks_mut(keys).enumerate() {
+            let plen = cache.prompt_lens.get(s).copied().unwrap_or(0);
+            for (j, m) in row.iter_mut().enumerate() {
+                if j >= plen && j < cache.prompt_max {
+                    *m = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let mask = Tensor::from_vec(mask, (b, 1, 1, keys), q.device())?;
+        let k = self.repeat_kv(&k.transpose(1, 2)?)?;
+        let v = self.repeat_kv(&v.transpose(1, 2)?)?;
+        self.naive_core(q, &k, &v, &mask, 0.0)
+    }
+}
+
+/// The additive mask of a right-padded batch `(b, 1, max, max)`: causal within each
+/// sequence, padded keys hidden (padded query rows see key 0 so no row is empty).
+fn packed_mask(seqlens: &[usize], max: usize, dev: &Device) -> Result<Tensor> {
+    let mut m = vec![f32::NEG_INFINITY; seqlens.len() * max * max];
+    for (b, &len) in seqlens.iter().enumerate() {
+        for i in 0..max {
+            let row = &mut m[(b * max + i) * max..][..max];
+            let visible = if i < len { i + 1 } else { 1 };
+            row[..visible].fill(0.0);
+        }
+    }
+    Tensor::from_vec(m, (seqlens.len(), 1, max, max), dev)
+}
+
+/// Writes the prompts' keys and values `(n, hk, d)` (packed by `seqlens`) into an empty cache.
+fn fill_cache(cache: &mut LayerCache, k: &Tensor, v: &Tensor, seqlens: &[usize]) -> Result<()> {
+    match cache {
+        LayerCache::Flash(c) => c.append_varlen(k, v, seqlens),
+        LayerCache::Paged(c) => c.append_varlen(k, v, seqlens),
+        LayerCache::Naive(c) => {
+            let max = seqlens.iter().copied().max().unwrap_or(0);
+            let pad = Padding::from_lengths(seqlens, max)?;
+            let kp = pad.pad(k)?.transpose(1, 2)?.contiguous()?; // (b, hk, max, d)
+            let vp = pad.pad(v)?.transpose(1, 2)?.contiguous()?;
+            c.kv = Some((kp, vp));
+            c.prompt_lens = seqlens.to_vec();
+            c.prompt_max = max;
+            Ok(())
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Mlp {
+    gate: Proj,
+    up: Proj,
+    down: Proj,
+    /// gate and up stacked, for one matmul in inference.
+    gate_up: Option<Proj>,
+}
+
+impl Mlp {
+    fn load(vb: &VarBuilder, cfg: &Config) -> Result<Self> {
+        let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Ok(Self {
+            gate: Proj::load(&vb.pp("gate_proj"), i, e, bias)?,
+            up: Proj::load(&vb.pp("up_proj"), i, e, bias)?,
+            down: Proj::load(&vb.pp("down_proj"), e, i, bias)?,
+            gate_up: None,
+        })
+    }
+
+    fn fuse(&mut self) -> Result<()> {
+        if self.gate.lora.is_some() || self.up.lora.is_some() {
+            self.gate_up = None;
+            return Ok(());
+        }
+        let weight = Tensor::cat(&[&self.gate.weight, &self.up.weight], 0)?;
+        let bias = match (&self.gate.bias, &self.up.bias) {
+            (Some(a), Some(b)) => Some(Tensor::cat(&[a, b], 0)?),
+            _ => None,
+        };
+        self.gate_up = Some(Proj {
+            weight,
+            bias,
+            lora: None,
+        });
+        Ok(())
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = match &self.gate_up {
+            Some(gu) => candle_nn::ops::swiglu(&gu.forward(x)?)?,
+            None => (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?,
+        };
+        self.down.forward(&h)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    attn: Attention,
+    mlp: Mlp,
+    norm1: RmsNorm,
+    norm2: RmsNorm,
+}
+
+/// The decoder: token embeddings, `num_hidden_layers` blocks, a final norm and the LM head.
+#[derive(Clone, Debug)]
+pub struct Llama {
+    cfg: Config,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    /// `None` when tied to the embeddings.
+    lm_head: Option<Tensor>,
+    rope: Rope,
+    attn: AttnImpl,
+    dtype: DType,
+}
+
+impl Llama {
+    /// Loads (or, from a `VarMap`-backed builder, creates) the weights under their Hugging
+    /// Face names. `dtype` is the dtype of the activations; the weights keep the builder's.
+    /// `max_positions` bounds the positions the rotary tables cover.
+    pub fn load(
+        vb: VarBuilder,
+        cfg: &Config,
+        attn: AttnImpl,
+        dtype: DType,
+        max_positions: usize,
+    ) -> Result<Self> {
+        cfg.validate().map_err(candle::Error::wrap)?;
+        let m = vb.pp("model");
+        let embed = m.get_with_hints(
+            (cfg.vocab_size, cfg.hidden_size),
+            "embed_tokens.weight",
+            init_normal(),
+        )?;
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let b = m.pp(format!("layers.{i}"));
+                Ok(Block {
+                    attn: Attention::load(&b.pp("self_attn"), cfg)?,
+                    mlp: Mlp::load(&b.pp("mlp"), cfg)?,
+                    norm1: RmsNorm::load(
+                        &b.pp("input_layernorm"),
+                        cfg.hidden_size,
+                        cfg.rms_norm_eps,
+                    )?,
+                    norm2: RmsNorm::load(
+                        &b.pp("post_attention_layernorm"),
+                        cfg.hidden_size,
+                        cfg.rms_norm_eps,
+                    )?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(vb.get_with_hints(
+                (cfg.vocab_size, cfg.hidden_size),
+                "lm_head.weight",
+                init_normal(),
+            )?)
+        };
+        let rope = Rope::new(cfg, max_positions, DType::F32, vb.device())?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope,
+            attn,
+            dtype,
+        })
+    }
+
+    /// Stacks q/k/v and gate/up weights for one matmul each (inference; projections with a
+    /// LoRA adapter stay separate).
+    pub fn fuse_projections(&mut self) -> Result<()> {
+        for b in &mut self.blocks {
+            b.attn.fuse()?;
+            b.mlp.fuse()?;
+        }
+        Ok(())
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn attn_impl(&self) -> AttnImpl {
+        self.attn
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    /// Every weight by its Hugging Face name (tied heads appear once, as the embeddings),
+    /// LoRA adapters merged into their base weights when `merge_lora`, left out otherwise.
+    pub fn named_weights(&self, merge_lora: bool) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::new();
+        let mut put = |name: String, p: &Proj| -> Result<()> {
+            let mut w = p.weight.clone();
+            if let (true, Some(l)) = (merge_lora, &p.lora) {
+                let a = l.a.to_dtype(DType::F32)?;
+                let b = l.b.to_dtype(DType::F32)?;
+                let delta = (b.matmul(&a)? * l.scale)?;
+                w = (w.to_dtype(DType::F32)? + delta)?.to_dtype(p.weight.dtype())?;
+            }
+            out.insert(format!("{name}.weight"), w);
+            if let Some(bias) = &p.bias {
+                out.insert(format!("{name}.bias"), bias.clone());
+            }
+            Ok(())
+        };
+        for (i, b) in self.blocks.iter().enumerate() {
+            let pre = format!("model.layers.{i}");
+            put(format!("{pre}.self_attn.q_proj"), &b.attn.q)?;
+            put(format!("{pre}.self_attn.k_proj"), &b.attn.k)?;
+            put(format!("{pre}.self_attn.v_proj"), &b.attn.v)?;
+            put(format!("{pre}.self_attn.o_proj"), &b.attn.o)?;
+            put(format!("{pre}.mlp.gate_proj"), &b.mlp.gate)?;
+            put(format!("{pre}.mlp.up_proj"), &b.mlp.up)?;
+            put(format!("{pre}.mlp.down_proj"), &b.mlp.down)?;
+        }
+        for (i, b) in self.blocks.iter().enumerate() {
+            let pre = format!("model.layers.{i}");
+            out.insert(
+                format!("{pre}.input_layernorm.weight"),
+                b.norm1.weight.clone(),
+            );
+            out.insert(
+                format!("{pre}.post_attention_layernorm.weight"),
+                b.norm2.weight.clone(),
+            );
+        }
+        out.insert("model.embed_tokens.weight".into(), self.embed.clone());
+        out.insert("model.norm.weight".into(), self.norm.weight.clone());
+        if let Some(h) = &self.lm_head {
+            out.insert("lm_head.weight".into(), h.clone());
+        }
+        Ok(out)
+    }
+
+    /// The projections of every layer by name (`layers.{i}.self_attn.q_proj`, ...), for
+    /// attaching LoRA adapters.
+    pub fn projections_mut(&mut self) -> Vec<(String, &mut Proj)> {
+        let mut out = Vec::new();
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            let pre = format!("model.layers.{i}");
+            let Block { attn, mlp, .. } = b;
+            attn.qkv = None;
+            mlp.gate_up = None;
+            out.push((format!("{pre}.self_attn.q_proj"), &mut attn.q));
+            out.push((format!("{pre}.self_attn.k_proj"), &mut attn.k));
+            out.push((format!("{pre}.self_attn.v_proj"), &mut attn.v));
+            out.push((format!("{pre}.self_attn.o_proj"), &mut attn.o));
+            out.push((format!("{pre}.mlp.gate_proj"), &mut mlp.gate));
+            out.push((format!("{pre}.mlp.up_proj"), &mut mlp.up));
+            out.push((format!("{pre}.mlp.down_proj"), &mut mlp.down));
+        }
+        out
+    }
+
+    fn check_positions(&self, max_pos: usize) -> Result<()> {
+        if max_pos > self.rope.max_positions() {
+            candle::bail!(
+                "position {} is past the {} positions this model was loaded for",
+                max_pos - 1,
+                self.rope.max_positions()
+            )
+        }
+        Ok(())
+    }
+
+    fn run_blocks(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        pass: &Pass,
+        mut cache: Option<&mut Cache>,
+    ) -> Result<Tensor> {
+        let train = matches!(pass, Pass::Packed { train: Some(_), .. });
+        let mut x = self.embed.index_select(ids, 0)?.to_dtype(self.dtype)?;
+        let cos_sin = self.rope.at(positions, self.dtype)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
+            let h = b.norm1.forward(&x, train)?;
+            let h = b
+                .attn
+                .forward(&h, &self.rope, &cos_sin, pass, self.attn, layer_cache, i)?;
+            x = (x + h)?;
+            let h = b.mlp.forward(&b.norm2.forward(&x, train)?)?;
+            x = (x + h)?;
+        }
+        self.norm.forward(&x, train)
+    }
+
+    /// The logits `(n, vocab)` in f32 of final hidden states `(n, hidden)`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        hidden
+            .matmul(&head.to_dtype(hidden.dtype())?.t()?)?
+            .to_dtype(DType::F32)
+    }
+
+    /// Runs packed sequences: `ids` `(n,)` u32 holds sequence 0's tokens, then sequence 1's,
+    /// and so on (`seqlens`), each at positions `0..len`. Returns the final hidden states
+    /// `(n, hidden)`. With `cache` (which must be empty) the sequences are prompts and their
+    /// keys and values fill it; with `train` the pass is differentiable (dropout optional).
+    pub fn forward_packed(
+        &self,
+        ids: &Tensor,
+        seqlens: &[usize],
+        cache: Option<&mut Cache>,
+        train: Option<TrainOpts>,
+    ) -> Result<Tensor> {
+        let n: usize = seqlens.iter().sum();
+        if ids.dims() != [n] {
+            candle::bail!(
+                "ids: expected ({n},) for sequences of {seqlens:?}, got {:?}",
+                ids.dims()
+            )
+        }
+        self.check_positions(seqlens.iter().copied().max().unwrap_or(0))?;
+        if let Some(c) = &cache {
+            if c.lengths.len() != seqlens.len() {
+                candle::bail!(
+                    "cache: made for {} sequences, the prompts are {}",
+                    c.lengths.len(),
+                    seqlens.len()
+                )
+            }
+            if c.lengths.iter().any(|&l| l != 0) {
+                candle::bail!("cache: a prompt must start from an empty cache")
+            }
+            if let Some(&l) = seqlens.iter().find(|&&l| l > c.capacity) {
+                candle::bail!(
+                    "prompt: {l} tokens do not fit the cache's {} per sequence",
+                    c.capacity
+                )
+            }
+        }
+        let positions: Vec<u32> = seqlens.iter().flat_map(|&l| 0..l as u32).collect();
+        let positions = Tensor::new(positions, ids.device())?;
+        let varlen = VarLen::from_seqlens(seqlens, seqlens)?;
+        let pass = Pass::Packed {
+            varlen: &varlen,
+            seqlens,
+            train,
+        };
+        let mut cache = cache;
+        let hidden = self.run_blocks(ids, &positions, &pass, cache.as_deref_mut())?;
+        if let Some(c) = cache {
+            c.lengths.copy_from_slice(seqlens);
+        }
+        Ok(hidden)
+    }
+
+    /// One decoding step: `ids` `(b,)` holds the next token of every sequence of `cache`,
+    /// which is appended at each sequence's own position. Returns the final hidden states
+    /// `(b, hidden)`.
+    pub fn forward_step(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let b = cache.lengths.len();
+        if ids.dims() != [b] {
+            candle::bail!(
+                "ids: expected ({b},), one token per sequence, got {:?}",
+                ids.dims()
+            )
+        }
+        if let Some(s) = cache.lengths.iter().position(|&l| l >= cache.capacity) {
+            candle::bail!(
+                "cache: sequence {s} is full ({} tokens, the capacity given to --max-new-tokens \
+                 and the prompt)",
+                cache.capacity
+            )
+        }
+        self.check_positions(cache.lengths.iter().copied().max().unwrap_or(0) + 1)?;
+        let positions: Vec<u32> = cache.lengths.iter().map(|&l| l as u32).collect();
+        let positions = Tensor::new(positions, ids.device())?;
+        let hidden = self.run_blocks(ids, &positions, &Pass::Step, Some(cache))?;
+        for l in &mut cache.lengths {
+            *l += 1;
+        }
+        Ok(hidden)
+    }
+
+    /// The rows of `hidden` `(n, hidden)` at the last token of each packed sequence.
+    pub fn last_tokens(hidden: &Tensor, seqlens: &[usize]) -> Result<Tensor> {
+        let mut end = 0u32;
+        let idx: Vec<u32> = seqlens
+            .iter()
+            .map(|&l| {
+                end += l as u32;
+                end.saturating_sub(1)
+            })
+            .collect();
+        hidden.index_select(&Tensor::new(idx, hidden.device())?, 0)
+    }
+}
+
+impl Module for Proj {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Proj::forward(self, x)
+    }
+}

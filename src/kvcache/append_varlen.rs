@@ -1,0 +1,155 @@
+//! Ragged appends: a different number of new tokens for each sequence, packed the way
+//! [`crate::FlashAttn::forward_varlen`] takes them. This is how a batch of prompts of
+//! different lengths fills its caches after a packed (varlen) prefill, with no padding in
+//! either.
+//!
+//! The rows are copied with Candle's `slice_set` (one copy per sequence and page run), on any
+//! device and dtype: a prefill writes each cache row once, so a dedicated kernel would save
+//! only launches.
+
+use candle::{bail, Result, Tensor};
+
+use super::{KvCache, PagedKvCache};
+
+/// The checked shape of a ragged append: the new length of every sequence.
+fn check(
+    cache: &Tensor,
+    k_new: &Tensor,
+    v_new: &Tensor,
+    seqlens_new: &[usize],
+    lengths: &[u32],
+    capacity: usize,
+) -> Result<Vec<u32>> {
+    let (_, _, hk, d) = cache.dims4()?;
+    let total: usize = seqlens_new.iter().sum();
+    let want = [total, hk, d];
+    for (t, name) in [(k_new, "k_new"), (v_new, "v_new")] {
+        if t.dims() != want {
+            bail!(
+                "{name}: expected (total={total}, num_heads_k={hk}, head_dim={d}) for \
+                 seqlens_new {seqlens_new:?}, got shape {:?}",
+                t.dims()
+            )
+        }
+        if t.dtype() != cache.dtype() {
+            bail!(
+                "{name}: dtype {:?} differs from the cache's {:?}",
+                t.dtype(),
+                cache.dtype()
+            )
+        }
+        if !t.device().same_device(cache.device()) {
+            bail!("{name}: on another device than the cache")
+        }
+    }
+    if seqlens_new.len() != lengths.len() {
+        bail!(
+            "seqlens_new: {} entries for a cache of {} sequences",
+            seqlens_new.len(),
+            lengths.len()
+        )
+    }
+    lengths
+        .iter()
+        .zip(seqlens_new)
+        .enumerate()
+        .map(|(b, (&len, &n))| {
+            let after = len as usize + n;
+            match u32::try_from(after) {
+                Ok(a) if after <= capacity => Ok(a),
+                _ => bail!(
+                    "seqlens_new: sequence {b} would hold {len} + {n} = {after} tokens, more \
+                     than the cache capacity of {capacity}"
+                ),
+            }
+        })
+        .collect()
+}
+
+/// `x` `(rows, ...)` viewed as one tall matrix of rows that shares its storage.
+fn rows_view(x: &Tensor) -> Result<Tensor> {
+    let (a, b, hk, d) = x.dims4()?;
+    // A contiguous reshape is a view: slice_set on it writes into the cache itself.
+    x.reshape((a * b, hk, d))
+}
+
+impl KvCache {
+    /// Appends `seqlens_new[b]` tokens to sequence `b` (0 is fine): `k_new` and `v_new` are
+    /// `(total, num_heads_k, head_dim)` with sequence 0's rows first, then sequence 1's, as
+    /// [`crate::FlashAttn::forward_varlen`] takes them. No attention runs: this is the cache
+    /// fill after a packed prefill of prompts of different lengths.
+    ///
+    /// Errors (nothing is written and the lengths are unchanged): shapes, dtype or device
+    /// unlike the cache's, `seqlens_new` not one entry per sequence, a sequence over capacity.
+    ///
+    /// ```
+    /// # fn main() -> candle::Result<()> {
+    /// use candle::{DType, Device, Tensor};
+    /// use candle_flash::KvCache;
+    /// let dev = Device::Cpu;
+    /// let mut cache = KvCache::new(2, 64, 2, 32, DType::F32, &dev)?;
+    /// let k = Tensor::randn(0f32, 1.0, (7, 2, 32), &dev)?; // 5 tokens, then 2
+    /// cache.append_varlen(&k, &k, &[5, 2])?;
+    /// assert_eq!(cache.lengths(), &[5, 2]);
+    /// # Ok(()) }
+    /// ```
+    pub fn append_varlen(
+        &mut self,
+        k_new: &Tensor,
+        v_new: &Tensor,
+        seqlens_new: &[usize],
+    ) -> Result<()> {
+        let capacity = self.capacity();
+        let lengths = check(&self.k, k_new, v_new, seqlens_new, &self.lengths, capacity)?;
+        let (k_rows, v_rows) = (rows_view(&self.k)?, rows_view(&self.v)?);
+        let mut start = 0;
+        for (b, &n) in seqlens_new.iter().enumerate() {
+            if n > 0 {
+                let row = b * capacity + self.lengths[b] as usize;
+                k_rows.slice_set(&k_new.narrow(0, start, n)?.contiguous()?, 0, row)?;
+                v_rows.slice_set(&v_new.narrow(0, start, n)?.contiguous()?, 0, row)?;
+            }
+            start += n;
+        }
+        self.lengths = lengths;
+        Ok(())
+    }
+}
+
+impl PagedKvCache {
+    /// [`KvCache::append_varlen`] for a paged cache: takes the pages each sequence needs
+    /// from the free list, then copies the rows into them.
+    ///
+    /// Errors: those of [`KvCache::append_varlen`] and "out of pages"; on error nothing is
+    /// written, no page is taken and the lengths are unchanged.
+    pub fn append_varlen(
+        &mut self,
+        k_new: &Tensor,
+        v_new: &Tensor,
+        seqlens_new: &[usize],
+    ) -> Result<()> {
+        let capacity = self.capacity();
+        let lengths = check(&self.k, k_new, v_new, seqlens_new, &self.lengths, capacity)?;
+        let (table, free) = self.allocate_for(&lengths)?;
+        let (k_rows, v_rows) = (rows_view(&self.k)?, rows_view(&self.v)?);
+        let ps = self.page_size;
+        let mut start = 0;
+        for (b, &n) in seqlens_new.iter().enumerate() {
+            // Copy runs that stay within one page.
+            let mut pos = self.lengths[b] as usize;
+            let end = pos + n;
+            while pos < end {
+                let run = (ps - pos % ps).min(end - pos);
+                let page = table[b * self.max_pages + pos / ps] as usize;
+                let row = page * ps + pos % ps;
+                k_rows.slice_set(&k_new.narrow(0, start, run)?.contiguous()?, 0, row)?;
+                v_rows.slice_set(&v_new.narrow(0, start, run)?.contiguous()?, 0, row)?;
+                (pos, start) = (pos + run, start + run);
+            }
+        }
+        self.lengths = lengths;
+        self.block_table = table;
+        self.free = free;
+        Ok(())
+    }
+}
