@@ -73,14 +73,15 @@ def make_tiny(out, kind):
     torch.manual_seed(0)
     if kind == "llama":
         cfg = transformers.LlamaConfig(
-            **common, head_dim=32, rope_theta=500000.0, tie_word_embeddings=False,
-            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+            **common, head_dim=32, tie_word_embeddings=False,
+            **rope_kwargs(500000.0, {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 128}),
         )
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=True,
-                                       use_sliding_window=False)
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False,
+                                       **rope_kwargs(10000.0, None))
         model = transformers.Qwen2ForCausalLM(cfg)
         # Random init leaves biases at zero; make them matter.
         with torch.no_grad():
@@ -88,6 +89,7 @@ def make_tiny(out, kind):
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.5)
     model.save_pretrained(out, safe_serialization=True)
+    print(f"{out}/config.json: " + open(os.path.join(out, "config.json")).read().replace("\n", " "))
     return out
 
 
@@ -99,10 +101,11 @@ def make_1b(out):
     cfg = transformers.LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        **rope_kwargs(500000.0, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}),
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -111,6 +114,18 @@ def make_1b(out):
     del model
     torch.cuda.empty_cache()
     return out
+
+
+def rope_kwargs(theta, scaling):
+    """rope_theta and scaling for LlamaConfig/Qwen2Config: transformers 5 takes them as
+    rope_parameters, 4.x as rope_theta + rope_scaling."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        params = dict(scaling or {"rope_type": "default"})
+        params["rope_theta"] = theta
+        return {"rope_parameters": params}
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

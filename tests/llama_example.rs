@@ -283,3 +283,31 @@ fn a_prompt_past_the_model_positions_is_an_error() {
         "{err:#}"
     );
 }
+
+#[test]
+fn transformers_5_rope_parameters_read_like_rope_theta_and_rope_scaling() {
+    let v4 = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
+    let v5 = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "rope_parameters": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                            "rope_theta": 500000.0}}"#;
+    let (a, b) = (
+        model::Config::from_json(v4).unwrap(),
+        model::Config::from_json(v5).unwrap(),
+    );
+    assert_eq!(a, b);
+    assert_eq!(b.rope_theta, 500000.0);
+    let plain = v5.replace("\"llama3\"", "\"default\"");
+    let c = model::Config::from_json(&plain).unwrap();
+    assert!(c.rope_scaling.is_none() && c.rope_theta == 500000.0);
+    // LLaMA 3 scaling divides the low frequencies by the factor and keeps the high ones.
+    let (scaled, base) = (a.rope_inv_freq(), c.rope_inv_freq());
+    assert_eq!(scaled[0], base[0]);
+    assert!((scaled[7] - base[7] / 32.0).abs() < 1e-12);
+}

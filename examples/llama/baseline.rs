@@ -33,7 +33,7 @@ pub fn generate(
         bail!("--impl candle-transformers: only greedy decoding is wired up")
     }
     let text = std::fs::read_to_string(ckpt.dir.join("config.json"))?;
-    let cfg: ct::LlamaConfig = serde_json::from_str(&text)?;
+    let cfg: ct::LlamaConfig = serde_json::from_value(super::model::normalized_json(&text)?)?;
     let cfg = cfg.into_config(false);
     let vb = ckpt.var_builder(dtype, dev)?;
     let model = ct::Llama::load(vb, &cfg)?;

@@ -83,6 +83,45 @@ pub struct Config {
     pub pretraining_tp: Option<usize>,
 }
 
+/// `config.json` as JSON with transformers 5's `rope_parameters` (which holds `rope_theta`
+/// and the scaling) spelled the 4.x way (`rope_theta`, `rope_scaling`), which this model and
+/// candle-transformers read.
+pub fn normalized_json(text: &str) -> Result<serde_json::Value> {
+    let mut json: serde_json::Value =
+        serde_json::from_str(text).context("config.json: not JSON")?;
+    let Some(obj) = json.as_object_mut() else {
+        bail!("config.json: not a JSON object")
+    };
+    if let Some(params) = obj.remove("rope_parameters") {
+        if let Some(theta) = params.get("rope_theta") {
+            obj.insert("rope_theta".into(), theta.clone());
+        }
+        let kind = params
+            .get("rope_type")
+            .or_else(|| params.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        if kind == "default" {
+            obj.remove("rope_scaling");
+        } else {
+            let mut scaling = params.clone();
+            if let Some(m) = scaling.as_object_mut() {
+                m.remove("rope_theta");
+            }
+            obj.insert("rope_scaling".into(), scaling);
+        }
+    }
+    if obj.get("rope_scaling").is_some_and(|v| {
+        v.get("rope_type")
+            .or_else(|| v.get("type"))
+            .and_then(|t| t.as_str())
+            == Some("default")
+    }) {
+        obj.remove("rope_scaling");
+    }
+    Ok(json)
+}
+
 fn default_model_type() -> String {
     "llama".into()
 }
@@ -102,7 +141,9 @@ fn default_act() -> String {
 impl Config {
     /// Parses and checks a `config.json` text.
     pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: Config = serde_json::from_str(text).context("config.json: not a LLaMA config")?;
+        let json = normalized_json(text)?;
+        let cfg: Config =
+            serde_json::from_value(json).context("config.json: not a LLaMA config")?;
         cfg.validate()?;
         Ok(cfg)
     }

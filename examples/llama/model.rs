@@ -21,7 +21,7 @@ use candle_nn::VarBuilder;
 
 #[path = "config.rs"]
 mod config;
-pub use config::{Config, RopeScaling, TokenIds};
+pub use config::{normalized_json, Config, RopeScaling, TokenIds};
 
 /// How attention is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
