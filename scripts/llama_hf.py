@@ -301,14 +301,23 @@ def bench(args):
                 rc, out, err = ours(args.bin, d, "--device", "cuda", "--dtype", "bf16",
                                     "--random-prompt", str(L), "--batch", str(B),
                                     "--max-new-tokens", str(new), "--ignore-eos", "--quiet",
-                                    "--stats-json", "--warmup", *extra, timeout=args.timeout)
+                                    "--stats-json", "--warmup", "--repeat", str(args.repeat), *extra,
+                                    timeout=args.timeout)
             except subprocess.TimeoutExpired:
                 rc, out, err = -1, "", "timeout"
             if rc == 0:
                 r = json.loads(out.strip().splitlines()[-1])
                 r["impl"] = name
             else:
-                why = "OOM" if "out of memory" in err.lower() or "OUT_OF_MEMORY" in err else f"failed: {err.strip().splitlines()[-1] if err.strip() else rc}"
+                lines = [l for l in err.splitlines() if l.startswith("Error")] or err.strip().splitlines()[-1:]
+                msg = lines[0] if lines else f"exit {rc}"
+                oom = "out of memory" in err.lower() or "OUT_OF_MEMORY" in err
+                # Scores of (batch, heads, seqlen, seqlen) past 2^31 elements make Candle's
+                # element-wise launches invalid.
+                big = B * 32 * L * L >= 2**31
+                why = (f"OOM ({msg[:120]})" if oom else
+                       f"fails: scores of {B}x32x{L}x{L} exceed 2^31 elements ({msg[7:80]})" if big
+                       else f"failed: {msg[:160]}")
                 r = {"impl": name, "error": why}
             r.update(prompt_len=L, batch=B)
             rows.append(r)
@@ -329,7 +338,7 @@ def bench(args):
             o = next((x for x in same if x["impl"].startswith(name) and "decode_tok_s" in x), None)
             return f"{r['decode_tok_s'] / o['decode_tok_s']:.2f}" if o and "decode_tok_s" in r else "–"
         if "error" in r:
-            table.append(f"| {r['prompt_len']} | {r['batch']} | {r['impl']} | {r['error']} | | | | | | |")
+            table.append(f"| {r['prompt_len']} | {r['batch']} | {r['impl']} | {r['error']} | – | – | – | – | – | – |")
         else:
             table.append(
                 f"| {r['prompt_len']} | {r['batch']} | {r['impl']} | {r['prefill_tok_s']:.0f} | "
@@ -352,6 +361,7 @@ def main():
     ap.add_argument("--shapes", default="512x1,512x16,4096x1,4096x16")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per candle configuration (median)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import transformers

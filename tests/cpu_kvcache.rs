@@ -843,3 +843,36 @@ fn ragged_append_errors_write_nothing() -> Result<()> {
     assert_eq!((paged.lengths(), paged.free_pages()), (&[0u32, 0][..], 3));
     Ok(())
 }
+
+#[test]
+fn ragged_append_into_a_fragmented_pool() -> Result<()> {
+    // After both sequences are reset the free list hands out pages 3, 4, 5, 0, 1, ...: a
+    // 20-token append then spans adjacent pages (copied as one run) and a jump back.
+    let (h, hk, d, ps) = (2, 1, 8, 4);
+    let mut cache = PagedKvCache::new(2, 8, ps, 6, hk, d, DType::F32, &Device::Cpu)?;
+    let k = randn((20, hk, d), DType::F32)?;
+    cache.append_varlen(&k, &k, &[10, 10])?;
+    cache.reset_sequence(0)?;
+    cache.reset_sequence(1)?;
+    let (k_new, v_new) = (
+        randn((20, hk, d), DType::F32)?,
+        randn((20, hk, d), DType::F32)?,
+    );
+    cache.append_varlen(&k_new, &v_new, &[20, 0])?;
+    assert_eq!(&cache.block_table()[..5], &[3, 4, 5, 0, 1]);
+    let q = randn((2, 1, h, d), DType::F32)?;
+    let (k1, v1) = (
+        randn((2, 1, hk, d), DType::F32)?,
+        randn((2, 1, hk, d), DType::F32)?,
+    );
+    let out = cache.append_and_attend(&q, &k1, &v1, &FlashAttn::new().causal(true))?;
+    let keys = |a: &Tensor, step: &Tensor| Tensor::cat(&[&a.unsqueeze(0)?, &step.i(0..1)?], 1);
+    let expect = attention_slow(
+        &q.i(0..1)?,
+        &keys(&k_new, &k1)?,
+        &keys(&v_new, &v1)?,
+        1.0 / (d as f32).sqrt(),
+        true,
+    )?;
+    assert_close("fragmented pool", &out.i(0..1)?, &expect, F32_TOL)
+}

@@ -303,6 +303,10 @@ fn transformers_5_rope_parameters_read_like_rope_theta_and_rope_scaling() {
     );
     assert_eq!(a, b);
     assert_eq!(b.rope_theta, 500000.0);
+    assert_eq!(
+        model::normalized_json(v5).unwrap()["rope_scaling"]["factor"],
+        32.0
+    );
     let plain = v5.replace("\"llama3\"", "\"default\"");
     let c = model::Config::from_json(&plain).unwrap();
     assert!(c.rope_scaling.is_none() && c.rope_theta == 500000.0);

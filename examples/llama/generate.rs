@@ -41,6 +41,8 @@ pub struct GenStats {
     pub decode_steps: usize,
     /// Peak device memory of the run (CUDA: the memory pool's high-water mark).
     pub peak_memory: Option<u64>,
+    /// Timed runs these figures are the median of.
+    pub runs: usize,
 }
 
 impl GenStats {
@@ -62,6 +64,23 @@ pub struct Generation {
     pub stats: GenStats,
     /// Logits of each step, when [`GenOpts::record_logits`].
     pub logits: Vec<Tensor>,
+}
+
+/// The first of `runs` (same inputs, so same tokens) with the median time to first token and
+/// the median decoding time of all of them, and the largest peak memory.
+pub fn median_run(mut runs: Vec<Generation>) -> Generation {
+    fn median(mut xs: Vec<Duration>) -> Duration {
+        xs.sort();
+        xs[xs.len() / 2]
+    }
+    let ttft = median(runs.iter().map(|g| g.stats.time_to_first_token).collect());
+    let decode = median(runs.iter().map(|g| g.stats.decode_time).collect());
+    let peak = runs.iter().filter_map(|g| g.stats.peak_memory).max();
+    let mut first = runs.swap_remove(0);
+    first.stats.time_to_first_token = ttft;
+    first.stats.decode_time = decode;
+    first.stats.peak_memory = peak;
+    first
 }
 
 /// Chooses the next token of each sequence from `logits` `(batch, vocab)` f32.

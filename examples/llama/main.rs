@@ -107,10 +107,14 @@ struct Args {
     /// Print one JSON line of measurements at the end.
     #[arg(long)]
     stats_json: bool,
-    /// Run a short generation of the same batch first, so the timed run pays no one-time
-    /// costs (kernel loading, cuBLAS set-up).
+    /// Run a short generation (3 tokens) of the same prompts first, so the timed run pays no
+    /// one-time costs (kernel loading, cuBLAS set-up, memory pool growth).
     #[arg(long)]
     warmup: bool,
+    /// Time the generation this many times (streaming only the first) and report the median
+    /// time to first token and decoding time (benchmarks: host timing at batch 1 is noisy).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
     /// Write the first step's logits (batch, vocab) f32 to this safetensors file.
     #[arg(long)]
     logits_out: Option<PathBuf>,
@@ -266,6 +270,7 @@ fn report(args: &Args, dev: &Device, dt: DType, gen: &Generation, ckpt: &Checkpo
             "decode_tok_s": s.generated_tokens_per_s(),
             "decode_ms_per_step": s.decode_time.as_secs_f64() * 1e3 / s.decode_steps.max(1) as f64,
             "peak_mem_mib": s.peak_memory.map(mib),
+            "runs": s.runs,
         });
         println!("{json}");
     }
@@ -319,19 +324,27 @@ fn main() -> Result<()> {
         record_logits: false,
         ..opts.clone()
     };
-    let short: Vec<Vec<u32>> = ids.iter().map(|p| p[..p.len().min(32)].to_vec()).collect();
-    let gen = match args.implementation {
+    // The warm-up takes the same prompts: the timed run then finds the memory pool grown and
+    // every kernel and cuBLAS plan of its shapes loaded.
+    if args.repeat == 0 {
+        bail!("--repeat: must be at least 1")
+    }
+    let mut gen = match args.implementation {
         Impl::CandleTransformers => {
             if args.warmup {
-                baseline::generate(&ckpt, dt, &dev, &short, &warmup_opts)?;
+                baseline::generate(&ckpt, dt, &dev, &ids, &warmup_opts)?;
             }
-            baseline::generate(&ckpt, dt, &dev, &ids, &opts)?
+            let mut runs = vec![];
+            for _ in 0..args.repeat {
+                runs.push(baseline::generate(&ckpt, dt, &dev, &ids, &opts)?);
+            }
+            generate::median_run(runs)
         }
         Impl::CandleFlash => {
             let max_len = ids.iter().map(Vec::len).max().unwrap_or(0) + args.max_new_tokens;
             let model = ckpt.load(attn_impl(&args), dt, &dev, max_len)?;
             if args.warmup {
-                generate::generate(&model, &short, &warmup_opts, |_, _| {})?;
+                generate::generate(&model, &ids, &warmup_opts, |_, _| {})?;
             }
             let mut streamer = match (stream, ckpt.tokenizer.as_ref()) {
                 (true, Some(tok)) => {
@@ -355,9 +368,14 @@ fn main() -> Result<()> {
             if let Some(e) = err {
                 return Err(e);
             }
-            gen
+            let mut runs = vec![gen];
+            for _ in 1..args.repeat {
+                runs.push(generate::generate(&model, &ids, &opts, |_, _| {})?);
+            }
+            generate::median_run(runs)
         }
     };
+    gen.stats.runs = args.repeat;
     if stream {
         println!();
     } else if !args.quiet {

@@ -325,11 +325,14 @@ impl Attention {
             (Some(a), Some(b), Some(c)) => Some(Tensor::cat(&[a, b, c], 0)?),
             _ => None,
         };
-        self.qkv = Some(Proj {
+        let fused = Proj {
             weight,
             bias,
             lora: None,
-        });
+        };
+        let (hq, hk) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        [self.q, self.k, self.v] = split_rows(&fused, &[hq, hk, hk])?;
+        self.qkv = Some(fused);
         Ok(())
     }
 
@@ -535,6 +538,29 @@ fn fill_cache(cache: &mut LayerCache, k: &Tensor, v: &Tensor, seqlens: &[usize])
     }
 }
 
+/// Views of consecutive row blocks of a stacked projection: the separate projections share
+/// the stacked storage instead of keeping a second copy of the weights.
+fn split_rows<const N: usize>(fused: &Proj, rows: &[usize; N]) -> Result<[Proj; N]> {
+    let mut start = 0;
+    let parts = rows
+        .iter()
+        .map(|&n| {
+            let p = Proj {
+                weight: fused.weight.narrow(0, start, n)?,
+                bias: fused
+                    .bias
+                    .as_ref()
+                    .map(|b| b.narrow(0, start, n))
+                    .transpose()?,
+                lora: None,
+            };
+            start += n;
+            Ok(p)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(parts.try_into().expect("one part per row count"))
+}
+
 #[derive(Clone, Debug)]
 struct Mlp {
     gate: Proj,
@@ -565,11 +591,14 @@ impl Mlp {
             (Some(a), Some(b)) => Some(Tensor::cat(&[a, b], 0)?),
             _ => None,
         };
-        self.gate_up = Some(Proj {
+        let fused = Proj {
             weight,
             bias,
             lora: None,
-        });
+        };
+        let i = self.gate.weight.dim(0)?;
+        [self.gate, self.up] = split_rows(&fused, &[i, i])?;
+        self.gate_up = Some(fused);
         Ok(())
     }
 

@@ -4,14 +4,14 @@ use std::sync::Mutex;
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
-use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
+use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
     device_ptr_opt, dtype_name, launch, launch_programmatic, poison, stream_counters, strides3,
-    to_device_i32, to_i32, AttnParams, FwdTile, StreamCounters,
+    to_device_i32, to_device_i32_shared, to_i32, AttnParams, FwdTile, SharedI32, StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 use crate::ptx;
@@ -90,10 +90,7 @@ fn decode_smem_bytes(d: usize, warps: usize) -> u32 {
 }
 
 /// `(block_table, max_pages, page_size)` for the kernels; no table for a contiguous cache.
-fn paging_args(
-    dev: &candle::CudaDevice,
-    paging: &Paging,
-) -> Result<(Option<CudaSlice<i32>>, i32, i32)> {
+fn paging_args(dev: &candle::CudaDevice, paging: &Paging) -> Result<(Option<SharedI32>, i32, i32)> {
     Ok(match paging {
         Paging::Contiguous { capacity } => (None, 0, to_i32(*capacity, "capacity")?),
         Paging::Paged {
@@ -102,7 +99,7 @@ fn paging_args(
             block_table,
             ..
         } => (
-            Some(to_device_i32(dev, block_table)?),
+            Some(to_device_i32_shared(dev, block_table)?),
             to_i32(*max_pages, "max_pages")?,
             to_i32(*page_size, "page_size")?,
         ),
@@ -138,7 +135,7 @@ fn append_typed<T: CudaDType + DeviceRepr>(
     let dev = cache.device.clone();
     let stream = dev.cuda_stream();
     let dtype = dtype_name(cache.dtype())?;
-    let start = Some(to_device_i32(&dev, &problem.start)?);
+    let start = to_device_i32_shared(&dev, &problem.start)?;
     let (block_table, max_pages, page_size) = paging_args(&dev, &problem.paging)?;
     let [cache_page_stride, cache_row_stride, cache_head_stride] = strides3(cache_layout);
     let [src_batch_stride, src_row_stride, src_head_stride] = strides3(new_layout);
@@ -158,8 +155,8 @@ fn append_typed<T: CudaDType + DeviceRepr>(
         src_batch_stride,
         src_row_stride,
         src_head_stride,
-        start: device_ptr_opt(&start, &stream, &mut syncs),
-        block_table: device_ptr_opt(&block_table, &stream, &mut syncs),
+        start: device_ptr_opt(Some(&start), &stream, &mut syncs),
+        block_table: device_ptr_opt(block_table.as_deref(), &stream, &mut syncs),
         max_pages,
         page_size,
         d: problem.d as i32,
@@ -423,8 +420,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
                 o: o_ptr,
                 ..a
             },
-            seqlens: device_ptr_opt(&seqlens, &stream, &mut syncs),
-            block_table: device_ptr_opt(&block_table, &stream, &mut syncs),
+            seqlens: device_ptr_opt(seqlens.as_ref(), &stream, &mut syncs),
+            block_table: device_ptr_opt(block_table.as_deref(), &stream, &mut syncs),
             max_pages,
             page_size,
             num_splits: splits as i32,

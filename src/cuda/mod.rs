@@ -157,10 +157,45 @@ fn to_device_i32(dev: &candle::CudaDevice, xs: &[u32]) -> Result<CudaSlice<i32>>
     dev.clone_htod(&xs)
 }
 
+/// Read-only host arrays uploaded recently (the append's start rows, block tables), with
+/// the device they went to. A decoding step sends the same arrays for every layer, and each
+/// upload (an allocation and a copy from pageable memory) cost tens of microseconds of host
+/// time per launch: at batch 1 on the H100, 0.5 ms per token of a 16-layer model with a
+/// contiguous cache and 1.5 ms with a paged one (the table goes to the append and the decode).
+static UPLOADS: Mutex<Vec<(candle::cuda_backend::DeviceId, Vec<u32>, SharedI32)>> =
+    Mutex::new(Vec::new());
+/// A device array that several launches read.
+type SharedI32 = Arc<CudaSlice<i32>>;
+/// Distinct arrays kept: a step of a batch uses two (start rows, block table); a few more
+/// cover several caches or devices used in turn.
+const KEPT_UPLOADS: usize = 8;
+
+/// `xs` as i32 on `dev`, reusing an identical upload when one is kept. The kernels only read
+/// these buffers, so sharing one between launches is safe; each is freed in stream order
+/// when evicted and no longer used.
+fn to_device_i32_shared(dev: &candle::CudaDevice, xs: &[u32]) -> Result<SharedI32> {
+    let mut kept = UPLOADS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let id = dev.id();
+    if let Some(i) = kept.iter().position(|(d, host, _)| *d == id && host == xs) {
+        let hit = kept.remove(i);
+        let buf = hit.2.clone();
+        kept.push(hit);
+        return Ok(buf);
+    }
+    let buf = Arc::new(to_device_i32(dev, xs)?);
+    kept.push((id, xs.to_vec(), buf.clone()));
+    if kept.len() > KEPT_UPLOADS {
+        kept.remove(0);
+    }
+    Ok(buf)
+}
+
 /// The device pointer of an optional buffer (0 when absent); the guard that orders the
 /// stream's use of it goes to `syncs`, which must outlive the launch.
 fn device_ptr_opt<'a>(
-    x: &'a Option<CudaSlice<i32>>,
+    x: Option<&'a CudaSlice<i32>>,
     stream: &'a Arc<CudaStream>,
     syncs: &mut Vec<SyncOnDrop<'a>>,
 ) -> CUdeviceptr {
@@ -195,8 +230,8 @@ fn set_seq_offsets<'a>(
     stream: &'a Arc<CudaStream>,
 ) -> Vec<SyncOnDrop<'a>> {
     let mut syncs = vec![];
-    params.cu_seqlens_q = device_ptr_opt(cu_q, stream, &mut syncs);
-    params.cu_seqlens_k = device_ptr_opt(cu_k, stream, &mut syncs);
+    params.cu_seqlens_q = device_ptr_opt(cu_q.as_ref(), stream, &mut syncs);
+    params.cu_seqlens_k = device_ptr_opt(cu_k.as_ref(), stream, &mut syncs);
     syncs
 }
 

@@ -135,13 +135,17 @@ impl PagedKvCache {
         let ps = self.page_size;
         let mut start = 0;
         for (b, &n) in seqlens_new.iter().enumerate() {
-            // Copy runs that stay within one page.
+            let page_of = |pos: usize| table[b * self.max_pages + pos / ps] as usize;
             let mut pos = self.lengths[b] as usize;
             let end = pos + n;
             while pos < end {
-                let run = (ps - pos % ps).min(end - pos);
-                let page = table[b * self.max_pages + pos / ps] as usize;
-                let row = page * ps + pos % ps;
+                // One copy per run of pages that are adjacent in the pool (a fresh pool hands
+                // them out in order, so a prefill is usually one copy per sequence).
+                let row = page_of(pos) * ps + pos % ps;
+                let mut run = (ps - pos % ps).min(end - pos);
+                while pos + run < end && page_of(pos + run) * ps == row + run {
+                    run += ps.min(end - pos - run);
+                }
                 k_rows.slice_set(&k_new.narrow(0, start, run)?.contiguous()?, 0, row)?;
                 v_rows.slice_set(&v_new.narrow(0, start, run)?.contiguous()?, 0, row)?;
                 (pos, start) = (pos + run, start + run);

@@ -314,13 +314,9 @@ fn ragged_append(dev: &Device, page_size: Option<usize>) -> Result<()> {
         let (k, v) = (keys(&k_new, &k_step)?, keys(&v_new, &v_step)?);
         let qs = q.i(s..s + 1)?;
         let scale = 1.0 / (d as f32).sqrt();
-        let reference = attention_slow(
-            &to_reference(&qs)?,
-            &to_reference(&k)?,
-            &to_reference(&v)?,
-            scale,
-            true,
-        )?;
+        let (qs, k, v) = (to_reference(&qs)?, to_reference(&k)?, to_reference(&v)?);
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+        let reference = attention_slow(&f32_of(&qs)?, &f32_of(&k)?, &f32_of(&v)?, scale, true)?;
         let low = attention_slow(&qs, &k, &v, scale, true)?;
         check_output(
             &format!("sequence {s}"),
