@@ -274,6 +274,10 @@ for tool in tools:
         if errs or summary is None:
             attribute(text, ours, others)
 
+    if passed + failed == 0:
+        # "0 errors" over no test at all is not a pass.
+        ok = False
+        lines.append("  no test ran under this tool")
     with open(os.path.join(out, f"sanitize-{tool}.log"), "wb") as f:
         f.write(b"".join(chunks))
     n = lambda k, word: f"{k} {word}{'' if k == 1 else 's'}"

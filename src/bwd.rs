@@ -8,6 +8,7 @@ use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use crate::cpu;
+use crate::fwd::contiguous_aligned;
 use crate::params::Problem;
 
 pub(crate) struct FlashAttnBwdOp {
@@ -51,15 +52,16 @@ impl FlashAttnBwdOp {
         let s = self.problem.shape;
         let (q_shape, kv_shape) = (self.problem.q_shape(), self.problem.kv_shape());
         // The kernels read dO with the output's (contiguous) layout.
-        let grad_out = grad_out.contiguous()?;
-        let out = out.contiguous()?;
+        let grad_out = contiguous_aligned(grad_out)?;
+        let out = contiguous_aligned(out)?;
+        let lse = contiguous_aligned(lse)?;
         let op = BwdKernelOp {
             problem: self.problem,
             deterministic: self.deterministic,
             inputs: BwdInputs {
                 out: &out,
                 grad_out: &grad_out,
-                lse,
+                lse: &lse,
             },
         };
         let packed = q.apply_op3_no_bwd(k, v, &op)?;

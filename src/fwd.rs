@@ -87,7 +87,19 @@ pub(crate) fn aligned(t: &Tensor) -> Result<Tensor> {
     if ok {
         Ok(t.clone())
     } else {
-        t.contiguous()
+        // Not `contiguous()`: it returns a contiguous tensor unchanged whatever its offset.
+        t.force_contiguous()
+    }
+}
+
+/// `t` contiguous and, on CUDA, starting at a multiple of 8 elements, for the tensors the
+/// kernels read with the output's contiguous layout (out, dO, LSE).
+pub(crate) fn contiguous_aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    if t.device().is_cuda() && !t.layout().start_offset().is_multiple_of(8) {
+        t.force_contiguous()
+    } else {
+        Ok(t)
     }
 }
 

@@ -32,6 +32,9 @@ enum CacheKind<'a> {
     Paged {
         block_table: &'a [u32],
         max_pages: usize,
+        /// The table comes from a [`PagedKvCache`], whose free list never hands out a page
+        /// twice: the aliasing check can be skipped on the decoding hot path.
+        owned: bool,
     },
 }
 
@@ -112,6 +115,7 @@ impl Call {
             CacheKind::Paged {
                 block_table,
                 max_pages,
+                ..
             } => {
                 if rows == 0 {
                     bail!(
@@ -146,6 +150,9 @@ impl Call {
         let s_new = new_kv.as_ref().map_or(0, |&(_, _, s_new)| s_new);
         let seqlens = lengths_after(cache_seqlens, s_new, &paging)?;
         check_block_table(&paging, &seqlens, kn)?;
+        if let (CacheKind::Paged { owned: false, .. }, true) = (kind, s_new > 0) {
+            check_pages_not_shared(&paging, cache_seqlens, &seqlens)?;
+        }
         let scale = opts.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
         params::check_scale(scale)?;
         let append = new_kv.map(|(k_new, v_new, _)| {
@@ -256,6 +263,53 @@ fn check_block_table(paging: &Paging, seqlens: &[u32], kn: &str) -> Result<()> {
                     "block_table: entry [{s}, {p}] (sequence {s}, page {p}) is {page}, \
                      but {kn} has {num_pages} pages"
                 )
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A page that an append writes must belong to its sequence alone: named once among the
+/// pages every sequence uses (after the append). Otherwise the append overwrites another
+/// sequence's keys and values (two rows naming one page, a shared prefix page that is only
+/// partly filled, the unallocated zero entries of a table), and on CUDA the append blocks
+/// race.
+fn check_pages_not_shared(paging: &Paging, starts: &[u32], lengths: &[u32]) -> Result<()> {
+    let Paging::Paged {
+        page_size,
+        max_pages,
+        block_table,
+        ..
+    } = paging
+    else {
+        return Ok(());
+    };
+    let row = |s: usize| &block_table[s * max_pages..][..*max_pages];
+    let mut written = std::collections::HashMap::new();
+    for (s, (&start, &len)) in starts.iter().zip(lengths).enumerate() {
+        let first = start as usize / page_size;
+        for p in first..(len as usize).div_ceil(*page_size) {
+            if let Some((s0, p0)) = written.insert(row(s)[p], (s, p)) {
+                bail!(
+                    "block_table: entries [{s0}, {p0}] and [{s}, {p}] both name page {}, which \
+                     this call's append writes; appended pages must not be shared",
+                    row(s)[p]
+                )
+            }
+        }
+    }
+    for (s, &len) in lengths.iter().enumerate() {
+        for (p, page) in row(s)[..(len as usize).div_ceil(*page_size)]
+            .iter()
+            .enumerate()
+        {
+            if let Some(&(s0, p0)) = written.get(page) {
+                if (s0, p0) != (s, p) {
+                    bail!(
+                        "block_table: entry [{s}, {p}] names page {page}, which this call's \
+                         append writes for entry [{s0}, {p0}]; appended pages must not be shared"
+                    )
+                }
             }
         }
     }
@@ -411,6 +465,7 @@ pub fn flash_attn_with_paged_kvcache(
     let kind = CacheKind::Paged {
         block_table,
         max_pages,
+        owned: false,
     };
     Call::new(q, k_pages, v_pages, new_kv, cache_seqlens, kind, opts)?.run(q, k_pages, v_pages)
 }
@@ -419,6 +474,35 @@ pub fn flash_attn_with_paged_kvcache(
 fn check_fits_u32(value: usize, name: &str) -> Result<()> {
     if u32::try_from(value).is_err() {
         bail!("{name}: {value} tokens do not fit the u32 sequence lengths")
+    }
+    Ok(())
+}
+
+/// What a constructor is given, checked as the first call would check it: the cache
+/// `(outer, rows, num_heads_k, head_dim)` of `dtype` on `device` (rows: capacity or page
+/// size). Absurd sizes are an error here rather than an aborted allocation.
+fn check_cache_args(dims: [(usize, &str); 4], dtype: DType, device: &Device) -> Result<()> {
+    let [_, _, (hk, _), (d, _)] = dims;
+    if hk == 0 {
+        bail!("num_heads_k: must be > 0")
+    }
+    if d == 0 || d > params::MAX_HEAD_DIM {
+        bail!("head_dim: must be in 1..={}, got {d}", params::MAX_HEAD_DIM)
+    }
+    match (device, dtype) {
+        (_, DType::F16 | DType::BF16) | (Device::Cpu, DType::F32) => {}
+        (Device::Cpu, dt) => bail!("dtype: {dt:?} is not supported, expected F32, F16 or BF16"),
+        (_, dt) => bail!("dtype: {dt:?} is not supported on this device, expected F16 or BF16"),
+    }
+    if device.is_cuda() && !d.is_multiple_of(8) {
+        bail!("head_dim: must be a multiple of 8 on CUDA, got {d}")
+    }
+    let mut elems: usize = 1;
+    for (n, name) in dims {
+        elems = match elems.checked_mul(n) {
+            Some(e) if e.saturating_mul(dtype.size_in_bytes()) <= isize::MAX as usize => e,
+            _ => bail!("{name}: the cache of {dims:?} elements does not fit in memory"),
+        };
     }
     Ok(())
 }
@@ -468,6 +552,16 @@ impl KvCache {
         device: &Device,
     ) -> Result<Self> {
         check_fits_u32(capacity, "capacity")?;
+        check_cache_args(
+            [
+                (batch, "batch"),
+                (capacity, "capacity"),
+                (num_heads_k, "num_heads_k"),
+                (head_dim, "head_dim"),
+            ],
+            dtype,
+            device,
+        )?;
         let shape = (batch, capacity, num_heads_k, head_dim);
         Ok(Self {
             k: Tensor::zeros(shape, dtype, device)?,
@@ -494,9 +588,13 @@ impl KvCache {
         let new_kv = Some((k_new, v_new));
         let kind = CacheKind::Contiguous;
         let call = Call::new(q, &self.k, &self.v, new_kv, &self.lengths, kind, opts)?;
+        let lengths = call.lengths().to_vec();
         call.append(&self.k, &self.v)?;
-        self.lengths.copy_from_slice(call.lengths());
-        call.attend(q, &self.k, &self.v)
+        // Committed only once the attention ran: after a failed launch the rows written past
+        // the old lengths are never read, and a retry writes them again.
+        let out = call.attend(q, &self.k, &self.v)?;
+        self.lengths = lengths;
+        Ok(out)
     }
 
     /// Tokens held by each sequence.
@@ -583,10 +681,23 @@ impl PagedKvCache {
             bail!("page_size: must be > 0")
         }
         check_fits_u32(num_pages, "num_pages")?;
-        check_fits_u32(
-            page_size * max_pages_per_seq,
-            "max_pages_per_seq * page_size",
+        let Some(capacity) = page_size.checked_mul(max_pages_per_seq) else {
+            bail!("max_pages_per_seq * page_size: {max_pages_per_seq} * {page_size} overflows")
+        };
+        check_fits_u32(capacity, "max_pages_per_seq * page_size")?;
+        check_cache_args(
+            [
+                (num_pages, "num_pages"),
+                (page_size, "page_size"),
+                (num_heads_k, "num_heads_k"),
+                (head_dim, "head_dim"),
+            ],
+            dtype,
+            device,
         )?;
+        if batch.checked_mul(max_pages_per_seq).is_none() {
+            bail!("batch * max_pages_per_seq: {batch} * {max_pages_per_seq} overflows")
+        }
         let shape = (num_pages, page_size, num_heads_k, head_dim);
         Ok(Self {
             k: Tensor::zeros(shape, dtype, device)?,
@@ -668,14 +779,19 @@ impl PagedKvCache {
         let kind = CacheKind::Paged {
             block_table: &table,
             max_pages: self.max_pages,
+            owned: true,
         };
         let new_kv = Some((k_new, v_new));
         let call = Call::new(q, &self.k, &self.v, new_kv, &self.lengths, kind, opts)?;
+        let lengths = call.lengths().to_vec();
         call.append(&self.k, &self.v)?;
-        self.lengths.copy_from_slice(call.lengths());
+        // As in KvCache: pages and lengths are committed after the attention ran (the pages
+        // written by a failed call are still free).
+        let out = call.attend(q, &self.k, &self.v)?;
+        self.lengths = lengths;
         self.block_table = table;
         self.free = free;
-        call.attend(q, &self.k, &self.v)
+        Ok(out)
     }
 
     /// Tokens held by each sequence.

@@ -249,7 +249,7 @@ impl FlashAttn {
         }
         let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
         // The CUDA kernels read the LSE with its contiguous layout (as the forward writes it).
-        let lse = lse.contiguous()?;
+        let lse = crate::fwd::contiguous_aligned(lse)?;
         FlashAttnBwdOp::new(problem, self.deterministic).run(&q, &k, &v, out, grad_out, &lse)
     }
 

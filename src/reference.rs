@@ -2,7 +2,7 @@
 
 use candle::{bail, DType, Result, Tensor, D};
 
-use crate::params::{self, Problem};
+use crate::params;
 
 /// Attention computed the obvious way, `softmax(scale · q kᵀ + mask) v`, in plain Candle ops:
 /// the reference that [`crate::flash_attn`] is tested against.
@@ -84,13 +84,6 @@ fn slow(
             )
         }
     }
-    let problem = Problem {
-        shape,
-        scale: softmax_scale,
-        causal,
-        dropout: None,
-        varlen: None,
-    };
     let (b, sq, sk, h, d) = (shape.b, shape.sq, shape.sk, shape.h, shape.d);
     let (dev, dtype) = (q.device(), q.dtype());
     if b * sq * h == 0 || sk == 0 {
@@ -105,20 +98,19 @@ fn slow(
     // Rows that see no key (causal with seqlen_q > seqlen_k), as 0/1 in the input dtype.
     let mut dead = Tensor::zeros((sq, 1), dtype, dev)?;
     if causal {
+        // Written from the definition, not from the kernels' `Problem::key_end`, so that a
+        // wrong rule there cannot agree with itself here: bottom-right alignment, query i sees
+        // key j iff j <= i + sk - sq (in signed arithmetic).
+        let sees = |i: usize, j: usize| j as i64 <= i as i64 + sk as i64 - sq as i64;
         let visible: Vec<u8> = (0..sq)
-            .flat_map(|i| {
-                let end = problem.key_end(i, sq, sk);
-                (0..sk).map(move |j| u8::from(j < end))
-            })
+            .flat_map(|i| (0..sk).map(move |j| u8::from(sees(i, j))))
             .collect();
         let visible = Tensor::from_vec(visible, (sq, sk), dev)?.broadcast_as(scores.shape())?;
         let neg_inf = Tensor::new(f32::NEG_INFINITY, dev)?
             .to_dtype(dtype)?
             .broadcast_as(scores.shape())?;
         scores = visible.where_cond(&scores, &neg_inf)?;
-        let dead_rows: Vec<f32> = (0..sq)
-            .map(|i| f32::from(u8::from(problem.key_end(i, sq, sk) == 0)))
-            .collect();
+        let dead_rows: Vec<f32> = (0..sq).map(|i| f32::from(u8::from(!sees(i, 0)))).collect();
         dead = Tensor::from_vec(dead_rows, (sq, 1), dev)?.to_dtype(dtype)?;
     }
 

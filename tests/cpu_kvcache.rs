@@ -876,3 +876,103 @@ fn ragged_append_into_a_fragmented_pool() -> Result<()> {
     )?;
     assert_close("fragmented pool", &out.i(0..1)?, &expect, F32_TOL)
 }
+
+/// One appending call over pages `(num_pages, 4, 1, 8)` with `table` (2 rows of `max_pages`):
+/// the error message, or None when it ran. The pool is checked unchanged on error.
+fn append_with_table(table: &[u32], max_pages: usize, lens: &[u32]) -> Result<Option<String>> {
+    let (ps, hk, d) = (4, 1, 8);
+    let pages = randn((4, ps, hk, d), DType::F32)?;
+    let before = pages.flatten_all()?.to_vec1::<f32>()?;
+    let (v_pages, q) = (pages.copy()?, randn((2, 1, 2, d), DType::F32)?);
+    let new = randn((2, 1, hk, d), DType::F32)?;
+    let opts = FlashAttn::new().causal(true);
+    let r = flash_attn_with_paged_kvcache(
+        &q,
+        &pages,
+        &v_pages,
+        Some((&new, &new)),
+        lens,
+        table,
+        max_pages,
+        &opts,
+    );
+    match r {
+        Ok(_) => Ok(None),
+        Err(e) => {
+            assert_eq!(
+                pages.flatten_all()?.to_vec1::<f32>()?,
+                before,
+                "written on error"
+            );
+            Ok(Some(e.to_string()))
+        }
+    }
+}
+
+#[test]
+fn appends_never_write_a_shared_page() -> Result<()> {
+    let shared = "appended pages must not be shared";
+    // Two sequences given the same page.
+    let e = append_with_table(&[2, 0, 2, 0], 2, &[0, 0])?.expect("same page accepted");
+    assert!(e.contains(shared) && e.contains("page 2"), "{e}");
+    // A shared prefix page, partly filled, that both sequences append to.
+    let e = append_with_table(&[1, 0, 1, 0], 2, &[2, 2])?.expect("shared partial page accepted");
+    assert!(e.contains(shared), "{e}");
+    // The unallocated zero entries of PagedKvCache::block_table(): sequence 1 holds nothing,
+    // so its row is zeros, and its append would land in sequence 0's page 0.
+    let mut cache = PagedKvCache::new(2, 4, 4, 2, 1, 8, DType::F32, &Device::Cpu)?;
+    let k = randn((3, 1, 8), DType::F32)?;
+    cache.append_varlen(&k, &k, &[3, 0])?;
+    assert_eq!(cache.block_table(), &[0, 0, 0, 0]);
+    let table = cache.block_table().to_vec();
+    let e = append_with_table(&table, 2, &[3, 0])?.expect("zero entries accepted");
+    assert!(e.contains("entry [1, 0]") || e.contains("[1, 0]"), "{e}");
+    // A full prefix page read by both, each appending to its own page: allowed.
+    assert_eq!(append_with_table(&[0, 1, 0, 2], 2, &[4, 4])?, None);
+    // PagedKvCache's own calls keep working (its tables never alias).
+    let q = randn((2, 1, 2, 8), DType::F32)?;
+    let kn = randn((2, 1, 1, 8), DType::F32)?;
+    cache.append_and_attend(&q, &kn, &kn, &FlashAttn::new().causal(true))?;
+    assert_eq!(cache.lengths(), &[4, 1]);
+    Ok(())
+}
+
+#[test]
+fn constructors_reject_what_the_first_call_would() {
+    let cpu = &Device::Cpu;
+    let kv = |hk, d, dt| {
+        KvCache::new(2, 16, hk, d, dt, cpu)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let paged = |ps, mp, hk, d, dt| {
+        PagedKvCache::new(2, 8, ps, mp, hk, d, dt, cpu)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    for (r, needle) in [
+        (kv(0, 64, DType::F32), "num_heads_k: must be > 0"),
+        (kv(2, 0, DType::F32), "head_dim: must be in 1..=256, got 0"),
+        (
+            kv(2, 264, DType::F32),
+            "head_dim: must be in 1..=256, got 264",
+        ),
+        (kv(2, 64, DType::F64), "dtype: F64 is not supported"),
+        (kv(2, 64, DType::U32), "dtype: U32 is not supported"),
+        (paged(4, 2, 0, 64, DType::F32), "num_heads_k: must be > 0"),
+        (
+            paged(4, 2, 2, 300, DType::BF16),
+            "head_dim: must be in 1..=256",
+        ),
+        (paged(4, 2, 2, 64, DType::F64), "dtype: F64"),
+        (paged(1 << 40, 1 << 40, 2, 64, DType::F32), "overflows"),
+    ] {
+        let e = r.expect_err(needle);
+        assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+    }
+    // Sizes whose product does not fit in memory are an error, not an aborted allocation.
+    let e = KvCache::new(1 << 20, u32::MAX as usize, 1 << 10, 256, DType::F32, cpu)
+        .expect_err("absurd size")
+        .to_string();
+    assert!(e.contains("does not fit in memory"), "{e}");
+}

@@ -73,21 +73,32 @@ pub fn randn<S: Into<candle::Shape>>(shape: S, dtype: DType) -> Result<Tensor> {
     Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)
 }
 
-/// `max |a - b|`, computed in f32 (0 for empty tensors).
+/// The largest of `xs`, NaN as soon as one is NaN (`f32::max` would drop it: a NaN anywhere
+/// must fail every `err <= bound` and `err == 0.0` check).
+pub fn nan_max(xs: impl IntoIterator<Item = f32>) -> f32 {
+    xs.into_iter().fold(0.0, |m: f32, x| {
+        if m.is_nan() || x.is_nan() {
+            f32::NAN
+        } else {
+            m.max(x)
+        }
+    })
+}
+
+/// `max |a - b|`, computed in f32 (0 for empty tensors); NaN if any difference is NaN, inf if
+/// one side is infinite where the other is finite.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
     let a = a.to_dtype(DType::F32)?.flatten_all()?;
     let b = b.to_dtype(DType::F32)?.flatten_all()?;
     let diffs = (a - b)?.abs()?.to_vec1::<f32>()?;
-    Ok(diffs
-        .into_iter()
-        .fold(0.0, |m, x| if x.is_nan() { f32::NAN } else { m.max(x) }))
+    Ok(nan_max(diffs))
 }
 
-/// `max |a|`, computed in f32.
+/// `max |a|`, computed in f32; NaN if any element is NaN.
 pub fn max_abs(a: &Tensor) -> Result<f32> {
     let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    Ok(a.into_iter().fold(0.0, |m, x| m.max(x.abs())))
+    Ok(nan_max(a.into_iter().map(f32::abs)))
 }
 
 /// Asserts that `result` is an error whose message contains every part of `expected`.

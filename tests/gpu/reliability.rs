@@ -17,7 +17,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
 use candle::{DType, Device, Result, Tensor};
-use candle_flash::{attention_slow, flash_attn, FlashAttn};
+use candle_flash::{attention_slow, flash_attn, FlashAttn, KvCache};
 
 use crate::cuda_suite::{check_rule as rule, grads_of, randn, sanitize, to_reference, Suite};
 
@@ -76,6 +76,10 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         guarded(|| no_keys(dev)),
     );
     numerics(dev, budget, suite);
+    suite.record(
+        "reliability: inputs starting at an odd element offset (forward, backward, decode)",
+        guarded(|| misaligned_offsets(dev)),
+    );
     suite.record(
         "reliability: 4 threads on one device, bitwise equal to one thread",
         guarded(|| threads(dev, budget.thread_calls)),
@@ -751,4 +755,84 @@ fn leaks(dev: &Device, calls: usize, compare: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `shape` of random bf16 values viewed at element offset 1 of a larger buffer: contiguous,
+/// so `Tensor::contiguous` keeps it, but not 16-byte aligned.
+fn at_offset_1(shape: &[usize], dev: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    Tensor::randn(0f32, 1.0, n + 1, dev)?
+        .to_dtype(DType::BF16)?
+        .narrow(0, 1, n)?
+        .reshape(shape)
+}
+
+/// Every tensor the kernels read with 16-byte loads (q, k, v, out, dO, LSE, k_new, v_new)
+/// given at an odd offset: the results equal those of aligned copies, bitwise, and the
+/// context survives (a misaligned load would poison it).
+fn misaligned_offsets(dev: &Device) -> Result<()> {
+    let shape = [2, 77, 4, 64];
+    let (q, k, v) = (
+        at_offset_1(&shape, dev)?,
+        at_offset_1(&shape, dev)?,
+        at_offset_1(&shape, dev)?,
+    );
+    let copy = |t: &Tensor| t.force_contiguous();
+    // Deterministic: the default backward's atomic dQ is not bitwise repeatable.
+    let attn = FlashAttn::new().causal(true).deterministic(true);
+    let (out, lse) = attn.forward_with_lse(&q, &k, &v)?;
+    let (out_ref, lse_ref) = attn.forward_with_lse(&copy(&q)?, &copy(&k)?, &copy(&v)?)?;
+    let same = |a: &Tensor, b: &Tensor, what: &str| -> Result<()> {
+        if host(a)? != host(b)? {
+            candle::bail!("{what}: differs from the aligned run")
+        }
+        Ok(())
+    };
+    same(&out, &out_ref, "out")?;
+    let dout = at_offset_1(&shape, dev)?;
+    // out and LSE at odd offsets too.
+    let out_odd = at_offset_1(&shape, dev)?;
+    out_odd.slice_set(&out, 0, 0)?;
+    let n = lse.elem_count();
+    let lse_odd = Tensor::zeros(n + 1, DType::F32, dev)?
+        .narrow(0, 1, n)?
+        .reshape(lse.dims())?;
+    lse_odd.slice_set(&lse, 0, 0)?;
+    let (dq, dk, dv) = attn.backward(&q, &k, &v, &out_odd, &lse_odd, &dout)?;
+    let (dq2, dk2, dv2) = attn.backward(
+        &copy(&q)?,
+        &copy(&k)?,
+        &copy(&v)?,
+        &out_ref,
+        &lse_ref,
+        &copy(&dout)?,
+    )?;
+    for (a, b, what) in [(&dq, &dq2, "dq"), (&dk, &dk2, "dk"), (&dv, &dv2, "dv")] {
+        same(a, b, what)?;
+    }
+    // Decode: q, k_new and v_new at odd offsets.
+    let mut cache = KvCache::new(2, 64, 4, 64, DType::BF16, dev)?;
+    let mut cache_ref = KvCache::new(2, 64, 4, 64, DType::BF16, dev)?;
+    let step = [2, 3, 4, 64];
+    let (qs, ks, vs) = (
+        at_offset_1(&step, dev)?,
+        at_offset_1(&step, dev)?,
+        at_offset_1(&step, dev)?,
+    );
+    let o1 = cache.append_and_attend(&qs, &ks, &vs, &attn)?;
+    let o2 = cache_ref.append_and_attend(&copy(&qs)?, &copy(&ks)?, &copy(&vs)?, &attn)?;
+    same(&o1, &o2, "decode out")?;
+    same(cache.k(), cache_ref.k(), "k_cache")?;
+    same(cache.v(), cache_ref.v(), "v_cache")?;
+    // What the first call rejects, the constructor rejects too.
+    match KvCache::new(1, 16, 2, 64, DType::F32, dev) {
+        Err(e)
+            if e.to_string()
+                .contains("dtype: F32 is not supported on this device") => {}
+        other => candle::bail!("KvCache::new with F32 on CUDA: {other:?}"),
+    }
+    match KvCache::new(1, 16, 2, 36, DType::BF16, dev) {
+        Err(e) if e.to_string().contains("multiple of 8 on CUDA") => Ok(()),
+        other => candle::bail!("KvCache::new with head_dim 36 on CUDA: {other:?}"),
+    }
 }
