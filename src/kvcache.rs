@@ -450,7 +450,9 @@ pub fn flash_attn_with_kvcache(
 ///
 /// Errors: those of [`flash_attn_with_kvcache`] (naming `k_pages`/`v_pages`), a
 /// `block_table` whose length is not `batch * max_pages` or which names a page
-/// `>= num_pages`, and `page_size == 0`.
+/// `>= num_pages`, a page the append writes that another used entry also names (two
+/// sequences given one page, a shared prefix page that is only partly filled, the
+/// unallocated zero entries of [`PagedKvCache::block_table`]), and `page_size == 0`.
 #[allow(clippy::too_many_arguments)] // FlashAttention's argument list; see PagedKvCache
 pub fn flash_attn_with_paged_kvcache(
     q: &Tensor,

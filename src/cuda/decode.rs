@@ -10,8 +10,9 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    device_ptr_opt, dtype_name, launch, launch_programmatic, poison, stream_counters, strides3,
-    to_device_i32, to_device_i32_shared, to_i32, AttnParams, FwdTile, SharedI32, StreamCounters,
+    device_ptr_opt, dtype_name, launch, launch_programmatic, poison, rows_i32, stream_counters,
+    strides3, to_device_i32, to_device_i32_shared, to_i32, AttnParams, FwdTile, SharedI32,
+    StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 use crate::ptx;
@@ -92,17 +93,25 @@ fn decode_smem_bytes(d: usize, warps: usize) -> u32 {
 /// `(block_table, max_pages, page_size)` for the kernels; no table for a contiguous cache.
 fn paging_args(dev: &candle::CudaDevice, paging: &Paging) -> Result<(Option<SharedI32>, i32, i32)> {
     Ok(match paging {
-        Paging::Contiguous { capacity } => (None, 0, to_i32(*capacity, "capacity")?),
+        Paging::Contiguous { capacity } => (None, 0, rows_i32(*capacity, "capacity")?),
         Paging::Paged {
             page_size,
             max_pages,
+            num_pages,
             block_table,
-            ..
-        } => (
-            Some(to_device_i32_shared(dev, block_table)?),
-            to_i32(*max_pages, "max_pages")?,
-            to_i32(*page_size, "page_size")?,
-        ),
+        } => {
+            // Page numbers and in-page rows travel as i32; a sequence's capacity is a row count.
+            to_i32(*num_pages, "num_pages")?;
+            rows_i32(
+                page_size.saturating_mul(*max_pages),
+                "max_pages * page_size",
+            )?;
+            (
+                Some(to_device_i32_shared(dev, block_table)?),
+                to_i32(*max_pages, "max_pages")?,
+                to_i32(*page_size, "page_size")?,
+            )
+        }
     })
 }
 
@@ -305,6 +314,11 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let dtype = dtype_name(q.dtype())?;
     let tile = FwdTile::for_head_dim(p.d);
     let group = p.h / p.hk;
+    // decode.cu packs the query rows of a K/V head's group as seqlen_q * group rows.
+    rows_i32(
+        p.s_q.saturating_mul(group),
+        "seqlen_q * (num_heads / num_heads_k)",
+    )?;
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
     let kernel4 = format!("flash_decode_{dtype}_d{}", tile.d);
@@ -384,8 +398,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         b: to_i32(p.b, "batch")?,
         h: to_i32(p.h, "num_heads")?,
         h_k: to_i32(p.hk, "num_heads_k")?,
-        seqlen_q: to_i32(p.s_q, "seqlen_q")?,
-        seqlen_k: to_i32(max_len, "cache_seqlens")?,
+        seqlen_q: rows_i32(p.s_q, "seqlen_q")?,
+        seqlen_k: rows_i32(max_len, "cache_seqlens")?,
         d: p.d as i32,
         h_h_k_ratio: group as i32,
         scale: p.scale,

@@ -130,8 +130,8 @@ impl AttnParams {
             b: to_i32(s.b, "batch")?,
             h: to_i32(s.h, "num_heads")?,
             h_k: to_i32(s.hk, "num_heads_k")?,
-            seqlen_q: to_i32(s.sq, "seqlen_q")?,
-            seqlen_k: to_i32(s.sk, "seqlen_k")?,
+            seqlen_q: rows_i32(s.sq, "seqlen_q")?,
+            seqlen_k: rows_i32(s.sk, "seqlen_k")?,
             d: s.d as i32,
             h_h_k_ratio: s.group() as i32,
             scale: problem.scale,
@@ -140,7 +140,7 @@ impl AttnParams {
             window_right: if problem.causal { 0 } else { -1 },
             ..Self::default()
         };
-        to_i32(s.total_q.max(s.total_k), "total rows")?;
+        rows_i32(s.total_q.max(s.total_k), "total rows")?;
         if let Some(d) = &problem.dropout {
             params.drop_threshold = philox::drop_threshold(d.p);
             params.rp_keep = 1.0 / (1.0 - d.p);
@@ -586,6 +586,19 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
         Ok(v) => Ok(v),
         Err(_) => bail!("{what}: {x} is larger than the kernels' 32-bit index range"),
     }
+}
+
+/// The most rows (sequence lengths, packed totals, cache capacities) the kernels take: their
+/// block arithmetic adds up to a tile past the last row (`stop + BN - 1`, `n0 + BN` in
+/// mask.cuh) in 32-bit ints, so lengths stop 1024 short of `i32::MAX`.
+const MAX_ROWS: usize = i32::MAX as usize - 1024;
+
+/// A row count for the kernels, checked against [`MAX_ROWS`].
+fn rows_i32(x: usize, what: &str) -> Result<i32> {
+    if x > MAX_ROWS {
+        bail!("{what}: {x} rows are past the kernels' 32-bit range (at most {MAX_ROWS})")
+    }
+    Ok(x as i32)
 }
 
 /// Forward pass: returns `(out, lse)` storages, out `(b, sq, h, d)` contiguous in q's dtype,

@@ -84,6 +84,10 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         "reliability: 4 threads on one device, bitwise equal to one thread",
         guarded(|| threads(dev, budget.thread_calls)),
     );
+    suite.record(
+        "reliability: 4 threads: atomic-dQ backward and split-KV decodes against one thread",
+        guarded(|| threads_atomic_and_decode(dev, budget.thread_calls)),
+    );
     // Under scripts/sanitize.sh other processes share the GPU: device-wide memory use says
     // nothing about this one, so the calls run but memory is not compared.
     suite.record(
@@ -707,11 +711,95 @@ fn threads(dev: &Device, calls: usize) -> Result<()> {
     })
 }
 
+/// Runs `f(i)` on four threads at once; the first error, or a panic, fails.
+fn on_four_threads(f: impl Fn(usize) -> Result<()> + Sync) -> Result<()> {
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = (0..4).map(|i| scope.spawn(move || f(i))).collect();
+        let mut first_error = Ok(());
+        for (i, handle) in handles.into_iter().enumerate() {
+            let result = handle
+                .join()
+                .unwrap_or_else(|_| Err(candle::Error::Msg(format!("thread {i} panicked"))));
+            if first_error.is_ok() {
+                first_error = result;
+            }
+        }
+        first_error
+    })
+}
+
+/// The paths the deterministic thread test leaves out, four threads at once: the default
+/// backward (f32 atomics for dQ, so equal to the one-thread run within rounding, not
+/// bitwise) and split-KV decoding (2000 cached keys: several blocks per sequence merged by
+/// the last one through per-stream counters), bitwise equal to one thread.
+fn threads_atomic_and_decode(dev: &Device, calls: usize) -> Result<()> {
+    let (b, h, hk, d) = (2, 8, 2, 128);
+    let decode_once = |cached: &[Tensor; 2], step: &[Tensor; 3]| -> Result<Vec<f32>> {
+        let mut cache = KvCache::new(1, 2048, hk, d, DType::BF16, dev)?;
+        cache.append_varlen(&cached[0].squeeze(0)?, &cached[1].squeeze(0)?, &[2000])?;
+        let opts = FlashAttn::new().causal(true);
+        host(&cache.append_and_attend(&step[0], &step[1], &step[2], &opts)?)
+    };
+    let mut work = vec![];
+    for i in 0..4 {
+        let (sq, sk) = (113 + 40 * i, 257 + 64 * i);
+        let fwd = [
+            randn(&[b, sq, h, d], DType::BF16, dev)?,
+            randn(&[b, sk, hk, d], DType::BF16, dev)?,
+            randn(&[b, sk, hk, d], DType::BF16, dev)?,
+            randn(&[b, sq, h, d], DType::BF16, dev)?,
+        ];
+        let exact = bits_of(&FlashAttn::new().causal(true).deterministic(true), &fwd)?;
+        let cached = [
+            randn(&[1, 2000, hk, d], DType::BF16, dev)?,
+            randn(&[1, 2000, hk, d], DType::BF16, dev)?,
+        ];
+        let step = [
+            randn(&[1, 1, h, d], DType::BF16, dev)?,
+            randn(&[1, 1, hk, d], DType::BF16, dev)?,
+            randn(&[1, 1, hk, d], DType::BF16, dev)?,
+        ];
+        let decoded = decode_once(&cached, &step)?;
+        work.push((fwd, exact, cached, step, decoded));
+    }
+    on_four_threads(|i| {
+        let (fwd, exact, cached, step, decoded) = &work[i];
+        let atomic = FlashAttn::new().causal(true);
+        for call in 0..calls.div_ceil(4) {
+            let got = bits_of(&atomic, fwd)?;
+            // bits_of returns the f32 bit patterns of out, dq, dk, dv, concatenated.
+            let (got, want): (Vec<f32>, Vec<f32>) = (
+                got.iter().map(|&x| f32::from_bits(x)).collect(),
+                exact.iter().map(|&x| f32::from_bits(x)).collect(),
+            );
+            let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
+            let worst = got.iter().zip(&want).fold(0f32, |m, (a, b)| {
+                if a.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max((a - b).abs())
+                }
+            });
+            if worst.is_nan() || worst > 1e-2 * scale {
+                candle::bail!(
+                    "thread {i}, call {call}: atomic backward differs by {worst} (scale {scale})"
+                );
+            }
+            if decode_once(cached, step)? != *decoded {
+                candle::bail!("thread {i}, call {call}: split-KV decode differs from one thread");
+            }
+        }
+        dev.synchronize()
+    })
+}
+
 // ---------------------------------------------------------------------------------------
 // Leaks
 
-/// `calls` forward+backward calls (b=1 s=128 h=4 d=64 bf16, causal) leave the device memory
-/// in use (cuMemGetInfo) flat between an early call and the last, after synchronising.
+/// `calls` forward+backward calls (b=1 s=128 h=4 d=64 bf16, causal), each with a varlen
+/// forward+backward and a KV-cache decoding step, leave the device memory in use
+/// (cuMemGetInfo) flat between an early call and the last, after synchronising.
 /// With `compare` false the calls run and the figures are printed, nothing more.
 fn leaks(dev: &Device, calls: usize, compare: bool) -> Result<()> {
     let ctx = dev.as_cuda_device()?.cuda_stream().context().clone();
@@ -733,8 +821,22 @@ fn leaks(dev: &Device, calls: usize, compare: bool) -> Result<()> {
     let early = (calls / 10).clamp(1, 100);
     let start = Instant::now();
     let mut after_early = 0;
+    // A packed batch (forward+backward) and KV-cache decoding go through the loop too.
+    let varlen = candle_flash::VarLen::from_seqlens(&[100, 28], &[100, 28])?;
+    let packed = |t: &Tensor| t.squeeze(0);
+    let mut cache = KvCache::new(2, 64, 4, 64, DType::BF16, dev)?;
+    let step = bf16(&[2, 1, 4, 64], dev)?;
     for call in 1..=calls {
         grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?;
+        let (qp, kp, vp) = (packed(&q)?, packed(&k)?, packed(&v)?);
+        let wp = packed(&w)?;
+        grads_of(&qp, &kp, &vp, &wp, |q, k, v| {
+            attn.forward_varlen(q, k, v, &varlen)
+        })?;
+        if cache.lengths()[0] as usize == cache.capacity() {
+            cache.reset();
+        }
+        cache.append_and_attend(&step, &step, &step, &attn)?;
         if call == early {
             after_early = used()?;
         }
