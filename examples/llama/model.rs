@@ -21,6 +21,7 @@ use candle_nn::VarBuilder;
 
 #[path = "config.rs"]
 mod config;
+#[allow(unused_imports)] // normalized_json: the candle-transformers baseline and tests
 pub use config::{normalized_json, Config, RopeScaling, TokenIds};
 
 /// How attention is computed.
@@ -764,6 +765,22 @@ impl Llama {
             out.insert("lm_head.weight".into(), h.clone());
         }
         Ok(out)
+    }
+
+    /// Freezes every weight the model holds (LoRA adapters excepted): detached copies that
+    /// share storage, so a backward pass computes no gradient for them.
+    pub fn detach_base(&mut self) {
+        self.embed = self.embed.detach();
+        self.lm_head = self.lm_head.as_ref().map(Tensor::detach);
+        self.norm.weight = self.norm.weight.detach();
+        for b in &mut self.blocks {
+            b.norm1.weight = b.norm1.weight.detach();
+            b.norm2.weight = b.norm2.weight.detach();
+        }
+        for (_, p) in self.projections_mut() {
+            p.weight = p.weight.detach();
+            p.bias = p.bias.as_ref().map(Tensor::detach);
+        }
     }
 
     /// The projections of every layer by name (`layers.{i}.self_attn.q_proj`, ...), for

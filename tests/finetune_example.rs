@@ -1,0 +1,271 @@
+//! The fine-tuning example's pieces on the CPU with a tiny model: the schedule and clipping,
+//! flash and naive attention giving the same gradients, LoRA training only its adapters,
+//! save + resume continuing exactly, and the loss falling on the built-in task.
+#![allow(dead_code)] // the example's modules are shared with other programs
+
+#[path = "../examples/llama/builtin.rs"]
+mod builtin;
+#[path = "../examples/finetune/data.rs"]
+mod data;
+#[path = "../examples/finetune/lora.rs"]
+mod lora;
+#[path = "../examples/llama/model.rs"]
+mod model;
+#[path = "../examples/finetune/optim.rs"]
+mod optim;
+#[path = "../examples/finetune/task.rs"]
+mod task;
+#[path = "../examples/finetune/train.rs"]
+mod train;
+
+use candle::{DType, Device, Tensor, Var};
+use model::{AttnImpl, Config};
+use task::Recall;
+use train::Trainer;
+
+/// A tiny GQA model over the built-in tokenizer's vocabulary.
+fn tiny() -> Config {
+    let mut c = builtin::config(512, 1, 2);
+    (c.hidden_size, c.intermediate_size, c.num_hidden_layers) = (64, 128, 2);
+    (c.num_attention_heads, c.num_key_value_heads, c.head_dim) = (4, Some(2), Some(16));
+    c
+}
+
+fn trainer(attn: AttnImpl, lora: Option<lora::LoraOpts>) -> Trainer {
+    let cfg = tiny();
+    let w = builtin::weights(&cfg, 3).unwrap();
+    Trainer::new(&cfg, &w, attn, DType::F32, &Device::Cpu, 64, lora, 0.01, 5).unwrap()
+}
+
+fn task() -> Recall {
+    Recall::new(48, 4, 4, 512, 1).unwrap()
+}
+
+#[test]
+fn schedule_warms_up_then_decays_to_the_floor() {
+    let lr = |s| optim::learning_rate(s, 10, 110, 1e-3, 1e-4);
+    assert!((lr(0) - 1e-4).abs() < 1e-12 && (lr(9) - 1e-3).abs() < 1e-12);
+    assert!((lr(10) - 1e-3).abs() < 1e-12, "peak right after warm-up");
+    assert!((lr(60) - 5.5e-4).abs() < 1e-9, "half-way down the cosine");
+    assert!((lr(110) - 1e-4).abs() < 1e-12 && (lr(500) - 1e-4).abs() < 1e-12);
+    let mut prev = f64::INFINITY;
+    for s in 10..=110 {
+        assert!(lr(s) <= prev + 1e-15);
+        prev = lr(s);
+    }
+}
+
+#[test]
+fn clipping_scales_to_the_global_norm() -> candle::Result<()> {
+    let a = Var::new(&[0f32, 0.0], &Device::Cpu)?;
+    let b = Var::new(&[0f32], &Device::Cpu)?;
+    let loss = ((a.as_tensor() * &Tensor::new(&[3f32, 0.0], &Device::Cpu)?)?.sum_all()?
+        + (b.as_tensor() * 4.0)?.sum_all()?)?;
+    let mut grads = loss.backward()?;
+    let vars = vec![("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
+    let norm = optim::clip_grad_norm(&mut grads, &vars, 1.0)?;
+    assert!((norm - 5.0).abs() < 1e-6);
+    let ga = grads.get(a.as_tensor()).unwrap().to_vec1::<f32>()?;
+    let gb = grads.get(b.as_tensor()).unwrap().to_vec1::<f32>()?;
+    assert!(
+        (ga[0] - 0.6).abs() < 1e-5 && (gb[0] - 0.8).abs() < 1e-5,
+        "{ga:?} {gb:?}"
+    );
+    // Under the bound nothing changes.
+    let mut grads = loss.backward()?;
+    assert!((optim::clip_grad_norm(&mut grads, &vars, 10.0)? - 5.0).abs() < 1e-6);
+    assert_eq!(
+        grads.get(a.as_tensor()).unwrap().to_vec1::<f32>()?,
+        vec![3.0, 0.0]
+    );
+    Ok(())
+}
+
+#[test]
+fn flash_and_naive_attention_give_the_same_gradients() -> candle::Result<()> {
+    let batch = task().batch(3, 11);
+    let mut grads = vec![];
+    for attn in [AttnImpl::Flash, AttnImpl::Naive] {
+        let t = trainer(attn, None);
+        let (loss, _, _) = t.loss(&batch, Some(model::TrainOpts::default())).unwrap();
+        let g = loss.backward()?;
+        let per_var: Vec<(String, Vec<f32>)> = t
+            .trainable
+            .iter()
+            .map(|(n, v)| {
+                (
+                    n.clone(),
+                    g.get(v.as_tensor())
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap(),
+                )
+            })
+            .collect();
+        grads.push((loss.to_scalar::<f32>()?, per_var));
+    }
+    let (flash, naive) = (&grads[0], &grads[1]);
+    assert!(
+        (flash.0 - naive.0).abs() < 1e-5,
+        "loss {} vs {}",
+        flash.0,
+        naive.0
+    );
+    for ((name, a), (_, b)) in flash.1.iter().zip(&naive.1) {
+        let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        let err = a.iter().zip(b).fold(0f32, |m, (x, y)| {
+            if (x - y).is_nan() {
+                f32::NAN
+            } else {
+                m.max((x - y).abs())
+            }
+        });
+        assert!(
+            err <= 1e-3 * scale,
+            "{name}: gradients differ by {err} (scale {scale})"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn lora_trains_only_its_adapters() -> candle::Result<()> {
+    let opts = lora::LoraOpts {
+        rank: 4,
+        alpha: 8.0,
+        mlp: true,
+    };
+    let mut t = trainer(AttnImpl::Flash, Some(opts));
+    assert!(t
+        .trainable
+        .iter()
+        .all(|(n, _)| n.ends_with(".lora_a") || n.ends_with(".lora_b")));
+    assert_eq!(
+        t.trainable.len(),
+        2 * 2 * 7,
+        "q/k/v/o and gate/up/down of 2 layers, A and B"
+    );
+    let before = t.weights();
+    let out0 = t.model.named_weights(true).unwrap();
+    let batch = task().batch(4, 1);
+    for _ in 0..3 {
+        t.step(std::slice::from_ref(&batch), 1e-2, 1.0).unwrap();
+    }
+    for (name, w) in t.weights() {
+        let same = (w - &before[&name])?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(same, 0.0, "base weight {name} changed");
+    }
+    // The merged weights moved where adapters sit (B left zero), and nowhere else.
+    let merged = t.model.named_weights(true).unwrap();
+    let moved = |n: &str| -> f32 {
+        (&merged[n] - &out0[n])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    };
+    assert!(moved("model.layers.0.self_attn.q_proj.weight") > 0.0);
+    assert_eq!(moved("model.embed_tokens.weight"), 0.0);
+    Ok(())
+}
+
+#[test]
+fn save_and_resume_continue_exactly() -> candle::Result<()> {
+    let dir = std::env::temp_dir().join(format!("candle-flash-ft-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let batches: Vec<_> = (0..5).map(|i| task().batch(2, 100 + i)).collect();
+    let mut a = trainer(AttnImpl::Flash, None);
+    for b in &batches[..3] {
+        a.step(std::slice::from_ref(b), 5e-3, 1.0).unwrap();
+    }
+    a.save(&dir, None).unwrap();
+    let next_a: Vec<f64> = batches[3..]
+        .iter()
+        .map(|b| a.step(std::slice::from_ref(b), 5e-3, 1.0).unwrap().loss)
+        .collect();
+    let mut b = trainer(AttnImpl::Flash, None);
+    b.resume(&dir).unwrap();
+    assert_eq!(b.opt.step, 3);
+    let next_b: Vec<f64> = batches[3..]
+        .iter()
+        .map(|x| b.step(std::slice::from_ref(x), 5e-3, 1.0).unwrap().loss)
+        .collect();
+    assert_eq!(
+        next_a, next_b,
+        "the optimiser state must come back too, not only the weights"
+    );
+    // The inference example loads the checkpoint (its config.json and weights).
+    let cfg =
+        Config::from_json(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg, tiny());
+    let w = candle::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)?;
+    assert_eq!(w.len(), a.weights().len());
+    Ok(())
+}
+
+#[test]
+fn a_short_run_lowers_the_loss_clearly() {
+    let mut t = trainer(AttnImpl::Flash, None);
+    let recall = task();
+    let eval: Vec<_> = (0..2).map(|i| recall.batch(8, 9000 + i)).collect();
+    let (before, _) = t.evaluate(&eval).unwrap();
+    for s in 0..40 {
+        let b = recall.batch(8, s);
+        let lr = optim::learning_rate(s as usize, 5, 40, 1e-2, 1e-3);
+        t.step(std::slice::from_ref(&b), lr, 1.0).unwrap();
+    }
+    let (after, _) = t.evaluate(&eval).unwrap();
+    // From ~ln(512) (uniform) to below ln(128) + margin: the answers are values.
+    assert!(
+        before > 6.0 && after < before - 1.0,
+        "eval loss {before} -> {after}"
+    );
+}
+
+#[test]
+fn recall_sequences_have_the_shape_asked_for() {
+    let r = Recall::new(64, 5, 3, 512, 1).unwrap();
+    let b = r.batch(4, 7);
+    assert_eq!(b.seqlens, vec![64; 4]);
+    assert_eq!(b.targets.len(), 12);
+    for (&row, &t) in b.rows.iter().zip(&b.targets) {
+        assert_eq!(
+            b.ids[row as usize + 1],
+            t,
+            "the target is the token after the query key"
+        );
+    }
+    assert!(Recall::new(10, 5, 3, 512, 1).is_err());
+    assert!(Recall::new(64, 5, 3, 100, 1).is_err());
+}
+
+#[test]
+fn jsonl_prompt_completion_puts_the_loss_on_the_completion() {
+    let tok = builtin::train_tokenizer(512).unwrap();
+    let dir = std::env::temp_dir().join(format!("candle-flash-ft-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("d.jsonl");
+    std::fs::write(&f, "{\"prompt\": \"The KV cache\", \"completion\": \" holds keys\"}\n{\"text\": \"attention\"}\n").unwrap();
+    let docs = data::load(&f, &tok, Some(2), 64).unwrap();
+    assert_eq!(docs.len(), 2);
+    let prompt = tok.encode("The KV cache", true).unwrap().get_ids().len();
+    let first = docs[0].targets[0].0;
+    assert_eq!(
+        first,
+        prompt - 1,
+        "the first target is the first completion token"
+    );
+    assert_eq!(
+        docs[1].targets.len(),
+        docs[1].tokens.len() - 1,
+        "text: every next token"
+    );
+    std::fs::write(&f, "{\"question\": 1}\n").unwrap();
+    let e = data::load(&f, &tok, None, 64).unwrap_err().to_string();
+    assert!(e.contains("expected {\"text\""), "{e}");
+}
