@@ -269,3 +269,22 @@ fn jsonl_prompt_completion_puts_the_loss_on_the_completion() {
     let e = data::load(&f, &tok, None, 64).unwrap_err().to_string();
     assert!(e.contains("expected {\"text\""), "{e}");
 }
+
+#[test]
+fn the_training_forward_equals_the_inference_forward() -> candle::Result<()> {
+    // Training swaps Candle's fused RMSNorm and rotary kernels (no backward) for op-by-op
+    // forms; both must compute the same function.
+    let t = trainer(AttnImpl::Flash, None);
+    let b = task().batch(2, 3);
+    let (ids, _, _) = b.tensors(&Device::Cpu)?;
+    let infer = t.model.forward_packed(&ids, &b.seqlens, None, None)?;
+    let train =
+        t.model
+            .forward_packed(&ids, &b.seqlens, None, Some(model::TrainOpts::default()))?;
+    let err = (infer - train)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(
+        err < 1e-4,
+        "training and inference forwards differ by {err}"
+    );
+    Ok(())
+}

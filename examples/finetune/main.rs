@@ -56,6 +56,15 @@ enum Shape {
     B1,
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum TaskKind {
+    /// associative recall over the context (loss on the queried values)
+    Recall,
+    /// random tokens with the loss on every next token (speed measurements, like
+    /// pre-training: logits for every position)
+    Random,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Attention {
     Flash,
@@ -75,6 +84,9 @@ struct Args {
     /// recall task.
     #[arg(long)]
     data: Vec<PathBuf>,
+    /// Built-in task when no --data is given.
+    #[arg(long, value_enum, default_value_t = TaskKind::Recall)]
+    task: TaskKind,
     /// Built-in task: tokens per sequence.
     #[arg(long, default_value_t = 256)]
     context: usize,
@@ -140,6 +152,9 @@ struct Args {
     stats_json: bool,
     #[arg(long)]
     no_progress: bool,
+    /// Write no checkpoint at the end (speed measurements).
+    #[arg(long)]
+    no_save: bool,
 }
 
 fn shape_config(shape: Shape, vocab: usize, bos: u32, eos: u32) -> Config {
@@ -163,6 +178,7 @@ fn shape_config(shape: Shape, vocab: usize, bos: u32, eos: u32) -> Config {
 /// Training and evaluation batches for step `i`.
 enum Source {
     Task(Recall),
+    Random { context: usize, vocab: u32 },
     Data { train: Vec<Batch>, eval: Vec<Batch> },
 }
 
@@ -174,6 +190,9 @@ impl Source {
                 seed.wrapping_mul(7919)
                     .wrapping_add((step * 131 + k) as u64),
             ),
+            Source::Random { context, vocab } => {
+                random_batch(*context, *vocab, batch, (step * 131 + k) as u64)
+            }
             Source::Data { train, .. } => train[(step * 131 + k) % train.len()].clone(),
         }
     }
@@ -182,9 +201,27 @@ impl Source {
             Source::Task(t) => (0..n)
                 .map(|i| t.batch(batch, seed ^ 0xe7a1 ^ (i as u64) << 32))
                 .collect(),
+            Source::Random { context, vocab } => (0..n)
+                .map(|i| random_batch(*context, *vocab, batch, !(i as u64)))
+                .collect(),
             Source::Data { eval, .. } => eval.iter().take(n.max(1)).cloned().collect(),
         }
     }
+}
+
+/// `batch` sequences of `context` random tokens, every next token a target.
+fn random_batch(context: usize, vocab: u32, batch: usize, seed: u64) -> Batch {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    Batch::pack(
+        (0..batch)
+            .map(|_| {
+                let tokens: Vec<u32> = (0..context).map(|_| rng.random_range(0..vocab)).collect();
+                let targets = (0..context - 1).map(|i| (i, tokens[i + 1])).collect();
+                data::Example { tokens, targets }
+            })
+            .collect(),
+    )
 }
 
 fn main() -> Result<()> {
@@ -229,7 +266,15 @@ fn main() -> Result<()> {
         }
     };
     let bos = cfg.bos_token_id.unwrap_or(1);
-    let source = if args.data.is_empty() {
+    let source = if args.data.is_empty() && args.task == TaskKind::Random {
+        if args.context < 2 {
+            bail!("--context: at least 2 tokens")
+        }
+        Source::Random {
+            context: args.context,
+            vocab: cfg.vocab_size as u32,
+        }
+    } else if args.data.is_empty() {
         Source::Task(Recall::new(
             args.context,
             args.pairs,
@@ -258,7 +303,7 @@ fn main() -> Result<()> {
         }
     };
     let max_pos = match &source {
-        Source::Task(_) => args.context,
+        Source::Task(_) | Source::Random { .. } => args.context,
         Source::Data { .. } => args.seq_len,
     };
     let lora = args.lora.map(|rank| lora::LoraOpts {
@@ -332,17 +377,25 @@ fn main() -> Result<()> {
         if done % args.eval_every.max(1) == 0 || done == args.steps {
             (last_eval, last_acc) = trainer.evaluate(&eval_set)?;
             eval_curve.push((done, last_eval));
-            bar.println(format!(
+            let line = format!(
                 "step {done}: eval loss {last_eval:.4}, accuracy {:.1}%",
                 last_acc * 100.0
-            ));
+            );
+            if args.no_progress {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
         }
         if args.save_every > 0 && done % args.save_every == 0 {
             trainer.save(&args.out, tokenizer.as_ref())?;
         }
     }
     bar.finish();
-    trainer.save(&args.out, tokenizer.as_ref())?;
+    if !args.no_save {
+        trainer.save(&args.out, tokenizer.as_ref())?;
+    }
+    std::fs::create_dir_all(&args.out)?;
     let svg = plot::loss_svg(&train_curve, &eval_curve, "candle-flash fine-tuning: loss");
     std::fs::write(args.out.join("loss.svg"), svg)?;
     let tok_s = timed_tokens as f64 / timed.as_secs_f64().max(1e-9);
@@ -404,6 +457,7 @@ fn sample(
                 .collect();
             eprintln!("sample: {}", shown.join(", "));
         }
+        Source::Random { .. } => {}
         Source::Data { eval, .. } => {
             let (Some(tok), Some(first)) = (tok, eval.first()) else {
                 return Ok(());
@@ -420,7 +474,12 @@ fn sample(
                 layout: model::CacheLayout::Contiguous,
                 record_logits: false,
             };
-            let g = generate::generate(&trainer.model, std::slice::from_ref(&prompt), &opts, |_, _| {})?;
+            let g = generate::generate(
+                &trainer.model,
+                std::slice::from_ref(&prompt),
+                &opts,
+                |_, _| {},
+            )?;
             let text = tok
                 .decode(&[prompt, g.tokens[0].clone()].concat(), true)
                 .map_err(anyhow::Error::msg)?;

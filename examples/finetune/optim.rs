@@ -118,17 +118,17 @@ pub fn learning_rate(step: usize, warmup: usize, total: usize, peak: f64, min: f
 /// The global L2 norm of `vars`' gradients; when it exceeds `max_norm` every gradient is
 /// scaled by `max_norm / norm`. Returns the norm before clipping.
 pub fn clip_grad_norm(grads: &mut GradStore, vars: &[(String, Var)], max_norm: f64) -> Result<f64> {
-    let mut sum = 0f64;
+    // Summed on the device: one synchronisation for the whole model, not one per variable.
+    let mut squares = vec![];
     for (_, v) in vars {
         if let Some(g) = grads.get(v.as_tensor()) {
-            sum += g
-                .to_dtype(DType::F32)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f32>()? as f64;
+            squares.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?);
         }
     }
-    let norm = sum.sqrt();
+    if squares.is_empty() {
+        return Ok(0.0);
+    }
+    let norm = (Tensor::stack(&squares, 0)?.sum_all()?.to_scalar::<f32>()? as f64).sqrt();
     if max_norm > 0.0 && norm > max_norm {
         let scale = max_norm / (norm + 1e-6);
         for (_, v) in vars {

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs ON the lent GPU machine, from the repo root, with the staged fine-tuning example
+# (scripts/stage-gpu.sh; carry .gpu): the built-in recall task at context 2048 (default run),
+# then training tokens/s and peak memory for flash, naive and PyTorch (scripts/finetune_torch.py)
+# at 16k tokens per step.
+# Usage: bash scripts/finetune-gpu.sh [learn] [speed] [CONFIGS...]   (configs: 150m 1b)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/staged-bin.sh
+source scripts/staged-bin.sh
+staged_bin example-finetune || exit 1
+FT=$BIN/example-finetune
+what=() configs=()
+for a in "$@"; do
+  case $a in learn | speed) what+=("$a") ;; *) configs+=("$a") ;; esac
+done
+[ ${#what[@]} -gt 0 ] || what=(learn speed)
+[ ${#configs[@]} -gt 0 ] || configs=(150m)
+for w in "${what[@]}"; do
+  if [ "$w" = learn ]; then
+    "$FT" --context 2048 --no-progress --stats-json --out /tmp/ft-recall 2>&1 | tee "$OUT/finetune-learn.log"
+    cp /tmp/ft-recall/loss.svg "$OUT/finetune-loss.svg" 2>/dev/null || true
+  else
+    for cfg in "${configs[@]}"; do
+      for cb in 512:32 2048:8 8192:2; do
+        ctx=${cb%:*} b=${cb#*:}
+        for attn in flash naive; do
+          "$FT" --config "$cfg" --task random --context "$ctx" --batch "$b" --steps 8 --warmup 2 \
+            --eval-every 1000 --eval-batches 1 --attention "$attn" --no-progress --no-save \
+            --stats-json --out /tmp/ft-speed 2> /tmp/ft-err.log | tail -n 1 ||
+            echo "{\"attention\": \"$attn\", \"config\": \"$cfg\", \"context\": $ctx, \"error\": \"$(grep -m1 -E '^Error' /tmp/ft-err.log | cut -c1-150 | tr -d '"')\"}"
+        done
+        python3 scripts/finetune_torch.py --config "$cfg" --seq-len "$ctx" --batch "$b" --steps 8
+      done
+    done 2>&1 | tee -a "$OUT/finetune-speed.log"
+  fi
+done
