@@ -488,17 +488,8 @@ fn check_cache_args(dims: [(usize, &str); 4], dtype: DType, device: &Device) -> 
     if hk == 0 {
         bail!("num_heads_k: must be > 0")
     }
-    if d == 0 || d > params::MAX_HEAD_DIM {
-        bail!("head_dim: must be in 1..={}, got {d}", params::MAX_HEAD_DIM)
-    }
-    match (device, dtype) {
-        (_, DType::F16 | DType::BF16) | (Device::Cpu, DType::F32) => {}
-        (Device::Cpu, dt) => bail!("dtype: {dt:?} is not supported, expected F32, F16 or BF16"),
-        (_, dt) => bail!("dtype: {dt:?} is not supported on this device, expected F16 or BF16"),
-    }
-    if device.is_cuda() && !d.is_multiple_of(8) {
-        bail!("head_dim: must be a multiple of 8 on CUDA, got {d}")
-    }
+    params::check_head_dim(device, d, "head_dim:")?;
+    params::check_dtype(device, dtype, "dtype:")?;
     let mut elems: usize = 1;
     for (n, name) in dims {
         elems = match elems.checked_mul(n) {

@@ -293,21 +293,32 @@ pub(crate) fn validate_varlen(
     Ok(shape)
 }
 
+/// The dtypes each device runs: f16/bf16 everywhere, f32 on the CPU. `what` names the
+/// argument in the message ("q: dtype", "dtype:").
+pub(crate) fn check_dtype(device: &Device, dtype: DType, what: &str) -> Result<()> {
+    match (device, dtype) {
+        (_, DType::F16 | DType::BF16) | (Device::Cpu, DType::F32) => Ok(()),
+        (Device::Cpu, dt) => bail!("{what} {dt:?} is not supported, expected F32, F16 or BF16"),
+        (_, dt) => bail!("{what} {dt:?} is not supported on this device, expected F16 or BF16"),
+    }
+}
+
+/// The head dims the kernels run: `1..=MAX_HEAD_DIM`, a multiple of 8 on CUDA (16-byte loads).
+/// `what` names the argument in the message ("q: head_dim", "head_dim:").
+pub(crate) fn check_head_dim(device: &Device, d: usize, what: &str) -> Result<()> {
+    if d == 0 || d > MAX_HEAD_DIM {
+        bail!("{what} must be in 1..={MAX_HEAD_DIM}, got {d}")
+    }
+    if device.is_cuda() && !d.is_multiple_of(8) {
+        bail!("{what} must be a multiple of 8 on CUDA, got {d}")
+    }
+    Ok(())
+}
+
 /// What the kernels support: dtype per device, head_dim, a contiguous last dimension.
 pub(crate) fn check_supported(q: &Tensor, k: &Tensor, v: &Tensor, shape: &AttnShape) -> Result<()> {
-    match (q.device(), q.dtype()) {
-        (_, DType::F16 | DType::BF16) => {}
-        (Device::Cpu, DType::F32) => {}
-        (Device::Cpu, dt) => bail!("q: dtype {dt:?} is not supported, expected F32, F16 or BF16"),
-        (_, dt) => bail!("q: dtype {dt:?} is not supported on this device, expected F16 or BF16"),
-    }
-    let d = shape.d;
-    if d == 0 || d > MAX_HEAD_DIM {
-        bail!("q: head_dim must be in 1..={MAX_HEAD_DIM}, got {d}")
-    }
-    if q.device().is_cuda() && !d.is_multiple_of(8) {
-        bail!("q: head_dim must be a multiple of 8 on CUDA, got {d}")
-    }
+    check_dtype(q.device(), q.dtype(), "q: dtype")?;
+    check_head_dim(q.device(), shape.d, "q: head_dim")?;
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         check_last_dim_contiguous(t, name)?;
     }
