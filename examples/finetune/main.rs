@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle::{DType, Device};
+use candle::Device;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -228,25 +228,14 @@ fn random_batch(context: usize, vocab: u32, batch: usize, seed: u64) -> Batch {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dev = match args.device.as_deref() {
-        None => Device::cuda_if_available(0)?,
-        Some("cpu") => Device::Cpu,
-        Some("cuda") => Device::new_cuda(0).context("--device cuda")?,
-        Some(d) => bail!("--device {d:?}: expected cpu or cuda"),
-    };
-    let dtype = match &args.dtype {
-        Some(s) => generate::parse_dtype(s)?,
-        None if dev.is_cuda() => DType::BF16,
-        None => DType::F32,
-    };
+    let dev = generate::parse_device(args.device.as_deref())?;
+    let flash = matches!(args.attention, Attention::Flash);
+    let dtype = generate::choose_dtype(args.dtype.as_deref(), &dev, flash)?;
     let steps = args.steps.unwrap_or(if dev.is_cuda() { 300 } else { 60 });
     let attn = match args.attention {
         Attention::Flash => AttnImpl::Flash,
         Attention::Naive => AttnImpl::Naive,
     };
-    if dev.is_cuda() && dtype == DType::F32 && attn == AttnImpl::Flash {
-        bail!("--dtype f32 on CUDA: candle-flash's CUDA kernels take f16/bf16 (use bf16)")
-    }
     // The model, its weights and its tokenizer.
     let (cfg, weights, tokenizer) = match &args.model {
         Some(dir) => {

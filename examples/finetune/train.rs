@@ -72,17 +72,7 @@ impl Trainer {
         }
         let trainable = match lora_opts {
             Some(o) => lora::attach(&mut model, o, seed, dev)?,
-            None => {
-                let mut v: Vec<(String, Var)> = varmap
-                    .data()
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|(n, v)| (n.clone(), v.clone()))
-                    .collect();
-                v.sort_by(|a, b| a.0.cmp(&b.0));
-                v
-            }
+            None => named_vars(&varmap),
         };
         let opt = AdamW::new(trainable.clone(), 0.0, weight_decay)?;
         Ok(Self {
@@ -214,12 +204,22 @@ impl Trainer {
 
     /// The master weights by name (tests).
     pub fn weights(&self) -> HashMap<String, Tensor> {
-        self.varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        named_vars(&self.varmap)
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().clone()))
             .collect()
     }
+}
+
+/// The variables of `varmap` by name, sorted (a stable order for the optimiser state).
+fn named_vars(varmap: &VarMap) -> Vec<(String, Var)> {
+    let mut v: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
 }

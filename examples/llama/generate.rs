@@ -293,6 +293,36 @@ pub fn attn_name(a: AttnImpl) -> &'static str {
     }
 }
 
+/// `--device`: cpu or cuda; by default CUDA when built with it and a GPU is present.
+pub fn parse_device(arg: Option<&str>) -> Result<Device> {
+    use anyhow::Context;
+    Ok(match arg {
+        None => Device::cuda_if_available(0)?,
+        Some("cpu") => Device::Cpu,
+        Some("cuda") => Device::new_cuda(0).context(
+            "--device cuda: no CUDA device (build with --features cuda on a machine with a GPU)",
+        )?,
+        Some(other) => anyhow::bail!("--device {other:?}: expected cpu or cuda"),
+    })
+}
+
+/// `--dtype` (default bf16 on CUDA, f32 on the CPU), checked against what the device runs:
+/// candle-flash's CUDA kernels take f16/bf16, so f32 with `flash` attention on CUDA is an error.
+pub fn choose_dtype(arg: Option<&str>, dev: &Device, flash: bool) -> Result<DType> {
+    let dt = match arg {
+        Some(s) => parse_dtype(s)?,
+        None if dev.is_cuda() => DType::BF16,
+        None => DType::F32,
+    };
+    if dev.is_cuda() && dt == DType::F32 && flash {
+        anyhow::bail!(
+            "--dtype f32 on CUDA: candle-flash's CUDA kernels take f16/bf16 \
+             (use --dtype bf16, or --attention naive for an f32 model on the GPU)"
+        )
+    }
+    Ok(dt)
+}
+
 /// `dtype` from its command-line name.
 pub fn parse_dtype(s: &str) -> Result<DType> {
     Ok(match s {

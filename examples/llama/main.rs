@@ -120,35 +120,6 @@ struct Args {
     logits_out: Option<PathBuf>,
 }
 
-fn device(arg: Option<&str>) -> Result<Device> {
-    Ok(match arg {
-        None => Device::cuda_if_available(0)?,
-        Some("cpu") => Device::Cpu,
-        Some("cuda") => Device::new_cuda(0).context(
-            "--device cuda: no CUDA device (build with --features cuda on a machine with a GPU)",
-        )?,
-        Some(other) => bail!("--device {other:?}: expected cpu or cuda"),
-    })
-}
-
-/// The dtype, checked against what the device and attention can run.
-fn dtype(args: &Args, dev: &Device) -> Result<DType> {
-    let dt = match &args.dtype {
-        Some(s) => generate::parse_dtype(s)?,
-        None if dev.is_cuda() => DType::BF16,
-        None => DType::F32,
-    };
-    let flash =
-        matches!(args.attention, Attention::Flash) && args.implementation == Impl::CandleFlash;
-    if dev.is_cuda() && dt == DType::F32 && flash {
-        bail!(
-            "--dtype f32 on CUDA: candle-flash's CUDA kernels take f16/bf16 \
-             (use --dtype bf16, or --attention naive for an f32 model on the GPU)"
-        )
-    }
-    Ok(dt)
-}
-
 fn sampling(args: &Args) -> Sampling {
     let t = args.temperature;
     if t <= 0.0 {
@@ -285,8 +256,10 @@ fn attn_impl(args: &Args) -> AttnImpl {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dev = device(args.device.as_deref())?;
-    let dt = dtype(&args, &dev)?;
+    let dev = generate::parse_device(args.device.as_deref())?;
+    let flash =
+        matches!(args.attention, Attention::Flash) && args.implementation == Impl::CandleFlash;
+    let dt = generate::choose_dtype(args.dtype.as_deref(), &dev, flash)?;
     let dir = match &args.model {
         Some(d) => d.clone(),
         None => {

@@ -679,35 +679,14 @@ fn threads(dev: &Device, calls: usize) -> Result<()> {
         let expected = bits_of(&attn, &inputs)?;
         work.push((attn, inputs, expected));
     }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = work
-            .iter()
-            .enumerate()
-            .map(|(i, (attn, inputs, expected))| {
-                let dev = dev.clone();
-                scope.spawn(move || -> Result<()> {
-                    for call in 0..calls {
-                        if bits_of(attn, inputs)? != *expected {
-                            candle::bail!(
-                                "thread {i}, call {call}: differs from the single-threaded run"
-                            );
-                        }
-                    }
-                    dev.synchronize()
-                })
-            })
-            .collect();
-        let mut first_error = Ok(());
-        for (i, handle) in handles.into_iter().enumerate() {
-            let result = match handle.join() {
-                Ok(result) => result,
-                Err(_) => Err(candle::Error::Msg(format!("thread {i} panicked"))),
-            };
-            if first_error.is_ok() {
-                first_error = result;
+    on_four_threads(|i| {
+        let (attn, inputs, expected) = &work[i];
+        for call in 0..calls {
+            if bits_of(attn, inputs)? != *expected {
+                candle::bail!("thread {i}, call {call}: differs from the single-threaded run");
             }
         }
-        first_error
+        dev.synchronize()
     })
 }
 
