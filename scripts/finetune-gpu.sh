@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs ON the lent GPU machine, from the repo root, with the staged fine-tuning example
-# (scripts/stage-gpu.sh; carry .gpu): the built-in recall task at context 2048 (default run),
+# (scripts/stage-gpu.sh; carry .gpu): the built-in copy task at context 2048 (the default run),
 # then training tokens/s and peak memory for flash, naive and PyTorch (scripts/finetune_torch.py)
 # at 16k tokens per step.
 # Usage: bash scripts/finetune-gpu.sh [learn] [speed] [CONFIGS...]   (configs: 150m 1b)
@@ -21,8 +21,8 @@ done
 [ ${#configs[@]} -gt 0 ] || configs=(150m)
 for w in "${what[@]}"; do
   if [ "$w" = learn ]; then
-    "$FT" --context 2048 --no-progress --stats-json --out /tmp/ft-recall 2>&1 | tee "$OUT/finetune-learn.log"
-    cp /tmp/ft-recall/loss.svg "$OUT/finetune-loss.svg" 2>/dev/null || true
+    "$FT" --context 2048 --no-progress --stats-json --out /tmp/ft-copy 2>&1 | tee "$OUT/finetune-learn.log"
+    cp /tmp/ft-copy/loss.svg "$OUT/finetune-loss.svg" 2>/dev/null || true
   else
     for cfg in "${configs[@]}"; do
       for cb in 512:32 2048:8 8192:2; do

@@ -44,7 +44,11 @@ def run(args, seq_len):
     g = torch.Generator().manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     timed, tokens = 0.0, 0
+    prof = None
     for step in range(args.steps):
+        if args.profile and step == args.steps - 2:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         ids = torch.randint(0, cfg.vocab_size, (args.batch, seq_len), generator=g).cuda()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -58,6 +62,12 @@ def run(args, seq_len):
         if step >= 2:
             timed += time.perf_counter() - t0
             tokens += args.batch * seq_len
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
+        with open(args.profile, "w") as f:
+            f.write(f"# torch.profiler, last 2 steps, {args.config} seq {seq_len} batch {args.batch}\n")
+            f.write(table)
     return {
         "impl": "pytorch", "config": args.config, "context": seq_len, "batch": args.batch,
         "tokens_per_s": tokens / timed,
@@ -72,6 +82,7 @@ def main():
     ap.add_argument("--seq-len", default="512,2048,8192")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--profile", help="write a torch.profiler table of the last two steps here")
     args = ap.parse_args()
     for s in args.seq_len.split(","):
         try:

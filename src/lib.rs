@@ -21,6 +21,8 @@
 //! - CPU: the same op in f32 math (tiled online softmax), for f32/f16/bf16 inputs.
 //! - [`attention_slow`] / [`attention_slow_dropout`]: the same function in plain Candle ops,
 //!   the test oracle.
+//! - [`train`]: the rest of a LLaMA-style training step as fused ops with backward passes
+//!   (RMSNorm, rotary embedding, SwiGLU, embedding, cross-entropy) and a fused AdamW.
 //!
 //! ```
 //! # fn main() -> candle::Result<()> {
@@ -52,6 +54,7 @@ mod philox;
 #[cfg(feature = "cuda")]
 mod ptx;
 mod reference;
+pub mod train;
 mod varlen;
 
 pub use dropout::dropout_mask;

@@ -11,7 +11,7 @@
 //! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
 //! runs only those sections: fwd, bwd, varlen (varlen, padding, dropout), kvcache, misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
-//! reliability; `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
+//! reliability, train (the fused training ops); `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
 //! computes every reference on the CPU, so that the device runs only our kernels, copies and
 //! Candle's element-wise kernels (see `cuda_suite::reference_device`), and shrinks the
 //! reliability checks. Each section prints its time.
@@ -42,6 +42,10 @@ mod varlen_dropout;
 #[cfg(feature = "cuda")]
 #[path = "gpu/kvcache.rs"]
 mod kvcache;
+
+// The CPU tests' helpers, for the `train` section's shared checks (tests/common/train.rs).
+#[cfg(feature = "cuda")]
+mod common;
 
 #[cfg(feature = "cuda")]
 mod cuda_suite {
@@ -805,14 +809,25 @@ mod cuda_suite {
     type Section = fn(&Device, bool, &mut Suite);
 
     /// The sections in the order they run; `--only` picks among them.
-    const SECTIONS: [(&str, Section); 6] = [
+    const SECTIONS: [(&str, Section); 7] = [
         ("fwd", fwd_section),
         ("bwd", bwd_section),
         ("varlen", crate::varlen_dropout::run),
         ("kvcache", crate::kvcache::run),
         ("misc", misc_section),
         ("reliability", crate::reliability::run),
+        ("train", train_section),
     ];
+
+    /// The fused training ops (`candle_flash::train`) on the device against plain Candle ops
+    /// on the CPU: tests/common/train.rs, plus sizes past one block of every kernel.
+    fn train_section(dev: &Device, quick: bool, suite: &mut Suite) {
+        let mut report = |name: String, r: Result<()>| suite.record(&format!("train {name}"), r);
+        crate::common::train::all(dev, &mut report);
+        if !quick {
+            crate::common::train::large(dev, &mut report);
+        }
+    }
 
     /// The sections `--only` names; all of them without the flag.
     struct Sections(Option<Vec<String>>);

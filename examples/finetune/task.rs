@@ -1,4 +1,6 @@
-//! The built-in task: associative recall over a long context. A sequence scatters `pairs`
+//! The built-in tasks, generated from a seed, each with a measurable accuracy: copying
+//! ([`CopyTask`], the default: an induction head over the whole context) and associative
+//! recall ([`Recall`]). Recall: a sequence scatters `pairs`
 //! key-value token pairs among filler tokens, then asks for `queries` of the keys again; the
 //! model must predict each value from a pair that may sit thousands of tokens earlier, so a
 //! model only learns it through attention over the whole context. Generated from a seed, with
@@ -107,5 +109,74 @@ impl Recall {
     pub fn batch(&self, n: usize, seed: u64) -> Batch {
         let mut rng = StdRng::seed_from_u64(seed);
         Batch::pack((0..n).map(|_| self.example(&mut rng)).collect())
+    }
+}
+
+/// Copying: a block of random tokens, then the same block again. Every token of the second
+/// copy (but its first) is a target, predicted from the token before it: the model must find
+/// where that token stood in the first copy, `block` positions back, and read what followed.
+/// An induction head over the whole context, with a target on half the tokens.
+#[derive(Clone, Debug)]
+pub struct CopyTask {
+    pub context: usize,
+    bos: u32,
+    tokens: (u32, u32),
+}
+
+impl CopyTask {
+    /// The task at `context` tokens (BOS, two copies of `(context - 1) / 2` tokens, padded
+    /// with one filler token when `context` is even), tokens drawn above the special ids.
+    pub fn new(context: usize, vocab: usize, bos: u32) -> anyhow::Result<Self> {
+        if vocab < Recall::MIN_VOCAB {
+            anyhow::bail!(
+                "--task copy: needs a vocabulary of at least {} ids, the model has {vocab}",
+                Recall::MIN_VOCAB
+            )
+        }
+        if context < 7 {
+            anyhow::bail!("--context {context}: --task copy needs at least 7 tokens")
+        }
+        Ok(Self {
+            context,
+            bos,
+            tokens: (4, vocab as u32),
+        })
+    }
+
+    pub fn example(&self, rng: &mut StdRng) -> Example {
+        let block = (self.context - 1) / 2;
+        let first: Vec<u32> = (0..block)
+            .map(|_| rng.random_range(self.tokens.0..self.tokens.1))
+            .collect();
+        let mut tokens = vec![self.bos];
+        tokens.extend(&first);
+        tokens.extend(&first);
+        if tokens.len() < self.context {
+            tokens.push(rng.random_range(self.tokens.0..self.tokens.1));
+        }
+        // Position p (second copy, after its first token) predicts token p + 1.
+        let targets = (block + 1..2 * block).map(|p| (p, tokens[p + 1])).collect();
+        Example { tokens, targets }
+    }
+
+    pub fn batch(&self, n: usize, seed: u64) -> Batch {
+        let mut rng = StdRng::seed_from_u64(seed);
+        Batch::pack((0..n).map(|_| self.example(&mut rng)).collect())
+    }
+}
+
+/// One of the built-in tasks.
+#[derive(Clone, Debug)]
+pub enum Task {
+    Recall(Recall),
+    Copy(CopyTask),
+}
+
+impl Task {
+    pub fn batch(&self, n: usize, seed: u64) -> Batch {
+        match self {
+            Task::Recall(t) => t.batch(n, seed),
+            Task::Copy(t) => t.batch(n, seed),
+        }
     }
 }

@@ -99,7 +99,8 @@ fn init_normal() -> candle_nn::Init {
     }
 }
 
-/// RMSNorm. The fused Candle kernel has no backward, so training uses the op-by-op form.
+/// RMSNorm: Candle's fused kernel for inference, `candle_flash::train::rms_norm` (which has
+/// a backward) for training.
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
     pub weight: Tensor,
@@ -113,12 +114,11 @@ impl RmsNorm {
     }
 
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let w = self.weight.to_dtype(x.dtype())?;
         if train {
-            candle_nn::ops::rms_norm_slow(x, &w, self.eps as f32)
-        } else {
-            candle_nn::ops::rms_norm(x, &w, self.eps as f32)
+            // One op with its own backward, the f32 master weight read as it is.
+            return candle_flash::train::rms_norm(x, &self.weight, self.eps as f32);
         }
+        candle_nn::ops::rms_norm(x, &self.weight.to_dtype(x.dtype())?, self.eps as f32)
     }
 }
 
@@ -164,22 +164,15 @@ impl Rope {
     }
 
     /// Rotates `x` `(n, heads, head_dim)` (non-interleaved halves, as LLaMA checkpoints
-    /// are stored). Inference uses Candle's fused `rope_thd` (no backward); training the
-    /// differentiable op-by-op form.
+    /// are stored) with the tables of [`Rope::at`]. Inference uses Candle's fused `rope_thd`
+    /// (tables in the model dtype; no backward); training `candle_flash::train::rotary`
+    /// (f32 tables; differentiable).
     fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, train: bool) -> Result<Tensor> {
-        if !train {
-            let x4 = x.unsqueeze(0)?.contiguous()?;
-            return candle_nn::rotary_emb::rope_thd(&x4, cos, sin)?.squeeze(0);
+        if train {
+            return candle_flash::train::rotary(x, cos, sin);
         }
-        let half = x.dim(D::Minus1)? / 2;
-        let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(1)?;
-        let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(1)?;
-        let (x1, x2) = (
-            x.narrow(D::Minus1, 0, half)?,
-            x.narrow(D::Minus1, half, half)?,
-        );
-        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+        let x4 = x.unsqueeze(0)?.contiguous()?;
+        candle_nn::rotary_emb::rope_thd(&x4, cos, sin)?.squeeze(0)
     }
 }
 
@@ -606,7 +599,8 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = match &self.gate_up {
             Some(gu) => candle_nn::ops::swiglu(&gu.forward(x)?)?,
-            None => (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?,
+            // One op with one backward kernel for both gradients.
+            None => candle_flash::train::swiglu(&self.gate.forward(x)?, &self.up.forward(x)?)?,
         };
         self.down.forward(&h)
     }
@@ -822,8 +816,19 @@ impl Llama {
         mut cache: Option<&mut Cache>,
     ) -> Result<Tensor> {
         let train = matches!(pass, Pass::Packed { train: Some(_), .. });
-        let mut x = self.embed.index_select(ids, 0)?.to_dtype(self.dtype)?;
-        let cos_sin = self.rope.at(positions, self.dtype)?;
+        let (mut x, cos_sin) = if train {
+            // The lookup's backward is a scatter-add (Candle's `index_add` is slow on CUDA);
+            // the rotary op takes f32 tables.
+            (
+                candle_flash::train::embedding(&self.embed, ids, self.dtype)?,
+                self.rope.at(positions, DType::F32)?,
+            )
+        } else {
+            (
+                self.embed.index_select(ids, 0)?.to_dtype(self.dtype)?,
+                self.rope.at(positions, self.dtype)?,
+            )
+        };
         for (i, b) in self.blocks.iter().enumerate() {
             let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
             let h = b.norm1.forward(&x, train)?;
@@ -839,10 +844,13 @@ impl Llama {
 
     /// The logits `(n, vocab)` in f32 of final hidden states `(n, hidden)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.logits_raw(hidden)?.to_dtype(DType::F32)
+    }
+
+    /// The logits in the hidden states' dtype (what a fused cross-entropy takes).
+    pub fn logits_raw(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        hidden
-            .matmul(&head.to_dtype(hidden.dtype())?.t()?)?
-            .to_dtype(DType::F32)
+        hidden.matmul(&head.to_dtype(hidden.dtype())?.t()?)
     }
 
     /// Runs packed sequences: `ids` `(n,)` u32 holds sequence 0's tokens, then sequence 1's,

@@ -5,6 +5,7 @@
 use candle::{DType, Device, Result, Tensor, Var, D};
 use candle_flash::{attention_slow, FlashAttn};
 
+pub mod train;
 pub mod varlen;
 
 /// One attention problem: q `(b, sq, h, d)`, k and v `(b, sk, hk, d)`.

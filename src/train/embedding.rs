@@ -1,0 +1,191 @@
+//! Embedding lookup with a scatter-add backward. `index_select`'s backward in Candle is an
+//! `index_add` whose CUDA kernel walks all ids per column: 8 ms for 16k ids on an H100.
+
+use candle::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
+
+use super::host;
+
+/// Rows `ids` of `table` `(vocab, hidden)`, as `(ids.len(), hidden)` in `dtype` (the
+/// mixed-precision cast folded in). `table` BF16, F16 or F32 (F32 for any `dtype`, otherwise
+/// `dtype` itself); `ids` `(n,)` U32. Differentiable in `table` (gradient in its dtype, summed
+/// in f32). An id past the table gives a row of NaN rather than an out-of-bounds read; ids
+/// are not copied to the host to be checked.
+pub fn embedding(table: &Tensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+    host::check_float(table, "embedding: table")?;
+    host::check_same_device(table, ids, "embedding: ids")?;
+    let (_vocab, hidden) = match table.dims() {
+        [v, h] => (*v, *h),
+        s => bail!("embedding: table has shape {s:?}, expected (vocab, hidden)"),
+    };
+    if ids.rank() != 1 || ids.dtype() != DType::U32 {
+        bail!(
+            "embedding: ids are {:?} {:?}, expected (n,) U32",
+            ids.dims(),
+            ids.dtype()
+        )
+    }
+    if table.dtype() != DType::F32 && table.dtype() != dtype {
+        bail!(
+            "embedding: a {:?} table gives {:?} rows only, not {dtype:?}",
+            table.dtype(),
+            table.dtype()
+        )
+    }
+    if i32::try_from(hidden).is_err() {
+        bail!("embedding: hidden size {hidden} is past the kernels' 32-bit range")
+    }
+    if !matches!(dtype, DType::BF16 | DType::F16 | DType::F32) {
+        bail!("embedding: dtype {dtype:?} is not supported, expected BF16, F16 or F32")
+    }
+    table
+        .contiguous()?
+        .apply_op2(&ids.contiguous()?, Embedding { dtype })
+}
+
+struct Embedding {
+    dtype: DType,
+}
+
+impl CustomOp2 for Embedding {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let table = host::f32s(s1, l1)?;
+        let ids = host::u32s(s2, l2, "embedding: ids")?;
+        let (vocab, hidden) = (l1.dims()[0], l1.dims()[1]);
+        let mut y = Vec::with_capacity(ids.len() * hidden);
+        for &id in ids {
+            match (id as usize) < vocab {
+                true => y.extend_from_slice(&table[id as usize * hidden..][..hidden]),
+                false => y.extend(std::iter::repeat_n(f32::NAN, hidden)),
+            }
+        }
+        Ok((
+            host::storage(y, self.dtype)?,
+            Shape::from((ids.len(), hidden)),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        use super::launch::{self, Arg};
+        use candle::backend::BackendStorage;
+        let dev = &s1.device;
+        let (vocab, hidden) = (l1.dims()[0], l1.dims()[1]);
+        let n = l2.shape().elem_count();
+        let name = format!(
+            "train_embed_fwd_{}_{}",
+            launch::suffix(s1.dtype(), "embedding: table")?,
+            launch::suffix(self.dtype, "embedding: dtype")?
+        );
+        let stream = dev.cuda_stream();
+        let mut y = launch::alloc(dev, self.dtype, n * hidden, false)?;
+        {
+            let (t, _a) = launch::ptr(s1, l1, &stream)?;
+            let (i, _b) = launch::ptr(s2, l2, &stream)?;
+            let (yp, _c) = launch::ptr_mut(&mut y, &stream)?;
+            let args = [
+                Arg::Ptr(t),
+                Arg::Ptr(i),
+                Arg::Ptr(yp),
+                Arg::I64(n as i64),
+                Arg::I64(vocab as i64),
+                Arg::I32(hidden as i32),
+            ];
+            launch::launch(
+                dev,
+                &name,
+                launch::stride_blocks(n * hidden, 256),
+                256,
+                &args,
+            )?;
+        }
+        Ok((y, Shape::from((n, hidden))))
+    }
+
+    fn bwd(
+        &self,
+        table: &Tensor,
+        ids: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = grad.contiguous()?;
+        let (vocab, hidden) = table.dims2()?;
+        let dtable = {
+            let (is, il) = ids.storage_and_layout();
+            let (ds, dl) = dy.storage_and_layout();
+            match (&*is, &*ds) {
+                (Storage::Cpu(is), Storage::Cpu(ds)) => {
+                    let ids = host::u32s(is, il, "embedding: ids")?;
+                    let d = host::f32s(ds, dl)?;
+                    let mut dt = vec![0f32; vocab * hidden];
+                    for (r, &id) in ids.iter().enumerate() {
+                        if (id as usize) < vocab {
+                            let row = &mut dt[id as usize * hidden..][..hidden];
+                            for (a, b) in row.iter_mut().zip(&d[r * hidden..][..hidden]) {
+                                *a += b;
+                            }
+                        }
+                    }
+                    Storage::Cpu(host::storage(dt, DType::F32)?)
+                }
+                #[cfg(feature = "cuda")]
+                (Storage::Cuda(is), Storage::Cuda(ds)) => {
+                    use super::launch::{self, Arg};
+                    use candle::backend::BackendStorage;
+                    let dev = &ds.device;
+                    let n = il.shape().elem_count();
+                    let name = format!(
+                        "train_embed_bwd_{}",
+                        launch::suffix(ds.dtype(), "embedding")?
+                    );
+                    let stream = dev.cuda_stream();
+                    let mut dt = launch::alloc(dev, DType::F32, vocab * hidden, true)?;
+                    {
+                        let (d, _a) = launch::ptr(ds, dl, &stream)?;
+                        let (i, _b) = launch::ptr(is, il, &stream)?;
+                        let (dtp, _c) = launch::ptr_mut(&mut dt, &stream)?;
+                        let args = [
+                            Arg::Ptr(d),
+                            Arg::Ptr(i),
+                            Arg::Ptr(dtp),
+                            Arg::I64(n as i64),
+                            Arg::I64(vocab as i64),
+                            Arg::I32(hidden as i32),
+                        ];
+                        launch::launch(
+                            dev,
+                            &name,
+                            launch::stride_blocks(n * hidden, 256),
+                            256,
+                            &args,
+                        )?;
+                    }
+                    Storage::Cuda(dt)
+                }
+                _ => bail!("embedding backward: ids and the gradient must share a device"),
+            }
+        };
+        let dtable = host::tensor(dtable, (vocab, hidden));
+        let dtable = match table.dtype() {
+            DType::F32 => dtable,
+            dt => dtable.to_dtype(dt)?,
+        };
+        Ok((Some(dtable), None))
+    }
+}

@@ -1,0 +1,139 @@
+//! SwiGLU, `silu(gate) * up`, as one op: both gradients from one kernel.
+
+use candle::backend::BackendStorage;
+use candle::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+
+use super::host;
+
+/// `silu(gate) * up` for two tensors of one shape and dtype (BF16, F16 or F32), computed in
+/// f32. Differentiable in both.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    host::check_float(gate, "swiglu: gate")?;
+    host::check_same_device(gate, up, "swiglu: up")?;
+    if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
+        bail!(
+            "swiglu: up is {:?} {:?}, expected gate's {:?} {:?}",
+            up.dims(),
+            up.dtype(),
+            gate.dims(),
+            gate.dtype()
+        )
+    }
+    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
+}
+
+struct SwiGlu;
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (g, u) = (host::f32s(s1, l1)?, host::f32s(s2, l2)?);
+        let y = g.iter().zip(&u).map(|(g, u)| g * sigmoid(*g) * u).collect();
+        Ok((host::storage(y, s1.dtype())?, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        use super::launch::{self, Arg};
+        let dev = &s1.device;
+        let n = l1.shape().elem_count();
+        let name = format!("train_swiglu_fwd_{}", launch::suffix(s1.dtype(), "swiglu")?);
+        let stream = dev.cuda_stream();
+        let mut y = launch::alloc(dev, s1.dtype(), n, false)?;
+        {
+            let (g, _a) = launch::ptr(s1, l1, &stream)?;
+            let (u, _b) = launch::ptr(s2, l2, &stream)?;
+            let (yp, _c) = launch::ptr_mut(&mut y, &stream)?;
+            let args = [Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(yp), Arg::I64(n as i64)];
+            launch::launch(dev, &name, launch::stride_blocks(n, 256), 256, &args)?;
+        }
+        Ok((y, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = grad.contiguous()?;
+        let n = gate.elem_count();
+        let (dg, du) = {
+            let (gs, gl) = gate.storage_and_layout();
+            let (us, ul) = up.storage_and_layout();
+            let (ds, dl) = dy.storage_and_layout();
+            match (&*gs, &*us, &*ds) {
+                (Storage::Cpu(gs), Storage::Cpu(us), Storage::Cpu(ds)) => {
+                    let (g, u, d) = (
+                        host::f32s(gs, gl)?,
+                        host::f32s(us, ul)?,
+                        host::f32s(ds, dl)?,
+                    );
+                    let mut dg = Vec::with_capacity(n);
+                    let mut du = Vec::with_capacity(n);
+                    for i in 0..n {
+                        let s = sigmoid(g[i]);
+                        dg.push(d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s)));
+                        du.push(d[i] * g[i] * s);
+                    }
+                    (
+                        Storage::Cpu(host::storage(dg, gs.dtype())?),
+                        Storage::Cpu(host::storage(du, gs.dtype())?),
+                    )
+                }
+                #[cfg(feature = "cuda")]
+                (Storage::Cuda(gs), Storage::Cuda(us), Storage::Cuda(ds)) => {
+                    use super::launch::{self, Arg};
+                    let dev = &gs.device;
+                    let name =
+                        format!("train_swiglu_bwd_{}", launch::suffix(gs.dtype(), "swiglu")?);
+                    let stream = dev.cuda_stream();
+                    let mut dg = launch::alloc(dev, gs.dtype(), n, false)?;
+                    let mut du = launch::alloc(dev, gs.dtype(), n, false)?;
+                    {
+                        let (g, _a) = launch::ptr(gs, gl, &stream)?;
+                        let (u, _b) = launch::ptr(us, ul, &stream)?;
+                        let (d, _c) = launch::ptr(ds, dl, &stream)?;
+                        let (dgp, _d) = launch::ptr_mut(&mut dg, &stream)?;
+                        let (dup, _e) = launch::ptr_mut(&mut du, &stream)?;
+                        let args = [
+                            Arg::Ptr(g),
+                            Arg::Ptr(u),
+                            Arg::Ptr(d),
+                            Arg::Ptr(dgp),
+                            Arg::Ptr(dup),
+                            Arg::I64(n as i64),
+                        ];
+                        launch::launch(dev, &name, launch::stride_blocks(n, 256), 256, &args)?;
+                    }
+                    (Storage::Cuda(dg), Storage::Cuda(du))
+                }
+                _ => bail!("swiglu backward: gate, up and the gradient must share a device"),
+            }
+        };
+        Ok((
+            Some(host::tensor(dg, gate.shape())),
+            Some(host::tensor(du, gate.shape())),
+        ))
+    }
+}

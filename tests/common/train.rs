@@ -1,0 +1,542 @@
+//! Checks of `candle_flash::train` on any device, shared by the CPU tests (tests/cpu_train.rs)
+//! and the GPU suite (its `train` section). Inputs are drawn on the CPU and moved to the
+//! device; the references are the same functions written in plain Candle ops (autograd for
+//! the gradients), computed on the CPU in f32 (exact) and in the inputs' dtype (baseline).
+//! Rule as for the attention: our error at most 2x (outputs) / 3x (gradients) the baseline's,
+//! plus 1e-5 relative to the largest reference value.
+
+use candle::{DType, Device, Result, Tensor, Var, D};
+use candle_flash::train;
+
+use super::{max_abs, max_abs_diff, randn};
+
+/// Reports each named check's outcome.
+pub type Report<'a> = &'a mut dyn FnMut(String, Result<()>);
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+fn within(what: &str, ours: &Tensor, base: &Tensor, exact: &Tensor, factor: f32) -> Result<()> {
+    let ours_err = max_abs_diff(&ours.to_device(&Device::Cpu)?, exact)?;
+    let base_err = max_abs_diff(base, exact)?;
+    let bound = factor * base_err + 1e-5 * max_abs(exact)?.max(1.0);
+    if ours_err <= bound {
+        Ok(())
+    } else {
+        candle::bail!("{what}: error {ours_err:e} > {factor} x baseline {base_err:e} + floor")
+    }
+}
+
+/// Output and input gradients of `f` at `inputs` for the loss `sum(f(inputs) * weight)`.
+fn run(
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    inputs: &[Tensor],
+    weight: &Tensor,
+) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+    let vars = inputs
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<Result<Vec<_>>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts)?;
+    let loss = y
+        .to_dtype(DType::F32)?
+        .mul(&weight.to_dtype(DType::F32)?.to_device(y.device())?)?
+        .sum_all()?;
+    let grads = loss.backward()?;
+    let g = vars
+        .iter()
+        .map(|v| grads.get(v.as_tensor()).cloned())
+        .collect();
+    Ok((y, g))
+}
+
+/// Runs `ours` on `dev` and `reference` on the CPU in f32 and in `dtype` from the same
+/// rounded inputs (`differentiable[i]`: compare input i's gradient), applying the rule.
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    name: &str,
+    dev: &Device,
+    ours: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    inputs: &[Tensor],
+    differentiable: &[bool],
+    out_shape: &[usize],
+    dtype: DType,
+) -> Result<()> {
+    let weight = randn(out_shape, dtype)?;
+    let on_dev = inputs
+        .iter()
+        .map(|t| t.to_device(dev))
+        .collect::<Result<Vec<_>>>()?;
+    let (y, g) = run(ours, &on_dev, &weight)?;
+    let up = |t: &Tensor| match t.dtype() {
+        DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
+        _ => Ok(t.clone()),
+    };
+    let exact_in = inputs.iter().map(up).collect::<Result<Vec<_>>>()?;
+    let (ye, ge) = run(reference, &exact_in, &weight)?;
+    let (yb, gb) = run(reference, inputs, &weight)?;
+    if y.dtype() != yb.dtype() || y.dims() != ye.dims() {
+        candle::bail!(
+            "{name}: output {:?} {:?}, expected {:?} {:?}",
+            y.dtype(),
+            y.dims(),
+            yb.dtype(),
+            ye.dims()
+        )
+    }
+    within(&format!("{name} output"), &y, &yb, &ye, 2.0)?;
+    for (i, d) in differentiable.iter().enumerate() {
+        if !d {
+            continue;
+        }
+        match (&g[i], &gb[i], &ge[i]) {
+            (Some(g), Some(gb), Some(ge)) => {
+                if g.dtype() != inputs[i].dtype() {
+                    candle::bail!(
+                        "{name}: gradient {i} is {:?}, expected {:?}",
+                        g.dtype(),
+                        inputs[i].dtype()
+                    )
+                }
+                within(&format!("{name} grad {i}"), g, gb, ge, 3.0)?
+            }
+            _ => candle::bail!("{name}: gradient of input {i} missing"),
+        }
+    }
+    Ok(())
+}
+
+pub fn rms_norm(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        for shape in [vec![1, 1], vec![13, 7], vec![2, 5, 96], vec![64, 768]] {
+            for w_f32 in [true, false] {
+                let name = format!("rms_norm {dtype:?} {shape:?} weight_f32={w_f32}");
+                let r = (|| {
+                    let hidden = *shape.last().unwrap();
+                    let x = randn(shape.as_slice(), dtype)?;
+                    let w_dtype = if w_f32 { DType::F32 } else { dtype };
+                    let w = randn(hidden, DType::F32)?
+                        .affine(0.5, 1.0)?
+                        .to_dtype(w_dtype)?;
+                    let ours = |t: &[Tensor]| train::rms_norm(&t[0], &t[1], 1e-5);
+                    // Candle's op-by-op form in x's dtype, weight cast to it.
+                    let reference = |t: &[Tensor]| {
+                        let w = t[1].to_dtype(t[0].dtype())?;
+                        candle_nn::ops::rms_norm_slow(&t[0], &w, 1e-5)
+                    };
+                    let dw_compared = w_f32 || dtype == DType::F32;
+                    compare(
+                        &name,
+                        dev,
+                        &ours,
+                        &reference,
+                        &[x, w],
+                        &[true, dw_compared],
+                        &shape,
+                        dtype,
+                    )
+                })();
+                report(name, r);
+            }
+        }
+    }
+}
+
+/// The op-by-op rotary of a LLaMA model (`rotate_half`).
+fn rotary_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let cos = Tensor::cat(&[cos, cos], D::Minus1)?
+        .unsqueeze(1)?
+        .to_dtype(x.dtype())?;
+    let sin = Tensor::cat(&[sin, sin], D::Minus1)?
+        .unsqueeze(1)?
+        .to_dtype(x.dtype())?;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+}
+
+pub fn rotary(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        for (n, h, d) in [(1, 1, 2), (13, 3, 64), (33, 4, 128), (5, 2, 40)] {
+            let name = format!("rotary {dtype:?} ({n}, {h}, {d})");
+            let r = (|| {
+                let x = randn((n, h, d), dtype)?;
+                let angles = (randn((n, d / 2), DType::F32)? * 3.0)?;
+                let (cos, sin) = (angles.cos()?, angles.sin()?);
+                let (c2, s2) = (cos.to_device(dev)?, sin.to_device(dev)?);
+                let ours = move |t: &[Tensor]| train::rotary(&t[0], &c2, &s2);
+                let reference = move |t: &[Tensor]| rotary_slow(&t[0], &cos, &sin);
+                compare(
+                    &name,
+                    dev,
+                    &ours,
+                    &reference,
+                    &[x],
+                    &[true],
+                    &[n, h, d],
+                    dtype,
+                )
+            })();
+            report(name, r);
+        }
+    }
+}
+
+pub fn swiglu(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        for shape in [vec![1, 1], vec![17, 33], vec![64, 2048]] {
+            let name = format!("swiglu {dtype:?} {shape:?}");
+            let r = (|| {
+                let g = (randn(shape.as_slice(), dtype)? * 2.0)?;
+                let u = randn(shape.as_slice(), dtype)?;
+                let ours = |t: &[Tensor]| train::swiglu(&t[0], &t[1]);
+                let reference = |t: &[Tensor]| t[0].silu()? * &t[1];
+                compare(
+                    &name,
+                    dev,
+                    &ours,
+                    &reference,
+                    &[g, u],
+                    &[true, true],
+                    &shape,
+                    dtype,
+                )
+            })();
+            report(name, r);
+        }
+    }
+}
+
+pub fn embedding(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        for (vocab, hidden, n) in [(11, 7, 20), (300, 64, 1000), (1, 5, 3)] {
+            let name = format!("embedding f32 table -> {dtype:?} ({vocab}, {hidden}) x {n}");
+            let r = (|| {
+                let table = randn((vocab, hidden), DType::F32)?;
+                // Repeated ids, so the backward must add rows.
+                let ids: Vec<u32> = (0..n).map(|i| ((i * 7 + i / 3) % vocab) as u32).collect();
+                let ids_cpu = Tensor::new(ids, &Device::Cpu)?;
+                let ids_dev = ids_cpu.to_device(dev)?;
+                let ours = move |t: &[Tensor]| train::embedding(&t[0], &ids_dev, dtype);
+                let reference = move |t: &[Tensor]| t[0].index_select(&ids_cpu, 0)?.to_dtype(dtype);
+                compare(
+                    &name,
+                    dev,
+                    &ours,
+                    &reference,
+                    &[table],
+                    &[true],
+                    &[n, hidden],
+                    dtype,
+                )
+            })();
+            report(name, r);
+        }
+    }
+}
+
+/// Per-row cross-entropy in plain ops (ignored rows give 0).
+fn xent_slow(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    let n = targets.len();
+    let safe: Vec<u32> = targets
+        .iter()
+        .map(|&t| if t == train::IGNORE { 0 } else { t })
+        .collect();
+    let mask: Vec<f32> = targets
+        .iter()
+        .map(|&t| if t == train::IGNORE { 0.0 } else { 1.0 })
+        .collect();
+    let safe = Tensor::new(safe, logits.device())?.unsqueeze(1)?;
+    let mask = Tensor::new(mask, logits.device())?.to_dtype(logits.dtype())?;
+    let lsm = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let picked = lsm.gather(&safe, 1)?.reshape(n)?;
+    (picked.neg()? * mask)?.to_dtype(DType::F32)
+}
+
+pub fn cross_entropy(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        for (n, vocab) in [(1, 2), (13, 37), (64, 2048), (3, 5000)] {
+            let name = format!("cross_entropy {dtype:?} ({n}, {vocab})");
+            let r = (|| {
+                let logits = (randn((n, vocab), dtype)? * 3.0)?;
+                let targets: Vec<u32> = (0..n)
+                    .map(|i| {
+                        if i % 5 == 4 {
+                            train::IGNORE
+                        } else {
+                            ((i * 31 + 7) % vocab) as u32
+                        }
+                    })
+                    .collect();
+                let t_dev = Tensor::new(targets.clone(), dev)?;
+                let ours = move |t: &[Tensor]| train::cross_entropy_rows(&t[0], &t_dev);
+                let reference = move |t: &[Tensor]| xent_slow(&t[0], &targets);
+                // The loss is f32 in both; compare with f32 weights on the rows.
+                compare(
+                    &name,
+                    dev,
+                    &ours,
+                    &reference,
+                    &[logits],
+                    &[true],
+                    &[n],
+                    DType::F32,
+                )
+            })();
+            report(name, r);
+        }
+    }
+    let name = "cross_entropy mean, ignored rows, bad target".to_string();
+    let r = (|| {
+        let logits = randn((4, 6), DType::F32)?.to_device(dev)?;
+        let t = Tensor::new(&[1u32, train::IGNORE, 5, train::IGNORE], dev)?;
+        let mean = train::cross_entropy(&logits, &t)?.to_scalar::<f32>()?;
+        let rows = train::cross_entropy_rows(&logits, &t)?.to_vec1::<f32>()?;
+        if (mean - (rows[0] + rows[2]) / 2.0).abs() > 1e-5 || rows[1] != 0.0 || rows[3] != 0.0 {
+            candle::bail!("mean {mean} of rows {rows:?} should skip the ignored rows")
+        }
+        let bad = Tensor::new(&[1u32, 6, 0, 2], dev)?;
+        let rows = train::cross_entropy_rows(&logits, &bad)?.to_vec1::<f32>()?;
+        if !rows[1].is_nan() || rows[0].is_nan() {
+            candle::bail!("a target past the vocabulary must give NaN in its row only: {rows:?}")
+        }
+        let mut nan_logits = logits.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        nan_logits[2][3] = f32::NAN;
+        let nan_logits = Tensor::new(nan_logits, dev)?;
+        let rows = train::cross_entropy_rows(&nan_logits, &t)?.to_vec1::<f32>()?;
+        if !rows[2].is_nan() || rows[0].is_nan() {
+            candle::bail!("NaN logits must give NaN in their row only: {rows:?}")
+        }
+        Ok(())
+    })();
+    report(name, r);
+}
+
+/// AdamW as the textbook formula in plain ops.
+fn adamw_slow(
+    w: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    t: i32,
+    lr: f64,
+    wd: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b1, b2, eps) = (0.9, 0.999, 1e-8);
+    let m = ((m * b1)? + (g * (1.0 - b1))?)?;
+    let v = ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+    let m_hat = (&m / (1.0 - b1.powi(t)))?;
+    let v_hat = (&v / (1.0 - b2.powi(t)))?;
+    let w = ((w * (1.0 - lr * wd))? - ((m_hat / (v_hat.sqrt()? + eps)?)? * lr)?)?;
+    Ok((w, m, v))
+}
+
+pub fn adamw(dev: &Device, report: Report) {
+    for gdtype in DTYPES {
+        let name = format!("AdamW 3 steps, {gdtype:?} gradients, scale 0.5, state round trip");
+        let r = (|| {
+            let shapes = [vec![7], vec![13, 5], vec![1]];
+            let inits = shapes
+                .iter()
+                .map(|s| randn(s.as_slice(), DType::F32))
+                .collect::<Result<Vec<_>>>()?;
+            let vars = inits
+                .iter()
+                .enumerate()
+                .map(|(i, t)| Ok((format!("w{i}"), Var::from_tensor(&t.to_device(dev)?)?)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut opt = train::AdamW::new(vars.clone(), 1e-2, 0.1)?;
+            let mut slow: Vec<(Tensor, Tensor, Tensor)> = inits
+                .iter()
+                .map(|w| Ok((w.clone(), w.zeros_like()?, w.zeros_like()?)))
+                .collect::<Result<_>>()?;
+            for step in 1..=3 {
+                // Gradients as a backward pass would give them, of each variable's dtype.
+                let gs = shapes
+                    .iter()
+                    .map(|s| randn(s.as_slice(), gdtype))
+                    .collect::<Result<Vec<_>>>()?;
+                let loss = vars
+                    .iter()
+                    .zip(&gs)
+                    .map(|((_, v), g)| {
+                        v.as_tensor()
+                            .mul(&g.to_dtype(DType::F32)?.to_device(dev)?)?
+                            .sum_all()
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let loss = Tensor::stack(&loss, 0)?.sum_all()?;
+                let grads = loss.backward()?;
+                if step == 2 {
+                    // Save and restore into a fresh optimiser in the middle.
+                    let state = opt.state()?;
+                    let mut fresh = train::AdamW::new(vars.clone(), 1e-2, 0.1)?;
+                    fresh.load_state(&state)?;
+                    opt = fresh;
+                }
+                opt.update(&grads, 0.5)?;
+                for (s, g) in slow.iter_mut().zip(&gs) {
+                    let g = (g.to_dtype(DType::F32)? * 0.5)?;
+                    *s = adamw_slow(&s.0, &s.1, &s.2, &g, step, 1e-2, 0.1)?;
+                }
+            }
+            for ((name, v), s) in vars.iter().zip(&slow) {
+                let err = max_abs_diff(&v.as_tensor().to_device(&Device::Cpu)?, &s.0)?;
+                if !within_bound(err, 1e-5) {
+                    candle::bail!("{name}: {err:e} from the formula")
+                }
+                let st = opt.state()?;
+                let m = st[&format!("m.{name}")].to_device(&Device::Cpu)?;
+                if !within_bound(max_abs_diff(&m, &s.1)?, 1e-6) {
+                    candle::bail!("{name}: first moment differs from the formula")
+                }
+            }
+            Ok(())
+        })();
+        report(name, r);
+    }
+    let name = "sum_squares over tensors of mixed dtypes".to_string();
+    let r = (|| {
+        let ts = [
+            randn(1000, DType::F32)?,
+            randn((7, 9), DType::BF16)?,
+            randn(1, DType::F16)?,
+        ];
+        let exact: f32 = ts
+            .iter()
+            .map(|t| t.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>())
+            .sum::<Result<f32>>()?;
+        let on_dev = ts
+            .iter()
+            .map(|t| t.to_device(dev))
+            .collect::<Result<Vec<_>>>()?;
+        let ours = train::sum_squares(&on_dev)?.to_scalar::<f32>()?;
+        if !within_bound((ours - exact).abs(), 1e-4 * exact) {
+            candle::bail!("sum_squares {ours} against {exact}")
+        }
+        Ok(())
+    })();
+    report(name, r);
+}
+
+/// Sizes past one block of every kernel (the GPU suite; slow on the CPU references).
+pub fn large(dev: &Device, report: Report) {
+    for dtype in [DType::BF16, DType::F16] {
+        let name = format!("large rms_norm {dtype:?} (4097, 768)");
+        let r = (|| {
+            let x = randn((4097, 768), dtype)?;
+            let w = randn(768, DType::F32)?.affine(0.5, 1.0)?;
+            let ours = |t: &[Tensor]| train::rms_norm(&t[0], &t[1], 1e-5);
+            let reference = |t: &[Tensor]| {
+                let w = t[1].to_dtype(t[0].dtype())?;
+                candle_nn::ops::rms_norm_slow(&t[0], &w, 1e-5)
+            };
+            compare(
+                &name,
+                dev,
+                &ours,
+                &reference,
+                &[x, w],
+                &[true, true],
+                &[4097, 768],
+                dtype,
+            )
+        })();
+        report(name, r);
+        let name = format!("large swiglu {dtype:?} (4097, 2048)");
+        let r = (|| {
+            let g = randn((4097, 2048), dtype)?;
+            let u = randn((4097, 2048), dtype)?;
+            let ours = |t: &[Tensor]| train::swiglu(&t[0], &t[1]);
+            let reference = |t: &[Tensor]| t[0].silu()? * &t[1];
+            compare(
+                &name,
+                dev,
+                &ours,
+                &reference,
+                &[g, u],
+                &[true, true],
+                &[4097, 2048],
+                dtype,
+            )
+        })();
+        report(name, r);
+        let name = format!("large rotary {dtype:?} (4097, 12, 64)");
+        let r = (|| {
+            let x = randn((4097, 12, 64), dtype)?;
+            let angles = (randn((4097, 32), DType::F32)? * 3.0)?;
+            let (cos, sin) = (angles.cos()?, angles.sin()?);
+            let (c2, s2) = (cos.to_device(dev)?, sin.to_device(dev)?);
+            let ours = move |t: &[Tensor]| train::rotary(&t[0], &c2, &s2);
+            let reference = move |t: &[Tensor]| rotary_slow(&t[0], &cos, &sin);
+            compare(
+                &name,
+                dev,
+                &ours,
+                &reference,
+                &[x],
+                &[true],
+                &[4097, 12, 64],
+                dtype,
+            )
+        })();
+        report(name, r);
+        let name = format!("large cross_entropy {dtype:?} (2049, 32003)");
+        let r = (|| {
+            let logits = (randn((2049, 32003), dtype)? * 3.0)?;
+            let targets: Vec<u32> = (0..2049).map(|i| ((i * 7919) % 32003) as u32).collect();
+            let t_dev = Tensor::new(targets.clone(), dev)?;
+            let ours = move |t: &[Tensor]| train::cross_entropy_rows(&t[0], &t_dev);
+            let reference = move |t: &[Tensor]| xent_slow(&t[0], &targets);
+            compare(
+                &name,
+                dev,
+                &ours,
+                &reference,
+                &[logits],
+                &[true],
+                &[2049],
+                DType::F32,
+            )
+        })();
+        report(name, r);
+        let name = format!("large embedding f32 -> {dtype:?} (2048, 768) x 16384");
+        let r = (|| {
+            let table = randn((2048, 768), DType::F32)?;
+            let ids: Vec<u32> = (0..16384).map(|i| ((i * 7919) % 2048) as u32).collect();
+            let ids_cpu = Tensor::new(ids, &Device::Cpu)?;
+            let ids_dev = ids_cpu.to_device(dev)?;
+            let ours = move |t: &[Tensor]| train::embedding(&t[0], &ids_dev, dtype);
+            let reference = move |t: &[Tensor]| t[0].index_select(&ids_cpu, 0)?.to_dtype(dtype);
+            compare(
+                &name,
+                dev,
+                &ours,
+                &reference,
+                &[table],
+                &[true],
+                &[16384, 768],
+                dtype,
+            )
+        })();
+        report(name, r);
+    }
+}
+
+/// `err <= bound`, false for NaN.
+fn within_bound(err: f32, bound: f32) -> bool {
+    err <= bound
+}
+
+/// Every check of this file.
+pub fn all(dev: &Device, report: Report) {
+    rms_norm(dev, report);
+    rotary(dev, report);
+    swiglu(dev, report);
+    embedding(dev, report);
+    cross_entropy(dev, report);
+    adamw(dev, report);
+}
