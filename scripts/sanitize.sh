@@ -10,7 +10,7 @@
 # Usage: bash scripts/sanitize.sh [-j N | --serial] [--all-kernels] [--sections LIST]
 #                                 [TOOL...] [-- ARGS for gpu]
 #   TOOL             memcheck, racecheck, synccheck, initcheck (default: all four)
-#   --sections LIST  comma-separated, from fwd,bwd,varlen,kvcache,misc,reliability (default:
+#   --sections LIST  comma-separated, from fwd,bwd,varlen,kvcache,misc,reliability,train (default:
 #                    all six)
 #   -j N             sanitized processes at once (default 2); --serial is -j 1
 #   --all-kernels    racecheck and synccheck instrument every kernel; by default only ours
@@ -46,11 +46,11 @@ TIMEOUT=${SANITIZE_TIMEOUT:-240}
 BUDGET=${SANITIZE_BUDGET:-540}
 # shellcheck source=scripts/staged-bin.sh
 source scripts/staged-bin.sh
-ALL_SECTIONS=(fwd bwd varlen kvcache misc reliability)
+ALL_SECTIONS=(fwd bwd varlen kvcache misc reliability train)
 T0=$(date +%s)
 
 usage() {
-  echo "usage: $0 [-j N | --serial] [--all-kernels] [--sections fwd,bwd,varlen,kvcache,misc,reliability]" \
+  echo "usage: $0 [-j N | --serial] [--all-kernels] [--sections fwd,bwd,varlen,kvcache,misc,reliability,train]" \
     "[memcheck|racecheck|synccheck|initcheck]... [-- ARGS for gpu]" >&2
   exit 2
 }
