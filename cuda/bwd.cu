@@ -90,3 +90,12 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
 
 FLASH_BWD_ALL(f16, __half)
 FLASH_BWD_ALL(bf16, __nv_bfloat16)
+
+// `flash_bwd_dkdv_<dtype>_d256_s16`: d = 256's dK/dV kernel for 99 KB devices.
+#define FLASH_BWD_SMALL256(NAME, T)                                                           \
+    extern "C" __global__ void __launch_bounds__(BwdKvSmall256<T>::Kv::THREADS, 1)            \
+        flash_bwd_dkdv_##NAME##_d256_s16(const __grid_constant__ BwdParams bp) {              \
+        flash_bwd_dkdv<BwdKvSmall256<T>::Kv>(bp);                                             \
+    }
+FLASH_BWD_SMALL256(f16, __half)
+FLASH_BWD_SMALL256(bf16, __nv_bfloat16)

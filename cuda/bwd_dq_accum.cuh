@@ -12,10 +12,16 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
                  "r"(valid ? 4 : 0));
 }
 
-// Two adjacent f32 in one L2 atomic (sm_90); `addr` is 8-byte aligned.
+// Two adjacent f32 in one L2 atomic (sm_90; two scalar atomics before it); `addr` is 8-byte
+// aligned.
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b)
                  : "memory");
+#else
+    atomicAdd(addr, a);
+    atomicAdd(addr + 1, b);
+#endif
 }
 
 // acc += dS K for this warp's MT x NT tiles: dS (queries x keys) is read from the key-major

@@ -61,6 +61,10 @@ template <typename T, int D> struct BwdConfig {
     using Q = BwdQTraits<T, D, 64, (D <= 128 ? 64 : 32), 4>;
 };
 
+// d = 256's dK/dV kernel with 16-row Q/dO tiles (84 KB): its 32-row shape needs 99.3 KB, just
+// past what sm_86/89 allow per block. Mirror: `BwdTile::fit` in src/cuda/bwd.rs.
+template <typename T> struct BwdKvSmall256 { using Kv = BwdKvTraits<T, 256, 128, 64, 16, 4>; };
+
 // The non-deterministic path for d <= 128: dK, dV and (atomically) dQ in one kernel. dQ's
 // warp split keeps its accumulator at 32-48 registers per thread, live only after dS^T is
 // consumed. WIDE: 128 keys per block over 8 warps (FA2's d = 128 shape), which halves the

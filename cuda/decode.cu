@@ -2,6 +2,7 @@
 //   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k, b)
 //   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
 //   flash_decode_<dtype>_d<D>_w8  the same with 8 warps (split launches, D <= 128)
+//   flash_decode_<dtype>_d<D>_w2  with 2 warps, D > 128 on 99 KB devices (sm_86/89)
 // When split, the last split of each row tile to finish merges them by their LSE
 // (flash-decoding; merge_splits, through DecodeParams::counters).
 // The decode kernel reuses the forward's softmax, mask and fragment packing (softmax.cuh,
@@ -470,7 +471,11 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     FLASH_DECODE_W(NAME, T, 32, 8)                                                            \
     FLASH_DECODE_W(NAME, T, 64, 8)                                                            \
     FLASH_DECODE_W(NAME, T, 96, 8)                                                            \
-    FLASH_DECODE_W(NAME, T, 128, 8)
+    FLASH_DECODE_W(NAME, T, 128, 8)                                                           \
+    FLASH_DECODE_W(NAME, T, 160, 2)                                                           \
+    FLASH_DECODE_W(NAME, T, 192, 2)                                                           \
+    FLASH_DECODE_W(NAME, T, 224, 2)                                                           \
+    FLASH_DECODE_W(NAME, T, 256, 2)
 
 FLASH_DECODE_ALL(f16, __half)
 FLASH_DECODE_ALL(bf16, __nv_bfloat16)

@@ -57,3 +57,20 @@ template <class K, bool DROPOUT> __device__ __forceinline__ void flash_fwd(const
 
 FLASH_FWD_ALL_D(f16, __half)
 FLASH_FWD_ALL_D(bf16, __nv_bfloat16)
+
+// The small-tile shape of d >= 192 for 99 KB devices: `flash_fwd_<dtype>_d<D>_s64[_dropout]`.
+#define FLASH_FWD_SMALL(NAME, T, D)                                                           \
+    extern "C" __global__ void __launch_bounds__(FwdSmallConfig<T, D>::Traits::THREADS, 1)    \
+        flash_fwd_##NAME##_d##D##_s64(const __grid_constant__ AttnParams p) {                 \
+        flash_fwd<FwdSmallConfig<T, D>::Traits, false>(p);                                    \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(FwdSmallConfig<T, D>::Traits::THREADS, 1)    \
+        flash_fwd_##NAME##_d##D##_s64_dropout(const __grid_constant__ AttnParams p) {         \
+        flash_fwd<FwdSmallConfig<T, D>::Traits, true>(p);                                     \
+    }
+#define FLASH_FWD_SMALL_ALL(NAME, T)                                                          \
+    FLASH_FWD_SMALL(NAME, T, 192)                                                             \
+    FLASH_FWD_SMALL(NAME, T, 224)                                                             \
+    FLASH_FWD_SMALL(NAME, T, 256)
+FLASH_FWD_SMALL_ALL(f16, __half)
+FLASH_FWD_SMALL_ALL(bf16, __nv_bfloat16)

@@ -7,4 +7,10 @@
 #pragma once
 
 // Waits until the grids this one depends on have completed and their memory is visible.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// Before sm_90 there is no programmatic launch (the launchers never ask for it there), so
+// stream order already guarantees it.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}

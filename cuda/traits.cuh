@@ -36,5 +36,9 @@ template <typename T> struct FwdConfig<T, 160> { using Traits = FwdTraits<T, 160
 template <typename T> struct FwdConfig<T, 192> { using Traits = FwdTraits<T, 192, 128, 64, 8>; };
 template <typename T> struct FwdConfig<T, 224> { using Traits = FwdTraits<T, 224, 128, 64, 8>; };
 template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 128, 64, 8>; };
+// Where a device allows 99 KB of shared memory per block (sm_86/89), d >= 192 takes 64 query
+// rows and 32-key tiles (52-68 KB instead of 102-135 KB). Mirror: `FwdTile::fit` in
+// src/cuda/mod.rs.
+template <typename T, int D> struct FwdSmallConfig { using Traits = FwdTraits<T, D, 64, 32, 4>; };
 template <typename T, int D, bool DROPOUT> struct FwdKernelConfig { using Traits = typename FwdConfig<T, D>::Traits; };
 template <typename T> struct FwdKernelConfig<T, 128, false> { using Traits = FwdTraits<T, 128, 128, 64, 4>; };

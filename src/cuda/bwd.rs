@@ -38,6 +38,8 @@ struct BwdTile {
     q_bn: usize,
     /// Streamed query rows per tile of the fused dK/dV/dQ kernel.
     fused_bm: usize,
+    /// d = 256's dK/dV kernel with 16-row tiles (`BwdKvSmall256`), for 99 KB devices.
+    kv_small: bool,
 }
 
 /// The fused kernel double-buffers its Q/dO tiles (and their row statistics).
@@ -54,6 +56,29 @@ impl BwdTile {
             q_bm: 64,
             q_bn: if d <= 128 { 64 } else { 32 },
             fused_bm: if d <= 96 { 64 } else { 32 },
+            kv_small: false,
+        }
+    }
+
+    /// This tile, or where its dK/dV kernel needs more than `smem` bytes of shared memory
+    /// (d = 256 on a 99 KB device: 99.3 KB), the 16-row one (84 KB).
+    fn fit(self, smem: usize) -> Self {
+        if self.kv_smem_bytes() as usize <= smem || self.d != 256 {
+            return self;
+        }
+        Self {
+            kv_bm: 16,
+            kv_small: true,
+            ..self
+        }
+    }
+
+    /// The dK/dV kernel's name suffix.
+    fn kv_suffix(&self) -> &'static str {
+        if self.kv_small {
+            "_s16"
+        } else {
+            ""
         }
     }
     /// Whether the fused kernel exists: one block must own all of dK and dV's columns.
@@ -112,14 +137,25 @@ fn bwd_override() -> Option<&'static str> {
 }
 
 impl BwdPath {
-    fn choose(tile: &BwdTile, deterministic: bool, dropout: bool, hopper: bool) -> Self {
+    /// `smem`: the bytes of shared memory a block may use on the device; the wide shape
+    /// (115 KB at d = 128) runs only where it fits.
+    fn choose(
+        tile: &BwdTile,
+        deterministic: bool,
+        dropout: bool,
+        hopper: bool,
+        smem: usize,
+    ) -> Self {
         let env = bwd_override();
         if deterministic || !tile.has_fused() || env == Some("separate") {
             Self::Separate
         } else if hopper && tile.has_fused_wide() && !dropout && env.is_none() {
             Self::Sm90
         } else {
-            let wide = env != Some("bn64") && tile.has_fused_wide() && !dropout;
+            let wide = env != Some("bn64")
+                && tile.has_fused_wide()
+                && !dropout
+                && tile.fused_smem_bytes(128) as usize <= smem;
             Self::Fused { wide }
         }
     }
@@ -168,7 +204,8 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
     let s = problem.shape;
     let dev = q.device.clone();
     let stream = dev.cuda_stream();
-    let tile = BwdTile::for_head_dim(s.d);
+    let facts = device_facts(&dev)?;
+    let tile = BwdTile::for_head_dim(s.d).fit(facts.smem);
     let dtype = dtype_name(q.dtype())?;
 
     let (o_storage, o_layout) = out.storage_and_layout();
@@ -209,7 +246,8 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         deterministic,
         params.a.drop_threshold != 0,
         // Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
-        device_facts(&dev)?.hopper(),
+        facts.hopper(),
+        facts.smem,
     );
     // The fused kernel adds into it; rows that no key reaches keep their zeros.
     let mut dq_accum = match path {
@@ -251,7 +289,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
             BwdPath::Separate => {
                 launch(
                     &dev,
-                    &format!("flash_bwd_dkdv_{dtype}_d{}", tile.d),
+                    &format!("flash_bwd_dkdv_{dtype}_d{}{}", tile.d, tile.kv_suffix()),
                     (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
                     BwdTile::THREADS,
                     tile.kv_smem_bytes(),

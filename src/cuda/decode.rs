@@ -15,7 +15,6 @@ use super::{
     StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
-use crate::ptx;
 
 /// `DECODE_INLINE_SEQLENS` in `cuda/params.cuh`: batches up to this size pass their lengths
 /// inside the parameter block instead of through a host-to-device copy per call.
@@ -70,6 +69,8 @@ const DECODE_WARPS: usize = 4;
 /// Warps of a split launch's blocks (`flash_decode_*_w8`), up to this head dim.
 const SPLIT_WARPS: usize = 8;
 const SPLIT_WARPS_MAX_D: usize = 128;
+/// Warps of decode blocks where four do not fit in shared memory (`flash_decode_*_w2`).
+const NARROW_WARPS: usize = 2;
 const DECODE_KEYS_PER_TILE: usize = 16;
 /// `MAX_SPLITS` in `cuda/decode.cu` (the merge's weight buffer).
 const MAX_SPLITS: usize = 128;
@@ -186,7 +187,12 @@ fn append_typed<T: CudaDType + DeviceRepr>(
 /// What the split heuristic needs to know about a device and 4-warp decode kernel: its
 /// streaming multiprocessors, and how many blocks of the kernel one of them holds at once
 /// (registers and shared memory, asked of the driver). Cached per (device, kernel).
-fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize, usize)> {
+fn residency(
+    dev: &candle::CudaDevice,
+    kernel: &str,
+    warps: usize,
+    smem: u32,
+) -> Result<(usize, usize)> {
     type Known = Vec<(usize, String, (usize, usize))>;
     static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
     let ordinal = dev.cuda_stream().context().ordinal();
@@ -197,7 +203,7 @@ fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize
         return Ok(*r);
     }
     let sms = super::device_facts(dev)?.sms;
-    let func = dev.get_or_load_custom_func(kernel, "candle_flash_decode", ptx::DECODE)?;
+    let func = super::load_func(dev, kernel, super::PtxFile::Decode)?;
     // The occupancy calculator refuses more dynamic shared memory than the attribute allows.
     func.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -206,7 +212,7 @@ fn residency(dev: &candle::CudaDevice, kernel: &str, smem: u32) -> Result<(usize
     .w()?;
     let per_sm = func
         .occupancy_max_active_blocks_per_multiprocessor(
-            32 * DECODE_WARPS as u32,
+            32 * warps as u32,
             smem as usize,
             None,
         )
@@ -248,14 +254,26 @@ fn block_warps(
     sms: usize,
     slots: usize,
     d: usize,
+    (base, wide_fits): (usize, bool),
 ) -> (usize, usize) {
-    let splits = num_splits(blocks, key_tiles, sms, slots, DECODE_WARPS);
-    if splits == 1 || d > SPLIT_WARPS_MAX_D || four_warps_forced() {
-        return (DECODE_WARPS, splits);
+    let splits = num_splits(blocks, key_tiles, sms, slots, base);
+    if splits == 1 || d > SPLIT_WARPS_MAX_D || four_warps_forced() || !wide_fits {
+        return (base, splits);
     }
     match num_splits(blocks, key_tiles, sms, slots, SPLIT_WARPS) {
-        1 => (DECODE_WARPS, splits),
+        1 => (base, splits),
         wide => (SPLIT_WARPS, wide),
+    }
+}
+
+/// Warps of an unsplit decode block on a device allowing `smem` bytes per block: 4, or 2
+/// where four warps' K/V rings do not fit (d > 128 on a 99 KB sm_86/89 device:
+/// `flash_decode_*_w2`).
+fn base_warps(d: usize, smem: usize) -> usize {
+    if decode_smem_bytes(d, DECODE_WARPS) as usize <= smem {
+        DECODE_WARPS
+    } else {
+        NARROW_WARPS
     }
 }
 
@@ -321,20 +339,23 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     )?;
     let row_tiles = (p.s_q * group).div_ceil(DECODE_ROWS);
     let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
-    let kernel4 = format!("flash_decode_{dtype}_d{}", tile.d);
-    let (sms, per_sm) = residency(&dev, &kernel4, decode_smem_bytes(tile.d, DECODE_WARPS))?;
+    let limit = super::device_facts(&dev)?.smem;
+    let base = base_warps(tile.d, limit);
+    let name = |warps: usize| match warps {
+        DECODE_WARPS => format!("flash_decode_{dtype}_d{}", tile.d),
+        w => format!("flash_decode_{dtype}_d{}_w{w}", tile.d),
+    };
+    let (sms, per_sm) = residency(&dev, &name(base), base, decode_smem_bytes(tile.d, base))?;
+    let wide_fits = decode_smem_bytes(tile.d, SPLIT_WARPS) as usize <= limit;
     let (warps, splits) = block_warps(
         p.b * p.hk * row_tiles,
         max_len.div_ceil(DECODE_KEYS_PER_TILE),
         sms,
         sms * per_sm,
         tile.d,
+        (base, wide_fits),
     );
-    let kernel = if warps == DECODE_WARPS {
-        kernel4
-    } else {
-        format!("{kernel4}_w{warps}")
-    };
+    let kernel = name(warps);
     let smem = decode_smem_bytes(tile.d, warps);
 
     let out_elems = p.b * p.s_q * p.h * p.d;

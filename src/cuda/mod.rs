@@ -242,6 +242,8 @@ pub(super) struct FwdTile {
     bm: usize,
     bn: usize,
     warps: usize,
+    /// The 99 KB shape of d >= 192 (`fit`).
+    small: bool,
 }
 
 impl FwdTile {
@@ -252,6 +254,30 @@ impl FwdTile {
         match (tile.d, dropout) {
             (128, false) => Self { bn: 64, ..tile },
             _ => tile,
+        }
+    }
+
+    /// This tile, or where it needs more shared memory than `smem` bytes (d >= 192 on a 99 KB
+    /// device), the small one: 64 rows, 32-key tiles, 4 warps (`FwdSmallConfig`).
+    fn fit(self, smem: usize) -> Self {
+        if self.smem_bytes() as usize <= smem || self.d < 192 {
+            return self;
+        }
+        Self {
+            bm: 64,
+            bn: 32,
+            warps: 4,
+            small: true,
+            ..self
+        }
+    }
+
+    /// `_s64` for the small tile (the kernel names' suffix), else empty.
+    fn suffix(&self) -> &'static str {
+        if self.small {
+            "_s64"
+        } else {
+            ""
         }
     }
 
@@ -267,7 +293,13 @@ impl FwdTile {
             193..=224 => (224, 128, 64, 8),
             _ => (256, 128, 64, 8),
         };
-        Self { d, bm, bn, warps }
+        Self {
+            d,
+            bm,
+            bn,
+            warps,
+            small: false,
+        }
     }
 
     fn threads(&self) -> u32 {
@@ -346,22 +378,27 @@ impl Sm90Shape {
     }
 }
 
-/// What the launchers ask of a device once: compute capability major and SM count.
+/// What the launchers ask of a device once: compute capability, SM count and the shared
+/// memory a block may opt into.
 #[derive(Clone, Copy)]
 pub(crate) struct DeviceFacts {
     pub major: i32,
     pub sms: usize,
+    /// Bytes of dynamic shared memory one block may use (A100 163 KB, sm_86/89 99 KB, Hopper
+    /// 227 KB); `CANDLE_FLASH_SMEM_KB` lowers it, to run another GPU's tile choices.
+    pub smem: usize,
 }
 
 impl DeviceFacts {
     /// Compute capability 9.x: the wgmma kernels, and programmatic launch, are built for
-    /// sm_90a only.
+    /// sm_90a only. False on Hopper too when `CANDLE_FLASH_ARCH=sm80` asks for the sm_80 set.
     pub fn hopper(&self) -> bool {
         self.major == 9
     }
 }
 
-/// [`DeviceFacts`] of `dev`, cached per device ordinal.
+/// [`DeviceFacts`] of `dev`, cached per device ordinal. Errors for GPUs older than Ampere,
+/// which have no `cp.async` or bf16 tensor cores.
 pub(crate) fn device_facts(dev: &candle::CudaDevice) -> Result<DeviceFacts> {
     static KNOWN: Mutex<Vec<(usize, DeviceFacts)>> = Mutex::new(Vec::new());
     let ordinal = dev.cuda_stream().context().ordinal();
@@ -372,16 +409,88 @@ pub(crate) fn device_facts(dev: &candle::CudaDevice) -> Result<DeviceFacts> {
         return Ok(facts);
     }
     let context = dev.cuda_stream().context().clone();
+    let attr = |a| context.attribute(a).w();
+    let major = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    if major < 8 {
+        bail!(
+            "candle-flash: CUDA device {ordinal} has compute capability {major}.{minor}; the \
+             CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper). The CPU implementation runs \
+             anywhere."
+        )
+    }
+    let smem_cap = std::env::var("CANDLE_FLASH_SMEM_KB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(usize::MAX, |kb| kb * 1024);
     let facts = DeviceFacts {
-        major: context
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-            .w()?,
-        sms: context
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .w()? as usize,
+        major: if forced_arch() == "sm80" { 8 } else { major },
+        sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
+        smem: (attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+            as usize)
+            .min(smem_cap),
     };
     known.push((ordinal, facts));
     Ok(facts)
+}
+
+/// `CANDLE_FLASH_ARCH=sm80` runs the sm_80 kernels (no wgmma, no programmatic launch) on a
+/// Hopper GPU, for testing the Ampere/Ada path there; read once.
+fn forced_arch() -> &'static str {
+    static FORCED: OnceLock<String> = OnceLock::new();
+    FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_ARCH").unwrap_or_default())
+}
+
+/// A kernel source file of cuda/, whose PTX exists per architecture set.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PtxFile {
+    Fwd,
+    FwdSm90,
+    Bwd,
+    BwdSm90,
+    Decode,
+    Train,
+}
+
+impl PtxFile {
+    /// `(sm90a, sm80)` PTX of the file, `None` where not built.
+    fn sets(self) -> (Option<&'static str>, Option<&'static str>) {
+        match self {
+            Self::Fwd => (ptx::sm90a::FWD, ptx::sm80::FWD),
+            Self::FwdSm90 => (ptx::sm90a::FWD_SM90, ptx::sm80::FWD_SM90),
+            Self::Bwd => (ptx::sm90a::BWD, ptx::sm80::BWD),
+            Self::BwdSm90 => (ptx::sm90a::BWD_SM90, ptx::sm80::BWD_SM90),
+            Self::Decode => (ptx::sm90a::DECODE, ptx::sm80::DECODE),
+            Self::Train => (ptx::sm90a::TRAIN, ptx::sm80::TRAIN),
+        }
+    }
+
+    fn module(self, set: &str) -> String {
+        format!("candle_flash_{self:?}_{set}").to_lowercase()
+    }
+}
+
+/// `kernel` of `file`, from the PTX set the device runs: sm_90a on Hopper, sm_80 on Ampere
+/// and Ada (and on Hopper under `CANDLE_FLASH_ARCH=sm80`). Loaded once per device.
+pub(crate) fn load_func(
+    dev: &candle::CudaDevice,
+    kernel: &str,
+    file: PtxFile,
+) -> Result<CudaFunction> {
+    let facts = device_facts(dev)?;
+    let (hopper_ptx, generic_ptx) = file.sets();
+    let (set, ptx) = match (facts.hopper(), hopper_ptx, generic_ptx) {
+        (true, Some(p), _) => ("sm90a", p),
+        (_, _, Some(p)) => ("sm80", p),
+        _ => bail!(
+            "{kernel}: this build has no {file:?} kernels for compute capability {}.x (built \
+             with CUDA_COMPUTE_CAP below 90: Hopper kernels left out)",
+            facts.major
+        ),
+    };
+    Ok(dev
+        .get_or_load_custom_func(kernel, &file.module(set), ptx)?
+        .into_cuda_function())
 }
 
 /// Counters that kernels keep zero between launches (they reset them themselves, so a call
@@ -538,18 +647,22 @@ fn prepare_launch(
     if x == 0 || y == 0 || z == 0 {
         return Ok(None);
     }
-    let (module, ptx) = if name.starts_with("flash_fwd_sm90") {
-        ("candle_flash_fwd_sm90", ptx::FWD_SM90)
+    let file = if name.starts_with("flash_fwd_sm90") {
+        PtxFile::FwdSm90
     } else if name.starts_with("flash_bwd_sm90") {
-        ("candle_flash_bwd_sm90", ptx::BWD_SM90)
+        PtxFile::BwdSm90
     } else if name.starts_with("flash_fwd") {
-        ("candle_flash_fwd", ptx::FWD)
+        PtxFile::Fwd
     } else if name.starts_with("flash_bwd") {
-        ("candle_flash_bwd", ptx::BWD)
+        PtxFile::Bwd
     } else {
-        ("candle_flash_decode", ptx::DECODE)
+        PtxFile::Decode
     };
-    let func = dev.get_or_load_custom_func(name, module, ptx)?;
+    let limit = device_facts(dev)?.smem;
+    if smem as usize > limit {
+        bail!("{name}: needs {smem} bytes of shared memory per block, the device allows {limit}")
+    }
+    let func = load_func(dev, name, file)?;
     func.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         smem as i32,
@@ -560,7 +673,7 @@ fn prepare_launch(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    Ok(Some((func.into_cuda_function(), cfg)))
+    Ok(Some((func, cfg)))
 }
 
 fn dtype_name(dtype: DType) -> Result<&'static str> {
@@ -637,7 +750,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     let mut params = AttnParams::new(problem, ql, kl, vl)?;
     // Dropout has kernels of its own (its Philox code costs registers in the loop).
     let dropout = params.drop_threshold != 0;
-    let tile = FwdTile::for_forward(s.d, dropout);
+    let tile = FwdTile::for_forward(s.d, dropout).fit(device_facts(&dev)?.smem);
     let offsets = seq_offsets(problem, &dev)?;
     {
         let _offset_syncs = set_seq_offsets(&mut params, &offsets, &stream);
@@ -662,7 +775,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             )?;
         } else {
             let suffix = if dropout { "_dropout" } else { "" };
-            let name = format!("flash_fwd_{dtype}_d{}{suffix}", tile.d);
+            let name = format!("flash_fwd_{dtype}_d{}{}{suffix}", tile.d, tile.suffix());
             let grid = (s.sq.div_ceil(tile.bm), s.h, s.b);
             launch(
                 &dev,

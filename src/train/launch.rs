@@ -12,8 +12,6 @@ use candle::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
 use candle::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
-use crate::ptx;
-
 /// `bf16`, `f16` or `f32`: the suffix of a kernel instantiated for that dtype.
 pub(super) fn suffix(dtype: DType, what: &str) -> Result<&'static str> {
     Ok(match dtype {
@@ -109,9 +107,7 @@ pub(super) fn launch(
     if blocks > i32::MAX as usize {
         bail!("{name}: {blocks} blocks exceed CUDA's grid limit")
     }
-    let func = dev
-        .get_or_load_custom_func(name, "candle_flash_train", ptx::TRAIN)?
-        .into_cuda_function();
+    let func = crate::cuda::load_func(dev, name, crate::cuda::PtxFile::Train)?;
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     for a in args {
