@@ -211,11 +211,7 @@ fn residency(
     )
     .w()?;
     let per_sm = func
-        .occupancy_max_active_blocks_per_multiprocessor(
-            32 * warps as u32,
-            smem as usize,
-            None,
-        )
+        .occupancy_max_active_blocks_per_multiprocessor(32 * warps as u32, smem as usize, None)
         .w()? as usize;
     let r = (sms, per_sm.max(1));
     known.push((ordinal, kernel.to_string(), r));
