@@ -543,7 +543,10 @@ fn poison_outputs() -> bool {
 }
 
 /// Fills a fresh allocation with 0xFF bytes: NaN in f16, bf16 and f32.
-fn poison<T: DeviceRepr>(stream: &Arc<CudaStream>, buf: &mut CudaSlice<T>) -> Result<()> {
+pub(crate) fn poison<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    buf: &mut CudaSlice<T>,
+) -> Result<()> {
     if poison_outputs() {
         let bytes = buf.len() * std::mem::size_of::<T>();
         let (ptr, _sync) = buf.device_ptr_mut(stream);
@@ -632,7 +635,7 @@ fn launch_programmatic<P: DeviceRepr>(
 
 /// The function `name` from the PTX module of its kernel family, its dynamic shared memory
 /// allowed, and the launch shape; `None` for an empty grid (nothing to launch).
-fn prepare_launch(
+pub(crate) fn prepare_launch(
     dev: &candle::CudaDevice,
     name: &str,
     (x, y, z): (usize, usize, usize),
@@ -655,6 +658,8 @@ fn prepare_launch(
         PtxFile::Fwd
     } else if name.starts_with("flash_bwd") {
         PtxFile::Bwd
+    } else if name.starts_with("train_") {
+        PtxFile::Train
     } else {
         PtxFile::Decode
     };

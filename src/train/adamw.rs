@@ -159,23 +159,16 @@ impl AdamW {
 /// The sum of the squares of every element of `tensors`, a scalar F32 on their device,
 /// accumulated in f32 (one pass and one atomic per block per tensor, no synchronisation).
 pub fn sum_squares<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Tensor> {
-    let mut acc: Option<Tensor> = None;
+    let mut tensors = tensors.into_iter().peekable();
+    let Some(first) = tensors.peek() else {
+        return Tensor::new(0f32, &candle::Device::Cpu);
+    };
+    let acc = Tensor::zeros(1, DType::F32, first.device())?;
     for t in tensors {
         host::check_float(t, "sum_squares")?;
-        let a = match &acc {
-            Some(a) => a.clone(),
-            None => {
-                let z = Tensor::zeros(1, DType::F32, t.device())?;
-                acc = Some(z.clone());
-                z
-            }
-        };
-        a.inplace_op2(&t.contiguous()?, &SumSquares)?;
+        acc.inplace_op2(&t.contiguous()?, &SumSquares)?;
     }
-    match acc {
-        Some(a) => a.squeeze(0),
-        None => Tensor::new(0f32, &candle::Device::Cpu),
-    }
+    acc.squeeze(0)
 }
 
 struct Moments {
@@ -203,7 +196,7 @@ impl InplaceOp2 for Moments {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<()> {
-        let g = host::f32s(s2, l2)?;
+        let g = crate::cpu::gather_f32(s2, l2)?;
         let mv = f32_mut(s1, l1, "AdamW moments")?;
         let (m, v) = mv.split_at_mut(g.len());
         for i in 0..g.len() {
@@ -231,8 +224,7 @@ impl InplaceOp2 for Moments {
             launch::suffix(s2.dtype(), "AdamW: gradient")?
         );
         let stream = dev.cuda_stream();
-        let (mv, _a) = launch::ptr_mut(s1, &stream)?;
-        let mv = mv + 4 * l1.start_offset() as u64;
+        let (mv, _a) = launch::ptr_mut(s1, l1.start_offset(), &stream)?;
         let (g, _b) = launch::ptr(s2, l2, &stream)?;
         let args = [
             Arg::Ptr(mv),
@@ -242,7 +234,13 @@ impl InplaceOp2 for Moments {
             Arg::F32(self.beta1),
             Arg::F32(self.beta2),
         ];
-        launch::launch(&dev, &name, launch::stride_blocks(n, 256), 256, &args)
+        launch::launch(
+            &dev,
+            &name,
+            launch::stride_blocks(&dev, n, 256)?,
+            256,
+            &args,
+        )
     }
 }
 
@@ -266,7 +264,7 @@ impl InplaceOp2 for Apply {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<()> {
-        let mv = host::f32s(s2, l2)?;
+        let mv = crate::cpu::gather_f32(s2, l2)?;
         let w = f32_mut(s1, l1, "AdamW variable")?;
         let n = w.len();
         for i in 0..n {
@@ -288,8 +286,7 @@ impl InplaceOp2 for Apply {
         let dev = s2.device.clone();
         let n = l1.shape().elem_count();
         let stream = dev.cuda_stream();
-        let (w, _a) = launch::ptr_mut(s1, &stream)?;
-        let w = w + 4 * l1.start_offset() as u64;
+        let (w, _a) = launch::ptr_mut(s1, l1.start_offset(), &stream)?;
         let (mv, _b) = launch::ptr(s2, l2, &stream)?;
         let args = [
             Arg::Ptr(w),
@@ -304,7 +301,7 @@ impl InplaceOp2 for Apply {
         launch::launch(
             &dev,
             "train_adamw_apply",
-            launch::stride_blocks(n, 256),
+            launch::stride_blocks(&dev, n, 256)?,
             256,
             &args,
         )
@@ -325,7 +322,7 @@ impl InplaceOp2 for SumSquares {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<()> {
-        let x = host::f32s(s2, l2)?;
+        let x = crate::cpu::gather_f32(s2, l2)?;
         let acc = f32_mut(s1, l1, "sum_squares accumulator")?;
         acc[0] += x.iter().map(|v| v * v).sum::<f32>();
         Ok(())
@@ -348,10 +345,15 @@ impl InplaceOp2 for SumSquares {
             launch::suffix(s2.dtype(), "sum_squares")?
         );
         let stream = dev.cuda_stream();
-        let (acc, _a) = launch::ptr_mut(s1, &stream)?;
-        let acc = acc + 4 * l1.start_offset() as u64;
+        let (acc, _a) = launch::ptr_mut(s1, l1.start_offset(), &stream)?;
         let (x, _b) = launch::ptr(s2, l2, &stream)?;
         let args = [Arg::Ptr(x), Arg::Ptr(acc), Arg::I64(n as i64)];
-        launch::launch(&dev, &name, launch::stride_blocks(n, 256), 256, &args)
+        launch::launch(
+            &dev,
+            &name,
+            launch::stride_blocks(&dev, n, 256)?,
+            256,
+            &args,
+        )
     }
 }

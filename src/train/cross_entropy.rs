@@ -75,7 +75,7 @@ impl CustomOp2 for CrossEntropy {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = host::f32s(s1, l1)?;
+        let x = crate::cpu::gather_f32(s1, l1)?;
         let t = host::u32s(s2, l2, "cross_entropy: targets")?;
         let vocab = l1.dims()[1];
         let loss = t
@@ -113,7 +113,7 @@ impl CustomOp2 for CrossEntropy {
         {
             let (x, _a) = launch::ptr(s1, l1, &stream)?;
             let (t, _b) = launch::ptr(s2, l2, &stream)?;
-            let (lp, _c) = launch::ptr_mut(&mut loss, &stream)?;
+            let (lp, _c) = launch::ptr_mut(&mut loss, 0, &stream)?;
             let args = [
                 Arg::Ptr(x),
                 Arg::Ptr(t),
@@ -141,9 +141,12 @@ impl CustomOp2 for CrossEntropy {
             let (gs, gl) = dloss.storage_and_layout();
             match (&*xs, &*ts, &*ls, &*gs) {
                 (Storage::Cpu(xs), Storage::Cpu(ts), Storage::Cpu(ls), Storage::Cpu(gs)) => {
-                    let x = host::f32s(xs, xl)?;
+                    let x = crate::cpu::gather_f32(xs, xl)?;
                     let t = host::u32s(ts, tl, "cross_entropy: targets")?;
-                    let (l, g) = (host::f32s(ls, ll)?, host::f32s(gs, gl)?);
+                    let (l, g) = (
+                        crate::cpu::gather_f32(ls, ll)?,
+                        crate::cpu::gather_f32(gs, gl)?,
+                    );
                     let mut dx = vec![0f32; n * vocab];
                     for r in 0..n {
                         if t[r] == IGNORE {
@@ -160,7 +163,7 @@ impl CustomOp2 for CrossEntropy {
                             *o = g[r] * ((xv - lse).exp() - onehot);
                         }
                     }
-                    Storage::Cpu(host::storage(dx, xs.dtype())?)
+                    Storage::Cpu(crate::cpu::to_storage(dx, xs.dtype())?)
                 }
                 #[cfg(feature = "cuda")]
                 (Storage::Cuda(xs), Storage::Cuda(ts), Storage::Cuda(ls), Storage::Cuda(gs)) => {
@@ -177,7 +180,7 @@ impl CustomOp2 for CrossEntropy {
                         let (t, _b) = launch::ptr(ts, tl, &stream)?;
                         let (l, _c) = launch::ptr(ls, ll, &stream)?;
                         let (g, _d) = launch::ptr(gs, gl, &stream)?;
-                        let (dxp, _e) = launch::ptr_mut(&mut dx, &stream)?;
+                        let (dxp, _e) = launch::ptr_mut(&mut dx, 0, &stream)?;
                         let args = [
                             Arg::Ptr(x),
                             Arg::Ptr(t),

@@ -58,7 +58,7 @@ impl CustomOp2 for Embedding {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let table = host::f32s(s1, l1)?;
+        let table = crate::cpu::gather_f32(s1, l1)?;
         let ids = host::u32s(s2, l2, "embedding: ids")?;
         let (vocab, hidden) = (l1.dims()[0], l1.dims()[1]);
         let mut y = Vec::with_capacity(ids.len() * hidden);
@@ -69,7 +69,7 @@ impl CustomOp2 for Embedding {
             }
         }
         Ok((
-            host::storage(y, self.dtype)?,
+            crate::cpu::to_storage(y, self.dtype)?,
             Shape::from((ids.len(), hidden)),
         ))
     }
@@ -97,7 +97,7 @@ impl CustomOp2 for Embedding {
         {
             let (t, _a) = launch::ptr(s1, l1, &stream)?;
             let (i, _b) = launch::ptr(s2, l2, &stream)?;
-            let (yp, _c) = launch::ptr_mut(&mut y, &stream)?;
+            let (yp, _c) = launch::ptr_mut(&mut y, 0, &stream)?;
             let args = [
                 Arg::Ptr(t),
                 Arg::Ptr(i),
@@ -109,7 +109,7 @@ impl CustomOp2 for Embedding {
             launch::launch(
                 dev,
                 &name,
-                launch::stride_blocks(n * hidden, 256),
+                launch::stride_blocks(dev, n * hidden, 256)?,
                 256,
                 &args,
             )?;
@@ -132,7 +132,7 @@ impl CustomOp2 for Embedding {
             match (&*is, &*ds) {
                 (Storage::Cpu(is), Storage::Cpu(ds)) => {
                     let ids = host::u32s(is, il, "embedding: ids")?;
-                    let d = host::f32s(ds, dl)?;
+                    let d = crate::cpu::gather_f32(ds, dl)?;
                     let mut dt = vec![0f32; vocab * hidden];
                     for (r, &id) in ids.iter().enumerate() {
                         if (id as usize) < vocab {
@@ -142,7 +142,7 @@ impl CustomOp2 for Embedding {
                             }
                         }
                     }
-                    Storage::Cpu(host::storage(dt, DType::F32)?)
+                    Storage::Cpu(crate::cpu::to_storage(dt, DType::F32)?)
                 }
                 #[cfg(feature = "cuda")]
                 (Storage::Cuda(is), Storage::Cuda(ds)) => {
@@ -159,7 +159,7 @@ impl CustomOp2 for Embedding {
                     {
                         let (d, _a) = launch::ptr(ds, dl, &stream)?;
                         let (i, _b) = launch::ptr(is, il, &stream)?;
-                        let (dtp, _c) = launch::ptr_mut(&mut dt, &stream)?;
+                        let (dtp, _c) = launch::ptr_mut(&mut dt, 0, &stream)?;
                         let args = [
                             Arg::Ptr(d),
                             Arg::Ptr(i),
@@ -171,7 +171,7 @@ impl CustomOp2 for Embedding {
                         launch::launch(
                             dev,
                             &name,
-                            launch::stride_blocks(n * hidden, 256),
+                            launch::stride_blocks(dev, n * hidden, 256)?,
                             256,
                             &args,
                         )?;

@@ -1,10 +1,9 @@
 //! What the training ops share on the host: argument checks with errors naming the argument,
-//! the CPU storages as f32 and back, and tensors built from computed storages.
+//! ids read from a CPU storage, and tensors built from computed storages (CPU storages as f32
+//! and back: `crate::cpu::gather_f32` / `to_storage`, as the attention uses them).
 
 use candle::op::BackpropOp;
 use candle::{bail, CpuStorage, DType, Layout, Result, Shape, Storage, Tensor};
-
-use crate::cpu;
 
 /// Errors unless `t` has a float dtype the ops support (BF16, F16, F32).
 pub(super) fn check_float(t: &Tensor, what: &str) -> Result<()> {
@@ -26,22 +25,12 @@ pub(super) fn check_same_device(a: &Tensor, b: &Tensor, what: &str) -> Result<()
     Ok(())
 }
 
-/// A CPU storage's contiguous elements as f32.
-pub(super) fn f32s(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
-    cpu::gather_f32(s, l)
-}
-
 /// A CPU storage's contiguous u32 elements.
 pub(super) fn u32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [u32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::U32(v), Some((a, b))) => Ok(&v[a..b]),
         _ => bail!("{what}: expected a contiguous U32 tensor"),
     }
-}
-
-/// f32 values as a CPU storage of `dtype`.
-pub(super) fn storage(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
-    cpu::to_storage(v, dtype)
 }
 
 /// A tensor (outside any graph) over a storage computed by a backward pass.

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-    SyncOnDrop,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg, SyncOnDrop,
+    ValidAsZeroBits,
 };
 use candle::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
 use candle::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
@@ -22,34 +22,63 @@ pub(super) fn suffix(dtype: DType, what: &str) -> Result<&'static str> {
     })
 }
 
-/// The device address of a contiguous storage's first element, with the guard that orders
-/// the stream's use of it (keep it alive until the launch is queued).
+/// The device address of element `start` of a storage, with the guard that orders the
+/// stream's use of it (keep it alive until the launch is queued).
+fn addr<'a, T: DeviceRepr>(
+    x: &'a CudaSlice<T>,
+    start: usize,
+    stream: &'a Arc<CudaStream>,
+) -> (u64, SyncOnDrop<'a>) {
+    let (p, sync) = x.device_ptr(stream);
+    (p + (start * std::mem::size_of::<T>()) as u64, sync)
+}
+
+/// The device address of a contiguous storage's first element (its layout's start offset
+/// applied), for reading.
 pub(super) fn ptr<'a>(
     s: &'a CudaStorage,
     l: &Layout,
     stream: &'a Arc<CudaStream>,
 ) -> Result<(u64, SyncOnDrop<'a>)> {
-    fn at<'a, T: DeviceRepr>(
-        x: &'a CudaSlice<T>,
-        off: usize,
-        stream: &'a Arc<CudaStream>,
-    ) -> (u64, SyncOnDrop<'a>) {
-        let (p, sync) = x.device_ptr(stream);
-        (p + (off * std::mem::size_of::<T>()) as u64, sync)
-    }
-    let off = l.start_offset();
+    let start = l.start_offset();
     Ok(match &s.slice {
-        CudaStorageSlice::BF16(x) => at(x, off, stream),
-        CudaStorageSlice::F16(x) => at(x, off, stream),
-        CudaStorageSlice::F32(x) => at(x, off, stream),
-        CudaStorageSlice::U32(x) => at(x, off, stream),
+        CudaStorageSlice::BF16(x) => addr(x, start, stream),
+        CudaStorageSlice::F16(x) => addr(x, start, stream),
+        CudaStorageSlice::F32(x) => addr(x, start, stream),
+        CudaStorageSlice::U32(x) => addr(x, start, stream),
         _ => bail!("train: unsupported storage dtype {:?}", s.dtype()),
     })
 }
 
-/// A fresh device buffer of `n` elements of `dtype`, zeroed when `zero`.
+/// The same for writing: a fresh output (`start` 0) or an in-place operand (its layout's
+/// start offset).
+pub(super) fn ptr_mut<'a>(
+    s: &'a mut CudaStorage,
+    start: usize,
+    stream: &'a Arc<CudaStream>,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    fn at<'a, T: DeviceRepr>(
+        x: &'a mut CudaSlice<T>,
+        start: usize,
+        stream: &'a Arc<CudaStream>,
+    ) -> (u64, SyncOnDrop<'a>) {
+        let (p, sync) = x.device_ptr_mut(stream);
+        (p + (start * std::mem::size_of::<T>()) as u64, sync)
+    }
+    let dtype = s.dtype();
+    Ok(match &mut s.slice {
+        CudaStorageSlice::BF16(x) => at(x, start, stream),
+        CudaStorageSlice::F16(x) => at(x, start, stream),
+        CudaStorageSlice::F32(x) => at(x, start, stream),
+        _ => bail!("train: unsupported output dtype {dtype:?}"),
+    })
+}
+
+/// A fresh device buffer of `n` elements of `dtype`: zeroed when `zero` (the kernel adds into
+/// it), otherwise filled with NaN under `CANDLE_FLASH_POISON=1` like the attention's outputs,
+/// so that an element a kernel fails to write shows in the tests.
 pub(super) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
-    fn make<T: CudaDType + DeviceRepr + candle::cuda_backend::cudarc::driver::ValidAsZeroBits>(
+    fn make<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         dev: &CudaDevice,
         n: usize,
         zero: bool,
@@ -58,7 +87,9 @@ pub(super) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Res
             dev.alloc_zeros::<T>(n)?
         } else {
             // SAFETY: every element is written by the kernel the buffer is made for.
-            unsafe { dev.alloc::<T>(n)? }
+            let mut s = unsafe { dev.alloc::<T>(n)? };
+            crate::cuda::poison(&dev.cuda_stream(), &mut s)?;
+            s
         };
         Ok(T::wrap_cuda_slice(s, dev.clone()))
     }
@@ -70,20 +101,6 @@ pub(super) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Res
     }
 }
 
-/// The device address of a fresh output.
-pub(super) fn ptr_mut<'a>(
-    s: &'a mut CudaStorage,
-    stream: &'a Arc<CudaStream>,
-) -> Result<(u64, SyncOnDrop<'a>)> {
-    let dtype = s.dtype();
-    Ok(match &mut s.slice {
-        CudaStorageSlice::BF16(x) => x.device_ptr_mut(stream),
-        CudaStorageSlice::F16(x) => x.device_ptr_mut(stream),
-        CudaStorageSlice::F32(x) => x.device_ptr_mut(stream),
-        _ => bail!("train: unsupported output dtype {dtype:?}"),
-    })
-}
-
 /// One kernel argument: a device address or a scalar.
 #[derive(Clone, Copy)]
 pub(super) enum Arg {
@@ -93,7 +110,8 @@ pub(super) enum Arg {
     F32(f32),
 }
 
-/// Launches `name` from the training module with `blocks` x `threads` and `args` in order.
+/// Launches `name` from the training module with `blocks` x `threads` and `args` in order
+/// (grid limits, module choice and loading as for the attention kernels: `prepare_launch`).
 pub(super) fn launch(
     dev: &CudaDevice,
     name: &str,
@@ -101,13 +119,10 @@ pub(super) fn launch(
     threads: u32,
     args: &[Arg],
 ) -> Result<()> {
-    if blocks == 0 {
+    let Some((func, cfg)) = crate::cuda::prepare_launch(dev, name, (blocks, 1, 1), threads, 0)?
+    else {
         return Ok(());
-    }
-    if blocks > i32::MAX as usize {
-        bail!("{name}: {blocks} blocks exceed CUDA's grid limit")
-    }
-    let func = crate::cuda::load_func(dev, name, crate::cuda::PtxFile::Train)?;
+    };
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     for a in args {
@@ -118,19 +133,15 @@ pub(super) fn launch(
             Arg::F32(x) => builder.arg(x),
         };
     }
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
     // SAFETY: the callers pass the addresses of live, contiguous buffers of the sizes the
     // kernel indexes (checked by the ops' validation) and scalars of the kernel's types.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(())
 }
 
-/// Blocks of `threads` for a grid-stride loop over `n` elements (at most ~16 waves of an
-/// H100's 132 SMs; the loops cover the rest).
-pub(super) fn stride_blocks(n: usize, threads: u32) -> usize {
-    n.div_ceil(threads as usize).clamp(1, 132 * 16)
+/// Blocks of `threads` for a grid-stride loop over `n` elements: at most 16 per SM (the loops
+/// cover the rest).
+pub(super) fn stride_blocks(dev: &CudaDevice, n: usize, threads: u32) -> Result<usize> {
+    let sms = crate::cuda::device_facts(dev)?.sms;
+    Ok(n.div_ceil(threads as usize).clamp(1, sms * 16))
 }

@@ -54,7 +54,10 @@ impl CustomOp2 for RmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (host::f32s(s1, l1)?, host::f32s(s2, l2)?);
+        let (x, w) = (
+            crate::cpu::gather_f32(s1, l1)?,
+            crate::cpu::gather_f32(s2, l2)?,
+        );
         let cols = w.len();
         let mut y = vec![0f32; x.len()];
         for (xr, yr) in x.chunks(cols.max(1)).zip(y.chunks_mut(cols.max(1))) {
@@ -63,7 +66,7 @@ impl CustomOp2 for RmsNorm {
                 *yv = xv * rstd * wv;
             }
         }
-        Ok((host::storage(y, s1.dtype())?, l1.shape().clone()))
+        Ok((crate::cpu::to_storage(y, s1.dtype())?, l1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -88,7 +91,7 @@ impl CustomOp2 for RmsNorm {
         {
             let (x, _gx) = launch::ptr(s1, l1, &stream)?;
             let (w, _gw) = launch::ptr(s2, l2, &stream)?;
-            let (yp, _gy) = launch::ptr_mut(&mut y, &stream)?;
+            let (yp, _gy) = launch::ptr_mut(&mut y, 0, &stream)?;
             let args = [
                 Arg::Ptr(x),
                 Arg::Ptr(w),
@@ -130,9 +133,9 @@ fn backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f32) -> Result<(Tensor, Te
         match (&*xs, &*ws, &*gs) {
             (Storage::Cpu(xs), Storage::Cpu(ws), Storage::Cpu(gs)) => {
                 let (xv, wv, gv) = (
-                    host::f32s(xs, xl)?,
-                    host::f32s(ws, wl)?,
-                    host::f32s(gs, gl)?,
+                    crate::cpu::gather_f32(xs, xl)?,
+                    crate::cpu::gather_f32(ws, wl)?,
+                    crate::cpu::gather_f32(gs, gl)?,
                 );
                 let mut dx = vec![0f32; xv.len()];
                 let mut dw = vec![0f32; cols];
@@ -148,8 +151,8 @@ fn backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f32) -> Result<(Tensor, Te
                     }
                 }
                 (
-                    Storage::Cpu(host::storage(dx, xs.dtype())?),
-                    Storage::Cpu(host::storage(dw, ws.dtype())?),
+                    Storage::Cpu(crate::cpu::to_storage(dx, xs.dtype())?),
+                    Storage::Cpu(crate::cpu::to_storage(dw, ws.dtype())?),
                 )
             }
             #[cfg(feature = "cuda")]
@@ -193,8 +196,8 @@ fn cuda_backward(
         let (x, _a) = launch::ptr(xs, xl, &stream)?;
         let (w, _b) = launch::ptr(ws, wl, &stream)?;
         let (g, _c) = launch::ptr(gs, gl, &stream)?;
-        let (dxp, _d) = launch::ptr_mut(&mut dx, &stream)?;
-        let (dwp, _e) = launch::ptr_mut(&mut dw, &stream)?;
+        let (dxp, _d) = launch::ptr_mut(&mut dx, 0, &stream)?;
+        let (dwp, _e) = launch::ptr_mut(&mut dw, 0, &stream)?;
         let args = [
             Arg::Ptr(x),
             Arg::Ptr(w),

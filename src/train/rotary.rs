@@ -65,9 +65,9 @@ impl CustomOp3 for Rotary {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, c, s) = (
-            host::f32s(s1, l1)?,
-            host::f32s(s2, l2)?,
-            host::f32s(s3, l3)?,
+            crate::cpu::gather_f32(s1, l1)?,
+            crate::cpu::gather_f32(s2, l2)?,
+            crate::cpu::gather_f32(s3, l3)?,
         );
         let dims = l1.dims();
         let (heads, d) = (dims[1], dims[2]);
@@ -82,7 +82,7 @@ impl CustomOp3 for Rotary {
                 yr[j + half] = b * cv + a * sv;
             }
         }
-        Ok((host::storage(y, s1.dtype())?, l1.shape().clone()))
+        Ok((crate::cpu::to_storage(y, s1.dtype())?, l1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -106,7 +106,7 @@ impl CustomOp3 for Rotary {
             let (x, _a) = launch::ptr(s1, l1, &stream)?;
             let (c, _b) = launch::ptr(s2, l2, &stream)?;
             let (s, _c) = launch::ptr(s3, l3, &stream)?;
-            let (yp, _d) = launch::ptr_mut(&mut y, &stream)?;
+            let (yp, _d) = launch::ptr_mut(&mut y, 0, &stream)?;
             let args = [
                 Arg::Ptr(x),
                 Arg::Ptr(c),

@@ -40,9 +40,12 @@ impl CustomOp2 for SwiGlu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (g, u) = (host::f32s(s1, l1)?, host::f32s(s2, l2)?);
+        let (g, u) = (
+            crate::cpu::gather_f32(s1, l1)?,
+            crate::cpu::gather_f32(s2, l2)?,
+        );
         let y = g.iter().zip(&u).map(|(g, u)| g * sigmoid(*g) * u).collect();
-        Ok((host::storage(y, s1.dtype())?, l1.shape().clone()))
+        Ok((crate::cpu::to_storage(y, s1.dtype())?, l1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -62,9 +65,9 @@ impl CustomOp2 for SwiGlu {
         {
             let (g, _a) = launch::ptr(s1, l1, &stream)?;
             let (u, _b) = launch::ptr(s2, l2, &stream)?;
-            let (yp, _c) = launch::ptr_mut(&mut y, &stream)?;
+            let (yp, _c) = launch::ptr_mut(&mut y, 0, &stream)?;
             let args = [Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(yp), Arg::I64(n as i64)];
-            launch::launch(dev, &name, launch::stride_blocks(n, 256), 256, &args)?;
+            launch::launch(dev, &name, launch::stride_blocks(dev, n, 256)?, 256, &args)?;
         }
         Ok((y, l1.shape().clone()))
     }
@@ -85,9 +88,9 @@ impl CustomOp2 for SwiGlu {
             match (&*gs, &*us, &*ds) {
                 (Storage::Cpu(gs), Storage::Cpu(us), Storage::Cpu(ds)) => {
                     let (g, u, d) = (
-                        host::f32s(gs, gl)?,
-                        host::f32s(us, ul)?,
-                        host::f32s(ds, dl)?,
+                        crate::cpu::gather_f32(gs, gl)?,
+                        crate::cpu::gather_f32(us, ul)?,
+                        crate::cpu::gather_f32(ds, dl)?,
                     );
                     let mut dg = Vec::with_capacity(n);
                     let mut du = Vec::with_capacity(n);
@@ -97,8 +100,8 @@ impl CustomOp2 for SwiGlu {
                         du.push(d[i] * g[i] * s);
                     }
                     (
-                        Storage::Cpu(host::storage(dg, gs.dtype())?),
-                        Storage::Cpu(host::storage(du, gs.dtype())?),
+                        Storage::Cpu(crate::cpu::to_storage(dg, gs.dtype())?),
+                        Storage::Cpu(crate::cpu::to_storage(du, gs.dtype())?),
                     )
                 }
                 #[cfg(feature = "cuda")]
@@ -114,8 +117,8 @@ impl CustomOp2 for SwiGlu {
                         let (g, _a) = launch::ptr(gs, gl, &stream)?;
                         let (u, _b) = launch::ptr(us, ul, &stream)?;
                         let (d, _c) = launch::ptr(ds, dl, &stream)?;
-                        let (dgp, _d) = launch::ptr_mut(&mut dg, &stream)?;
-                        let (dup, _e) = launch::ptr_mut(&mut du, &stream)?;
+                        let (dgp, _d) = launch::ptr_mut(&mut dg, 0, &stream)?;
+                        let (dup, _e) = launch::ptr_mut(&mut du, 0, &stream)?;
                         let args = [
                             Arg::Ptr(g),
                             Arg::Ptr(u),
@@ -124,7 +127,13 @@ impl CustomOp2 for SwiGlu {
                             Arg::Ptr(dup),
                             Arg::I64(n as i64),
                         ];
-                        launch::launch(dev, &name, launch::stride_blocks(n, 256), 256, &args)?;
+                        launch::launch(
+                            dev,
+                            &name,
+                            launch::stride_blocks(dev, n, 256)?,
+                            256,
+                            &args,
+                        )?;
                     }
                     (Storage::Cuda(dg), Storage::Cuda(du))
                 }

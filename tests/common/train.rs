@@ -107,36 +107,42 @@ fn compare(
     Ok(())
 }
 
+/// One RMSNorm check: x of `shape` in `dtype`, the weight in f32 or in x's dtype.
+fn rms_norm_case(dev: &Device, dtype: DType, shape: &[usize], w_f32: bool) -> (String, Result<()>) {
+    let name = format!("rms_norm {dtype:?} {shape:?} weight_f32={w_f32}");
+    let r = (|| {
+        let hidden = *shape.last().unwrap();
+        let x = randn(shape, dtype)?;
+        let w_dtype = if w_f32 { DType::F32 } else { dtype };
+        let w = randn(hidden, DType::F32)?
+            .affine(0.5, 1.0)?
+            .to_dtype(w_dtype)?;
+        let ours = |t: &[Tensor]| train::rms_norm(&t[0], &t[1], 1e-5);
+        // Candle's op-by-op form in x's dtype, weight cast to it.
+        let reference = |t: &[Tensor]| {
+            let w = t[1].to_dtype(t[0].dtype())?;
+            candle_nn::ops::rms_norm_slow(&t[0], &w, 1e-5)
+        };
+        let dw_compared = w_f32 || dtype == DType::F32;
+        compare(
+            &name,
+            dev,
+            &ours,
+            &reference,
+            &[x, w],
+            &[true, dw_compared],
+            shape,
+            dtype,
+        )
+    })();
+    (name, r)
+}
+
 pub fn rms_norm(dev: &Device, report: Report) {
     for dtype in DTYPES {
         for shape in [vec![1, 1], vec![13, 7], vec![2, 5, 96], vec![64, 768]] {
             for w_f32 in [true, false] {
-                let name = format!("rms_norm {dtype:?} {shape:?} weight_f32={w_f32}");
-                let r = (|| {
-                    let hidden = *shape.last().unwrap();
-                    let x = randn(shape.as_slice(), dtype)?;
-                    let w_dtype = if w_f32 { DType::F32 } else { dtype };
-                    let w = randn(hidden, DType::F32)?
-                        .affine(0.5, 1.0)?
-                        .to_dtype(w_dtype)?;
-                    let ours = |t: &[Tensor]| train::rms_norm(&t[0], &t[1], 1e-5);
-                    // Candle's op-by-op form in x's dtype, weight cast to it.
-                    let reference = |t: &[Tensor]| {
-                        let w = t[1].to_dtype(t[0].dtype())?;
-                        candle_nn::ops::rms_norm_slow(&t[0], &w, 1e-5)
-                    };
-                    let dw_compared = w_f32 || dtype == DType::F32;
-                    compare(
-                        &name,
-                        dev,
-                        &ours,
-                        &reference,
-                        &[x, w],
-                        &[true, dw_compared],
-                        &shape,
-                        dtype,
-                    )
-                })();
+                let (name, r) = rms_norm_case(dev, dtype, &shape, w_f32);
                 report(name, r);
             }
         }
@@ -158,81 +164,104 @@ fn rotary_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
 }
 
+fn rotary_case(
+    dev: &Device,
+    dtype: DType,
+    (n, h, d): (usize, usize, usize),
+) -> (String, Result<()>) {
+    let name = format!("rotary {dtype:?} ({n}, {h}, {d})");
+    let r = (|| {
+        let x = randn((n, h, d), dtype)?;
+        let angles = (randn((n, d / 2), DType::F32)? * 3.0)?;
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        let (c2, s2) = (cos.to_device(dev)?, sin.to_device(dev)?);
+        let ours = move |t: &[Tensor]| train::rotary(&t[0], &c2, &s2);
+        let reference = move |t: &[Tensor]| rotary_slow(&t[0], &cos, &sin);
+        compare(
+            &name,
+            dev,
+            &ours,
+            &reference,
+            &[x],
+            &[true],
+            &[n, h, d],
+            dtype,
+        )
+    })();
+    (name, r)
+}
+
 pub fn rotary(dev: &Device, report: Report) {
     for dtype in DTYPES {
-        for (n, h, d) in [(1, 1, 2), (13, 3, 64), (33, 4, 128), (5, 2, 40)] {
-            let name = format!("rotary {dtype:?} ({n}, {h}, {d})");
-            let r = (|| {
-                let x = randn((n, h, d), dtype)?;
-                let angles = (randn((n, d / 2), DType::F32)? * 3.0)?;
-                let (cos, sin) = (angles.cos()?, angles.sin()?);
-                let (c2, s2) = (cos.to_device(dev)?, sin.to_device(dev)?);
-                let ours = move |t: &[Tensor]| train::rotary(&t[0], &c2, &s2);
-                let reference = move |t: &[Tensor]| rotary_slow(&t[0], &cos, &sin);
-                compare(
-                    &name,
-                    dev,
-                    &ours,
-                    &reference,
-                    &[x],
-                    &[true],
-                    &[n, h, d],
-                    dtype,
-                )
-            })();
+        for shape in [(1, 1, 2), (13, 3, 64), (33, 4, 128), (5, 2, 40)] {
+            let (name, r) = rotary_case(dev, dtype, shape);
             report(name, r);
         }
     }
+}
+
+fn swiglu_case(dev: &Device, dtype: DType, shape: &[usize]) -> (String, Result<()>) {
+    let name = format!("swiglu {dtype:?} {shape:?}");
+    let r = (|| {
+        let g = (randn(shape, dtype)? * 2.0)?;
+        let u = randn(shape, dtype)?;
+        let ours = |t: &[Tensor]| train::swiglu(&t[0], &t[1]);
+        let reference = |t: &[Tensor]| t[0].silu()? * &t[1];
+        compare(
+            &name,
+            dev,
+            &ours,
+            &reference,
+            &[g, u],
+            &[true, true],
+            shape,
+            dtype,
+        )
+    })();
+    (name, r)
 }
 
 pub fn swiglu(dev: &Device, report: Report) {
     for dtype in DTYPES {
         for shape in [vec![1, 1], vec![17, 33], vec![64, 2048]] {
-            let name = format!("swiglu {dtype:?} {shape:?}");
-            let r = (|| {
-                let g = (randn(shape.as_slice(), dtype)? * 2.0)?;
-                let u = randn(shape.as_slice(), dtype)?;
-                let ours = |t: &[Tensor]| train::swiglu(&t[0], &t[1]);
-                let reference = |t: &[Tensor]| t[0].silu()? * &t[1];
-                compare(
-                    &name,
-                    dev,
-                    &ours,
-                    &reference,
-                    &[g, u],
-                    &[true, true],
-                    &shape,
-                    dtype,
-                )
-            })();
+            let (name, r) = swiglu_case(dev, dtype, &shape);
             report(name, r);
         }
     }
 }
 
+/// `n` ids into a table of `vocab` rows, with repeats (so the backward must add rows).
+fn embedding_case(
+    dev: &Device,
+    dtype: DType,
+    (vocab, hidden, n): (usize, usize, usize),
+) -> (String, Result<()>) {
+    let name = format!("embedding f32 table -> {dtype:?} ({vocab}, {hidden}) x {n}");
+    let r = (|| {
+        let table = randn((vocab, hidden), DType::F32)?;
+        let ids: Vec<u32> = (0..n).map(|i| ((i * 7 + i / 3) % vocab) as u32).collect();
+        let ids_cpu = Tensor::new(ids, &Device::Cpu)?;
+        let ids_dev = ids_cpu.to_device(dev)?;
+        let ours = move |t: &[Tensor]| train::embedding(&t[0], &ids_dev, dtype);
+        let reference = move |t: &[Tensor]| t[0].index_select(&ids_cpu, 0)?.to_dtype(dtype);
+        compare(
+            &name,
+            dev,
+            &ours,
+            &reference,
+            &[table],
+            &[true],
+            &[n, hidden],
+            dtype,
+        )
+    })();
+    (name, r)
+}
+
 pub fn embedding(dev: &Device, report: Report) {
     for dtype in DTYPES {
-        for (vocab, hidden, n) in [(11, 7, 20), (300, 64, 1000), (1, 5, 3)] {
-            let name = format!("embedding f32 table -> {dtype:?} ({vocab}, {hidden}) x {n}");
-            let r = (|| {
-                let table = randn((vocab, hidden), DType::F32)?;
-                // Repeated ids, so the backward must add rows.
-                let ids: Vec<u32> = (0..n).map(|i| ((i * 7 + i / 3) % vocab) as u32).collect();
-                let ids_cpu = Tensor::new(ids, &Device::Cpu)?;
-                let ids_dev = ids_cpu.to_device(dev)?;
-                let ours = move |t: &[Tensor]| train::embedding(&t[0], &ids_dev, dtype);
-                let reference = move |t: &[Tensor]| t[0].index_select(&ids_cpu, 0)?.to_dtype(dtype);
-                compare(
-                    &name,
-                    dev,
-                    &ours,
-                    &reference,
-                    &[table],
-                    &[true],
-                    &[n, hidden],
-                    dtype,
-                )
-            })();
+        for shape in [(11, 7, 20), (300, 64, 1000), (1, 5, 3)] {
+            let (name, r) = embedding_case(dev, dtype, shape);
             report(name, r);
         }
     }
@@ -256,36 +285,46 @@ fn xent_slow(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     (picked.neg()? * mask)?.to_dtype(DType::F32)
 }
 
+/// Every fifth row's target is ignored.
+fn cross_entropy_case(
+    dev: &Device,
+    dtype: DType,
+    (n, vocab): (usize, usize),
+) -> (String, Result<()>) {
+    let name = format!("cross_entropy {dtype:?} ({n}, {vocab})");
+    let r = (|| {
+        let logits = (randn((n, vocab), dtype)? * 3.0)?;
+        let targets: Vec<u32> = (0..n)
+            .map(|i| {
+                if i % 5 == 4 {
+                    train::IGNORE
+                } else {
+                    ((i * 31 + 7) % vocab) as u32
+                }
+            })
+            .collect();
+        let t_dev = Tensor::new(targets.clone(), dev)?;
+        let ours = move |t: &[Tensor]| train::cross_entropy_rows(&t[0], &t_dev);
+        let reference = move |t: &[Tensor]| xent_slow(&t[0], &targets);
+        // The loss is f32 in both; compare with f32 weights on the rows.
+        compare(
+            &name,
+            dev,
+            &ours,
+            &reference,
+            &[logits],
+            &[true],
+            &[n],
+            DType::F32,
+        )
+    })();
+    (name, r)
+}
+
 pub fn cross_entropy(dev: &Device, report: Report) {
     for dtype in DTYPES {
-        for (n, vocab) in [(1, 2), (13, 37), (64, 2048), (3, 5000)] {
-            let name = format!("cross_entropy {dtype:?} ({n}, {vocab})");
-            let r = (|| {
-                let logits = (randn((n, vocab), dtype)? * 3.0)?;
-                let targets: Vec<u32> = (0..n)
-                    .map(|i| {
-                        if i % 5 == 4 {
-                            train::IGNORE
-                        } else {
-                            ((i * 31 + 7) % vocab) as u32
-                        }
-                    })
-                    .collect();
-                let t_dev = Tensor::new(targets.clone(), dev)?;
-                let ours = move |t: &[Tensor]| train::cross_entropy_rows(&t[0], &t_dev);
-                let reference = move |t: &[Tensor]| xent_slow(&t[0], &targets);
-                // The loss is f32 in both; compare with f32 weights on the rows.
-                compare(
-                    &name,
-                    dev,
-                    &ours,
-                    &reference,
-                    &[logits],
-                    &[true],
-                    &[n],
-                    DType::F32,
-                )
-            })();
+        for shape in [(1, 2), (13, 37), (64, 2048), (3, 5000)] {
+            let (name, r) = cross_entropy_case(dev, dtype, shape);
             report(name, r);
         }
     }
@@ -425,104 +464,16 @@ pub fn adamw(dev: &Device, report: Report) {
 /// Sizes past one block of every kernel (the GPU suite; slow on the CPU references).
 pub fn large(dev: &Device, report: Report) {
     for dtype in [DType::BF16, DType::F16] {
-        let name = format!("large rms_norm {dtype:?} (4097, 768)");
-        let r = (|| {
-            let x = randn((4097, 768), dtype)?;
-            let w = randn(768, DType::F32)?.affine(0.5, 1.0)?;
-            let ours = |t: &[Tensor]| train::rms_norm(&t[0], &t[1], 1e-5);
-            let reference = |t: &[Tensor]| {
-                let w = t[1].to_dtype(t[0].dtype())?;
-                candle_nn::ops::rms_norm_slow(&t[0], &w, 1e-5)
-            };
-            compare(
-                &name,
-                dev,
-                &ours,
-                &reference,
-                &[x, w],
-                &[true, true],
-                &[4097, 768],
-                dtype,
-            )
-        })();
-        report(name, r);
-        let name = format!("large swiglu {dtype:?} (4097, 2048)");
-        let r = (|| {
-            let g = randn((4097, 2048), dtype)?;
-            let u = randn((4097, 2048), dtype)?;
-            let ours = |t: &[Tensor]| train::swiglu(&t[0], &t[1]);
-            let reference = |t: &[Tensor]| t[0].silu()? * &t[1];
-            compare(
-                &name,
-                dev,
-                &ours,
-                &reference,
-                &[g, u],
-                &[true, true],
-                &[4097, 2048],
-                dtype,
-            )
-        })();
-        report(name, r);
-        let name = format!("large rotary {dtype:?} (4097, 12, 64)");
-        let r = (|| {
-            let x = randn((4097, 12, 64), dtype)?;
-            let angles = (randn((4097, 32), DType::F32)? * 3.0)?;
-            let (cos, sin) = (angles.cos()?, angles.sin()?);
-            let (c2, s2) = (cos.to_device(dev)?, sin.to_device(dev)?);
-            let ours = move |t: &[Tensor]| train::rotary(&t[0], &c2, &s2);
-            let reference = move |t: &[Tensor]| rotary_slow(&t[0], &cos, &sin);
-            compare(
-                &name,
-                dev,
-                &ours,
-                &reference,
-                &[x],
-                &[true],
-                &[4097, 12, 64],
-                dtype,
-            )
-        })();
-        report(name, r);
-        let name = format!("large cross_entropy {dtype:?} (2049, 32003)");
-        let r = (|| {
-            let logits = (randn((2049, 32003), dtype)? * 3.0)?;
-            let targets: Vec<u32> = (0..2049).map(|i| ((i * 7919) % 32003) as u32).collect();
-            let t_dev = Tensor::new(targets.clone(), dev)?;
-            let ours = move |t: &[Tensor]| train::cross_entropy_rows(&t[0], &t_dev);
-            let reference = move |t: &[Tensor]| xent_slow(&t[0], &targets);
-            compare(
-                &name,
-                dev,
-                &ours,
-                &reference,
-                &[logits],
-                &[true],
-                &[2049],
-                DType::F32,
-            )
-        })();
-        report(name, r);
-        let name = format!("large embedding f32 -> {dtype:?} (2048, 768) x 16384");
-        let r = (|| {
-            let table = randn((2048, 768), DType::F32)?;
-            let ids: Vec<u32> = (0..16384).map(|i| ((i * 7919) % 2048) as u32).collect();
-            let ids_cpu = Tensor::new(ids, &Device::Cpu)?;
-            let ids_dev = ids_cpu.to_device(dev)?;
-            let ours = move |t: &[Tensor]| train::embedding(&t[0], &ids_dev, dtype);
-            let reference = move |t: &[Tensor]| t[0].index_select(&ids_cpu, 0)?.to_dtype(dtype);
-            compare(
-                &name,
-                dev,
-                &ours,
-                &reference,
-                &[table],
-                &[true],
-                &[16384, 768],
-                dtype,
-            )
-        })();
-        report(name, r);
+        let cases = [
+            rms_norm_case(dev, dtype, &[4097, 768], true),
+            swiglu_case(dev, dtype, &[4097, 2048]),
+            rotary_case(dev, dtype, (4097, 12, 64)),
+            cross_entropy_case(dev, dtype, (2049, 32003)),
+            embedding_case(dev, dtype, (2048, 768, 16384)),
+        ];
+        for (name, r) in cases {
+            report(format!("large {name}"), r);
+        }
     }
 }
 
