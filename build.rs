@@ -1,12 +1,24 @@
-//! With the `cuda` feature: compile `cuda/*.cu` to PTX twice and embed both sets (see
-//! `src/ptx.rs`), chosen at run time by the device's compute capability:
-//! - `sm_90a` (Hopper): every file, the wgmma kernels (`*_sm90.cu`) included;
-//! - `sm_80` (Ampere and Ada, sm_80/86/89; newer GPUs can load it too): every file but the
-//!   wgmma ones, whose instructions only sm_90a has.
+//! With the `cuda` feature: compile `cuda/*.cu` and embed the results (see `src/ptx.rs`), in
+//! two sets chosen at run time by the device's compute capability:
+//! - `sm80` (virtual arch compute_80): every file but the wgmma ones. Ampere and Ada run it,
+//!   newer GPUs too (their driver compiles its PTX), and Hopper takes from it the files whose
+//!   code does not change for sm_90 (the mma.sync forward, the training ops).
+//! - `sm90a` (Hopper): the wgmma files (`*_sm90.cu`) and the files with sm_90-only code paths
+//!   (`__CUDA_ARCH__` tests in their headers: vector dQ atomics, programmatic launch).
 //!
-//! `CUDA_COMPUTE_CAP` (as candle reads it) below 90 builds the sm_80 set only, for a faster
-//! build on an Ampere/Ada machine; 90 and above (or unset) build both, so that a Hopper build
-//! also runs the sm_80 kernels when asked (`CANDLE_FLASH_ARCH=sm80`, for testing them there).
+//! What goes into each file's image depends on the GPUs the build targets:
+//! - a list of compute capabilities (`CANDLE_FLASH_SASS=80,90`; else `CUDA_COMPUTE_CAP`, as
+//!   candle reads it; else what `nvidia-smi` reports): machine code (cubin) for each, inside a
+//!   fatbin, so no GPU waits for a JIT at first use. The sm80 set also carries its PTX, which
+//!   newer GPUs compile. A target narrows the build to what its GPU loads: 8.x builds only the
+//!   sm80 set, 9.0 the sm90a set plus the sm80 files Hopper takes.
+//! - no target (`CANDLE_FLASH_SASS=none`, or nothing known: a GPU-less build machine): PTX of
+//!   both sets, the portable default. Every GPU from sm_80 runs it after a one-time JIT by the
+//!   driver (cached in ~/.nv/ComputeCache).
+//!
+//! Jobs run in parallel (`CANDLE_FLASH_NVCC_JOBS`, default: the available cores). Each output
+//! is rebuilt when a file of cuda/ or build.rs is newer, or its nvcc command changed.
+//! `CANDLE_FLASH_LINEINFO=1` adds line tables for profilers (4x larger images).
 //! Without the `cuda` feature there is nothing to do: the CPU build needs no CUDA toolkit.
 
 fn main() -> anyhow::Result<()> {
@@ -18,121 +30,311 @@ fn main() -> anyhow::Result<()> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use anyhow::{bail, Context};
+    use std::collections::BTreeSet;
     use std::fmt::Write as _;
     use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+    use std::time::SystemTime;
 
-    /// One PTX set: its directory under OUT_DIR, nvcc's `-arch`, which sources it takes.
-    struct Set {
-        dir: &'static str,
-        arch: &'static str,
-        hopper_only_files: bool,
+    /// One nvcc run: `src` of `set` into `out` (`.ptx` text or `.fatbin`).
+    struct Job {
+        set: &'static str,
+        src: PathBuf,
+        out: PathBuf,
+        args: Vec<String>,
+        /// Rough cost for the queue's order (longest first): source bytes x images.
+        cost: usize,
     }
 
-    const SETS: [Set; 2] = [
-        Set {
-            dir: "sm90a",
-            arch: "-arch=sm_90a",
-            hopper_only_files: true,
-        },
-        Set {
-            dir: "sm80",
-            arch: "-arch=sm_80",
-            hopper_only_files: false,
-        },
-    ];
-
     pub fn build() -> anyhow::Result<()> {
+        for var in [
+            "CUDA_COMPUTE_CAP",
+            "CANDLE_FLASH_SASS",
+            "CANDLE_FLASH_NVCC_JOBS",
+            "CANDLE_FLASH_LINEINFO",
+            "NVCC_CCBIN",
+        ] {
+            println!("cargo:rerun-if-env-changed={var}");
+        }
         println!("cargo:rerun-if-changed=cuda");
-        println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
         let mut sources = vec![];
+        let mut newest = std::fs::metadata("build.rs")?.modified()?;
         for entry in std::fs::read_dir("cuda")? {
             let path = entry?.path();
             println!("cargo:rerun-if-changed={}", path.display());
+            newest = newest.max(std::fs::metadata(&path)?.modified()?);
             if path.extension().is_some_and(|e| e == "cu") {
                 sources.push(path);
             }
         }
         sources.sort();
+        let targets = targets()?;
         let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
-        let cap: Option<u32> = std::env::var("CUDA_COMPUTE_CAP")
-            .ok()
-            .and_then(|c| c.trim_end_matches(['a', 'f']).parse().ok());
+        let mut common = vec!["-std=c++17", "-O3", "--use_fast_math", "-Icuda"];
+        if std::env::var("CANDLE_FLASH_LINEINFO").is_ok_and(|v| v == "1") {
+            common.push("-lineinfo");
+        }
+        if let Ok(ccbin) = std::env::var("NVCC_CCBIN") {
+            common.extend(["-ccbin", Box::leak(ccbin.into_boxed_str())]);
+        }
+
+        let mut jobs = vec![];
         let mut consts = String::new();
-        for set in &SETS {
-            let built = set.dir == "sm80" || cap.is_none_or(|c| c >= 90);
-            let files: Vec<&PathBuf> = sources
-                .iter()
-                .filter(|p| set.hopper_only_files || !is_hopper_only(p))
-                .collect();
-            let dir = out_dir.join(set.dir);
-            if built {
-                std::fs::create_dir_all(&dir)?;
-                remove_stale_ptx(&dir)?;
-                let builder = bindgen_cuda::Builder::default()
-                    .kernel_paths(files.clone())
-                    .include_paths_glob("cuda/*.cuh")
-                    .arg("-std=c++17")
-                    .arg("-O3")
-                    .arg("--use_fast_math")
-                    // After bindgen_cuda's own --gpu-architecture (from CUDA_COMPUTE_CAP):
-                    // nvcc warns and the last value wins.
-                    .arg(set.arch)
-                    .arg("-lineinfo")
-                    .out_dir(dir.clone());
-                builder
-                    .build_ptx()
-                    .map_err(|e| anyhow::anyhow!("compiling cuda/*.cu for {}: {e:?}", set.arch))?;
-            }
-            writeln!(
-                consts,
-                "/// PTX of the `{}` set (None: not built).",
-                set.dir
-            )?;
-            writeln!(consts, "pub mod {} {{", set.dir)?;
+        for set in ["sm90a", "sm80"] {
+            writeln!(consts, "/// Images of the `{set}` set (None: not built).")?;
+            writeln!(consts, "pub mod {set} {{\n    use super::Image;")?;
             for src in &sources {
                 let stem = src.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-                let ptx = dir.join(format!("{stem}.ptx"));
-                let value = if built && files.contains(&src) {
-                    format!("Some(include_str!({:?}))", ptx.display().to_string())
-                } else {
-                    "None".to_string()
+                let (bytes, arch_tests) = closure(src)?;
+                let hopper_code = stem.ends_with("_sm90") || arch_tests;
+                let codes = codes(set, stem, hopper_code, &targets);
+                let value = match codes {
+                    None => "None".to_string(),
+                    Some(codes) => {
+                        let dir = out_dir.join(set);
+                        std::fs::create_dir_all(&dir)?;
+                        let ptx_only = codes.len() == 1 && codes[0].starts_with("compute");
+                        let out = dir.join(format!(
+                            "{stem}.{}",
+                            if ptx_only { "ptx" } else { "fatbin" }
+                        ));
+                        let mut args: Vec<String> = common.iter().map(|s| s.to_string()).collect();
+                        let virt = if set == "sm80" {
+                            "compute_80"
+                        } else {
+                            "compute_90a"
+                        };
+                        if ptx_only {
+                            args.extend(["-ptx".into(), format!("-arch={virt}")]);
+                        } else {
+                            args.push("-fatbin".into());
+                            for code in &codes {
+                                args.push(format!("-gencode=arch={virt},code={code}"));
+                            }
+                        }
+                        args.extend([
+                            src.display().to_string(),
+                            "-o".into(),
+                            out.display().to_string(),
+                        ]);
+                        let path = format!("{:?}", out.display().to_string());
+                        let value = if ptx_only {
+                            format!("Some(Image::Ptx(include_str!({path})))")
+                        } else {
+                            format!("Some(Image::Fatbin(include_bytes!({path})))")
+                        };
+                        jobs.push(Job {
+                            set,
+                            src: src.clone(),
+                            out,
+                            args,
+                            cost: bytes * (codes.len() + 1),
+                        });
+                        value
+                    }
                 };
                 writeln!(
                     consts,
-                    "    pub const {}: Option<&str> = {value};",
+                    "    pub const {}: Option<Image> = {value};",
                     stem.to_uppercase()
                 )?;
             }
             writeln!(consts, "}}")?;
         }
+        run_jobs(jobs, newest)?;
         std::fs::write(out_dir.join("ptx.rs"), consts)?;
         Ok(())
     }
 
-    /// The wgmma kernels, which only sm_90a has instructions for.
-    fn is_hopper_only(path: &Path) -> bool {
-        path.file_stem()
-            .and_then(|s| s.to_str())
-            .is_some_and(|s| s.ends_with("_sm90"))
+    /// The compute capabilities to build machine code for (empty: PTX only).
+    fn targets() -> anyhow::Result<BTreeSet<u32>> {
+        let parse = |list: &str| -> anyhow::Result<BTreeSet<u32>> {
+            let mut caps = BTreeSet::new();
+            for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let digits = item.trim_end_matches(['a', 'f']).replace('.', "");
+                let cap: u32 = digits
+                    .parse()
+                    .with_context(|| format!("compute capability {item:?}: expected e.g. 86"))?;
+                if cap < 80 {
+                    println!(
+                        "cargo:warning=candle-flash: compute capability {cap} is below 8.0, \
+                         which the kernels need (mma.sync, cp.async); not built for it"
+                    );
+                } else {
+                    caps.insert(cap);
+                }
+            }
+            Ok(caps)
+        };
+        if let Ok(list) = std::env::var("CANDLE_FLASH_SASS") {
+            return if list.trim() == "none" {
+                Ok(BTreeSet::new())
+            } else {
+                parse(&list).context("CANDLE_FLASH_SASS")
+            };
+        }
+        if let Ok(cap) = std::env::var("CUDA_COMPUTE_CAP") {
+            return parse(&cap).context("CUDA_COMPUTE_CAP");
+        }
+        // Like candle's own kernel build: the GPUs of this machine, if it has any.
+        let smi = std::process::Command::new("nvidia-smi")
+            .args(["--query-gpu=compute_cap", "--format=csv,noheader"])
+            .output();
+        match smi {
+            Ok(out) if out.status.success() => {
+                let text = String::from_utf8_lossy(&out.stdout).replace('\n', ",");
+                parse(&text).context("nvidia-smi --query-gpu=compute_cap")
+            }
+            _ => Ok(BTreeSet::new()),
+        }
     }
 
-    /// bindgen_cuda recompiles a `.cu` only when the `.cu` itself is newer than its `.ptx`, so an
-    /// edit to a header alone would leave stale PTX. Any file in cuda/ newer than a `.ptx`
-    /// removes that `.ptx`, which makes bindgen_cuda compile it again.
-    fn remove_stale_ptx(dir: &Path) -> anyhow::Result<()> {
-        let mut newest_source = std::time::SystemTime::UNIX_EPOCH;
-        for entry in std::fs::read_dir("cuda")? {
-            newest_source = newest_source.max(entry?.metadata()?.modified()?);
+    /// The `code=` values of `stem` in `set` (None: not built). `hopper_code`: the file has
+    /// sm_90-only code, so Hopper loads it from the sm90a set.
+    fn codes(
+        set: &str,
+        stem: &str,
+        hopper_code: bool,
+        targets: &BTreeSet<u32>,
+    ) -> Option<Vec<String>> {
+        let wgmma = stem.ends_with("_sm90");
+        if set == "sm90a" {
+            return if !hopper_code {
+                None
+            } else if targets.is_empty() {
+                Some(vec!["compute_90a".into()])
+            } else if targets.iter().any(|c| c / 10 == 9) {
+                Some(vec!["sm_90a".into()])
+            } else {
+                None
+            };
         }
-        newest_source = newest_source.max(std::fs::metadata("build.rs")?.modified()?);
-        for entry in std::fs::read_dir(dir)? {
-            let path = entry?.path();
-            if path.extension().is_some_and(|e| e == "ptx")
-                && std::fs::metadata(&path)?.modified()? < newest_source
-            {
-                std::fs::remove_file(&path)?;
+        if wgmma {
+            return None;
+        }
+        // sm80: its PTX always (for GPUs newer than every target), machine code for each
+        // target that loads the file from this set.
+        let sass: Vec<String> = targets
+            .iter()
+            .filter(|&&c| c / 10 != 9 || !hopper_code)
+            .map(|c| format!("sm_{c}"))
+            .collect();
+        if !targets.is_empty() && sass.is_empty() {
+            return None; // only Hopper targeted, and it takes this file from sm90a
+        }
+        Some(sass.into_iter().chain(["compute_80".to_string()]).collect())
+    }
+
+    /// The bytes of `src` and the headers it includes (transitively), and whether any of them
+    /// tests `__CUDA_ARCH__`.
+    fn closure(src: &Path) -> anyhow::Result<(usize, bool)> {
+        let (mut bytes, mut arch_tests) = (0, false);
+        let mut seen = BTreeSet::new();
+        let mut stack = vec![src.to_path_buf()];
+        while let Some(path) = stack.pop() {
+            if !seen.insert(path.clone()) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            bytes += text.len();
+            arch_tests |= text.contains("__CUDA_ARCH__");
+            for line in text.lines() {
+                if let Some(name) = line
+                    .trim()
+                    .strip_prefix("#include \"")
+                    .and_then(|rest| rest.strip_suffix('"'))
+                {
+                    stack.push(Path::new("cuda").join(name));
+                }
             }
         }
+        Ok((bytes, arch_tests))
+    }
+
+    /// Runs the jobs whose output is missing, older than `newest` or built by another command,
+    /// on a pool of threads.
+    fn run_jobs(jobs: Vec<Job>, newest: SystemTime) -> anyhow::Result<()> {
+        let mut stale: Vec<Job> = jobs
+            .into_iter()
+            .filter(|job| {
+                let stamp = job.out.with_extension("cmd");
+                let fresh = std::fs::metadata(&job.out)
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t >= newest)
+                    && std::fs::read_to_string(&stamp).is_ok_and(|s| s == job.args.join(" "));
+                !fresh
+            })
+            .collect();
+        // Longest first (popped from the end): by the job's last measured time when there is
+        // one (fwd.cu, a small file, is the longest job), else by its size.
+        let last_ms = |job: &Job| -> Option<u64> {
+            std::fs::read_to_string(job.out.with_extension("ms"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        stale.sort_by_key(|job| (last_ms(job).unwrap_or(0), job.cost));
+        let threads = std::env::var("CANDLE_FLASH_NVCC_JOBS")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+            .max(1);
+        let (start, count) = (std::time::Instant::now(), stale.len());
+        let queue = Mutex::new(stale);
+        let errors = Mutex::new(vec![]);
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| loop {
+                    let Some(job) = queue.lock().unwrap().pop() else {
+                        return;
+                    };
+                    if let Err(e) = run(&job) {
+                        errors.lock().unwrap().push(format!("{e:#}"));
+                    }
+                });
+            }
+        });
+        println!(
+            "nvcc: {count} jobs on {threads} threads in {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
+        let errors = errors.into_inner().unwrap();
+        if !errors.is_empty() {
+            bail!("{}", errors.join("\n\n"));
+        }
+        Ok(())
+    }
+
+    fn run(job: &Job) -> anyhow::Result<()> {
+        let start = std::time::Instant::now();
+        let out = std::process::Command::new("nvcc")
+            .args(&job.args)
+            .output()
+            .context("running nvcc (is the CUDA toolkit's bin directory on PATH?)")?;
+        if !out.status.success() {
+            bail!(
+                "nvcc failed on {} ({} set):\n{}{}",
+                job.src.display(),
+                job.set,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::fs::write(job.out.with_extension("cmd"), job.args.join(" "))?;
+        std::fs::write(
+            job.out.with_extension("ms"),
+            start.elapsed().as_millis().to_string(),
+        )?;
+        // Visible with `cargo build -vv`: where the build's time goes.
+        println!(
+            "{} ({}): {:.1} s",
+            job.out.display(),
+            job.set,
+            start.elapsed().as_secs_f64()
+        );
         Ok(())
     }
 }

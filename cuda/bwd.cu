@@ -6,7 +6,7 @@
 //   flash_bwd_dsum_<dtype>
 //   flash_bwd_dkdvq_<dtype>_d<D>[_dropout]  dK, dV, atomic dQ        grid (ceil(sk/BN), h_k, b)
 //   flash_bwd_dq_convert_<dtype> dq = dq_accum * scale                 grid (ceil(len/8/256))
-// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128 is an opt-in shape of the second (no dropout).
+// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128[t] are 128-key shapes of the second (no dropout).
 #include "bwd_dkdv.cuh"
 #include "bwd_dq.cuh"
 
@@ -65,6 +65,11 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
     extern "C" __global__ void __launch_bounds__(BwdFusedConfig<T, D, true>::Kv::THREADS, 1)  \
         flash_bwd_dkdvq_##NAME##_d##D##_bn128(const __grid_constant__ BwdParams bp) {         \
         flash_bwd_dkdv<BwdFusedConfig<T, D, true>::Kv, false>(bp);                            \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(                                             \
+        BwdFusedConfig<T, D, true, true>::Kv::THREADS, 1)                                     \
+        flash_bwd_dkdvq_##NAME##_d##D##_bn128t(const __grid_constant__ BwdParams bp) {        \
+        flash_bwd_dkdv<BwdFusedConfig<T, D, true, true>::Kv, false>(bp);                      \
     }
 
 #define FLASH_BWD_ALL(NAME, T)                                                                \

@@ -70,8 +70,12 @@ template <typename T> struct BwdKvSmall256 { using Kv = BwdKvTraits<T, 256, 128,
 // consumed. WIDE: 128 keys per block over 8 warps (FA2's d = 128 shape), which halves the
 // dQ atomics and the Q/dO reads per key but leaves one block per SM. Mirror: `BwdTile` in
 // src/cuda/bwd.rs.
-template <typename T, int D, bool WIDE = false> struct BwdFusedConfig {
-    static constexpr int BM = D <= 96 ? 64 : 32;
+// TALL (WIDE only): twice the streamed rows (d = 64: 128, d = 128: 64), which halves the
+// barriers and the K/V fragment reloads per query at the price of a few spilled registers
+// (ptxas -v, sm_80: 40-44 B) and 158 KB of shared memory at d = 128 (A100 and Hopper only).
+template <typename T, int D, bool WIDE = false, bool TALL = false> struct BwdFusedConfig {
+    static_assert(WIDE || !TALL, "the tall shape is a wide one");
+    static constexpr int BM = (D <= 96 ? 64 : 32) * (TALL ? 2 : 1);
     static constexpr int NWARPS = WIDE ? 8 : 4;
     static constexpr int DQ_WN = NWARPS * 32 / BM;  // dQ warp tiles of 32 rows
     using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN>;

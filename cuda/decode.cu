@@ -113,7 +113,7 @@ constexpr int MAX_SPLITS = 128;  // src/cuda/decode.rs caps num_splits to this
 
 // The merge of the splits, run by the last split of a row tile to finish (weights
 // exp(lse_s - lse) with lse = log sum_s exp(lse_s), -inf splits weigh nothing, rows without
-// keys give 0) over the tile's rows with a query. One block merges them all, from partials
+// keys give 0, a NaN split makes the row NaN) over the tile's rows with a query. One block merges them all, from partials
 // that sit in L2, so its time is L2 round trips:
 // each thread keeps UNROLL 16-byte loads in flight, the first batch issued before the weights
 // are known, and when the tile has fewer float4 columns than threads (few rows, small d) the
@@ -173,7 +173,7 @@ __device__ __forceinline__ void merge_splits(const DecodeParams& dp, float* smem
         }
 #pragma unroll
         for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;  // NaN stays NaN
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) weights[r * MAX_SPLITS + lane + 32 * i] = l[i] * inv;
     }
@@ -397,14 +397,14 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
             weight[w] = exp2f(sM[w * ROWS + tid] * p.scale_log2 - m_scaled);
             l += weight[w] * sL[w * ROWS + tid];
         }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
 #pragma unroll
         for (int w = 0; w < NW; ++w) sM[w * ROWS + tid] = weight[w] * inv;
         const int token = (m0 + tid) / group;
         if (split_out && token < p.seqlen_q) {
             const int head = h_k * group + (m0 + tid) % group;
             const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;
-            dp.lse_partial[prow] = l > 0.f ? m * p.scale + logf(l) : -INFINITY;
+            dp.lse_partial[prow] = l == 0.f ? -INFINITY : m * p.scale + logf(l);
         }
     }
     __syncthreads();

@@ -64,13 +64,15 @@ template <int MT> struct OnlineSoftmax {
     }
 
     // Reduces the row sums over the quad; returns 1/l (0 for rows that saw no key) and the
-    // natural-log LSE (-inf for those rows) of row (mt, r).
+    // natural-log LSE (-inf for those rows) of row (mt, r). A NaN score (fmaxf skipped it in
+    // the max, but not in the sum) makes l NaN, and the row's output and LSE NaN: NaN in,
+    // NaN out, distinct from a row that saw no key.
     __device__ __forceinline__ void finalize(int mt, int r, float scale, float* inv_sum,
                                              float* lse) const {
         float l = row_sum[mt][r];
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
-        const bool empty = !(l > 0.f);
+        const bool empty = l == 0.f;
         *inv_sum = empty ? 0.f : 1.f / l;
         *lse = empty ? -INFINITY : row_max[mt][r] * scale + logf(l);
     }

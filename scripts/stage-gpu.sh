@@ -33,6 +33,10 @@ if ! command -v nvcc >/dev/null; then
   exit 1
 fi
 
+# Hopper machine code and the sm_80 set (SASS for Ampere, PTX that the H100 JIT-compiles
+# under CANDLE_FLASH_ARCH=sm80): the build that serves both, tested on the lent GPU.
+export CANDLE_FLASH_SASS=${CANDLE_FLASH_SASS:-80,90}
+
 mkdir -p .gpu
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

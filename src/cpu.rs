@@ -213,10 +213,11 @@ fn fwd_head(
             }
         }
         // Lines 12-13: normalise once (and undo the dropout's expected shrinkage),
-        // LSE = m + ln(l). Rows that saw no key keep l = 0, a zero output and LSE = -inf.
+        // LSE = m + ln(l). Rows that saw no key keep l = 0, a zero output and LSE = -inf; a
+        // NaN score (which `max` skipped, but not the sum) makes l, the output and the LSE NaN.
         for i in r0..r1 {
             let r = i - r0;
-            if l[r] > 0.0 {
+            if l[r] != 0.0 {
                 let inv = keep_scale(p) / l[r];
                 out[i * d..][..d].iter_mut().for_each(|o| *o *= inv);
                 lse[i] = m[r] + l[r].ln();

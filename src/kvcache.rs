@@ -189,6 +189,7 @@ impl Call {
     fn append(&self, k_cache: &Tensor, v_cache: &Tensor) -> Result<()> {
         if let Some((op, k_new, v_new)) = &self.append {
             op.run(k_cache, k_new)?;
+            crate::failpoint::check("kvcache: between the K and V appends")?;
             op.run(v_cache, v_new)?;
         }
         Ok(())
@@ -196,6 +197,7 @@ impl Call {
 
     /// The attention of `q` over the (appended) caches.
     fn attend(self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
+        crate::failpoint::check("kvcache: attention")?;
         DecodeOp(self.decode).run(&aligned(q)?, k_cache, v_cache)
     }
 

@@ -45,6 +45,7 @@ mod cpu;
 mod cuda;
 mod decode;
 mod dropout;
+mod failpoint;
 mod fwd;
 mod kvcache;
 mod options;
@@ -58,6 +59,8 @@ pub mod train;
 mod varlen;
 
 pub use dropout::dropout_mask;
+#[doc(hidden)]
+pub use failpoint::inject_failure;
 pub use kvcache::{flash_attn_with_kvcache, flash_attn_with_paged_kvcache, KvCache, PagedKvCache};
 pub use options::{flash_attn, FlashAttn};
 pub use padding::Padding;

@@ -5,7 +5,8 @@ mod common;
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::{attention_slow, flash_attn, FlashAttn};
 use common::{
-    assert_close, assert_within_budget, lse_slow, max_abs_diff, randn, slow, with_causal, Case,
+    assert_close, assert_within_budget, assert_within_rounding, lse_slow, max_abs_diff, randn,
+    slow, with_causal, Case,
 };
 
 /// Covers every head_dim in {8, 16, 40, 64, 96, 128, 256}, seqlens 1, 17, 113, 256 with
@@ -57,7 +58,7 @@ fn flash_attn_is_forward_with_default_options() -> Result<()> {
 }
 
 /// f16/bf16 inputs: our error vs f32 math on the same (upcast) inputs is at most twice that of
-/// the same attention computed in the low precision, plus 1e-5.
+/// the same attention computed in the low precision, plus 1e-5; and within one ulp of it.
 fn low_precision_within_budget(dtype: DType) -> Result<()> {
     for case in with_causal(SHAPES) {
         let (q, k, v) = case.qkv(dtype)?;
@@ -73,6 +74,9 @@ fn low_precision_within_budget(dtype: DType) -> Result<()> {
             &exact,
             2.0,
         )?;
+        // The CPU computes in f32 and rounds once: within one ulp, which a skipped tile of
+        // keys is not (the rule above is loose at long rows).
+        assert_within_rounding(&format!("{dtype:?} {case:?}"), &ours, &exact, 1.0)?;
     }
     Ok(())
 }

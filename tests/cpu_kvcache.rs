@@ -741,6 +741,12 @@ impl AnyCache {
             AnyCache::Paged(c) => c.lengths().to_vec(),
         }
     }
+    fn free_pages(&self) -> Option<usize> {
+        match self {
+            AnyCache::Flat(_) => None,
+            AnyCache::Paged(c) => Some(c.free_pages()),
+        }
+    }
 }
 
 #[test]
@@ -975,4 +981,75 @@ fn constructors_reject_what_the_first_call_would() {
         .expect_err("absurd size")
         .to_string();
     assert!(e.contains("does not fit in memory"), "{e}");
+}
+
+/// "On error nothing is written": a failure injected where an out-of-memory or a failed
+/// launch could strike (between the K and V appends, at the attention, inside a ragged
+/// append) leaves the lengths and the free pages as they were, and a retry gives exactly what
+/// one successful call gives on a twin cache (no token appended twice), now and at the next
+/// step.
+#[test]
+fn injected_failures_write_nothing() -> Result<()> {
+    let (h, hk, d) = (4, 2, 16);
+    let lens = [5usize, 0, 16, 33];
+    let total: usize = lens.iter().sum();
+    let bits =
+        |t: &Tensor| -> Result<Vec<u32>> { Ok(to_vec(t)?.into_iter().map(f32::to_bits).collect()) };
+    for layout in [Layout::Contiguous, Layout::Paged(16), Layout::Paged(3)] {
+        let prefill = [
+            randn((total, hk, d), DType::F32)?,
+            randn((total, hk, d), DType::F32)?,
+        ];
+        let [q, k, v] = step(lens.len(), 2, h, hk, d)?;
+        let [q2, k2, v2] = step(lens.len(), 1, h, hk, d)?;
+        for point in [
+            "kvcache: between the K and V appends",
+            "kvcache: attention",
+            "append_varlen: between K and V",
+        ] {
+            let tag = format!("{layout:?}, failure at {point:?}");
+            let mut failing = AnyCache::new(layout, lens.len(), 48, hk, d)?;
+            let mut twin = AnyCache::new(layout, lens.len(), 48, hk, d)?;
+            let ragged = point.starts_with("append_varlen");
+            if !ragged {
+                failing.append_varlen(&prefill[0], &prefill[1], &lens)?;
+                twin.append_varlen(&prefill[0], &prefill[1], &lens)?;
+            }
+            let (lengths, free) = (failing.lengths(), failing.free_pages());
+            candle_flash::inject_failure(Some(point));
+            let result = if ragged {
+                failing.append_varlen(&prefill[0], &prefill[1], &lens)
+            } else {
+                failing.step(&q, &k, &v).map(|_| ())
+            };
+            candle_flash::inject_failure(None);
+            match result {
+                Err(e) if e.to_string().contains("injected failure") => {}
+                other => panic!("{tag}: expected the injected error, got {other:?}"),
+            }
+            assert_eq!(failing.lengths(), lengths, "{tag}: lengths changed");
+            assert_eq!(failing.free_pages(), free, "{tag}: pages taken");
+            if ragged {
+                failing.append_varlen(&prefill[0], &prefill[1], &lens)?;
+                twin.append_varlen(&prefill[0], &prefill[1], &lens)?;
+            } else {
+                let retried = failing.step(&q, &k, &v)?;
+                let once = twin.step(&q, &k, &v)?;
+                assert_eq!(bits(&retried)?, bits(&once)?, "{tag}: the retry differs");
+            }
+            assert_eq!(
+                failing.lengths(),
+                twin.lengths(),
+                "{tag}: lengths after the retry"
+            );
+            let next = failing.step(&q2, &k2, &v2)?;
+            let next_twin = twin.step(&q2, &k2, &v2)?;
+            assert_eq!(
+                bits(&next)?,
+                bits(&next_twin)?,
+                "{tag}: the next step differs"
+            );
+        }
+    }
+    Ok(())
 }

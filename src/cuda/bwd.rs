@@ -10,8 +10,9 @@
 //! docs/PERF.md).
 //!
 //! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
-//! accuracy: `separate` forces the deterministic kernels everywhere; `bn64` and `bn128` force
-//! the mma.sync fused kernel of that shape.
+//! accuracy: `separate` forces the deterministic kernels everywhere; `bn64`, `bn128` and
+//! `bn128t` (128 keys, twice the query rows per tile) force the mma.sync fused kernel of that
+//! shape.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
@@ -98,9 +99,9 @@ impl BwdTile {
     fn q_smem_bytes(&self) -> u32 {
         ((2 * self.q_bm + 2 * self.q_bn) * (self.d + 8) * 2) as u32
     }
-    /// K, V (`bn` keys); per stage Q, dO, LSE and dsum; the dS^T tile (`bn` x `fused_bm` + 8).
-    fn fused_smem_bytes(&self, bn: usize) -> u32 {
-        let bm = self.fused_bm;
+    /// K, V (`bn` keys); per stage Q, dO (`bm` rows), LSE and dsum; the dS^T tile
+    /// (`bn` x `bm` + 8).
+    fn fused_smem_bytes(&self, bn: usize, bm: usize) -> u32 {
         ((2 * bn + 2 * FUSED_STAGES * bm) * (self.d + 8) * 2
             + bn * (bm + 8) * 2
             + 2 * FUSED_STAGES * bm * 4) as u32
@@ -121,14 +122,38 @@ fn sm90_smem_bytes(d: usize) -> u32 {
 enum BwdPath {
     /// dK/dV kernel + dQ kernel: deterministic, every head dim.
     Separate,
-    /// dK/dV/dQ kernel with atomic dQ + convert kernel; `wide`: the 128-key, 8-warp shape.
-    Fused { wide: bool },
+    /// dK/dV/dQ kernel with atomic dQ + convert kernel, of one block shape.
+    Fused(FusedShape),
     /// The wgmma dK/dV/dQ kernel (`cuda/bwd_sm90.cu`) + convert kernel: d 64 and 128 on
     /// Hopper, no dropout.
     Sm90,
 }
 
-/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn64`, `bn128` or unset.
+/// Block shapes of the mma.sync fused kernel (`BwdFusedConfig` in `cuda/bwd_traits.cuh`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FusedShape {
+    /// 64 keys over 4 warps; the only shape with a dropout variant.
+    Bn64,
+    /// 128 keys over 8 warps (FA2's d = 128 shape).
+    Bn128,
+    /// 128 keys over 8 warps and twice the streamed query rows.
+    Bn128Tall,
+}
+
+impl FusedShape {
+    /// Keys per block, warps, streamed query rows per tile and the kernel name's suffix.
+    fn geometry(self, tile: &BwdTile, dropout: bool) -> (usize, u32, usize, &'static str) {
+        match (self, dropout) {
+            (Self::Bn64, true) => (64, 4, tile.fused_bm, "_dropout"),
+            (Self::Bn64, false) => (64, 4, tile.fused_bm, ""),
+            (Self::Bn128, _) => (128, 8, tile.fused_bm, "_bn128"),
+            (Self::Bn128Tall, _) => (128, 8, 2 * tile.fused_bm, "_bn128t"),
+        }
+    }
+}
+
+/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn64`, `bn128`, `bn128t` or
+/// unset.
 fn bwd_override() -> Option<&'static str> {
     static OVERRIDE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     OVERRIDE
@@ -137,8 +162,8 @@ fn bwd_override() -> Option<&'static str> {
 }
 
 impl BwdPath {
-    /// `smem`: the bytes of shared memory a block may use on the device; the wide shape
-    /// (115 KB at d = 128) runs only where it fits.
+    /// `smem`: the bytes of shared memory a block may use on the device; the 128-key shapes
+    /// (115 and 158 KB at d = 128) run only where they fit, the tall one first.
     fn choose(
         tile: &BwdTile,
         deterministic: bool,
@@ -152,11 +177,18 @@ impl BwdPath {
         } else if hopper && tile.has_fused_wide() && !dropout && env.is_none() {
             Self::Sm90
         } else {
-            let wide = env != Some("bn64")
-                && tile.has_fused_wide()
-                && !dropout
-                && tile.fused_smem_bytes(128) as usize <= smem;
-            Self::Fused { wide }
+            let fits = |shape: FusedShape| {
+                let (bn, _, bm, _) = shape.geometry(tile, dropout);
+                tile.has_fused_wide() && !dropout && tile.fused_smem_bytes(bn, bm) as usize <= smem
+            };
+            let shape = match env {
+                Some("bn64") => FusedShape::Bn64,
+                Some("bn128") if fits(FusedShape::Bn128) => FusedShape::Bn128,
+                _ if fits(FusedShape::Bn128Tall) && env != Some("bn128") => FusedShape::Bn128Tall,
+                _ if fits(FusedShape::Bn128) => FusedShape::Bn128,
+                _ => FusedShape::Bn64,
+            };
+            Self::Fused(shape)
         }
     }
 }
@@ -251,7 +283,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
     );
     // The fused kernel adds into it; rows that no key reaches keep their zeros.
     let mut dq_accum = match path {
-        BwdPath::Fused { .. } | BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
+        BwdPath::Fused(_) | BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
         BwdPath::Separate => None,
     };
     let offsets = seq_offsets(problem, &dev)?;
@@ -304,7 +336,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                     &params,
                 )?;
             }
-            BwdPath::Fused { .. } | BwdPath::Sm90 => {
+            BwdPath::Fused(_) | BwdPath::Sm90 => {
                 if path == BwdPath::Sm90 {
                     launch(
                         &dev,
@@ -314,21 +346,17 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                         sm90_smem_bytes(tile.d),
                         &params,
                     )?;
-                } else {
+                } else if let BwdPath::Fused(shape) = path {
                     // Dropout has a kernel of its own (its Philox code costs registers);
-                    // `choose` picks the wide shape only without dropout.
-                    let wide = path == BwdPath::Fused { wide: true };
-                    let (bn, warps, variant) = match (wide, params.a.drop_threshold != 0) {
-                        (true, _) => (128, 8, "_bn128"),
-                        (false, true) => (64, 4, "_dropout"),
-                        (false, false) => (64, 4, ""),
-                    };
+                    // `choose` picks the 128-key shapes only without dropout.
+                    let (bn, warps, bm, variant) =
+                        shape.geometry(&tile, params.a.drop_threshold != 0);
                     launch(
                         &dev,
                         &format!("flash_bwd_dkdvq_{dtype}_d{}{variant}", tile.d),
                         (s.sk.div_ceil(bn), s.hk, s.b),
                         32 * warps,
-                        tile.fused_smem_bytes(bn),
+                        tile.fused_smem_bytes(bn, bm),
                         &params,
                     )?;
                 }

@@ -15,9 +15,10 @@ use candle::cuda_backend::cudarc::driver::sys::{
     CUdevice_attribute, CUdeviceptr, CUfunction_attribute,
 };
 use candle::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg, SyncOnDrop,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, SyncOnDrop,
 };
+use candle::cuda_backend::cudarc::nvrtc::Ptx;
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
@@ -453,8 +454,8 @@ pub(crate) enum PtxFile {
 }
 
 impl PtxFile {
-    /// `(sm90a, sm80)` PTX of the file, `None` where not built.
-    fn sets(self) -> (Option<&'static str>, Option<&'static str>) {
+    /// `(sm90a, sm80)` images of the file, `None` where not built.
+    fn sets(self) -> (Option<ptx::Image>, Option<ptx::Image>) {
         match self {
             Self::Fwd => (ptx::sm90a::FWD, ptx::sm80::FWD),
             Self::FwdSm90 => (ptx::sm90a::FWD_SM90, ptx::sm80::FWD_SM90),
@@ -464,33 +465,53 @@ impl PtxFile {
             Self::Train => (ptx::sm90a::TRAIN, ptx::sm80::TRAIN),
         }
     }
-
-    fn module(self, set: &str) -> String {
-        format!("candle_flash_{self:?}_{set}").to_lowercase()
-    }
 }
 
-/// `kernel` of `file`, from the PTX set the device runs: sm_90a on Hopper, sm_80 on Ampere
-/// and Ada (and on Hopper under `CANDLE_FLASH_ARCH=sm80`). Loaded once per device.
+/// Loaded modules, per (device ordinal, file, set): loading one (and, for PTX, the driver's
+/// JIT) happens once per process. A module holds its context, so the handle stays valid.
+type Modules = Vec<((usize, String), Arc<CudaModule>)>;
+
+/// `kernel` of `file`, from the set the device runs: sm_90a on Hopper (where the file has
+/// Hopper code; the sm80 image otherwise), sm_80 on Ampere, Ada and newer (and on Hopper
+/// under `CANDLE_FLASH_ARCH=sm80`).
 pub(crate) fn load_func(
     dev: &candle::CudaDevice,
     kernel: &str,
     file: PtxFile,
 ) -> Result<CudaFunction> {
+    static MODULES: Mutex<Modules> = Mutex::new(Vec::new());
     let facts = device_facts(dev)?;
-    let (hopper_ptx, generic_ptx) = file.sets();
-    let (set, ptx) = match (facts.hopper(), hopper_ptx, generic_ptx) {
-        (true, Some(p), _) => ("sm90a", p),
-        (_, _, Some(p)) => ("sm80", p),
+    let (hopper_image, generic_image) = file.sets();
+    let (set, image) = match (facts.hopper(), hopper_image, generic_image) {
+        (true, Some(i), _) => ("sm90a", i),
+        (_, _, Some(i)) => ("sm80", i),
         _ => bail!(
-            "{kernel}: this build has no {file:?} kernels for compute capability {}.x (built \
-             with CUDA_COMPUTE_CAP below 90: Hopper kernels left out)",
+            "{kernel}: this build of candle-flash has no {file:?} kernels for compute \
+             capability {}.x (it was built for other GPUs: see CANDLE_FLASH_SASS / \
+             CUDA_COMPUTE_CAP in the README)",
             facts.major
         ),
     };
-    Ok(dev
-        .get_or_load_custom_func(kernel, &file.module(set), ptx)?
-        .into_cuda_function())
+    let context = dev.cuda_stream().context().clone();
+    let key = (context.ordinal(), format!("{file:?}/{set}"));
+    let module = {
+        let mut modules = MODULES
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match modules.iter().find(|(k, _)| *k == key) {
+            Some((_, m)) => m.clone(),
+            None => {
+                let source = match image {
+                    ptx::Image::Ptx(text) => Ptx::from_src(text),
+                    ptx::Image::Fatbin(bytes) => Ptx::from_binary(bytes.to_vec()),
+                };
+                let module = context.load_module(source).w()?;
+                modules.push((key, module.clone()));
+                module
+            }
+        }
+    };
+    module.load_function(kernel).w()
 }
 
 /// Counters that kernels keep zero between launches (they reset them themselves, so a call

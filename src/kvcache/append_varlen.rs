@@ -107,6 +107,7 @@ impl KvCache {
             if n > 0 {
                 let row = b * capacity + self.lengths[b] as usize;
                 k_rows.slice_set(&k_new.narrow(0, start, n)?.contiguous()?, 0, row)?;
+                crate::failpoint::check("append_varlen: between K and V")?;
                 v_rows.slice_set(&v_new.narrow(0, start, n)?.contiguous()?, 0, row)?;
             }
             start += n;
@@ -147,6 +148,7 @@ impl PagedKvCache {
                     run += ps.min(end - pos - run);
                 }
                 k_rows.slice_set(&k_new.narrow(0, start, run)?.contiguous()?, 0, row)?;
+                crate::failpoint::check("append_varlen: between K and V")?;
                 v_rows.slice_set(&v_new.narrow(0, start, run)?.contiguous()?, 0, row)?;
                 (pos, start) = (pos + run, start + run);
             }

@@ -5,8 +5,11 @@
 //! - numerics at the edges: logits scaled by 100, fully masked rows, a 64k-key row, f16
 //!   values near ±200; no inf/NaN where the f32 reference has none, and the accuracy rule
 //!   (2x the error of `attention_slow` in the same precision for outputs, 3x for gradients);
+//! - NaN in, NaN out: a NaN score gives NaN output, LSE and gradients in its rows only, apart
+//!   from rows that see no key (tests/common/nan.rs, shared with the CPU tests);
 //! - concurrency: four threads call the op at once on one `Device`, bitwise equal to
-//!   single-threaded runs;
+//!   single-threaded runs (atomic dQ within rounding; dropout offsets drawn from the counter
+//!   never repeat);
 //! - leaks: 10,000 forward+backward calls leave device memory use flat.
 //!
 //! With `--sanitize` (scripts/sanitize.sh, with `--quick`) the repeated and long checks
@@ -77,6 +80,18 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     );
     numerics(dev, budget, suite);
     suite.record(
+        "reliability: a NaN query row gives NaN output, LSE and gradients there only",
+        guarded(|| crate::common::nan::nan_query(dev)),
+    );
+    suite.record(
+        "reliability: a NaN key (causal): NaN rows, finite rows, rows without keys apart",
+        guarded(|| crate::common::nan::nan_key_causal(dev)),
+    );
+    suite.record(
+        "reliability: a NaN key in a 3000-token cache: split-KV decode keeps it",
+        guarded(|| crate::common::nan::nan_in_cache(dev)),
+    );
+    suite.record(
         "reliability: inputs starting at an odd element offset (forward, backward, decode)",
         guarded(|| misaligned_offsets(dev)),
     );
@@ -87,6 +102,10 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     suite.record(
         "reliability: 4 threads: atomic-dQ backward and split-KV decodes against one thread",
         guarded(|| threads_atomic_and_decode(dev, budget.thread_calls)),
+    );
+    suite.record(
+        "reliability: 4 threads: dropout offsets from the counter never repeat, fixed ones agree",
+        guarded(|| threads_dropout(dev, budget.thread_calls)),
     );
     // Under scripts/sanitize.sh other processes share the GPU: device-wide memory use says
     // nothing about this one, so the calls run but memory is not compared.
@@ -688,6 +707,58 @@ fn threads(dev: &Device, calls: usize) -> Result<()> {
         }
         dev.synchronize()
     })
+}
+
+/// Dropout on four threads. Calls without an explicit offset draw theirs from the
+/// process-wide counter: no two of the 4 x `calls` outputs may be equal (a lost increment
+/// would repeat a mask). With an explicit offset, each thread's forward+backward
+/// (deterministic) is bitwise equal to the one-thread run.
+fn threads_dropout(dev: &Device, calls: usize) -> Result<()> {
+    let inputs = [
+        randn(&[2, 97, 8, 64], DType::BF16, dev)?,
+        randn(&[2, 131, 2, 64], DType::BF16, dev)?,
+        randn(&[2, 131, 2, 64], DType::BF16, dev)?,
+        randn(&[2, 97, 8, 64], DType::BF16, dev)?,
+    ];
+    let fixed: Vec<FlashAttn> = (0..4u64)
+        .map(|i| {
+            FlashAttn::new()
+                .dropout(0.2)
+                .seed(7)
+                .rng_offset(1000 + i)
+                .deterministic(true)
+        })
+        .collect();
+    let expected = fixed
+        .iter()
+        .map(|attn| bits_of(attn, &inputs))
+        .collect::<Result<Vec<_>>>()?;
+    let drawn = std::sync::Mutex::new(Vec::new());
+    on_four_threads(|i| {
+        let counter = FlashAttn::new().dropout(0.2).seed(7);
+        for call in 0..calls {
+            if bits_of(&fixed[i], &inputs)? != expected[i] {
+                candle::bail!(
+                    "thread {i}, call {call}: fixed-offset dropout differs from one thread"
+                );
+            }
+            let out = counter.forward(&inputs[0], &inputs[1], &inputs[2])?;
+            let bits: Vec<u32> = host(&out)?.into_iter().map(f32::to_bits).collect();
+            drawn.lock().unwrap().push(bits);
+        }
+        dev.synchronize()
+    })?;
+    let mut drawn = drawn.into_inner().unwrap();
+    let n = drawn.len();
+    drawn.sort();
+    drawn.dedup();
+    if drawn.len() != n {
+        candle::bail!(
+            "{} of {n} counter-offset dropout calls repeated a mask",
+            n - drawn.len()
+        );
+    }
+    Ok(())
 }
 
 /// Runs `f(i)` on four threads at once; the first error, or a panic, fails.
