@@ -283,7 +283,9 @@ mod cuda_suite {
             let ok = if y.is_infinite() {
                 x == y
             } else {
-                (x - y).abs() <= 2e-3 * y.abs().max(1.0)
+                // f32 scores and sums of bf16/f16 inputs: ~1e-6 relative. 2e-4 fails a
+                // dropped key among up to ~5000 (its weight shifts the LSE by ~1/n).
+                (x - y).abs() <= 2e-4 * y.abs().max(1.0)
             };
             if !ok {
                 candle::bail!("lse[{i}] = {x}, reference {y}");
