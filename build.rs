@@ -83,60 +83,53 @@ mod cuda {
         let mut consts = String::new();
         for set in ["sm90a", "sm80"] {
             writeln!(consts, "/// Images of the `{set}` set (None: not built).")?;
-            writeln!(consts, "pub mod {set} {{\n    use super::Image;")?;
+            writeln!(consts, "pub mod {set} {{\n    use super::{{Image, Parts}};")?;
             for src in &sources {
                 let stem = src.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-                let (bytes, arch_tests) = closure(src)?;
+                let (bytes, arch_tests, by_dtype) = closure(src)?;
                 let hopper_code = stem.ends_with("_sm90") || arch_tests;
-                let codes = codes(set, stem, hopper_code, &targets);
-                let value = match codes {
-                    None => "None".to_string(),
+                let value = match codes(set, stem, hopper_code, &targets) {
+                    None => "Parts::One(None)".to_string(),
                     Some(codes) => {
                         let dir = out_dir.join(set);
                         std::fs::create_dir_all(&dir)?;
-                        let ptx_only = codes.len() == 1 && codes[0].starts_with("compute");
-                        let out = dir.join(format!(
-                            "{stem}.{}",
-                            if ptx_only { "ptx" } else { "fatbin" }
-                        ));
-                        let mut args: Vec<String> = common.iter().map(|s| s.to_string()).collect();
-                        let virt = if set == "sm80" {
-                            "compute_80"
+                        // Files that opt in are compiled once per dtype: two jobs of half
+                        // the size.
+                        let parts: &[(&str, &str)] = if by_dtype {
+                            &[
+                                ("f16", "-DCANDLE_FLASH_ONLY_F16"),
+                                ("bf16", "-DCANDLE_FLASH_ONLY_BF16"),
+                            ]
                         } else {
-                            "compute_90a"
+                            &[("all", "")]
                         };
-                        if ptx_only {
-                            args.extend(["-ptx".into(), format!("-arch={virt}")]);
-                        } else {
-                            args.push("-fatbin".into());
-                            for code in &codes {
-                                args.push(format!("-gencode=arch={virt},code={code}"));
-                            }
+                        let mut images = vec![];
+                        for &(part, define) in parts {
+                            let (job, image) = job(
+                                set,
+                                src,
+                                &dir,
+                                &format!("{stem}.{part}"),
+                                define,
+                                &codes,
+                                &common,
+                            )?;
+                            jobs.push(Job {
+                                cost: bytes * (codes.len() + 1) / parts.len(),
+                                ..job
+                            });
+                            images.push(image);
                         }
-                        args.extend([
-                            src.display().to_string(),
-                            "-o".into(),
-                            out.display().to_string(),
-                        ]);
-                        let path = format!("{:?}", out.display().to_string());
-                        let value = if ptx_only {
-                            format!("Some(Image::Ptx(include_str!({path})))")
+                        if by_dtype {
+                            format!("Parts::ByDtype({}, {})", images[0], images[1])
                         } else {
-                            format!("Some(Image::Fatbin(include_bytes!({path})))")
-                        };
-                        jobs.push(Job {
-                            set,
-                            src: src.clone(),
-                            out,
-                            args,
-                            cost: bytes * (codes.len() + 1),
-                        });
-                        value
+                            format!("Parts::One({})", images[0])
+                        }
                     }
                 };
                 writeln!(
                     consts,
-                    "    pub const {}: Option<Image> = {value};",
+                    "    pub const {}: Parts = {value};",
                     stem.to_uppercase()
                 )?;
             }
@@ -145,6 +138,60 @@ mod cuda {
         run_jobs(jobs, newest)?;
         std::fs::write(out_dir.join("ptx.rs"), consts)?;
         Ok(())
+    }
+
+    /// The nvcc job that compiles `src` (with `define`, if any) for `codes` into
+    /// `dir/name.{ptx,fatbin}`, and the Rust expression of its embedded image.
+    fn job(
+        set: &'static str,
+        src: &Path,
+        dir: &Path,
+        name: &str,
+        define: &str,
+        codes: &[String],
+        common: &[&str],
+    ) -> anyhow::Result<(Job, String)> {
+        let ptx_only = codes.len() == 1 && codes[0].starts_with("compute");
+        let out = dir.join(format!(
+            "{name}.{}",
+            if ptx_only { "ptx" } else { "fatbin" }
+        ));
+        let mut args: Vec<String> = common.iter().map(|s| s.to_string()).collect();
+        if !define.is_empty() {
+            args.push(define.to_string());
+        }
+        let virt = if set == "sm80" {
+            "compute_80"
+        } else {
+            "compute_90a"
+        };
+        if ptx_only {
+            args.extend(["-ptx".into(), format!("-arch={virt}")]);
+        } else {
+            args.push("-fatbin".into());
+            for code in codes {
+                args.push(format!("-gencode=arch={virt},code={code}"));
+            }
+        }
+        args.extend([
+            src.display().to_string(),
+            "-o".into(),
+            out.display().to_string(),
+        ]);
+        let path = format!("{:?}", out.display().to_string());
+        let image = if ptx_only {
+            format!("Some(Image::Ptx(include_str!({path})))")
+        } else {
+            format!("Some(Image::Fatbin(include_bytes!({path})))")
+        };
+        let job = Job {
+            set,
+            src: src.to_path_buf(),
+            out,
+            args,
+            cost: 0,
+        };
+        Ok((job, image))
     }
 
     /// The compute capabilities to build machine code for (empty: PTX only).
@@ -226,9 +273,10 @@ mod cuda {
         Some(sass.into_iter().chain(["compute_80".to_string()]).collect())
     }
 
-    /// The bytes of `src` and the headers it includes (transitively), and whether any of them
-    /// tests `__CUDA_ARCH__`.
-    fn closure(src: &Path) -> anyhow::Result<(usize, bool)> {
+    /// The bytes of `src` and the headers it includes (transitively), whether any of them
+    /// tests `__CUDA_ARCH__`, and whether `src` can be compiled one dtype at a time.
+    fn closure(src: &Path) -> anyhow::Result<(usize, bool, bool)> {
+        let by_dtype = std::fs::read_to_string(src)?.contains("CANDLE_FLASH_ONLY_BF16");
         let (mut bytes, mut arch_tests) = (0, false);
         let mut seen = BTreeSet::new();
         let mut stack = vec![src.to_path_buf()];
@@ -250,7 +298,7 @@ mod cuda {
                 }
             }
         }
-        Ok((bytes, arch_tests))
+        Ok((bytes, arch_tests, by_dtype))
     }
 
     /// Runs the jobs whose output is missing, older than `newest` or built by another command,

@@ -93,8 +93,14 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
     FLASH_BWD(NAME, T, 224)                                                                   \
     FLASH_BWD(NAME, T, 256)
 
+// build.rs compiles this file once per dtype (CANDLE_FLASH_ONLY_F16 / _BF16): two nvcc jobs of
+// half the size, which two cores finish sooner than one.
+#ifndef CANDLE_FLASH_ONLY_BF16
 FLASH_BWD_ALL(f16, __half)
+#endif
+#ifndef CANDLE_FLASH_ONLY_F16
 FLASH_BWD_ALL(bf16, __nv_bfloat16)
+#endif
 
 // `flash_bwd_dkdv_<dtype>_d256_s16`: d = 256's dK/dV kernel for 99 KB devices.
 #define FLASH_BWD_SMALL256(NAME, T)                                                           \
@@ -102,5 +108,9 @@ FLASH_BWD_ALL(bf16, __nv_bfloat16)
         flash_bwd_dkdv_##NAME##_d256_s16(const __grid_constant__ BwdParams bp) {              \
         flash_bwd_dkdv<BwdKvSmall256<T>::Kv>(bp);                                             \
     }
+#ifndef CANDLE_FLASH_ONLY_BF16
 FLASH_BWD_SMALL256(f16, __half)
+#endif
+#ifndef CANDLE_FLASH_ONLY_F16
 FLASH_BWD_SMALL256(bf16, __nv_bfloat16)
+#endif

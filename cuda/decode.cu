@@ -477,5 +477,11 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     FLASH_DECODE_W(NAME, T, 224, 2)                                                           \
     FLASH_DECODE_W(NAME, T, 256, 2)
 
+// build.rs compiles this file once per dtype (CANDLE_FLASH_ONLY_F16 / _BF16): two nvcc jobs of
+// half the size, which two cores finish sooner than one.
+#ifndef CANDLE_FLASH_ONLY_BF16
 FLASH_DECODE_ALL(f16, __half)
+#endif
+#ifndef CANDLE_FLASH_ONLY_F16
 FLASH_DECODE_ALL(bf16, __nv_bfloat16)
+#endif

@@ -55,8 +55,14 @@ template <class K, bool DROPOUT> __device__ __forceinline__ void flash_fwd(const
     FLASH_FWD(NAME, T, 224)                                                                   \
     FLASH_FWD(NAME, T, 256)
 
+// build.rs compiles this file once per dtype (CANDLE_FLASH_ONLY_F16 / _BF16): two nvcc jobs of
+// half the size, which two cores finish sooner than one.
+#ifndef CANDLE_FLASH_ONLY_BF16
 FLASH_FWD_ALL_D(f16, __half)
+#endif
+#ifndef CANDLE_FLASH_ONLY_F16
 FLASH_FWD_ALL_D(bf16, __nv_bfloat16)
+#endif
 
 // The small-tile shape of d >= 192 for 99 KB devices: `flash_fwd_<dtype>_d<D>_s64[_dropout]`.
 #define FLASH_FWD_SMALL(NAME, T, D)                                                           \
@@ -72,5 +78,9 @@ FLASH_FWD_ALL_D(bf16, __nv_bfloat16)
     FLASH_FWD_SMALL(NAME, T, 192)                                                             \
     FLASH_FWD_SMALL(NAME, T, 224)                                                             \
     FLASH_FWD_SMALL(NAME, T, 256)
+#ifndef CANDLE_FLASH_ONLY_BF16
 FLASH_FWD_SMALL_ALL(f16, __half)
+#endif
+#ifndef CANDLE_FLASH_ONLY_F16
 FLASH_FWD_SMALL_ALL(bf16, __nv_bfloat16)
+#endif

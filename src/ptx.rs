@@ -13,3 +13,23 @@ pub enum Image {
     Ptx(&'static str),
     Fatbin(&'static [u8]),
 }
+
+/// One file's images: a single one, or one per dtype for the files build.rs compiles a dtype
+/// at a time (their kernel names carry the dtype).
+#[derive(Clone, Copy, Debug)]
+#[allow(dead_code)] // which variants a build constructs depends on its targets
+pub enum Parts {
+    One(Option<Image>),
+    ByDtype(Option<Image>, Option<Image>),
+}
+
+impl Parts {
+    /// The image holding `kernel`, and a name for it within the file.
+    pub fn for_kernel(self, kernel: &str) -> (Option<Image>, &'static str) {
+        match self {
+            Parts::One(image) => (image, "all"),
+            Parts::ByDtype(_, bf16) if kernel.contains("_bf16") => (bf16, "bf16"),
+            Parts::ByDtype(f16, _) => (f16, "f16"),
+        }
+    }
+}

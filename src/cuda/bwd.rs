@@ -5,9 +5,10 @@
 //!
 //! On Hopper at d 64 and 128 without dropout the fused kernel is the wgmma one
 //! (`cuda/bwd_sm90.cu`). Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
-//! warps (FA2's shape) where that variant is compiled (d 64 and 128, no dropout), else 64 keys
-//! over 4 warps: at hd 128, seqlen 8k the wide one measured 207 against 192 TFLOP/s (H200,
-//! docs/PERF.md).
+//! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
+//! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
+//! even at d 128, docs/PERF.md session 9), else 64 keys over 4 warps: at hd 128, seqlen 8k the
+//! 128-key shape measured 207 against 192 TFLOP/s (H200, docs/PERF.md).
 //!
 //! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
 //! accuracy: `separate` forces the deterministic kernels everywhere; `bn64`, `bn128` and

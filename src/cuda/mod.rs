@@ -454,8 +454,8 @@ pub(crate) enum PtxFile {
 }
 
 impl PtxFile {
-    /// `(sm90a, sm80)` images of the file, `None` where not built.
-    fn sets(self) -> (Option<ptx::Image>, Option<ptx::Image>) {
+    /// `(sm90a, sm80)` images of the file.
+    fn sets(self) -> (ptx::Parts, ptx::Parts) {
         match self {
             Self::Fwd => (ptx::sm90a::FWD, ptx::sm80::FWD),
             Self::FwdSm90 => (ptx::sm90a::FWD_SM90, ptx::sm80::FWD_SM90),
@@ -467,7 +467,7 @@ impl PtxFile {
     }
 }
 
-/// Loaded modules, per (device ordinal, file, set): loading one (and, for PTX, the driver's
+/// Loaded modules, per (device ordinal, file, set, dtype part): loading one (and, for PTX, the driver's
 /// JIT) happens once per process. A module holds its context, so the handle stays valid.
 type Modules = Vec<((usize, String), Arc<CudaModule>)>;
 
@@ -481,10 +481,12 @@ pub(crate) fn load_func(
 ) -> Result<CudaFunction> {
     static MODULES: Mutex<Modules> = Mutex::new(Vec::new());
     let facts = device_facts(dev)?;
-    let (hopper_image, generic_image) = file.sets();
-    let (set, image) = match (facts.hopper(), hopper_image, generic_image) {
-        (true, Some(i), _) => ("sm90a", i),
-        (_, _, Some(i)) => ("sm80", i),
+    let (hopper_parts, generic_parts) = file.sets();
+    let (hopper_image, hopper_part) = hopper_parts.for_kernel(kernel);
+    let (generic_image, generic_part) = generic_parts.for_kernel(kernel);
+    let (set, part, image) = match (facts.hopper(), hopper_image, generic_image) {
+        (true, Some(i), _) => ("sm90a", hopper_part, i),
+        (_, _, Some(i)) => ("sm80", generic_part, i),
         _ => bail!(
             "{kernel}: this build of candle-flash has no {file:?} kernels for compute \
              capability {}.x (it was built for other GPUs: see CANDLE_FLASH_SASS / \
@@ -493,7 +495,7 @@ pub(crate) fn load_func(
         ),
     };
     let context = dev.cuda_stream().context().clone();
-    let key = (context.ordinal(), format!("{file:?}/{set}"));
+    let key = (context.ordinal(), format!("{file:?}/{set}/{part}"));
     let module = {
         let mut modules = MODULES
             .lock()

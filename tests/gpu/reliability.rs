@@ -22,7 +22,9 @@ use std::time::Instant;
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow, flash_attn, FlashAttn, KvCache};
 
-use crate::cuda_suite::{check_rule as rule, grads_of, randn, sanitize, to_reference, Suite};
+use crate::cuda_suite::{
+    attention_low, check_rule as rule, grads_of, randn, sanitize, to_reference, Suite,
+};
 
 /// How much of the repeated and long checks to run.
 #[derive(Clone, Copy, Debug)]
@@ -576,8 +578,35 @@ fn numerics(dev: &Device, budget: Budget, suite: &mut Suite) {
             let attn = FlashAttn::new().causal(true);
             let scale = 1.0 / 128f32.sqrt();
             check_case(&q, &k, &v, &attn, true, &|q, k, v| {
-                attention_slow(q, k, v, scale, true)
+                attention_low(q, k, v, scale, true)
             })
+        }),
+    );
+
+    // The same rule must see a kernel that loses one 16-key tile of that row.
+    record(
+        &format!("planted: the long row (sk={sk}) without one 16-key tile fails the rule"),
+        guarded(|| {
+            let q = bf16(&[1, 64, 4, 128], dev)?;
+            let (k, v) = (bf16(&[1, sk, 1, 128], dev)?, bf16(&[1, sk, 1, 128], dev)?);
+            let attn = FlashAttn::new().causal(true);
+            let scale = 1.0 / 128f32.sqrt();
+            let cut = |t: &Tensor| {
+                let at = sk / 2;
+                Tensor::cat(
+                    &[t.narrow(1, 0, at)?, t.narrow(1, at + 16, sk - at - 16)?],
+                    1,
+                )
+            };
+            let bad = attn.forward(&q, &cut(&k)?, &cut(&v)?)?;
+            let (qr, kr, vr) = (to_reference(&q)?, to_reference(&k)?, to_reference(&v)?);
+            let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+            let exact = attention_slow(&f32_of(&qr)?, &f32_of(&kr)?, &f32_of(&vr)?, scale, true)?;
+            let low = attention_low(&qr, &kr, &vr, scale, true)?;
+            match rule("out", &bad, &low, &exact, 2.0, OUT_ABS_SLACK) {
+                Err(e) => Ok(format!("caught: {e}")),
+                Ok(notes) => candle::bail!("a lost tile passed the rule: {notes}"),
+            }
         }),
     );
 
