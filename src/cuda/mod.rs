@@ -158,37 +158,63 @@ fn to_device_i32(dev: &candle::CudaDevice, xs: &[u32]) -> Result<CudaSlice<i32>>
     dev.clone_htod(&xs)
 }
 
-/// Read-only host arrays uploaded recently (the append's start rows, block tables), with
-/// the device they went to. A decoding step sends the same arrays for every layer, and each
-/// upload (an allocation and a copy from pageable memory) cost tens of microseconds of host
-/// time per launch: at batch 1 on the H100, 0.5 ms per token of a 16-layer model with a
-/// contiguous cache and 1.5 ms with a paged one (the table goes to the append and the decode).
-static UPLOADS: Mutex<Vec<(candle::cuda_backend::DeviceId, Vec<u32>, SharedI32)>> =
-    Mutex::new(Vec::new());
+/// Where a stream's work is ordered: `(device ordinal, stream handle, host thread)`. Candle's
+/// devices run on the per-thread default stream, whose one handle (0x2) names a different
+/// stream in every host thread, and cudarc does no cross-stream tracking for it: work of two
+/// threads runs concurrently, unordered. Device buffers that kernels write (counters), or
+/// that a launch may read before an upload lands (shared uploads), are therefore kept per
+/// key, and freed only by the thread whose stream they belong to.
+pub(crate) type StreamKey = (usize, usize, Option<std::thread::ThreadId>);
+
+/// The [`StreamKey`] of `stream` for the calling thread.
+pub(crate) fn stream_key(stream: &CudaStream) -> StreamKey {
+    // CU_STREAM_PER_THREAD (cuda.h); the legacy default stream (0x1, or null) is one stream
+    // for every thread.
+    const PER_THREAD: usize = 0x2;
+    let handle = stream.cu_stream() as usize;
+    let thread = (handle == PER_THREAD).then(|| std::thread::current().id());
+    (stream.context().ordinal(), handle, thread)
+}
+
+/// Read-only host arrays uploaded recently (the append's start rows, block tables), per
+/// stream. A decoding step sends the same arrays for every layer, and each upload (an
+/// allocation and a copy from pageable memory) cost tens of microseconds of host time per
+/// launch: at batch 1 on the H100, 0.5 ms per token of a 16-layer model with a contiguous
+/// cache and 1.5 ms with a paged one (the table goes to the append and the decode).
+static UPLOADS: Mutex<Vec<Upload>> = Mutex::new(Vec::new());
+/// One kept upload: its stream, device, host values and device copy.
+type Upload = (
+    StreamKey,
+    candle::cuda_backend::DeviceId,
+    Vec<u32>,
+    SharedI32,
+);
 /// A device array that several launches read.
 type SharedI32 = Arc<CudaSlice<i32>>;
-/// Distinct arrays kept: a step of a batch uses two (start rows, block table); a few more
-/// cover several caches or devices used in turn.
+/// Distinct arrays kept per stream: a step of a batch uses two (start rows, block table); a
+/// few more cover several caches or devices used in turn.
 const KEPT_UPLOADS: usize = 8;
 
-/// `xs` as i32 on `dev`, reusing an identical upload when one is kept. The kernels only read
-/// these buffers, so sharing one between launches is safe; each is freed in stream order
-/// when evicted and no longer used.
+/// `xs` as i32 on `dev`, reusing an identical upload made on the same stream (so the copy is
+/// ordered before every launch that reads it). The kernels only read these buffers; each is
+/// freed in its stream's order when evicted (by its own thread) and no longer used.
 fn to_device_i32_shared(dev: &candle::CudaDevice, xs: &[u32]) -> Result<SharedI32> {
     let mut kept = UPLOADS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let id = dev.id();
-    if let Some(i) = kept.iter().position(|(d, host, _)| *d == id && host == xs) {
+    let (key, id) = (stream_key(&dev.cuda_stream()), dev.id());
+    let mine = |(k, d, _, _): &Upload| *k == key && *d == id;
+    if let Some(i) = kept.iter().position(|e| mine(e) && e.2 == xs) {
         let hit = kept.remove(i);
-        let buf = hit.2.clone();
+        let buf = hit.3.clone();
         kept.push(hit);
         return Ok(buf);
     }
     let buf = Arc::new(to_device_i32(dev, xs)?);
-    kept.push((id, xs.to_vec(), buf.clone()));
-    if kept.len() > KEPT_UPLOADS {
-        kept.remove(0);
+    kept.push((key, id, xs.to_vec(), buf.clone()));
+    if kept.iter().filter(|e| mine(e)).count() > KEPT_UPLOADS {
+        let oldest = kept.iter().position(mine).expect("one was just pushed");
+        kept.remove(oldest);
     }
     Ok(buf)
 }
@@ -517,12 +543,13 @@ pub(crate) fn load_func(
 }
 
 /// Counters that kernels keep zero between launches (they reset them themselves, so a call
-/// needs no memset of its own), kept per (device, stream) and grown on demand. Keyed by
-/// stream as well as device so that launches that may overlap never share counters; the
-/// slice holds its stream, so the key cannot be reused by another stream while the entry
-/// lives. Entries live until exit. Hold the cache's lock until the launch is queued: another
-/// thread's call on the stream must not grow (and free) the counters in between.
-pub(crate) type StreamCounters = Vec<((usize, usize), CudaSlice<u32>)>;
+/// needs no memset of its own), kept per stream ([`StreamKey`]: per host thread on Candle's
+/// per-thread default stream) and grown on demand, so that launches that may overlap never
+/// share counters. Four threads sharing one set raced in split-KV decoding (a merge ran
+/// before its splits arrived; seen under compute-sanitizer's racecheck, which slows kernels).
+/// Entries live until exit (a few bytes per thread that decoded). Hold the cache's lock until
+/// the launch is queued: another call on the stream must not grow (and free) them between.
+pub(crate) type StreamCounters = Vec<(StreamKey, CudaSlice<u32>)>;
 
 /// The zeroed counters for `dev`'s stream, at least `n` of them.
 pub(crate) fn stream_counters<'a>(
@@ -530,8 +557,7 @@ pub(crate) fn stream_counters<'a>(
     dev: &candle::CudaDevice,
     n: usize,
 ) -> Result<&'a mut CudaSlice<u32>> {
-    let stream = dev.cuda_stream();
-    let key = (stream.context().ordinal(), stream.cu_stream() as usize);
+    let key = stream_key(&dev.cuda_stream());
     let i = match cache.iter().position(|(k, _)| *k == key) {
         Some(i) => i,
         None => {
