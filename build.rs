@@ -71,13 +71,20 @@ mod cuda {
         sources.sort();
         let targets = targets()?;
         let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
-        let mut common = vec!["-std=c++17", "-O3", "--use_fast_math", "-Icuda"];
+        let mut common: Vec<String> = ["-std=c++17", "-O3", "--use_fast_math", "-Icuda"]
+            .map(String::from)
+            .to_vec();
         if std::env::var("CANDLE_FLASH_LINEINFO").is_ok_and(|v| v == "1") {
-            common.push("-lineinfo");
+            common.push("-lineinfo".into());
         }
         if let Ok(ccbin) = std::env::var("NVCC_CCBIN") {
-            common.extend(["-ccbin", Box::leak(ccbin.into_boxed_str())]);
+            common.extend(["-ccbin".into(), ccbin]);
         }
+        // What each source needs is read once, for both sets.
+        let sources = sources
+            .iter()
+            .map(|path| Source::read(path))
+            .collect::<anyhow::Result<Vec<_>>>()?;
 
         let mut jobs = vec![];
         let mut consts = String::new();
@@ -85,17 +92,14 @@ mod cuda {
             writeln!(consts, "/// Images of the `{set}` set (None: not built).")?;
             writeln!(consts, "pub mod {set} {{\n    use super::{{Image, Parts}};")?;
             for src in &sources {
-                let stem = src.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-                let (bytes, arch_tests, by_dtype) = closure(src)?;
-                let hopper_code = stem.ends_with("_sm90") || arch_tests;
-                let value = match codes(set, stem, hopper_code, &targets) {
+                let value = match codes(set, src, &targets) {
                     None => "Parts::One(None)".to_string(),
                     Some(codes) => {
                         let dir = out_dir.join(set);
                         std::fs::create_dir_all(&dir)?;
                         // Files that opt in are compiled once per dtype: two jobs of half
                         // the size.
-                        let parts: &[(&str, &str)] = if by_dtype {
+                        let parts: &[(&str, &str)] = if src.by_dtype {
                             &[
                                 ("f16", "-DCANDLE_FLASH_ONLY_F16"),
                                 ("bf16", "-DCANDLE_FLASH_ONLY_BF16"),
@@ -105,22 +109,13 @@ mod cuda {
                         };
                         let mut images = vec![];
                         for &(part, define) in parts {
-                            let (job, image) = job(
-                                set,
-                                src,
-                                &dir,
-                                &format!("{stem}.{part}"),
-                                define,
-                                &codes,
-                                &common,
-                            )?;
-                            jobs.push(Job {
-                                cost: bytes * (codes.len() + 1) / parts.len(),
-                                ..job
-                            });
+                            let cost = src.bytes * (codes.len() + 1) / parts.len();
+                            let (job, image) =
+                                job(set, src, &dir, part, define, &codes, &common, cost);
+                            jobs.push(job);
                             images.push(image);
                         }
-                        if by_dtype {
+                        if src.by_dtype {
                             format!("Parts::ByDtype({}, {})", images[0], images[1])
                         } else {
                             format!("Parts::One({})", images[0])
@@ -130,7 +125,7 @@ mod cuda {
                 writeln!(
                     consts,
                     "    pub const {}: Parts = {value};",
-                    stem.to_uppercase()
+                    src.stem.to_uppercase()
                 )?;
             }
             writeln!(consts, "}}")?;
@@ -141,30 +136,30 @@ mod cuda {
     }
 
     /// The nvcc job that compiles `src` (with `define`, if any) for `codes` into
-    /// `dir/name.{ptx,fatbin}`, and the Rust expression of its embedded image.
+    /// `dir/STEM.PART.{ptx,fatbin}`, and the Rust expression of its embedded image.
+    #[allow(clippy::too_many_arguments)]
     fn job(
         set: &'static str,
-        src: &Path,
+        src: &Source,
         dir: &Path,
-        name: &str,
+        part: &str,
         define: &str,
         codes: &[String],
-        common: &[&str],
-    ) -> anyhow::Result<(Job, String)> {
+        common: &[String],
+        cost: usize,
+    ) -> (Job, String) {
         let ptx_only = codes.len() == 1 && codes[0].starts_with("compute");
-        let out = dir.join(format!(
-            "{name}.{}",
-            if ptx_only { "ptx" } else { "fatbin" }
-        ));
-        let mut args: Vec<String> = common.iter().map(|s| s.to_string()).collect();
-        if !define.is_empty() {
-            args.push(define.to_string());
-        }
+        let ext = if ptx_only { "ptx" } else { "fatbin" };
+        let out = dir.join(format!("{}.{part}.{ext}", src.stem));
         let virt = if set == "sm80" {
             "compute_80"
         } else {
             "compute_90a"
         };
+        let mut args = common.to_vec();
+        if !define.is_empty() {
+            args.push(define.to_string());
+        }
         if ptx_only {
             args.extend(["-ptx".into(), format!("-arch={virt}")]);
         } else {
@@ -174,7 +169,7 @@ mod cuda {
             }
         }
         args.extend([
-            src.display().to_string(),
+            src.path.display().to_string(),
             "-o".into(),
             out.display().to_string(),
         ]);
@@ -186,12 +181,12 @@ mod cuda {
         };
         let job = Job {
             set,
-            src: src.to_path_buf(),
+            src: src.path.clone(),
             out,
             args,
-            cost: 0,
+            cost,
         };
-        Ok((job, image))
+        (job, image)
     }
 
     /// The compute capabilities to build machine code for (empty: PTX only).
@@ -237,15 +232,9 @@ mod cuda {
         }
     }
 
-    /// The `code=` values of `stem` in `set` (None: not built). `hopper_code`: the file has
-    /// sm_90-only code, so Hopper loads it from the sm90a set.
-    fn codes(
-        set: &str,
-        stem: &str,
-        hopper_code: bool,
-        targets: &BTreeSet<u32>,
-    ) -> Option<Vec<String>> {
-        let wgmma = stem.ends_with("_sm90");
+    /// The `code=` values of `src` in `set` (None: not built).
+    fn codes(set: &str, src: &Source, targets: &BTreeSet<u32>) -> Option<Vec<String>> {
+        let hopper_code = src.wgmma || src.arch_tests;
         if set == "sm90a" {
             return if !hopper_code {
                 None
@@ -257,7 +246,7 @@ mod cuda {
                 None
             };
         }
-        if wgmma {
+        if src.wgmma {
             return None;
         }
         // sm80: its PTX always (for GPUs newer than every target), machine code for each
@@ -273,32 +262,58 @@ mod cuda {
         Some(sass.into_iter().chain(["compute_80".to_string()]).collect())
     }
 
-    /// The bytes of `src` and the headers it includes (transitively), whether any of them
-    /// tests `__CUDA_ARCH__`, and whether `src` can be compiled one dtype at a time.
-    fn closure(src: &Path) -> anyhow::Result<(usize, bool, bool)> {
-        let by_dtype = std::fs::read_to_string(src)?.contains("CANDLE_FLASH_ONLY_BF16");
-        let (mut bytes, mut arch_tests) = (0, false);
-        let mut seen = BTreeSet::new();
-        let mut stack = vec![src.to_path_buf()];
-        while let Some(path) = stack.pop() {
-            if !seen.insert(path.clone()) {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            bytes += text.len();
-            arch_tests |= text.contains("__CUDA_ARCH__");
-            for line in text.lines() {
-                if let Some(name) = line
-                    .trim()
-                    .strip_prefix("#include \"")
-                    .and_then(|rest| rest.strip_suffix('"'))
-                {
-                    stack.push(Path::new("cuda").join(name));
+    /// One `.cu` file and what the build needs to know of it.
+    struct Source {
+        path: PathBuf,
+        stem: String,
+        /// A wgmma file (`*_sm90.cu`): sm_90a only.
+        wgmma: bool,
+        /// It or a header it includes (transitively) tests `__CUDA_ARCH__`: Hopper loads it
+        /// from the sm90a set.
+        arch_tests: bool,
+        /// It can be compiled one dtype at a time (`CANDLE_FLASH_ONLY_F16` / `_BF16`).
+        by_dtype: bool,
+        /// Bytes of it and its headers: the job-order estimate before any build was timed.
+        bytes: usize,
+    }
+
+    impl Source {
+        fn read(path: &Path) -> anyhow::Result<Self> {
+            let stem = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or_default();
+            let by_dtype = std::fs::read_to_string(path)?.contains("CANDLE_FLASH_ONLY_BF16");
+            let (mut bytes, mut arch_tests) = (0, false);
+            let mut seen = BTreeSet::new();
+            let mut stack = vec![path.to_path_buf()];
+            while let Some(file) = stack.pop() {
+                if !seen.insert(file.clone()) {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&file)
+                    .with_context(|| format!("reading {}", file.display()))?;
+                bytes += text.len();
+                arch_tests |= text.contains("__CUDA_ARCH__");
+                for line in text.lines() {
+                    if let Some(name) = line
+                        .trim()
+                        .strip_prefix("#include \"")
+                        .and_then(|rest| rest.strip_suffix('"'))
+                    {
+                        stack.push(Path::new("cuda").join(name));
+                    }
                 }
             }
+            Ok(Self {
+                path: path.to_path_buf(),
+                stem: stem.to_string(),
+                wgmma: stem.ends_with("_sm90"),
+                arch_tests,
+                by_dtype,
+                bytes,
+            })
         }
-        Ok((bytes, arch_tests, by_dtype))
     }
 
     /// Runs the jobs whose output is missing, older than `newest` or built by another command,

@@ -135,34 +135,16 @@ mod cuda_suite {
         let round = |t: &Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
         let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
         let (_, sq, h, _) = q.dims4()?;
-        let sk = k.dim(1)?;
-        let heads = |t: &Tensor| -> Result<Tensor> {
-            // (b, s, hk, d) -> (b, h, s, d), K/V head j serving query heads j*g..(j+1)*g
-            let (b, s, hk, d) = t.dims4()?;
-            let g = h / hk;
-            t.transpose(1, 2)?
-                .unsqueeze(2)?
-                .expand((b, hk, g, s, d))?
-                .reshape((b, h, s, d))
-        };
+        let (_, sk, hk, _) = k.dims4()?;
+        let heads = |t: &Tensor| repeat_kv(&f32_of(t)?.transpose(1, 2)?.contiguous()?, h / hk);
         let q = f32_of(q)?.transpose(1, 2)?.contiguous()?;
-        let (k, v) = (
-            heads(&f32_of(k)?)?.contiguous()?,
-            heads(&f32_of(v)?)?.contiguous()?,
-        );
+        let (k, v) = (heads(k)?, heads(v)?);
         let mut scores = round(&(q.matmul(&k.t()?)? * scale as f64)?)?;
         if causal {
             if sq > sk {
                 candle::bail!("attention_low: rows without keys are not modelled");
             }
-            let visible: Vec<u8> = (0..sq)
-                .flat_map(|i| (0..sk).map(move |j| u8::from(j + sq <= i + sk)))
-                .collect();
-            let visible =
-                Tensor::from_vec(visible, (sq, sk), q.device())?.broadcast_as(scores.shape())?;
-            let neg_inf =
-                Tensor::new(f32::NEG_INFINITY, q.device())?.broadcast_as(scores.shape())?;
-            scores = visible.where_cond(&scores, &neg_inf)?;
+            scores = scores.broadcast_add(&causal_mask(sq, sk, q.device())?)?;
         }
         let max = scores.max_keepdim(D::Minus1)?.detach();
         let exp = scores.broadcast_sub(&max)?.exp()?;
@@ -294,20 +276,7 @@ mod cuda_suite {
         let k = repeat_kv(&k, h / hk)?;
         let s = (q.matmul(&k.t()?)? * scale as f64)?;
         let s = if causal {
-            let offset = sk as i64 - sq as i64;
-            let mask: Vec<f32> = (0..sq)
-                .flat_map(|i| {
-                    (0..sk).map(move |j| {
-                        if j as i64 <= i as i64 + offset {
-                            0.0
-                        } else {
-                            f32::NEG_INFINITY
-                        }
-                    })
-                })
-                .collect();
-            let mask = Tensor::from_vec(mask, (sq, sk), q.device())?;
-            s.broadcast_add(&mask)?
+            s.broadcast_add(&causal_mask(sq, sk, q.device())?)?
         } else {
             s
         };
@@ -316,6 +285,24 @@ mod cuda_suite {
         let m_safe = m.clamp(-1e30f32, f32::INFINITY)?;
         let l = s.broadcast_sub(&m_safe)?.exp()?.sum_keepdim(D::Minus1)?;
         l.log()?.add(&m_safe)?.squeeze(D::Minus1)
+    }
+
+    /// The bottom-right aligned causal mask `(sq, sk)` to add to scores: 0 where query i sees
+    /// key j (j <= i + sk - sq), -inf elsewhere.
+    fn causal_mask(sq: usize, sk: usize, dev: &Device) -> Result<Tensor> {
+        let offset = sk as i64 - sq as i64;
+        let mask: Vec<f32> = (0..sq as i64)
+            .flat_map(|i| {
+                (0..sk as i64).map(move |j| {
+                    if j <= i + offset {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        Tensor::from_vec(mask, (sq, sk), dev)
     }
 
     fn repeat_kv(x: &Tensor, n: usize) -> Result<Tensor> {

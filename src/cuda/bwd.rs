@@ -182,14 +182,18 @@ impl BwdPath {
                 let (bn, _, bm, _) = shape.geometry(tile, dropout);
                 tile.has_fused_wide() && !dropout && tile.fused_smem_bytes(bn, bm) as usize <= smem
             };
-            let shape = match env {
-                Some("bn64") => FusedShape::Bn64,
-                Some("bn128") if fits(FusedShape::Bn128) => FusedShape::Bn128,
-                _ if fits(FusedShape::Bn128Tall) && env != Some("bn128") => FusedShape::Bn128Tall,
-                _ if fits(FusedShape::Bn128) => FusedShape::Bn128,
-                _ => FusedShape::Bn64,
+            // The first that fits of the allowed 128-key shapes; 64 keys otherwise.
+            let wide: &[FusedShape] = match env {
+                Some("bn64") => &[],
+                Some("bn128") => &[FusedShape::Bn128],
+                _ => &[FusedShape::Bn128Tall, FusedShape::Bn128],
             };
-            Self::Fused(shape)
+            Self::Fused(
+                wide.iter()
+                    .copied()
+                    .find(|&s| fits(s))
+                    .unwrap_or(FusedShape::Bn64),
+            )
         }
     }
 }

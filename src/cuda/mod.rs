@@ -7,6 +7,7 @@ mod decode;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::{append, decode};
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle::backend::BackendStorage;
@@ -469,7 +470,7 @@ fn forced_arch() -> &'static str {
 }
 
 /// A kernel source file of cuda/, whose PTX exists per architecture set.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum PtxFile {
     Fwd,
     FwdSm90,
@@ -493,9 +494,16 @@ impl PtxFile {
     }
 }
 
-/// Loaded modules, per (device ordinal, file, set, dtype part): loading one (and, for PTX, the driver's
-/// JIT) happens once per process. A module holds its context, so the handle stays valid.
-type Modules = Vec<((usize, String), Arc<CudaModule>)>;
+/// Loaded kernels per device ordinal, by name: a launch finds its function with one lookup
+/// (no module search, no driver call). A kernel name is unique within the set a device runs.
+type Functions = HashMap<usize, HashMap<String, CudaFunction>>;
+/// Loaded modules, per (device ordinal, file, set, dtype part): loading one (and, for PTX,
+/// the driver's JIT) happens once per process. A module holds its context, so its handles
+/// stay valid.
+type Modules = Vec<(
+    (usize, PtxFile, &'static str, &'static str),
+    Arc<CudaModule>,
+)>;
 
 /// `kernel` of `file`, from the set the device runs: sm_90a on Hopper (where the file has
 /// Hopper code; the sm80 image otherwise), sm_80 on Ampere, Ada and newer (and on Hopper
@@ -505,7 +513,20 @@ pub(crate) fn load_func(
     kernel: &str,
     file: PtxFile,
 ) -> Result<CudaFunction> {
+    static FUNCTIONS: Mutex<Option<Functions>> = Mutex::new(None);
     static MODULES: Mutex<Modules> = Mutex::new(Vec::new());
+    let context = dev.cuda_stream().context().clone();
+    let ordinal = context.ordinal();
+    let mut functions = FUNCTIONS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let per_device = functions
+        .get_or_insert_with(HashMap::new)
+        .entry(ordinal)
+        .or_default();
+    if let Some(func) = per_device.get(kernel) {
+        return Ok(func.clone());
+    }
     let facts = device_facts(dev)?;
     let (hopper_parts, generic_parts) = file.sets();
     let (hopper_image, hopper_part) = hopper_parts.for_kernel(kernel);
@@ -520,8 +541,7 @@ pub(crate) fn load_func(
             facts.major
         ),
     };
-    let context = dev.cuda_stream().context().clone();
-    let key = (context.ordinal(), format!("{file:?}/{set}/{part}"));
+    let key = (ordinal, file, set, part);
     let module = {
         let mut modules = MODULES
             .lock()
@@ -539,7 +559,9 @@ pub(crate) fn load_func(
             }
         }
     };
-    module.load_function(kernel).w()
+    let func = module.load_function(kernel).w()?;
+    per_device.insert(kernel.to_string(), func.clone());
+    Ok(func)
 }
 
 /// Counters that kernels keep zero between launches (they reset them themselves, so a call

@@ -570,13 +570,19 @@ fn numerics(dev: &Device, budget: Budget, suite: &mut Suite) {
 
     // One very long row: 64 queries over 64k keys (4k with --sanitize).
     let sk = budget.long_row;
+    let long_row = || -> Result<[Tensor; 3]> {
+        Ok([
+            bf16(&[1, 64, 4, 128], dev)?,
+            bf16(&[1, sk, 1, 128], dev)?,
+            bf16(&[1, sk, 1, 128], dev)?,
+        ])
+    };
+    let attn = FlashAttn::new().causal(true);
+    let scale = 1.0 / 128f32.sqrt();
     record(
         &format!("long row bf16 sq=64 sk={sk} h=4/1 d=128 causal"),
         guarded(|| {
-            let q = bf16(&[1, 64, 4, 128], dev)?;
-            let (k, v) = (bf16(&[1, sk, 1, 128], dev)?, bf16(&[1, sk, 1, 128], dev)?);
-            let attn = FlashAttn::new().causal(true);
-            let scale = 1.0 / 128f32.sqrt();
+            let [q, k, v] = long_row()?;
             check_case(&q, &k, &v, &attn, true, &|q, k, v| {
                 attention_low(q, k, v, scale, true)
             })
@@ -587,10 +593,7 @@ fn numerics(dev: &Device, budget: Budget, suite: &mut Suite) {
     record(
         &format!("planted: the long row (sk={sk}) without one 16-key tile fails the rule"),
         guarded(|| {
-            let q = bf16(&[1, 64, 4, 128], dev)?;
-            let (k, v) = (bf16(&[1, sk, 1, 128], dev)?, bf16(&[1, sk, 1, 128], dev)?);
-            let attn = FlashAttn::new().causal(true);
-            let scale = 1.0 / 128f32.sqrt();
+            let [q, k, v] = long_row()?;
             let cut = |t: &Tensor| {
                 let at = sk / 2;
                 Tensor::cat(
