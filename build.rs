@@ -53,6 +53,7 @@ mod cuda {
             "CANDLE_FLASH_SASS",
             "CANDLE_FLASH_NVCC_JOBS",
             "CANDLE_FLASH_LINEINFO",
+            "CANDLE_FLASH_NVCC_FLAGS",
             "NVCC_CCBIN",
         ] {
             println!("cargo:rerun-if-env-changed={var}");
@@ -76,6 +77,10 @@ mod cuda {
             .to_vec();
         if std::env::var("CANDLE_FLASH_LINEINFO").is_ok_and(|v| v == "1") {
             common.push("-lineinfo".into());
+        }
+        // Extra nvcc flags (whitespace-separated), for A/B builds of kernel variants.
+        if let Ok(flags) = std::env::var("CANDLE_FLASH_NVCC_FLAGS") {
+            common.extend(flags.split_whitespace().map(String::from));
         }
         if let Ok(ccbin) = std::env::var("NVCC_CCBIN") {
             common.extend(["-ccbin".into(), ccbin]);

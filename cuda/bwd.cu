@@ -5,8 +5,10 @@
 // or, when the caller allows a non-deterministic dQ and d <= 128 (dq_accum zeroed first):
 //   flash_bwd_dsum_<dtype>
 //   flash_bwd_dkdvq_<dtype>_d<D>[_dropout]  dK, dV, atomic dQ        grid (ceil(sk/BN), h_k, b)
-//   flash_bwd_dq_convert_<dtype> dq = dq_accum * scale                 grid (ceil(len/8/256))
-// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128[t] are 128-key shapes of the second (no dropout).
+//   flash_bwd_dq_convert_<dtype>_d<D>  dq = dq_accum * scale           grid (ceil(sq/BM), h, b)
+// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128[t] are 128-key shapes of the second (no dropout),
+// converted by flash_bwd_dq_convert_<dtype>_d<D>_bn128[t] (the tiled dq_accum follows the
+// kernel's warps). flash_bwd_dq_convert_<dtype> converts the wgmma kernel's dq_accum.
 #include "bwd_dkdv.cuh"
 #include "bwd_dq.cuh"
 
@@ -59,6 +61,10 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
     extern "C" __global__ void __launch_bounds__(BwdFusedConfig<T, D>::Kv::THREADS, 1)        \
         flash_bwd_dkdvq_##NAME##_d##D##_dropout(const __grid_constant__ BwdParams bp) {       \
         flash_bwd_dkdv<BwdFusedConfig<T, D>::Kv, true>(bp);                                   \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdFusedConfig<T, D>::Kv::THREADS)           \
+        flash_bwd_dq_convert_##NAME##_d##D(const __grid_constant__ BwdParams bp) {            \
+        flash_bwd_dq_convert_tiled<BwdFusedConfig<T, D>::Kv>(bp);                             \
     }
 
 #define FLASH_BWD_WIDE(NAME, T, D)                                                            \
@@ -70,6 +76,15 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
         BwdFusedConfig<T, D, true, true>::Kv::THREADS, 1)                                     \
         flash_bwd_dkdvq_##NAME##_d##D##_bn128t(const __grid_constant__ BwdParams bp) {        \
         flash_bwd_dkdv<BwdFusedConfig<T, D, true, true>::Kv, false>(bp);                      \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdFusedConfig<T, D, true>::Kv::THREADS)     \
+        flash_bwd_dq_convert_##NAME##_d##D##_bn128(const __grid_constant__ BwdParams bp) {    \
+        flash_bwd_dq_convert_tiled<BwdFusedConfig<T, D, true>::Kv>(bp);                       \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(                                             \
+        BwdFusedConfig<T, D, true, true>::Kv::THREADS)                                        \
+        flash_bwd_dq_convert_##NAME##_d##D##_bn128t(const __grid_constant__ BwdParams bp) {   \
+        flash_bwd_dq_convert_tiled<BwdFusedConfig<T, D, true, true>::Kv>(bp);                 \
     }
 
 #define FLASH_BWD_ALL(NAME, T)                                                                \

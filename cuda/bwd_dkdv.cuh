@@ -23,6 +23,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     constexpr int D = K::D, DO = K::DO, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
     constexpr int DOT = K::DOT, STRIDE = K::STRIDE, STAGES = K::STAGES;
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single- or double-buffered");
+    // Fully unrolled k-loops where measured faster (the 128-key shapes above d = 64); the
+    // others keep the registers (ptxas -v, sm_80: full unrolling doubled or tripled their spills).
+    constexpr bool FULL_UNROLL = D > 64 && K::NWARPS == 8;
     const AttnParams& p = bp.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
@@ -134,7 +137,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
-        gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + warp_row0 * STRIDE, sQ, lane);
+        gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
         if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
             mask.template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
         const int t = lane % 4;
@@ -184,7 +187,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
 
         float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
         zero(dpt);
-        gemm_ss<T, MT, NQ, D / 16, STRIDE>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
+        gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -202,11 +205,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
         if constexpr (K::DQ) {
             __syncthreads();  // dS^T of every warp is in shared memory
-            float* dq_accum =
-                bp.dq_accum +
-                seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
-            dq_accumulate<K>(sdS_t, sK, dq_accum, p.o_row_stride, m0, seq.seqlen_q, p.d, warp,
-                             lane);  // dQ += dS K (line 20)
+            dq_accumulate<K>(sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0),
+                             warp, lane);  // dQ += dS K (line 20)
         }
     }
 

@@ -5,6 +5,7 @@
 #pragma once
 #include "gemm.cuh"
 #include "params.cuh"
+#include "seq_info.cuh"
 
 // 4 bytes global -> shared, zero-filled when !valid (`src` must still be a valid address).
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
@@ -72,34 +73,96 @@ __device__ __forceinline__ void store_ds_t(T* ds_t, const uint32_t (&a)[MT][KT][
             }
 }
 
-// This tile's dQ contribution: dS (BM x BN) K (BN x D), split over the warps, added to
-// dq_accum rows [m0, m0 + BM) that exist. dq_accum has dq's layout (o's strides) in f32.
+// The fused mma.sync kernels accumulate dQ in a tiled f32 buffer (FlashAttention-2's
+// layout for its dQ atomics): per (query head, tile of BM rows) one contiguous BM x D block
+// in which every thread's accumulator fragment owns whole runs of DQ_VEC * 32 floats, lane by
+// lane. Each atomic instruction of a warp then covers full 32-byte sectors (in dq's own
+// layout a warp instruction touched half of 8 sectors: 43% of the kernel's L2 sectors were
+// excess, Nsight Compute on the H100), and it needs no row or column bounds: the tile is
+// whole, and the convert pass writes back only rows < seqlen_q and columns < d.
+// sm_90 adds two floats per lane in one `red.global.add.v2`; before it, one per atomic.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int DQ_VEC = 2;
+#else
+constexpr int DQ_VEC = 1;
+#endif
+
+// Offset of fragment element i (of FRAG per thread) of `warp`'s lane in a tile.
+template <int FRAG>
+__device__ __forceinline__ int dq_slot(int warp, int i, int lane) {
+    return (warp * FRAG + i - i % DQ_VEC) * 32 + lane * DQ_VEC + i % DQ_VEC;
+}
+
+// Offset of the tile of rows [m0, m0 + BM) of (sequence b, query head h). A sequence's tiles
+// start at row floor((first row + BM b) / BM) BM of a (h, dq_tile_rows, D) buffer, with
+// dq_tile_rows = total_q + BM batch: each sequence gets its whole tiles without overlap
+// (the BM b term keeps at least one tile's room between neighbours).
+template <class K>
+__device__ __forceinline__ int64_t dq_tile_offset(const BwdParams& bp, const SeqInfo& seq, int b,
+                                                  int h, int m0) {
+    const int64_t first = bp.a.cu_seqlens_q != nullptr ? seq.q_start
+                                                       : int64_t(b) * bp.a.seqlen_q;
+    const int64_t row0 = (first + int64_t(K::BM) * b) / K::BM * K::BM;
+    return (int64_t(h) * bp.dq_tile_rows + row0 + m0) * K::D;
+}
+
+// This tile's dQ contribution: dS (BM x BN) K (BN x D), split over the warps, added to the
+// tile at `tile` (dq_tile_offset).
 template <class K>
 __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const typename K::T* sK,
-                                              float* dq_accum, int64_t row_stride, int m0,
-                                              int seqlen_q, int d, int warp, int lane) {
-    constexpr int MT = K::DQ_MT, NT = K::DQ_NT;
+                                              float* tile, int warp, int lane) {
+    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = MT * NT * 4;
     const int row0 = (warp / K::DQ_WN) * MT * 16, col0 = (warp % K::DQ_WN) * NT * 8;
     float acc[MT][NT][4];
     zero(acc);
     gemm_dq<typename K::T, MT, NT, K::BN / 16, K::DS_STRIDE, K::STRIDE>(acc, ds_t + row0,
                                                                          sK + col0, lane);
-    const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = m0 + row0 + mt * 16 + g + 8 * r;
-            if (row >= seqlen_q) continue;  // would be the next sequence's row (or past the end)
-            float* dst = dq_accum + int64_t(row) * row_stride;
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int col = col0 + nt * 8 + 2 * t;
-                if (col < d) red_add_v2(dst + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
+            for (int e = 0; e < 4; e += DQ_VEC) {
+                float* dst = tile + dq_slot<FRAG>(warp, (mt * NT + nt) * 4 + e, lane);
+                if constexpr (DQ_VEC == 2)
+                    red_add_v2(dst, acc[mt][nt][e], acc[mt][nt][e + 1]);
+                else
+                    atomicAdd(dst, acc[mt][nt][e]);
             }
-        }
 }
 
+// dq = tile * scale for one tile of a tiled buffer: the block has the fused kernel's warps,
+// and each thread reads back the fragments it added (coalesced) and writes their rows < seqlen_q
+// and columns < d. Tiles that no key reached convert the memset's zeros: their gradient.
+template <class K> __device__ __forceinline__ void flash_bwd_dq_convert_tiled(const BwdParams& bp) {
+    using T = typename K::T;
+    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = MT * NT * 4;
+    const AttnParams& p = bp.a;
+    const int m0 = blockIdx.x * K::BM, bidh = blockIdx.y, bidb = blockIdx.z;
+    const SeqInfo seq(p, bidb);
+    if (m0 >= seq.seqlen_q) return;
+    const float* tile = bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0);
+    T* dq = static_cast<T*>(bp.dq) +
+            seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row0 = (warp / K::DQ_WN) * MT * 16, col0 = (warp % K::DQ_WN) * NT * 8;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = (mt * NT + nt) * 4 + 2 * r;
+                const int row = m0 + row0 + mt * 16 + g + 8 * r, col = col0 + nt * 8 + 2 * t;
+                if (row >= seq.seqlen_q || col >= p.d) continue;
+                const float a = tile[dq_slot<FRAG>(warp, i, lane)];
+                const float b = tile[dq_slot<FRAG>(warp, i + 1, lane)];
+                *reinterpret_cast<uint32_t*>(dq + int64_t(row) * p.o_row_stride + col) =
+                    MmaOp<T>::pack(a * p.scale, b * p.scale);
+            }
+}
+
+// The wgmma kernel's dQ (bwd_sm90.cu) is summed in dq's own layout:
 // dq = dq_accum * scale in q's dtype. dq and dq_accum share one contiguous layout whose
 // every element belongs to some sequence (packed batches: cu_seqlens_q spans all total_q
 // rows, checked on the host), so this is a flat pass; rows that no key reached convert the

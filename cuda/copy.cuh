@@ -5,6 +5,7 @@
 // eight 16-byte rows an ldmatrix reads into eight different bank groups, for every head dim
 // (a XOR swizzle needs D / 8 to be a multiple of 8, which 40, 96, 160, 224 are not).
 #pragma once
+#include <climits>
 #include <cstdint>
 
 #include "mma.cuh"
@@ -25,15 +26,43 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// 16 bytes global -> shared, in bounds.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
 // Copies rows [0, ROWS) x columns [0, D) of a global tile into a padded shared tile. Rows at or
 // past `rows_valid` and columns at or past `cols_valid` (a multiple of 8) read as zero, so the
 // tensor-core math on a partial tile adds nothing and never sees garbage.
+//
+// A whole tile (every row and column valid; the common case) takes a path without bounds: each
+// thread copies the same column of rows tid / CHUNKS_PER_ROW + i * ROWS_PER_PASS, one base
+// address plus a constant step per chunk. Per-chunk index math, bounds checks and selects
+// were a large part of the forward's integer instructions (Nsight Compute, SASS, H100,
+// d = 128: 44 M against FlashAttention-2's 5 M), which FA2's precomputed copy partitions do
+// not pay. Measured: +1-7% forward (causal, d = 64), +1-5% backward (docs/PERF.md session 10).
 template <typename T, int ROWS, int D, int NTHREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride,
                                           int rows_valid, int cols_valid, int tid) {
     constexpr int CHUNKS_PER_ROW = D / CHUNK;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
     static_assert(CHUNKS % NTHREADS == 0, "tile chunks must split evenly over the threads");
+    if constexpr (NTHREADS % CHUNKS_PER_ROW == 0) {
+        // 32-bit offsets within the tile (the usual case by far) hold fewer registers.
+        if (rows_valid >= ROWS && cols_valid >= D && row_stride <= INT_MAX / ROWS) {
+            constexpr int ROWS_PER_PASS = NTHREADS / CHUNKS_PER_ROW;
+            const int stride = int(row_stride);
+            const int row = tid / CHUNKS_PER_ROW, col = (tid % CHUNKS_PER_ROW) * CHUNK;
+            // Computed where the copy is issued (opaque), not held across the caller's loop.
+            const T* src = gmem + int(opaque(uint32_t(row * stride + col)));
+            T* dst = smem + row * (D + SMEM_PAD) + col;
+#pragma unroll
+            for (int i = 0; i < CHUNKS / NTHREADS; ++i)
+                cp_async_16(dst + i * ROWS_PER_PASS * (D + SMEM_PAD),
+                            src + i * ROWS_PER_PASS * stride);
+            return;
+        }
+    }
 #pragma unroll
     for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
         const int c = tid + i * NTHREADS;

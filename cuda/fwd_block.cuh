@@ -102,27 +102,31 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
             }
     }
 
-    // One key block. K[nb] is in shared memory; V[nb] is requested here and K[nb - 1] is
-    // requested once S is computed, so each copy overlaps one of the two matmuls.
+    // One key block. K[nb] is in shared memory; V[nb] is requested here and K[nb - 1] once S
+    // is computed, so each copy overlaps at least one of the two matmuls.
     template <bool MASK> __device__ __forceinline__ void step(int nb, int nb_begin) {
         load_v(nb);
         cp_async_commit();
-        float s[MT][NT][4];  // S = Q K^T (line 8)
+        float s[MT][NT][4];  // S = Q K^T (line 8); k-loop fully unrolled up to d = 128, where
+                             // it was measured faster (d > 128 spilled more, ptxas -v)
         zero(s);
-        gemm_ss<T, MT, NT, D / 16, STRIDE>(s, sQ + warp_row0() * STRIDE, sK, lane);
+        gemm_ss<T, MT, NT, D / 16, STRIDE, (D <= 128)>(s, sQ + warp_row0() * STRIDE, sK, lane);
         if (MASK)
             mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane,
                                src.rows_per_query());
-        softmax.update(s, o, p.scale_log2);  // l and the LSE count every entry, dropped or not
-        if (dropout_on()) apply_dropout(s, nb);
-        uint32_t pa[MT][NT / 2][4];  // P as the A operand of P V, straight from registers
-        pack_a<T, MT, NT>(s, pa);
+        // K[nb - 1] is requested before the softmax, so that its copy overlaps the softmax
+        // as well as P V (FlashAttention-2's order: +2-3% at d = 128 on the H100 than
+        // requesting it after the softmax, docs/PERF.md session 10).
         cp_async_wait<0>();
         __syncthreads();  // V[nb] landed; every warp is done reading K[nb]
         if (nb > nb_begin) {
             load_k(nb - 1);
             cp_async_commit();
         }
+        softmax.update(s, o, p.scale_log2);  // l and the LSE count every entry, dropped or not
+        if (dropout_on()) apply_dropout(s, nb);
+        uint32_t pa[MT][NT / 2][4];  // P as the A operand of P V, straight from registers
+        pack_a<T, MT, NT>(s, pa);
         gemm_rs<T, MT, NT / 2, DT, STRIDE>(o, pa, sV, lane);  // O += P V (line 10)
     }
 

@@ -51,10 +51,12 @@ struct BwdParams {
     void* dk;          // (b, seqlen_k, h_k, d)
     void* dv;          // (b, seqlen_k, h_k, d)
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
-    // Non-deterministic path (d <= 128): dQ summed with atomics in f32, laid out like dq,
-    // zeroed before the dK/dV/dQ kernel; null when the dQ kernel computes dq directly.
+    // Non-deterministic path (d <= 128): dQ summed with atomics in f32, zeroed before the
+    // dK/dV/dQ kernel, laid out like dq (wgmma kernel) or in tiles (bwd_dq_accum.cuh); null
+    // when the dQ kernel computes dq directly.
     float* dq_accum;
-    int64_t dq_accum_len;  // elements of dq (and of dq_accum)
+    int64_t dq_accum_len;  // wgmma kernel: elements of dq (and of dq_accum)
+    int64_t dq_tile_rows;  // mma.sync fused kernels: rows per head of the tiled dq_accum
 };
 
 // KV-cache decoding. `a.q`/`a.o` are (b, seqlen_q, h, d) with a.seqlen_q the query tokens;

@@ -151,6 +151,16 @@ impl FusedShape {
             (Self::Bn128Tall, _) => (128, 8, 2 * tile.fused_bm, "_bn128t"),
         }
     }
+
+    /// The name suffix of the convert kernel for this shape's tiled dq_accum (dropout or not,
+    /// the 64-key kernels share one warp layout).
+    fn convert_suffix(self) -> &'static str {
+        match self {
+            Self::Bn64 => "",
+            Self::Bn128 => "_bn128",
+            Self::Bn128Tall => "_bn128t",
+        }
+    }
 }
 
 /// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn64`, `bn128`, `bn128t` or
@@ -278,17 +288,29 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         dq_accum_len: nq as i64,
         ..BwdParams::default()
     };
+    let dropout = params.a.drop_threshold != 0;
     let path = BwdPath::choose(
         &tile,
         deterministic,
-        params.a.drop_threshold != 0,
+        dropout,
         // Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
         facts.hopper(),
         facts.smem,
     );
-    // The fused kernel adds into it; rows that no key reaches keep their zeros.
+    // The fused kernels add into it; rows that no key reaches keep their zeros. The mma.sync
+    // ones tile it (`dq_tile_offset` in cuda/bwd_dq_accum.cuh): per query head, total_q rows
+    // plus one tile of rows per sequence, of the kernel's head dim.
+    let accum_len = match path {
+        BwdPath::Fused(shape) => {
+            let (_, _, bm, _) = shape.geometry(&tile, dropout);
+            params.dq_tile_rows = (s.total_q + bm * s.b) as i64;
+            s.h * (s.total_q + bm * s.b) * tile.d
+        }
+        BwdPath::Sm90 => nq,
+        BwdPath::Separate => 0,
+    };
     let mut dq_accum = match path {
-        BwdPath::Fused(_) | BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
+        BwdPath::Fused(_) | BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(accum_len)?),
         BwdPath::Separate => None,
     };
     let offsets = seq_offsets(problem, &dev)?;
@@ -354,8 +376,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                 } else if let BwdPath::Fused(shape) = path {
                     // Dropout has a kernel of its own (its Philox code costs registers);
                     // `choose` picks the 128-key shapes only without dropout.
-                    let (bn, warps, bm, variant) =
-                        shape.geometry(&tile, params.a.drop_threshold != 0);
+                    let (bn, warps, bm, variant) = shape.geometry(&tile, dropout);
                     launch(
                         &dev,
                         &format!("flash_bwd_dkdvq_{dtype}_d{}{variant}", tile.d),
@@ -365,15 +386,31 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                         &params,
                     )?;
                 }
-                let (threads, per_thread) = (256, 8);
-                launch(
-                    &dev,
-                    &format!("flash_bwd_dq_convert_{dtype}"),
-                    (nq.div_ceil(threads * per_thread), 1, 1),
-                    threads as u32,
-                    0,
-                    &params,
-                )?;
+                if let BwdPath::Fused(shape) = path {
+                    let (_, warps, bm, _) = shape.geometry(&tile, dropout);
+                    launch(
+                        &dev,
+                        &format!(
+                            "flash_bwd_dq_convert_{dtype}_d{}{}",
+                            tile.d,
+                            shape.convert_suffix()
+                        ),
+                        (s.sq.div_ceil(bm), s.h, s.b),
+                        32 * warps,
+                        0,
+                        &params,
+                    )?;
+                } else {
+                    let (threads, per_thread) = (256, 8);
+                    launch(
+                        &dev,
+                        &format!("flash_bwd_dq_convert_{dtype}"),
+                        (nq.div_ceil(threads * per_thread), 1, 1),
+                        threads as u32,
+                        0,
+                        &params,
+                    )?;
+                }
             }
         }
     }

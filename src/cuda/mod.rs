@@ -89,6 +89,7 @@ struct BwdParams {
     dk_head_stride: i64,
     dq_accum: CUdeviceptr,
     dq_accum_len: i64,
+    dq_tile_rows: i64,
 }
 
 // SAFETY: as for `AttnParams`.
