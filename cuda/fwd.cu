@@ -39,11 +39,11 @@ template <class K, bool DROPOUT> __device__ __forceinline__ void flash_fwd(const
 #define FLASH_FWD(NAME, T, D)                                                                 \
     extern "C" __global__ void __launch_bounds__(FwdConfig<T, D>::Traits::THREADS, 1)         \
         flash_fwd_##NAME##_d##D(const __grid_constant__ AttnParams p) {                       \
-        flash_fwd<FwdKernelConfig<T, D, false>::Traits, false>(p);                            \
+        flash_fwd<FwdConfig<T, D>::Traits, false>(p);                                         \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(FwdConfig<T, D>::Traits::THREADS, 1)         \
         flash_fwd_##NAME##_d##D##_dropout(const __grid_constant__ AttnParams p) {             \
-        flash_fwd<FwdKernelConfig<T, D, true>::Traits, true>(p);                              \
+        flash_fwd<FwdConfig<T, D>::Traits, true>(p);                                          \
     }
 #define FLASH_FWD_ALL_D(NAME, T)                                                              \
     FLASH_FWD(NAME, T, 32)                                                                    \

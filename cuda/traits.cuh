@@ -24,9 +24,9 @@ template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct FwdTraits {
 // rows of O no longer fit in registers. Key tiles are as wide as the registers allow without
 // spills in the unmasked loop body (ptxas -v, sm_90): at d = 64 a 128-key tile spilled 80 B,
 // at d = 128 a 64-key tile spilled 112 B, so those use 64 and 32.
-// Without dropout (its Philox rounds hold registers in the loop body), d = 128 affords 64-key
-// tiles: a few loop-invariant values spill (3 loads per tile, ptxas -v), against half the
-// barriers and O rescales per key of 32-key tiles.
+// d = 128 without dropout ran 64-key tiles until session 10 (docs/PERF.md): with the copies,
+// mask and softmax of that session, 32-key tiles measured +4-7% causal and -2% to +2%
+// non-causal on the H100's sm_80 path, with fewer registers, so both variants take 32.
 template <typename T, int D> struct FwdConfig;
 template <typename T> struct FwdConfig<T, 32> { using Traits = FwdTraits<T, 32, 128, 64, 4>; };
 template <typename T> struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 64, 4>; };
@@ -40,5 +40,3 @@ template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256
 // rows and 32-key tiles (52-68 KB instead of 102-135 KB). Mirror: `FwdTile::fit` in
 // src/cuda/mod.rs.
 template <typename T, int D> struct FwdSmallConfig { using Traits = FwdTraits<T, D, 64, 32, 4>; };
-template <typename T, int D, bool DROPOUT> struct FwdKernelConfig { using Traits = typename FwdConfig<T, D>::Traits; };
-template <typename T> struct FwdKernelConfig<T, 128, false> { using Traits = FwdTraits<T, 128, 128, 64, 4>; };

@@ -276,16 +276,6 @@ pub(super) struct FwdTile {
 }
 
 impl FwdTile {
-    /// The tile of the forward kernel for head dim `d` (d <= 256 was validated), with or
-    /// without dropout: d = 128 without dropout has the registers for 64-key tiles.
-    fn for_forward(d: usize, dropout: bool) -> Self {
-        let tile = Self::for_head_dim(d);
-        match (tile.d, dropout) {
-            (128, false) => Self { bn: 64, ..tile },
-            _ => tile,
-        }
-    }
-
     /// This tile, or where it needs more shared memory than `smem` bytes (d >= 192 on a 99 KB
     /// device), the small one: 64 rows, 32-key tiles, 4 warps (`FwdSmallConfig`).
     fn fit(self, smem: usize) -> Self {
@@ -827,7 +817,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     let mut params = AttnParams::new(problem, ql, kl, vl)?;
     // Dropout has kernels of its own (its Philox code costs registers in the loop).
     let dropout = params.drop_threshold != 0;
-    let tile = FwdTile::for_forward(s.d, dropout).fit(device_facts(&dev)?.smem);
+    let tile = FwdTile::for_head_dim(s.d).fit(device_facts(&dev)?.smem);
     let offsets = seq_offsets(problem, &dev)?;
     {
         let _offset_syncs = set_seq_offsets(&mut params, &offsets, &stream);
