@@ -111,8 +111,8 @@ __device__ __forceinline__ int64_t dq_tile_offset(const BwdParams& bp, const Seq
 template <class K>
 __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const typename K::T* sK,
                                               float* tile, int warp, int lane) {
-    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = MT * NT * 4;
-    const int row0 = (warp / K::DQ_WN) * MT * 16, col0 = (warp % K::DQ_WN) * NT * 8;
+    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = K::DQ_FRAG;
+    const int row0 = K::dq_row0(warp), col0 = K::dq_col0(warp);
     float acc[MT][NT][4];
     zero(acc);
     gemm_dq<typename K::T, MT, NT, K::BN / 16, K::DS_STRIDE, K::STRIDE>(acc, ds_t + row0,
@@ -136,7 +136,7 @@ __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const t
 // and columns < d. Tiles that no key reached convert the memset's zeros: their gradient.
 template <class K> __device__ __forceinline__ void flash_bwd_dq_convert_tiled(const BwdParams& bp) {
     using T = typename K::T;
-    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = MT * NT * 4;
+    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = K::DQ_FRAG;
     const AttnParams& p = bp.a;
     const int m0 = blockIdx.x * K::BM, bidh = blockIdx.y, bidb = blockIdx.z;
     const SeqInfo seq(p, bidb);
@@ -145,7 +145,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq_convert_tiled(co
     T* dq = static_cast<T*>(bp.dq) +
             seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int row0 = (warp / K::DQ_WN) * MT * 16, col0 = (warp % K::DQ_WN) * NT * 8;
+    const int row0 = K::dq_row0(warp), col0 = K::dq_col0(warp);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -27,6 +27,10 @@ struct BwdKvTraits {
     static constexpr int DQ_WN = DQ_WN_, DQ_WM = NWARPS / DQ_WN;
     static constexpr int DQ_MT = BM / (16 * DQ_WM);  // m16 query tiles of dQ per warp
     static constexpr int DQ_NT = D / (8 * DQ_WN);    // n8 column tiles of dQ per warp
+    static constexpr int DQ_FRAG = DQ_MT * DQ_NT * 4;  // dQ accumulators per thread
+    // First row and column of `warp`'s dQ tile within the BM x D tile.
+    static __device__ __forceinline__ int dq_row0(int warp) { return (warp / DQ_WN) * DQ_MT * 16; }
+    static __device__ __forceinline__ int dq_col0(int warp) { return (warp % DQ_WN) * DQ_NT * 8; }
     static constexpr int DS_STRIDE = BM + SMEM_PAD;  // dS^T tile: BN rows of BM queries
     static constexpr int SMEM_BYTES = (2 * BN + 2 * STAGES * BM) * STRIDE * int(sizeof(T)) +
                                       (DQ ? BN * DS_STRIDE * int(sizeof(T)) : 0) +

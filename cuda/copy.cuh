@@ -53,8 +53,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
             constexpr int ROWS_PER_PASS = NTHREADS / CHUNKS_PER_ROW;
             const int stride = int(row_stride);
             const int row = tid / CHUNKS_PER_ROW, col = (tid % CHUNKS_PER_ROW) * CHUNK;
-            // Computed where the copy is issued (opaque), not held across the caller's loop.
-            const T* src = gmem + int(opaque(uint32_t(row * stride + col)));
+            const T* src = gmem + (row * stride + col);
             T* dst = smem + row * (D + SMEM_PAD) + col;
 #pragma unroll
             for (int i = 0; i < CHUNKS / NTHREADS; ++i)

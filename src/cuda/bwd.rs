@@ -141,24 +141,31 @@ enum FusedShape {
     Bn128Tall,
 }
 
-impl FusedShape {
-    /// Keys per block, warps, streamed query rows per tile and the kernel name's suffix.
-    fn geometry(self, tile: &BwdTile, dropout: bool) -> (usize, u32, usize, &'static str) {
-        match (self, dropout) {
-            (Self::Bn64, true) => (64, 4, tile.fused_bm, "_dropout"),
-            (Self::Bn64, false) => (64, 4, tile.fused_bm, ""),
-            (Self::Bn128, _) => (128, 8, tile.fused_bm, "_bn128"),
-            (Self::Bn128Tall, _) => (128, 8, 2 * tile.fused_bm, "_bn128t"),
-        }
-    }
+/// One fused shape's launch geometry (for the head dim's tile, with or without dropout).
+#[derive(Clone, Copy, Debug)]
+struct FusedGeometry {
+    /// Keys per block.
+    bn: usize,
+    warps: u32,
+    /// Streamed query rows per tile: also the row tile of its dq_accum.
+    bm: usize,
+    /// The shape's name suffix; its dK/dV/dQ kernel adds `_dropout` with dropout, its
+    /// convert kernel (one per warp layout) does not.
+    suffix: &'static str,
+}
 
-    /// The name suffix of the convert kernel for this shape's tiled dq_accum (dropout or not,
-    /// the 64-key kernels share one warp layout).
-    fn convert_suffix(self) -> &'static str {
-        match self {
-            Self::Bn64 => "",
-            Self::Bn128 => "_bn128",
-            Self::Bn128Tall => "_bn128t",
+impl FusedShape {
+    fn geometry(self, tile: &BwdTile) -> FusedGeometry {
+        let (bn, warps, bm, suffix) = match self {
+            Self::Bn64 => (64, 4, tile.fused_bm, ""),
+            Self::Bn128 => (128, 8, tile.fused_bm, "_bn128"),
+            Self::Bn128Tall => (128, 8, 2 * tile.fused_bm, "_bn128t"),
+        };
+        FusedGeometry {
+            bn,
+            warps,
+            bm,
+            suffix,
         }
     }
 }
@@ -189,8 +196,10 @@ impl BwdPath {
             Self::Sm90
         } else {
             let fits = |shape: FusedShape| {
-                let (bn, _, bm, _) = shape.geometry(tile, dropout);
-                tile.has_fused_wide() && !dropout && tile.fused_smem_bytes(bn, bm) as usize <= smem
+                let g = shape.geometry(tile);
+                tile.has_fused_wide()
+                    && !dropout
+                    && tile.fused_smem_bytes(g.bn, g.bm) as usize <= smem
             };
             // The first that fits of the allowed 128-key shapes; 64 keys otherwise.
             let wide: &[FusedShape] = match env {
@@ -300,17 +309,13 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
     // The fused kernels add into it; rows that no key reaches keep their zeros. The mma.sync
     // ones tile it (`dq_tile_offset` in cuda/bwd_dq_accum.cuh): per query head, total_q rows
     // plus one tile of rows per sequence, of the kernel's head dim.
-    let accum_len = match path {
-        BwdPath::Fused(shape) => {
-            let (_, _, bm, _) = shape.geometry(&tile, dropout);
-            params.dq_tile_rows = (s.total_q + bm * s.b) as i64;
-            s.h * (s.total_q + bm * s.b) * tile.d
-        }
-        BwdPath::Sm90 => nq,
-        BwdPath::Separate => 0,
-    };
     let mut dq_accum = match path {
-        BwdPath::Fused(_) | BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(accum_len)?),
+        BwdPath::Fused(shape) => {
+            let rows = s.total_q + shape.geometry(&tile).bm * s.b;
+            params.dq_tile_rows = rows as i64;
+            Some(dev.alloc_zeros::<f32>(s.h * rows * tile.d)?)
+        }
+        BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
         BwdPath::Separate => None,
     };
     let offsets = seq_offsets(problem, &dev)?;
@@ -363,54 +368,49 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                     &params,
                 )?;
             }
-            BwdPath::Fused(_) | BwdPath::Sm90 => {
-                if path == BwdPath::Sm90 {
-                    launch(
-                        &dev,
-                        &format!("flash_bwd_sm90_{dtype}_d{}", tile.d),
-                        (s.sk.div_ceil(SM90_BN), s.hk, s.b),
-                        256,
-                        sm90_smem_bytes(tile.d),
-                        &params,
-                    )?;
-                } else if let BwdPath::Fused(shape) = path {
-                    // Dropout has a kernel of its own (its Philox code costs registers);
-                    // `choose` picks the 128-key shapes only without dropout.
-                    let (bn, warps, bm, variant) = shape.geometry(&tile, dropout);
-                    launch(
-                        &dev,
-                        &format!("flash_bwd_dkdvq_{dtype}_d{}{variant}", tile.d),
-                        (s.sk.div_ceil(bn), s.hk, s.b),
-                        32 * warps,
-                        tile.fused_smem_bytes(bn, bm),
-                        &params,
-                    )?;
-                }
-                if let BwdPath::Fused(shape) = path {
-                    let (_, warps, bm, _) = shape.geometry(&tile, dropout);
-                    launch(
-                        &dev,
-                        &format!(
-                            "flash_bwd_dq_convert_{dtype}_d{}{}",
-                            tile.d,
-                            shape.convert_suffix()
-                        ),
-                        (s.sq.div_ceil(bm), s.h, s.b),
-                        32 * warps,
-                        0,
-                        &params,
-                    )?;
-                } else {
-                    let (threads, per_thread) = (256, 8);
-                    launch(
-                        &dev,
-                        &format!("flash_bwd_dq_convert_{dtype}"),
-                        (nq.div_ceil(threads * per_thread), 1, 1),
-                        threads as u32,
-                        0,
-                        &params,
-                    )?;
-                }
+            BwdPath::Sm90 => {
+                launch(
+                    &dev,
+                    &format!("flash_bwd_sm90_{dtype}_d{}", tile.d),
+                    (s.sk.div_ceil(SM90_BN), s.hk, s.b),
+                    256,
+                    sm90_smem_bytes(tile.d),
+                    &params,
+                )?;
+                let (threads, per_thread) = (256, 8);
+                launch(
+                    &dev,
+                    &format!("flash_bwd_dq_convert_{dtype}"),
+                    (nq.div_ceil(threads * per_thread), 1, 1),
+                    threads as u32,
+                    0,
+                    &params,
+                )?;
+            }
+            BwdPath::Fused(shape) => {
+                // Dropout has a kernel of its own (its Philox code costs registers);
+                // `choose` picks the 128-key shapes only without dropout.
+                let g = shape.geometry(&tile);
+                let dropout_suffix = if dropout { "_dropout" } else { "" };
+                launch(
+                    &dev,
+                    &format!(
+                        "flash_bwd_dkdvq_{dtype}_d{}{}{dropout_suffix}",
+                        tile.d, g.suffix
+                    ),
+                    (s.sk.div_ceil(g.bn), s.hk, s.b),
+                    32 * g.warps,
+                    tile.fused_smem_bytes(g.bn, g.bm),
+                    &params,
+                )?;
+                launch(
+                    &dev,
+                    &format!("flash_bwd_dq_convert_{dtype}_d{}{}", tile.d, g.suffix),
+                    (s.sq.div_ceil(g.bm), s.h, s.b),
+                    32 * g.warps,
+                    0,
+                    &params,
+                )?;
             }
         }
     }
