@@ -34,8 +34,19 @@ template <int MT> struct OnlineSoftmax {
     template <int NT, int DT>
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&o)[MT][DT][4],
                                            float scale_log2) {
-        float alpha[MT][2], m_scaled[MT][2];
-        bool rescale = false;
+        float alpha[MT][2];
+        if (exp_and_factors(s, alpha, scale_log2)) rescale(o, alpha);
+    }
+
+    // update() without touching O, for kernels whose O is still being accumulated by an
+    // asynchronous matmul of the previous tile: S becomes P, the running max and sum move on,
+    // and alpha holds the factors O must be multiplied by once that matmul is done. Returns
+    // whether any factor of the warp differs from 1 (the same for every lane).
+    template <int NT>
+    __device__ __forceinline__ bool exp_and_factors(float (&s)[MT][NT][4], float (&alpha)[MT][2],
+                                                    float scale_log2) {
+        float m_scaled[MT][2];
+        bool any = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -50,18 +61,10 @@ template <int MT> struct OnlineSoftmax {
                 // instead of exp2(-inf + inf) = NaN.
                 m_scaled[mt][r] = m == -INFINITY ? 0.f : m * scale_log2;
                 alpha[mt][r] = exp2f(row_max[mt][r] * scale_log2 - m_scaled[mt][r]);
-                rescale |= alpha[mt][r] != 1.f;
+                any |= alpha[mt][r] != 1.f;
                 row_max[mt][r] = m;
                 row_sum[mt][r] *= alpha[mt][r];
             }
-        if (__any_sync(0xffffffff, rescale)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) o[mt][dt][e] *= alpha[mt][e / 2];
-        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -76,6 +79,17 @@ template <int MT> struct OnlineSoftmax {
                     }
                 row_sum[mt][r] = sum;
             }
+        return __any_sync(0xffffffff, any);
+    }
+
+    template <int DT>
+    __device__ __forceinline__ void rescale(float (&o)[MT][DT][4], const float (&alpha)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[mt][dt][e] *= alpha[mt][e / 2];
     }
 
     // Reduces the row sums over the quad; returns 1/l (0 for rows that saw no key) and the

@@ -4,6 +4,7 @@
 
 mod bwd;
 mod decode;
+mod tma;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::{append, decode};
 
@@ -465,6 +466,7 @@ fn forced_arch() -> &'static str {
 pub(crate) enum PtxFile {
     Fwd,
     FwdSm90,
+    FwdWs,
     Bwd,
     BwdSm90,
     Decode,
@@ -477,6 +479,7 @@ impl PtxFile {
         match self {
             Self::Fwd => (ptx::sm90a::FWD, ptx::sm80::FWD),
             Self::FwdSm90 => (ptx::sm90a::FWD_SM90, ptx::sm80::FWD_SM90),
+            Self::FwdWs => (ptx::sm90a::FWD_WS_SM90, ptx::sm80::FWD_WS_SM90),
             Self::Bwd => (ptx::sm90a::BWD, ptx::sm80::BWD),
             Self::BwdSm90 => (ptx::sm90a::BWD_SM90, ptx::sm80::BWD_SM90),
             Self::Decode => (ptx::sm90a::DECODE, ptx::sm80::DECODE),
@@ -591,7 +594,14 @@ fn use_sm90(dev: &candle::CudaDevice) -> Result<bool> {
     Ok(forced_fwd() != "mma" && device_facts(dev)?.hopper())
 }
 
-/// `CANDLE_FLASH_FWD=mma` forces the mma.sync forward kernels, read once.
+/// The warp-specialized kernel (fwd_ws_sm90.cu) on Hopper, unless `CANDLE_FLASH_FWD=sm90`
+/// (the wgmma kernel of fwd_sm90.cu) or `mma` asks for another.
+fn use_ws(dev: &candle::CudaDevice) -> Result<bool> {
+    Ok(!matches!(forced_fwd(), "mma" | "sm90") && device_facts(dev)?.hopper())
+}
+
+/// `CANDLE_FLASH_FWD=mma|sm90` forces the mma.sync or the first wgmma forward kernels, read
+/// once.
 fn forced_fwd() -> &'static str {
     static FORCED: OnceLock<String> = OnceLock::new();
     FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_FWD").unwrap_or_default())
@@ -714,6 +724,8 @@ pub(crate) fn prepare_launch(
     }
     let file = if name.starts_with("flash_fwd_sm90") {
         PtxFile::FwdSm90
+    } else if name.starts_with("flash_fwd_ws") {
+        PtxFile::FwdWs
     } else if name.starts_with("flash_bwd_sm90") {
         PtxFile::BwdSm90
     } else if name.starts_with("flash_fwd") {
@@ -829,7 +841,23 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let dtype = dtype_name(q.dtype())?;
-        if !dropout && Sm90Shape::supports(tile.d) && use_sm90(&dev)? {
+        // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
+        let ws = match tma::WsShape::for_head_dim(tile.d) {
+            Some(shape) if !dropout && problem.varlen.is_none() && use_ws(&dev)? => {
+                tma::fwd_params(&params, q.dtype(), &shape).map(|p| (shape, p))
+            }
+            _ => None,
+        };
+        if let Some((shape, ws_params)) = ws {
+            launch(
+                &dev,
+                &format!("flash_fwd_ws_{dtype}_d{}", shape.d),
+                (s.sq.div_ceil(tma::WsShape::BM), s.h, s.b),
+                tma::WsShape::THREADS,
+                shape.smem_bytes(),
+                &ws_params,
+            )?;
+        } else if !dropout && Sm90Shape::supports(tile.d) && use_sm90(&dev)? {
             let shape = Sm90Shape::choose(tile.d, s.sq, problem.causal);
             let name = format!("flash_fwd_sm90_{dtype}_d{}{}", tile.d, shape.suffix());
             launch(

@@ -1,0 +1,82 @@
+// Hopper's asynchronous data movement for the warp-specialized kernels (sm_90a): tensor
+// memory access (TMA) copies of whole tiles, the mbarriers that count their bytes, named
+// barriers between warpgroups and register reallocation between them.
+//
+// A TMA copy of a 64-column box with the 128-byte swizzle lands in shared memory in exactly
+// the panel layout of wgmma.cuh (chunk ^ row % 8 within 1 KB atoms), so the same matrix
+// descriptors read it.
+#pragma once
+#include <cstdint>
+
+// A CUtensorMap, encoded on the host (src/cuda/tma.rs) and passed inside a __grid_constant__
+// kernel parameter: the TMA unit reads it from parameter space, no copy to global memory.
+struct alignas(64) TmaDesc {
+    uint64_t opaque[16];
+};
+
+namespace tma {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// Barrier initialisation must be visible to the async proxy before a copy signals one.
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of copies that will complete on the barrier.
+__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits for the completion of the barrier's phase of parity `phase`. A fresh barrier is in
+// phase 0, so waiting for parity 1 returns at once: producers start there on empty slots.
+__device__ __forceinline__ void wait(uint32_t bar, int phase) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(phase)
+        : "memory");
+}
+
+// Copies the box at element coordinates (c0 = column, c1 = row, c2 = head, c3 = batch) of
+// `desc`'s tensor to `dst`; completion counts the box's bytes on `bar`. Coordinates past the
+// tensor's extent read as zero.
+__device__ __forceinline__ void load_4d(uint32_t dst, const TmaDesc& desc, uint32_t bar, int c0,
+                                        int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(&desc)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+// Named barriers 1..15 (0 is __syncthreads): `threads` arrivals complete one; `sync` waits
+// for that, `arrive` does not.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Moves registers between warpgroups: every warp of a warpgroup runs the same one. The
+// producer gives up what its copies do not need, the consumers take it for their
+// accumulators.
+template <int N> __device__ __forceinline__ void regs_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+}  // namespace tma

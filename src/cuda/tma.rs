@@ -1,0 +1,155 @@
+//! The warp-specialized Hopper forward (`cuda/fwd_ws_sm90.cu`): tensor maps for its TMA
+//! copies, its parameter block and its tile shapes.
+
+use candle::cuda_backend::cudarc::driver::sys;
+use candle::cuda_backend::cudarc::driver::DeviceRepr;
+use candle::DType;
+
+use super::AttnParams;
+
+/// Mirror of `struct TmaDesc` in `cuda/tma.cuh`: an encoded `CUtensorMap`, 64-byte aligned as
+/// the TMA unit requires (cudarc's own type is 128-byte aligned under CUDA 13; the bytes are
+/// the same).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct TmaDesc([u64; 16]);
+
+/// Mirror of `struct FwdTmaParams` in `cuda/fwd_ws_sm90.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FwdTmaParams {
+    pub q: TmaDesc,
+    pub k: TmaDesc,
+    pub v: TmaDesc,
+    pub a: AttnParams,
+}
+
+// SAFETY: plain-old-data with the C layout of `FwdTmaParams`, passed by value as a kernel
+// argument (__grid_constant__).
+unsafe impl DeviceRepr for FwdTmaParams {}
+
+/// A (batch, rows, heads, head_dim) tensor as TMA sees it: element strides of a row, a head
+/// and a batch (the head dim is contiguous).
+pub(super) struct TileSource {
+    pub ptr: sys::CUdeviceptr,
+    pub dtype: DType,
+    pub b: usize,
+    pub rows: usize,
+    pub heads: usize,
+    pub d: usize,
+    pub strides: [i64; 3],
+}
+
+impl TileSource {
+    /// A tensor map copying boxes of 64 columns x `box_rows` rows of one head into 128-byte
+    /// swizzled panels, zero past the tensor's extent. `None` where TMA cannot address the
+    /// tensor (a base or stride not a multiple of 16 bytes, broadcast strides): the caller
+    /// then runs a kernel that copies with per-thread loads.
+    pub fn encode(&self, box_rows: usize) -> Option<TmaDesc> {
+        use sys::{
+            CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
+            CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
+            CUtensorMapSwizzle as Swizzle,
+        };
+        let ty = match self.dtype {
+            DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            DType::BF16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            _ => return None,
+        };
+        let dims = [self.d, self.rows, self.heads, self.b].map(|x| x as u64);
+        // A dimension of extent 1 is never stepped over; give it a stride TMA accepts.
+        let mut strides = [0u64; 3];
+        for (i, &s) in self.strides.iter().enumerate() {
+            let bytes = (s.max(0) as u64) * 2;
+            strides[i] = if dims[i + 1] == 1 { 16 } else { bytes };
+        }
+        if !self.ptr.is_multiple_of(16)
+            || strides
+                .iter()
+                .any(|&s| s == 0 || !s.is_multiple_of(16) || s >= 1 << 40)
+        {
+            return None;
+        }
+        let boxes = [64u32, box_rows as u32, 1, 1];
+        let unit = [1u32; 4];
+        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+        // SAFETY: the arrays have the rank's lengths (4 dims, 3 strides past the first, 4 box
+        // extents and element strides); the map is written by the call and read only on
+        // success. Encoding touches no device memory: `ptr` is stored, not dereferenced.
+        let result = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                ty,
+                4,
+                self.ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                unit.as_ptr(),
+                Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if result != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: initialised by the successful call above.
+        let map = unsafe { map.assume_init() };
+        Some(TmaDesc(map.opaque))
+    }
+}
+
+/// One warp-specialized forward kernel (mirror of `WsTraits`): 128 query rows (two consumer
+/// warpgroups of 64), `bn` keys per tile, `stages` slots of K and V.
+pub(super) struct WsShape {
+    pub d: usize,
+    pub bn: usize,
+    pub stages: usize,
+}
+
+impl WsShape {
+    pub const BM: usize = 128;
+    pub const THREADS: u32 = 384;
+
+    /// The kernel for padded head dim `d`, if there is one.
+    pub fn for_head_dim(d: usize) -> Option<Self> {
+        let (bn, stages) = match d {
+            64 => (128, 3),
+            128 => (128, 2),
+            256 => (64, 2),
+            _ => return None,
+        };
+        Some(Self { d, bn, stages })
+    }
+
+    /// `WsTraits::SMEM_BYTES`: Q, the K and V slots, the mbarriers, 1 KB of alignment.
+    pub fn smem_bytes(&self) -> u32 {
+        ((Self::BM + 2 * self.stages * self.bn) * self.d * 2 + (1 + 4 * self.stages) * 8 + 1024)
+            as u32
+    }
+}
+
+/// The parameter block of the warp-specialized forward for `a` (pointers and strides set),
+/// or `None` where TMA cannot address q, k or v.
+pub(super) fn fwd_params(a: &AttnParams, dtype: DType, shape: &WsShape) -> Option<FwdTmaParams> {
+    let source = |ptr, rows: i32, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
+        ptr,
+        dtype,
+        b: a.b as usize,
+        rows: rows as usize,
+        heads: heads as usize,
+        d: a.d as usize,
+        strides: [row, head, batch],
+    };
+    let q = [a.q_batch_stride, a.q_row_stride, a.q_head_stride];
+    let k = [a.k_batch_stride, a.k_row_stride, a.k_head_stride];
+    let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
+    Some(FwdTmaParams {
+        q: source(a.q, a.seqlen_q, a.h, q).encode(WsShape::BM)?,
+        k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn)?,
+        v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn)?,
+        a: *a,
+    })
+}
