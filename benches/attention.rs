@@ -18,7 +18,7 @@
 //! Candle's own attention has `fwd` and `fwd+bwd` (through autograd).
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--no-naive] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -121,7 +121,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--no-naive] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -153,6 +153,7 @@ struct Args {
     decode_only: bool,
     no_decode: bool,
     no_naive: bool,
+    fwd_only: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -164,6 +165,7 @@ impl Args {
             decode_only: false,
             no_decode: false,
             no_naive: false,
+            fwd_only: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -173,6 +175,7 @@ impl Args {
                 "--decode-only" => args.decode_only = true,
                 "--no-decode" => args.no_decode = true,
                 "--no-naive" => args.no_naive = true,
+                "--fwd-only" => args.fwd_only = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -335,6 +338,7 @@ fn run(args: &Args, dev: &Device) {
         records: Vec::new(),
         start: Instant::now(),
         no_naive: args.no_naive,
+        fwd_only: args.fwd_only,
     };
     if !args.decode_only {
         println!(
@@ -367,6 +371,8 @@ struct Bench {
     start: Instant,
     /// `--no-naive`: only our kernels (A/B runs of kernel variants).
     no_naive: bool,
+    /// `--fwd-only`: no backward passes (A/B runs of forward kernels).
+    fwd_only: bool,
 }
 
 impl Bench {
@@ -388,6 +394,9 @@ impl Bench {
         let opts = FlashAttn::new().causal(case.causal);
         let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
         let fwd = self.record(FLASH, "fwd", case, try_time(|| time_fwd(&dev, sets, &attn)));
+        if self.fwd_only {
+            return;
+        }
         self.record(
             FLASH,
             "bwd",

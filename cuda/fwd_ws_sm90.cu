@@ -1,16 +1,20 @@
 // The warp-specialized forward kernel on Hopper (sm_90a), FlashAttention-3's structure:
 // - a producer warpgroup, one thread of which issues TMA copies of the Q tile and of each key
 //   tile of K and V into a ring of STAGES slots, each slot with a "full" mbarrier (bytes
-//   landed) and an "empty" one (both consumers done with it); it keeps 24 registers per
+//   landed) and an "empty" one (every consumer warp done with it); it keeps 24 registers per
 //   thread and hands the rest to the consumers (setmaxnreg);
-// - two consumer warpgroups, 64 query rows each, sharing the key tiles. Within a warpgroup
-//   the softmax of tile j runs while the tensor cores multiply P(j-1) V(j-1) (issued together
-//   with S(j) = Q K(j)^T, then waited for one at a time); between them, named barriers hand
-//   the tensor cores from one warpgroup to the other ("pingpong"), so one's softmax runs under
-//   the other's matmuls.
+// - two or three consumer warpgroups, 64 query rows each, sharing the key tiles. Within a
+//   warpgroup the softmax of tile j runs while the tensor cores multiply P(j-1) V(j-1)
+//   (issued together with S(j) = Q K(j)^T, then waited for one at a time); between them,
+//   named barriers hand the tensor cores from one warpgroup to the next ("pingpong"), so one's
+//   softmax runs under the others' matmuls.
+// - persistent blocks: block i takes work tiles i, i + grid, ... (query block, head, batch),
+//   heaviest query blocks first; the producer loads the next tile's Q and keys while the
+//   consumers finish the last one and write its output. A grid of one block per tile is the
+//   non-persistent kernel.
 // Key tiles are visited last first, as in fwd_sm90.cu (under a causal mask only the first
 // need the mask). Fixed-length batches without dropout; src/cuda/mod.rs sends the rest to
-// fwd_sm90.cu and fwd.cu. Entry points flash_fwd_ws_<dtype>_d<D>.
+// fwd_sm90.cu and fwd.cu. Entry points flash_fwd_ws_<dtype>_d<D>[_<shape>].
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -27,70 +31,123 @@ struct FwdTmaParams {
     AttnParams a;
 };
 
-template <typename T_, int D_, int BN_, int STAGES_, bool PINGPONG_> struct WsTraits {
+template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_>
+struct WsTraits {
     using T = T_;
-    static constexpr int D = D_, BN = BN_, STAGES = STAGES_;
+    static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr bool PINGPONG = PINGPONG_;
-    static constexpr int CONSUMERS = 2, BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
+    static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
-    // Q, STAGES K tiles, STAGES V tiles, then the barriers: Q's, and full/empty per K and V
-    // slot; plus 1 KB to align the tiles to a swizzle atom (src/cuda/tma.rs: smem_bytes).
+    // Q, STAGES K tiles, STAGES V tiles, then the barriers: Q full and empty, and full/empty
+    // per K and V slot; plus 1 KB to align the tiles to a swizzle atom (src/cuda/tma.rs:
+    // WsShape::smem_bytes).
     static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
-    static constexpr int SMEM_BYTES = BAR_OFFSET + (1 + 4 * STAGES) * 8 + 1024;
-    // Registers per thread after the hand-over: 128 x 24 + 256 x 240 <= 64 K.
-    static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+    static constexpr int SMEM_BYTES = BAR_OFFSET + (2 + 4 * STAGES) * 8 + 1024;
+    // Registers per thread after the hand-over (the launch gives 65536 / THREADS each):
+    // 128 x 24 + 256 x 240 or 128 x 24 + 384 x 160, within 64 K.
+    static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
     static_assert(D % 64 == 0, "panels are 64 columns wide");
     static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 };
 
 // Shared-memory addresses of the tiles and barriers.
 template <class K> struct WsSmem {
     uint32_t base;
     __device__ __forceinline__ uint32_t q() const { return base; }
-    __device__ __forceinline__ uint32_t k(int st) const { return base + K::Q_BYTES + st * K::KV_BYTES; }
+    __device__ __forceinline__ uint32_t k(int st) const {
+        return base + K::Q_BYTES + st * K::KV_BYTES;
+    }
     __device__ __forceinline__ uint32_t v(int st) const {
         return base + K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
     }
-    __device__ __forceinline__ uint32_t bar_q() const { return base + K::BAR_OFFSET; }
-    __device__ __forceinline__ uint32_t full_k(int st) const { return bar_q() + 8 * (1 + st); }
+    __device__ __forceinline__ uint32_t full_q() const { return base + K::BAR_OFFSET; }
+    __device__ __forceinline__ uint32_t empty_q() const { return full_q() + 8; }
+    __device__ __forceinline__ uint32_t full_k(int st) const { return full_q() + 8 * (2 + st); }
     __device__ __forceinline__ uint32_t full_v(int st) const {
-        return bar_q() + 8 * (1 + K::STAGES + st);
+        return full_q() + 8 * (2 + K::STAGES + st);
     }
     __device__ __forceinline__ uint32_t empty_k(int st) const {
-        return bar_q() + 8 * (1 + 2 * K::STAGES + st);
+        return full_q() + 8 * (2 + 2 * K::STAGES + st);
     }
     __device__ __forceinline__ uint32_t empty_v(int st) const {
-        return bar_q() + 8 * (1 + 3 * K::STAGES + st);
+        return full_q() + 8 * (2 + 3 * K::STAGES + st);
     }
 };
 
-// The producer: one thread copies Q, then K and V of the key tiles [nb_begin, nb_end), last
-// first, each into the next slot once the consumers have released it.
+// A key tile's place in the ring: every block counts the key tiles it has passed through
+// (over all its work tiles), the producer and each consumer alike.
+template <class K> struct Slot {
+    int st, phase;
+    __device__ __forceinline__ explicit Slot(int it)
+        : st(it % K::STAGES), phase((it / K::STAGES) & 1) {}
+};
+
+// One work tile: query block m_block of head bidh of sequence bidb, and its key tiles.
+template <class K> struct WsTile {
+    int m_block, bidh, bidb, bidh_k, m0, q_last, nb_begin, nb_end;
+    SeqInfo seq;
+    Mask mask;
+
+    // Tile t in the order of the grid's walk: query blocks from the last (the heaviest under
+    // a causal mask) down, all heads and sequences of one before the next.
+    __device__ __forceinline__ WsTile(const AttnParams& p, int t)
+        : seq(p, (t % (p.h * p.b)) / p.h), mask(p, seq) {
+        const int m_blocks = (p.seqlen_q + K::BM - 1) / K::BM;
+        m_block = m_blocks - 1 - t / (p.h * p.b);
+        bidh = t % p.h;
+        bidb = (t % (p.h * p.b)) / p.h;
+        bidh_k = bidh / p.h_h_k_ratio;
+        m0 = m_block * K::BM;
+        q_last = min(m0 + K::BM, seq.seqlen_q) - 1;
+        mask.template key_blocks<K::BN>(m0, q_last, &nb_begin, &nb_end);
+    }
+    __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
+};
+
+// The producer: one thread copies, per work tile, Q (once the consumers are done with the
+// last one) and K and V of its key tiles, last first, each into the next slot once the
+// consumers have released it.
 template <class K>
-__device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm, int m0,
-                                           int bidh, int bidh_k, int bidb, int nb_begin,
-                                           int nb_end) {
-    tma::arrive_expect_tx(sm.bar_q(), K::Q_BYTES);
-#pragma unroll
-    for (int panel = 0; panel < K::D / 64; ++panel)
-        tma::load_4d(sm.q() + panel * K::BM * 128, P.q, sm.bar_q(), panel * 64, m0, bidh, bidb);
-    for (int nb = nb_end - 1, i = 0; nb >= nb_begin; --nb, ++i) {
-        const int st = i % K::STAGES, phase = (i / K::STAGES) & 1;
-        tma::wait(sm.empty_k(st), phase ^ 1);
-        tma::arrive_expect_tx(sm.full_k(st), K::KV_BYTES);
+__device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
+                                           int tiles) {
+    int it = 0, q_uses = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const WsTile<K> w(P.a, t);
+        if (w.key_tiles() == 0) continue;
+        tma::wait(sm.empty_q(), (q_uses & 1) ^ 1);
+        ++q_uses;
+        tma::arrive_expect_tx(sm.full_q(), K::Q_BYTES);
 #pragma unroll
         for (int panel = 0; panel < K::D / 64; ++panel)
-            tma::load_4d(sm.k(st) + panel * K::BN * 128, P.k, sm.full_k(st), panel * 64,
-                         nb * K::BN, bidh_k, bidb);
-        tma::wait(sm.empty_v(st), phase ^ 1);
-        tma::arrive_expect_tx(sm.full_v(st), K::KV_BYTES);
+            tma::load_4d(sm.q() + panel * K::BM * 128, P.q, sm.full_q(), panel * 64, w.m0,
+                         w.bidh, w.bidb);
+        for (int nb = w.nb_end - 1; nb >= w.nb_begin; --nb, ++it) {
+            const Slot<K> s(it);
+            tma::wait(sm.empty_k(s.st), s.phase ^ 1);
+            tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
 #pragma unroll
-        for (int panel = 0; panel < K::D / 64; ++panel)
-            tma::load_4d(sm.v(st) + panel * K::BN * 128, P.v, sm.full_v(st), panel * 64,
-                         nb * K::BN, bidh_k, bidb);
+            for (int panel = 0; panel < K::D / 64; ++panel)
+                tma::load_4d(sm.k(s.st) + panel * K::BN * 128, P.k, sm.full_k(s.st), panel * 64,
+                             nb * K::BN, w.bidh_k, w.bidb);
+            tma::wait(sm.empty_v(s.st), s.phase ^ 1);
+            tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
+#pragma unroll
+            for (int panel = 0; panel < K::D / 64; ++panel)
+                tma::load_4d(sm.v(s.st) + panel * K::BN * 128, P.v, sm.full_v(s.st), panel * 64,
+                             nb * K::BN, w.bidh_k, w.bidb);
+        }
     }
 }
+
+// S(j) is waited for alone, so that the softmax runs while P(j-1) V(j-1) is in flight;
+// -DCANDLE_FLASH_WS_SERIAL waits for both (the A/B build without that overlap).
+#ifdef CANDLE_FLASH_WS_SERIAL
+constexpr int WS_WAIT_S = 0;
+#else
+constexpr int WS_WAIT_S = 1;
+#endif
 
 // One consumer warpgroup: 64 query rows, its O and softmax state in registers.
 template <class K> struct WsConsumer {
@@ -99,19 +156,19 @@ template <class K> struct WsConsumer {
 
     const AttnParams& p;
     const WsSmem<K> sm;
-    const Mask mask;
-    const int m0, q_last, group, warp_row0, lane;
+    const int group, warp_row0, lane;
     float o[1][DT][4];
     uint32_t pa[1][NT / 2][4];  // P of the previous tile, the A operand of P V
     OnlineSoftmax<1> softmax;
 
-    // Pingpong: warpgroup g issues its matmuls after barrier 1 + g completes, then lets the
-    // other one go.
+    // Pingpong: warpgroup g issues its matmuls once barrier 1 + g completes, then lets the
+    // next one (round robin) go. The last warpgroup arrives once before its first turn so
+    // that warpgroup 0 starts; warpgroup 0 takes that arrival back after its last turn.
     __device__ __forceinline__ void take_turn() const {
-        if (K::PINGPONG) tma::named_sync(1 + group, 256);
+        if (K::PINGPONG) tma::named_sync(1 + group, 128 * 2);
     }
     __device__ __forceinline__ void pass_turn() const {
-        if (K::PINGPONG) tma::named_arrive(1 + (group ^ 1), 256);
+        if (K::PINGPONG) tma::named_arrive(1 + (group + 1) % K::CONSUMERS, 128 * 2);
     }
 
     // S = Q K^T of the tile in slot st, issued (one commit group).
@@ -139,103 +196,113 @@ template <class K> struct WsConsumer {
         sm90::commit();
     }
 
+    // Each consumer warp arrives once its reads of the slot (its wgmmas) completed.
     __device__ __forceinline__ void release(uint32_t bar) const {
         if (lane == 0) tma::arrive(bar);
     }
 
-    template <bool MASK> __device__ __forceinline__ void mask_scores(float (&s)[1][NT][4], int nb) const {
-        if (MASK) mask.apply<1, NT>(s, m0 + warp_row0, nb * BN, lane);
+    __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb) {
+        if (w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN))
+            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane);
     }
 
-    // Key tiles [nb_begin, nb_end), last first: the first tile alone, then per tile S(j) and
+    // The key tiles of work tile w, last first: the first alone, then per tile S(j) and
     // P(j-1) V(j-1) in flight together, the softmax of S(j) under the second, and at the end
-    // the last P V.
-    __device__ __forceinline__ void run(int nb_begin, int nb_end) {
-        zero(o);
-        tma::wait(sm.bar_q(), 0);
+    // the last P V. `it` counts the block's key tiles (ring slots), `q_uses` its Q tiles.
+    __device__ __forceinline__ void run(const WsTile<K>& w, int& it, int q_uses) {
+        tma::wait(sm.full_q(), q_uses & 1);
         {
-            const int nb = nb_end - 1;
+            const Slot<K> s0(it);
             float s[1][NT][4];
-            tma::wait(sm.full_k(0), 0);
+            tma::wait(sm.full_k(s0.st), s0.phase);
             take_turn();
             sm90::fence();
-            issue_s(s, 0);
+            issue_s(s, s0.st);
             pass_turn();
             sm90::wait<0>();
             sm90::fence_operand(s[0]);
-            release(sm.empty_k(0));
-            if (mask.template block_needs_mask<BN>(m0, q_last, nb * BN))
-                mask_scores<true>(s, nb);
+            release(sm.empty_k(s0.st));
+            scores(s, w, w.nb_end - 1);
             softmax.update(s, o, p.scale_log2);
             pack_a<T, 1, NT>(s, pa);
         }
-        for (int nb = nb_end - 2, i = 1; nb >= nb_begin; --nb, ++i) {
-            const int st = i % K::STAGES, phase = (i / K::STAGES) & 1;
-            const int prev = (i - 1) % K::STAGES, prev_phase = ((i - 1) / K::STAGES) & 1;
+        for (int nb = w.nb_end - 2; nb >= w.nb_begin; --nb) {
+            const Slot<K> prev(it), cur(it + 1);
+            ++it;
             float s[1][NT][4];
-            tma::wait(sm.full_k(st), phase);
+            tma::wait(sm.full_k(cur.st), cur.phase);
             // V(j-1) came before K(j); waiting for it here keeps the two issues back to back
             // (ptxas fences between them if a wait loop separates them).
-            tma::wait(sm.full_v(prev), prev_phase);
+            tma::wait(sm.full_v(prev.st), prev.phase);
             take_turn();
             sm90::fence_operand(o[0]);
             sm90::fence();
-            issue_s(s, st);
-            issue_pv(prev);
+            issue_s(s, cur.st);
+            issue_pv(prev.st);
             pass_turn();
-            sm90::wait<1>();
+            sm90::wait<WS_WAIT_S>();
             sm90::fence_operand(s[0]);
-            release(sm.empty_k(st));
-            if (mask.template block_needs_mask<BN>(m0, q_last, nb * BN))
-                mask_scores<true>(s, nb);
+            release(sm.empty_k(cur.st));
+            scores(s, w, nb);
             float alpha[1][2];
             const bool rescale = softmax.exp_and_factors(s, alpha, p.scale_log2);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
-            release(sm.empty_v(prev));
+            release(sm.empty_v(prev.st));
             if (rescale) softmax.rescale(o, alpha);
             pack_a<T, 1, NT>(s, pa);
         }
-        const int last = nb_end - 1 - nb_begin;
-        const int st = last % K::STAGES, phase = (last / K::STAGES) & 1;
-        tma::wait(sm.full_v(st), phase);
+        release(sm.empty_q());  // every S of this tile is done
+        const Slot<K> last(it);
+        ++it;
+        tma::wait(sm.full_v(last.st), last.phase);
         take_turn();
         sm90::fence_operand(o[0]);
         sm90::fence();
-        issue_pv(st);
-        // Every take_turn of one warpgroup needs a pass_turn of the other; warpgroup 1 gave
-        // one up front (so that 0 goes first), so it gives none after its last.
-        if (group == 0) pass_turn();
+        issue_pv(last.st);
+        pass_turn();
         sm90::wait<0>();
         sm90::fence_operand(o[0]);
-        release(sm.empty_v(st));
+        release(sm.empty_v(last.st));
+    }
+
+    // O / l and the LSE, straight from registers (4-byte stores).
+    __device__ __forceinline__ void store(const WsTile<K>& w) const {
+        T* out = static_cast<T*>(p.o) +
+                 w.seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, w.bidb, w.bidh);
+        float* lse = p.lse + w.seq.lse_offset(p, w.bidb, w.bidh);
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float inv_sum, row_lse;
+            softmax.finalize(0, r, p.scale, &inv_sum, &row_lse);
+            const int row = w.m0 + warp_row0 + g + 8 * r;
+            if (row >= w.seq.seqlen_q) continue;
+            if (t == 0) lse[row] = row_lse;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                const int col = dt * 8 + 2 * t;
+                if (col < p.d)
+                    *reinterpret_cast<uint32_t*>(out + int64_t(row) * p.o_row_stride + col) =
+                        MmaOp<T>::pack(o[0][dt][2 * r] * inv_sum, o[0][dt][2 * r + 1] * inv_sum);
+            }
+        }
     }
 };
 
 template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaParams& P) {
-    using T = typename K::T;
-    constexpr int BM = K::BM, BN = K::BN, DT = K::DT;
     const AttnParams& p = P.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const WsSmem<K> sm{(smem_addr(smem_raw) + 1023) & ~1023u};  // swizzle atoms: 1 KB aligned
-
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal) blocks first
-    const int bidh = blockIdx.y, bidb = blockIdx.z, bidh_k = bidh / p.h_h_k_ratio;
-    const SeqInfo seq(p, bidb);
-    const int m0 = m_block * BM;
-    const int tid = threadIdx.x, lane = tid % 32, warpgroup = tid / 128;
-    const Mask mask(p, seq);
-    const int q_last = min(m0 + BM, seq.seqlen_q) - 1;
-    int nb_begin, nb_end;
-    mask.template key_blocks<BN>(m0, q_last, &nb_begin, &nb_end);
-    const bool any_keys = nb_end > nb_begin;
+    const int tiles = (p.seqlen_q + K::BM - 1) / K::BM * p.h * p.b;
+    const int tid = threadIdx.x, warpgroup = tid / 128;
 
     if (tid == 0) {
-        tma::mbar_init(sm.bar_q(), 1);
+        tma::mbar_init(sm.full_q(), 1);
+        tma::mbar_init(sm.empty_q(), 4 * K::CONSUMERS);
         for (int st = 0; st < K::STAGES; ++st) {
             tma::mbar_init(sm.full_k(st), 1);
             tma::mbar_init(sm.full_v(st), 1);
-            // One arrival per consumer warp, after its reads of the slot completed.
             tma::mbar_init(sm.empty_k(st), 4 * K::CONSUMERS);
             tma::mbar_init(sm.empty_v(st), 4 * K::CONSUMERS);
         }
@@ -245,53 +312,46 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
 
     if (warpgroup == 0) {
         tma::regs_dealloc<K::PRODUCER_REGS>();
-        if (tid == 0 && any_keys) ws_produce<K>(P, sm, m0, bidh, bidh_k, bidb, nb_begin, nb_end);
+        if (tid == 0) ws_produce<K>(P, sm, tiles);
         return;
     }
     tma::regs_alloc<K::CONSUMER_REGS>();
     const int group = warpgroup - 1;
-    WsConsumer<K> c{p, sm, mask, m0, q_last, group, group * 64 + (tid % 128) / 32 * 16, lane,
-                    {}, {}, {}};
-    if (any_keys) {
-        if (K::PINGPONG && group == 1) tma::named_arrive(1, 256);  // warpgroup 0 goes first
-        c.run(nb_begin, nb_end);
-    } else {
+    WsConsumer<K> c{p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, {}, {}, {}};
+    int it = 0, q_uses = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const WsTile<K> w(p, t);
         zero(c.o);
-    }
-
-    // Epilogue: O / l and the LSE, straight from registers (4-byte stores; once per block).
-    T* out = static_cast<T*>(p.o) +
-             seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
-    float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float inv_sum, row_lse;
-        c.softmax.finalize(0, r, p.scale, &inv_sum, &row_lse);
-        const int row = m0 + c.warp_row0 + g + 8 * r;
-        if (row >= seq.seqlen_q) continue;
-        if (t == 0) lse[row] = row_lse;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-            const int col = dt * 8 + 2 * t;
-            if (col < p.d)
-                *reinterpret_cast<uint32_t*>(out + int64_t(row) * p.o_row_stride + col) =
-                    MmaOp<T>::pack(c.o[0][dt][2 * r] * inv_sum, c.o[0][dt][2 * r + 1] * inv_sum);
+        c.softmax = OnlineSoftmax<1>();
+        if (w.key_tiles() > 0) {
+            if (K::PINGPONG && q_uses == 0 && group == K::CONSUMERS - 1)
+                tma::named_arrive(1, 128 * 2);  // warpgroup 0 goes first
+            c.run(w, it, q_uses);
+            ++q_uses;
         }
+        c.store(w);
     }
+    if (K::PINGPONG && q_uses > 0 && group == 0) tma::named_sync(1, 128 * 2);
 }
 
-// Tiles per head dim (src/cuda/tma.rs: WsShape): 128 query rows; 128 keys per tile at d = 64
-// and 128, 64 at d = 256 (two slots of K and V fill shared memory there).
-#define FLASH_FWD_WS(NAME, T, D, BN, STAGES, PINGPONG)                                        \
-    extern "C" __global__ void __launch_bounds__(384, 1)                                       \
-        flash_fwd_ws_##NAME##_d##D(const __grid_constant__ FwdTmaParams p) {                   \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, PINGPONG>>(p);                                \
+// Tiles per head dim (src/cuda/tma.rs: WsShape): 64 query rows per consumer warpgroup, keys
+// per tile and ring slots as shared memory and registers allow.
+#define FLASH_FWD_WS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
+    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX(const __grid_constant__ FwdTmaParams p) {           \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, PINGPONG>>(p);                     \
     }
+#define FLASH_FWD_WS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                         \
+    FLASH_FWD_WS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
+    FLASH_FWD_WS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)
 
-FLASH_FWD_WS(f16, __half, 64, 128, 3, true)
-FLASH_FWD_WS(bf16, __nv_bfloat16, 64, 128, 3, true)
-FLASH_FWD_WS(f16, __half, 128, 128, 2, true)
-FLASH_FWD_WS(bf16, __nv_bfloat16, 128, 128, 2, true)
-FLASH_FWD_WS(f16, __half, 256, 64, 2, true)
-FLASH_FWD_WS(bf16, __nv_bfloat16, 256, 64, 2, true)
+#ifndef CANDLE_FLASH_WS_PINGPONG
+#define CANDLE_FLASH_WS_PINGPONG true  // -DCANDLE_FLASH_WS_PINGPONG=false: the A/B build
+#endif
+FLASH_FWD_WS_BOTH(64, , 128, 3, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(64, _g3, 128, 3, 3, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(64, _n192, 192, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(128, , 128, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(128, _n176, 176, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(256, , 64, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(256, _n80, 80, 2, 2, CANDLE_FLASH_WS_PINGPONG)

@@ -31,6 +31,7 @@ Usage: python3 scripts/torch_bench.py [--quick] [--decode-only] [--no-graph] [--
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -71,6 +72,19 @@ def grid(quick):
     for s in (2048,) if quick else (2048, 8192):
         for causal in (False, True):
             yield 128, s, 32, 8, causal
+
+
+def cases(quick):
+    """grid(quick), or only its MHA shapes named in CANDLE_FLASH_BENCH_CASES (as the Rust bench:
+    `128/8192/n,256/4096/c`, hd/seqlen/causal), taken from the full grid."""
+    keys = os.environ.get("CANDLE_FLASH_BENCH_CASES")
+    if not keys:
+        yield from grid(quick)
+        return
+    keys = {k.strip() for k in keys.split(",")}
+    for hd, s, h, hk, causal in grid(False):
+        if h == hk and f"{hd}/{s}/{'c' if causal else 'n'}" in keys:
+            yield hd, s, h, hk, causal
 
 
 def time_ms(fn, n_sets, calib=1, max_iters=100, repeats=REPEATS, warmup=None):
@@ -295,7 +309,7 @@ def main():
 def run_grid(args, dtype, records):
     print(f"{'impl':<12} {'pass':<8} {'hd':>4} {'seqlen':>6} {'batch':>5} {'heads':>6} "
           f"{'causal':>6} {'ms':>9} {'TFLOP/s':>8}")
-    for hd, s, h, hk, causal in grid(args.quick):
+    for hd, s, h, hk, causal in cases(args.quick):
         b = TOKENS // s
         fwd_flop = 4 * b * h * s * s * hd / (2 if causal else 1)
         for name, backend in BACKENDS.items():

@@ -842,18 +842,25 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
-        let ws = match tma::WsShape::for_head_dim(tile.d) {
-            Some(shape) if !dropout && problem.varlen.is_none() && use_ws(&dev)? => {
+        // Its tile index is a 32-bit int.
+        let ws = match tma::WsShape::choose(tile.d) {
+            Some(shape)
+                if !dropout
+                    && problem.varlen.is_none()
+                    && s.sq.div_ceil(shape.bm()) * s.h * s.b <= i32::MAX as usize
+                    && use_ws(&dev)? =>
+            {
                 tma::fwd_params(&params, q.dtype(), &shape).map(|p| (shape, p))
             }
             _ => None,
         };
         if let Some((shape, ws_params)) = ws {
+            let tiles = s.sq.div_ceil(shape.bm()) * s.h * s.b;
             launch(
                 &dev,
-                &format!("flash_fwd_ws_{dtype}_d{}", shape.d),
-                (s.sq.div_ceil(tma::WsShape::BM), s.h, s.b),
-                tma::WsShape::THREADS,
+                &shape.kernel(dtype),
+                (tma::WsShape::grid(tiles, device_facts(&dev)?.sms), 1, 1),
+                shape.threads(),
                 shape.smem_bytes(),
                 &ws_params,
             )?;

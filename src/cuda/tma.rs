@@ -4,6 +4,7 @@
 use candle::cuda_backend::cudarc::driver::sys;
 use candle::cuda_backend::cudarc::driver::DeviceRepr;
 use candle::DType;
+use std::sync::OnceLock;
 
 use super::AttnParams;
 
@@ -101,33 +102,76 @@ impl TileSource {
     }
 }
 
-/// One warp-specialized forward kernel (mirror of `WsTraits`): 128 query rows (two consumer
-/// warpgroups of 64), `bn` keys per tile, `stages` slots of K and V.
+/// One warp-specialized forward kernel (mirror of `WsTraits`): 64 query rows per consumer
+/// warpgroup, `bn` keys per tile, `stages` slots of K and V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct WsShape {
     pub d: usize,
+    pub consumers: usize,
     pub bn: usize,
     pub stages: usize,
+    /// The entry point's name after the head dim.
+    pub suffix: &'static str,
 }
 
 impl WsShape {
-    pub const BM: usize = 128;
-    pub const THREADS: u32 = 384;
-
-    /// The kernel for padded head dim `d`, if there is one.
-    pub fn for_head_dim(d: usize) -> Option<Self> {
-        let (bn, stages) = match d {
-            64 => (128, 3),
-            128 => (128, 2),
-            256 => (64, 2),
+    /// The kernel for padded head dim `d`, if there is one. `CANDLE_FLASH_WS_SHAPE=
+    /// base|g3|n192|n176|n80` forces one of the compiled variants where it exists (read once;
+    /// A/B runs).
+    pub fn choose(d: usize) -> Option<Self> {
+        static FORCED: OnceLock<String> = OnceLock::new();
+        let forced =
+            FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
+        let (consumers, bn, stages, suffix) = match (forced.as_str(), d) {
+            ("g3", 64) => (3, 128, 3, "_g3"),
+            ("n192", 64) => (2, 192, 2, "_n192"),
+            ("n176", 128) => (2, 176, 2, "_n176"),
+            ("n80", 256) => (2, 80, 2, "_n80"),
+            (_, 64) => (2, 128, 3, ""),
+            (_, 128) => (2, 128, 2, ""),
+            (_, 256) => (2, 64, 2, ""),
             _ => return None,
         };
-        Some(Self { d, bn, stages })
+        Some(Self {
+            d,
+            consumers,
+            bn,
+            stages,
+            suffix,
+        })
+    }
+
+    pub fn bm(&self) -> usize {
+        64 * self.consumers
+    }
+
+    pub fn threads(&self) -> u32 {
+        128 * (self.consumers as u32 + 1)
+    }
+
+    /// `flash_fwd_ws_<dtype>_d<D><suffix>` (the entry points of cuda/fwd_ws_sm90.cu).
+    pub fn kernel(&self, dtype: &str) -> String {
+        format!("flash_fwd_ws_{dtype}_d{}{}", self.d, self.suffix)
     }
 
     /// `WsTraits::SMEM_BYTES`: Q, the K and V slots, the mbarriers, 1 KB of alignment.
     pub fn smem_bytes(&self) -> u32 {
-        ((Self::BM + 2 * self.stages * self.bn) * self.d * 2 + (1 + 4 * self.stages) * 8 + 1024)
+        ((self.bm() + 2 * self.stages * self.bn) * self.d * 2 + (2 + 4 * self.stages) * 8 + 1024)
             as u32
+    }
+
+    /// Blocks to launch for `tiles` work tiles (query blocks x heads x batch): one per SM,
+    /// each walking tiles with the grid's stride, or one per tile under
+    /// `CANDLE_FLASH_WS_PERSISTENT=0` (read once; A/B runs).
+    pub fn grid(tiles: usize, sms: usize) -> usize {
+        static OFF: OnceLock<bool> = OnceLock::new();
+        let off = *OFF
+            .get_or_init(|| std::env::var("CANDLE_FLASH_WS_PERSISTENT").is_ok_and(|v| v == "0"));
+        if off {
+            tiles
+        } else {
+            tiles.min(sms)
+        }
     }
 }
 
@@ -147,7 +191,7 @@ pub(super) fn fwd_params(a: &AttnParams, dtype: DType, shape: &WsShape) -> Optio
     let k = [a.k_batch_stride, a.k_row_stride, a.k_head_stride];
     let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
     Some(FwdTmaParams {
-        q: source(a.q, a.seqlen_q, a.h, q).encode(WsShape::BM)?,
+        q: source(a.q, a.seqlen_q, a.h, q).encode(shape.bm())?,
         k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn)?,
         v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn)?,
         a: *a,
