@@ -1,17 +1,19 @@
 // The warp-specialized forward kernel on Hopper (sm_90a), FlashAttention-3's structure:
 // - a producer warpgroup, one thread of which issues TMA copies of the Q tile and of each key
 //   tile of K and V into a ring of STAGES slots, each slot with a "full" mbarrier (bytes
-//   landed) and an "empty" one (every consumer warp done with it); it keeps 24 registers per
+//   landed) and an "empty" one (every consumer warp done with it); it keeps 32-40 registers per
 //   thread and hands the rest to the consumers (setmaxnreg);
 // - two or three consumer warpgroups, 64 query rows each, sharing the key tiles. Within a
 //   warpgroup the softmax of tile j runs while the tensor cores multiply P(j-1) V(j-1)
 //   (issued together with S(j) = Q K(j)^T, then waited for one at a time); between them,
 //   named barriers hand the tensor cores from one warpgroup to the next ("pingpong"), so one's
 //   softmax runs under the others' matmuls.
-// - persistent blocks: block i takes work tiles i, i + grid, ... (query block, head, batch),
-//   heaviest query blocks first; the producer loads the next tile's Q and keys while the
-//   consumers finish the last one and write its output. A grid of one block per tile is the
-//   non-persistent kernel.
+// - persistent blocks: block i starts with work tile i (query blocks of one head after
+//   another, the last, heaviest under a causal mask, first) and takes the next either with
+//   the grid's stride (tiles of equal work) or from an atomic counter (masked tiles, whose
+//   work differs); the producer loads the next tile's Q and keys while the consumers finish
+//   the last one and write its output. A grid of one block per tile is the non-persistent
+//   kernel.
 // Key tiles are visited last first, as in fwd_sm90.cu (under a causal mask only the first
 // need the mask). Fixed-length batches without dropout; src/cuda/mod.rs sends the rest to
 // fwd_sm90.cu and fwd.cu. Entry points flash_fwd_ws_<dtype>_d<D>[_<shape>].
@@ -29,6 +31,11 @@
 struct FwdTmaParams {
     TmaDesc q, k, v;
     AttnParams a;
+    // Dynamic schedule: blocks take their tiles after the first from tile_counter[0], zero at
+    // launch and left zero (the last fetch resets it); the producer passes each tile's index to
+    // the consumers through tile_counter[4 + 4 * block] and a bulk copy into shared memory
+    // beside Q. Null: the static walk, which every warp follows by itself.
+    unsigned int* tile_counter;
 };
 
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_>
@@ -43,10 +50,15 @@ struct WsTraits {
     // per K and V slot; plus 1 KB to align the tiles to a swizzle atom (src/cuda/tma.rs:
     // WsShape::smem_bytes).
     static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
-    static constexpr int SMEM_BYTES = BAR_OFFSET + (2 + 4 * STAGES) * 8 + 1024;
-    // Registers per thread after the hand-over (the launch gives 65536 / THREADS each):
-    // 128 x 24 + 256 x 240 or 128 x 24 + 384 x 160, within 64 K.
-    static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
+    // The next work tile's index (written by the producer before it fills Q) after them.
+    static constexpr int TILE_OFFSET = (BAR_OFFSET + (2 + 4 * STAGES) * 8 + 15) / 16 * 16;
+    static constexpr int SMEM_BYTES = TILE_OFFSET + 16 + 1024;
+    // Registers per thread after the hand-over. The launch gives each thread 65536 / THREADS
+    // rounded down to 8 (168 or 128); the consumers can take what the producer gives up:
+    // 128 x (168 - 40) / 256 -> 232 with two, 128 x (128 - 32) / 384 -> 160 with three. The
+    // producer's tile walk spills below 40 at d = 256.
+    static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
     static_assert(D % 64 == 0, "panels are 64 columns wide");
     static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
@@ -74,7 +86,14 @@ template <class K> struct WsSmem {
     __device__ __forceinline__ uint32_t empty_v(int st) const {
         return full_q() + 8 * (2 + 3 * K::STAGES + st);
     }
+    __device__ __forceinline__ uint32_t tile() const { return base + K::TILE_OFFSET; }
 };
+
+__device__ __forceinline__ int ld_shared(uint32_t addr) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
 
 // A key tile's place in the ring: every block counts the key tiles it has passed through
 // (over all its work tiles), the producer and each consumer alike.
@@ -90,14 +109,15 @@ template <class K> struct WsTile {
     SeqInfo seq;
     Mask mask;
 
-    // Tile t in the order of the grid's walk: query blocks from the last (the heaviest under
-    // a causal mask) down, all heads and sequences of one before the next.
+    // Tile t in the order of the grid's walk: the query blocks of one (sequence, head) one
+    // after another, from the last (the heaviest under a causal mask) down, so that the
+    // blocks in flight together read the K and V of few heads (they stay in L2).
     __device__ __forceinline__ WsTile(const AttnParams& p, int t)
-        : seq(p, (t % (p.h * p.b)) / p.h), mask(p, seq) {
+        : seq(p, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h), mask(p, seq) {
         const int m_blocks = (p.seqlen_q + K::BM - 1) / K::BM;
-        m_block = m_blocks - 1 - t / (p.h * p.b);
-        bidh = t % p.h;
-        bidb = (t % (p.h * p.b)) / p.h;
+        m_block = m_blocks - 1 - t % m_blocks;
+        bidh = t / m_blocks % p.h;
+        bidb = t / m_blocks / p.h;
         bidh_k = bidh / p.h_h_k_ratio;
         m0 = m_block * K::BM;
         q_last = min(m0 + K::BM, seq.seqlen_q) - 1;
@@ -106,23 +126,41 @@ template <class K> struct WsTile {
     __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
 };
 
-// The producer: one thread copies, per work tile, Q (once the consumers are done with the
-// last one) and K and V of its key tiles, last first, each into the next slot once the
-// consumers have released it.
+// The producer thread hands the consumers their work tiles one at a time through the Q slot:
+// once they are done with the last Q, it copies the next tile's Q, and under the dynamic
+// schedule the tile's index (an index past the last tile tells them to stop) beside it, both
+// completing on the slot's barrier; then K and V of the tile's key tiles, last first, each
+// into the next slot once the consumers have released it.
 template <class K>
 __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
                                            int tiles) {
-    int it = 0, q_uses = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const WsTile<K> w(P.a, t);
-        if (w.key_tiles() == 0) continue;
+    unsigned int* slot = P.tile_counter == nullptr ? nullptr : P.tile_counter + 4 + 4 * blockIdx.x;
+    int it = 0;
+    for (int t = blockIdx.x, q_uses = 0;; ++q_uses) {
+        const bool last = t >= tiles;
+        if (last && slot == nullptr) return;  // the consumers walk the same tiles and stop
         tma::wait(sm.empty_q(), (q_uses & 1) ^ 1);
-        ++q_uses;
-        tma::arrive_expect_tx(sm.full_q(), K::Q_BYTES);
+        const WsTile<K> w(P.a, last ? 0 : t);
+        // No keys: no Q either; the consumers write zeros and move on.
+        const bool q = !last && w.key_tiles() > 0;
+        if (slot != nullptr) {
+            *slot = unsigned(t);
+            tma::fence_proxy_global();
+        }
+        const uint32_t bytes = (slot != nullptr ? 16 : 0) + (q ? K::Q_BYTES : 0);
+        if (bytes == 0) {
+            tma::arrive(sm.full_q());
+        } else {
+            tma::arrive_expect_tx(sm.full_q(), bytes);
+        }
+        if (slot != nullptr) tma::load_bulk(sm.tile(), slot, 16, sm.full_q());
+        if (last) return;
+        if (q) {
 #pragma unroll
-        for (int panel = 0; panel < K::D / 64; ++panel)
-            tma::load_4d(sm.q() + panel * K::BM * 128, P.q, sm.full_q(), panel * 64, w.m0,
-                         w.bidh, w.bidb);
+            for (int panel = 0; panel < K::D / 64; ++panel)
+                tma::load_4d(sm.q() + panel * K::BM * 128, P.q, sm.full_q(), panel * 64, w.m0,
+                             w.bidh, w.bidb);
+        }
         for (int nb = w.nb_end - 1; nb >= w.nb_begin; --nb, ++it) {
             const Slot<K> s(it);
             tma::wait(sm.empty_k(s.st), s.phase ^ 1);
@@ -137,6 +175,15 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
             for (int panel = 0; panel < K::D / 64; ++panel)
                 tma::load_4d(sm.v(s.st) + panel * K::BN * 128, P.v, sm.full_v(s.st), panel * 64,
                              nb * K::BN, w.bidh_k, w.bidb);
+        }
+        if (slot == nullptr) {
+            t += gridDim.x;
+        } else {
+            // Every block fetches until it fails once: `tiles` fetches in all (the grid is at
+            // most `tiles` blocks), so the one that gets tiles - 1 is the last and resets.
+            const unsigned int i = atomicAdd(P.tile_counter, 1u);
+            if (i == unsigned(tiles) - 1) atomicExch(P.tile_counter, 0u);
+            t = gridDim.x + int(i);
         }
     }
 }
@@ -200,6 +247,11 @@ template <class K> struct WsConsumer {
     __device__ __forceinline__ void release(uint32_t bar) const {
         if (lane == 0) tma::arrive(bar);
     }
+    // The Q slot also holds the tile index every lane read.
+    __device__ __forceinline__ void release_q() const {
+        __syncwarp();
+        release(sm.empty_q());
+    }
 
     __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb) {
         if (w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN))
@@ -208,9 +260,8 @@ template <class K> struct WsConsumer {
 
     // The key tiles of work tile w, last first: the first alone, then per tile S(j) and
     // P(j-1) V(j-1) in flight together, the softmax of S(j) under the second, and at the end
-    // the last P V. `it` counts the block's key tiles (ring slots), `q_uses` its Q tiles.
-    __device__ __forceinline__ void run(const WsTile<K>& w, int& it, int q_uses) {
-        tma::wait(sm.full_q(), q_uses & 1);
+    // the last P V. `it` counts the block's key tiles (ring slots); Q has landed.
+    __device__ __forceinline__ void run(const WsTile<K>& w, int& it) {
         {
             const Slot<K> s0(it);
             float s[1][NT][4];
@@ -252,7 +303,7 @@ template <class K> struct WsConsumer {
             if (rescale) softmax.rescale(o, alpha);
             pack_a<T, 1, NT>(s, pa);
         }
-        release(sm.empty_q());  // every S of this tile is done
+        release_q();  // every S of this tile is done
         const Slot<K> last(it);
         ++it;
         tma::wait(sm.full_v(last.st), last.phase);
@@ -318,20 +369,27 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     tma::regs_alloc<K::CONSUMER_REGS>();
     const int group = warpgroup - 1;
     WsConsumer<K> c{p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, {}, {}, {}};
-    int it = 0, q_uses = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    bool started = false;  // took a pingpong turn yet
+    const bool dynamic = P.tile_counter != nullptr;
+    for (int it = 0, q_uses = 0, t = blockIdx.x;; ++q_uses, t += gridDim.x) {
+        if (!dynamic && t >= tiles) break;
+        tma::wait(sm.full_q(), q_uses & 1);
+        if (dynamic) t = ld_shared(sm.tile());
+        if (t >= tiles) break;
         const WsTile<K> w(p, t);
         zero(c.o);
         c.softmax = OnlineSoftmax<1>();
         if (w.key_tiles() > 0) {
-            if (K::PINGPONG && q_uses == 0 && group == K::CONSUMERS - 1)
+            if (K::PINGPONG && !started && group == K::CONSUMERS - 1)
                 tma::named_arrive(1, 128 * 2);  // warpgroup 0 goes first
-            c.run(w, it, q_uses);
-            ++q_uses;
+            started = true;
+            c.run(w, it);
+        } else {
+            c.release_q();
         }
         c.store(w);
     }
-    if (K::PINGPONG && q_uses > 0 && group == 0) tma::named_sync(1, 128 * 2);
+    if (K::PINGPONG && started && group == 0) tma::named_sync(1, 128 * 2);
 }
 
 // Tiles per head dim (src/cuda/tma.rs: WsShape): 64 query rows per consumer warpgroup, keys

@@ -60,6 +60,23 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const TmaDesc& desc, uint3
         : "memory");
 }
 
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared
+// memory like a tensor copy, completing on `bar`. A value the issuing thread wrote to `src`
+// needs fence_proxy_global() first.
+__device__ __forceinline__ void load_bulk(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// Orders this thread's generic-proxy global writes before its later async-proxy reads.
+__device__ __forceinline__ void fence_proxy_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // Named barriers 1..15 (0 is __syncthreads): `threads` arrivals complete one; `sync` waits
 // for that, `arrive` does not.
 __device__ __forceinline__ void named_sync(int id, int threads) {

@@ -1,7 +1,8 @@
-"""Runs PyTorch's FlashAttention-2 backend forward and backward a few times on one bench
-shape, for Nsight Compute to profile next to ours (scripts/profile-vs-fa2.sh).
+"""Runs PyTorch's FlashAttention-2 (or cuDNN) backend forward and backward a few times on one
+bench shape, for Nsight Compute to profile next to ours (scripts/profile-vs-fa2.sh).
 
-Usage: python3 scripts/profile_fa2.py HD SEQLEN CAUSAL(n|c)   (batch x seqlen = 16k, hidden 2048)
+Usage: python3 scripts/profile_fa2.py HD SEQLEN CAUSAL(n|c) [flash|cudnn]
+  (batch x seqlen = 16k, hidden 2048; default backend flash)
 """
 import sys
 
@@ -15,7 +16,9 @@ shape = (batch, heads, seqlen, hd)
 q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[
+    sys.argv[4] if len(sys.argv) > 4 else "flash"]
+with sdpa_kernel(backend):
     for _ in range(4):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         out.backward(do)

@@ -843,7 +843,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
         // Its tile index is a 32-bit int.
-        let ws = match tma::WsShape::choose(tile.d) {
+        let ws = match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal) {
             Some(shape)
                 if !dropout
                     && problem.varlen.is_none()
@@ -854,12 +854,31 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             }
             _ => None,
         };
-        if let Some((shape, ws_params)) = ws {
+        if let Some((shape, mut ws_params)) = ws {
             let tiles = s.sq.div_ceil(shape.bm()) * s.h * s.b;
+            let masked = params.window_left >= 0 || params.window_right >= 0;
+            let (blocks, dynamic) = tma::WsShape::grid(tiles, device_facts(&dev)?.sms, masked);
+            // Held until the launch is queued (see StreamCounters).
+            static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
+            let mut cache = COUNTERS
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // The counter, then 16 bytes per block (`FwdTmaParams::tile_counter`); only the
+            // counter needs the zero that stream_counters keeps.
+            let counter = if dynamic {
+                Some(stream_counters(&mut cache, &dev, 4 + 4 * blocks)?)
+            } else {
+                None
+            };
+            let _counter_sync = counter.map(|c| {
+                let (ptr, sync) = c.device_ptr_mut(&stream);
+                ws_params.tile_counter = ptr;
+                sync
+            });
             launch(
                 &dev,
                 &shape.kernel(dtype),
-                (tma::WsShape::grid(tiles, device_facts(&dev)?.sms), 1, 1),
+                (blocks, 1, 1),
                 shape.threads(),
                 shape.smem_bytes(),
                 &ws_params,

@@ -23,6 +23,9 @@ pub(super) struct FwdTmaParams {
     pub k: TmaDesc,
     pub v: TmaDesc,
     pub a: AttnParams,
+    /// Dynamic schedule: the tile counter (zero, kept zero by the kernel) followed by 16 bytes
+    /// per block that carry the next tile's index to shared memory; null for the static walk.
+    pub tile_counter: sys::CUdeviceptr,
 }
 
 // SAFETY: plain-old-data with the C layout of `FwdTmaParams`, passed by value as a kernel
@@ -115,21 +118,35 @@ pub(super) struct WsShape {
 }
 
 impl WsShape {
-    /// The kernel for padded head dim `d`, if there is one. `CANDLE_FLASH_WS_SHAPE=
-    /// base|g3|n192|n176|n80` forces one of the compiled variants where it exists (read once;
-    /// A/B runs).
-    pub fn choose(d: usize) -> Option<Self> {
+    /// The kernel for padded head dim `d`, if there is one (`None`: the older kernels run).
+    /// Measured on the H100 (bf16, docs/PERF.md session 11, same-run A/B of every compiled
+    /// shape): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128 from
+    /// seqlen 512 to 16k without a mask, +0-15% causal), d = 128 with 176-key tiles without a
+    /// mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster up to 4k) and 128 with
+    /// one, d = 256 with 80-key tiles (+0-5%). `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80`
+    /// forces one of the compiled variants where it exists (`base` the 128 x 128 / 128 x 64
+    /// ones; read once; A/B runs).
+    pub fn choose(d: usize, seqlen_q: usize, seqlen_k: usize, causal: bool) -> Option<Self> {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
+        // d = 64 causal at 512: the one-warpgroup kernel of fwd_sm90.cu, four blocks per SM
+        // (190 against 165 TFLOP/s).
+        if forced.is_empty() && d == 64 && causal && seqlen_q <= 512 {
+            return None;
+        }
         let (consumers, bn, stages, suffix) = match (forced.as_str(), d) {
             ("g3", 64) => (3, 128, 3, "_g3"),
             ("n192", 64) => (2, 192, 2, "_n192"),
             ("n176", 128) => (2, 176, 2, "_n176"),
             ("n80", 256) => (2, 80, 2, "_n80"),
-            (_, 64) => (2, 128, 3, ""),
+            ("base", 64) => (2, 128, 3, ""),
+            ("base", 128) => (2, 128, 2, ""),
+            ("base", 256) => (2, 64, 2, ""),
+            (_, 64) => (3, 128, 3, "_g3"),
+            (_, 128) if !causal && seqlen_k >= 8192 => (2, 176, 2, "_n176"),
             (_, 128) => (2, 128, 2, ""),
-            (_, 256) => (2, 64, 2, ""),
+            (_, 256) => (2, 80, 2, "_n80"),
             _ => return None,
         };
         Some(Self {
@@ -154,23 +171,27 @@ impl WsShape {
         format!("flash_fwd_ws_{dtype}_d{}{}", self.d, self.suffix)
     }
 
-    /// `WsTraits::SMEM_BYTES`: Q, the K and V slots, the mbarriers, 1 KB of alignment.
+    /// `WsTraits::SMEM_BYTES`: Q, the K and V slots, the mbarriers, 16 bytes for the next
+    /// tile's index, 1 KB of alignment.
     pub fn smem_bytes(&self) -> u32 {
-        ((self.bm() + 2 * self.stages * self.bn) * self.d * 2 + (2 + 4 * self.stages) * 8 + 1024)
-            as u32
+        let tiles = (self.bm() + 2 * self.stages * self.bn) * self.d * 2;
+        ((tiles + (2 + 4 * self.stages) * 8).next_multiple_of(16) + 16 + 1024) as u32
     }
 
     /// Blocks to launch for `tiles` work tiles (query blocks x heads x batch): one per SM,
-    /// each walking tiles with the grid's stride, or one per tile under
-    /// `CANDLE_FLASH_WS_PERSISTENT=0` (read once; A/B runs).
-    pub fn grid(tiles: usize, sms: usize) -> usize {
+    /// each taking tile after tile, so that a tile's loads overlap the last one's epilogue;
+    /// `dynamic` when tiles differ in work (a mask), which a static walk would leave unequal
+    /// across SMs (causal: up to the whole key range against one tile), so blocks take their
+    /// next tile from a counter. `CANDLE_FLASH_WS_PERSISTENT=0` launches one block per tile
+    /// instead (read once; A/B runs). Returns (blocks, dynamic).
+    pub fn grid(tiles: usize, sms: usize, masked: bool) -> (usize, bool) {
         static OFF: OnceLock<bool> = OnceLock::new();
         let off = *OFF
             .get_or_init(|| std::env::var("CANDLE_FLASH_WS_PERSISTENT").is_ok_and(|v| v == "0"));
-        if off {
-            tiles
+        if off || tiles <= sms {
+            (tiles, false)
         } else {
-            tiles.min(sms)
+            (sms, masked)
         }
     }
 }
@@ -195,5 +216,6 @@ pub(super) fn fwd_params(a: &AttnParams, dtype: DType, shape: &WsShape) -> Optio
         k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn)?,
         v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn)?,
         a: *a,
+        tile_counter: 0,
     })
 }
