@@ -155,26 +155,18 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         }
         if (slot != nullptr) tma::load_bulk(sm.tile(), slot, 16, sm.full_q());
         if (last) return;
-        if (q) {
-#pragma unroll
-            for (int panel = 0; panel < K::D / 64; ++panel)
-                tma::load_4d(sm.q() + panel * K::BM * 128, P.q, sm.full_q(), panel * 64, w.m0,
-                             w.bidh, w.bidb);
-        }
+        if (q) tma::load_tile<K::BM, K::D / 64>(sm.q(), P.q, sm.full_q(), w.m0, w.bidh, w.bidb);
         for (int nb = w.nb_end - 1; nb >= w.nb_begin; --nb, ++it) {
             const Slot<K> s(it);
+            // K, then V, each into its slot once the consumers released it.
             tma::wait(sm.empty_k(s.st), s.phase ^ 1);
             tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
-#pragma unroll
-            for (int panel = 0; panel < K::D / 64; ++panel)
-                tma::load_4d(sm.k(s.st) + panel * K::BN * 128, P.k, sm.full_k(s.st), panel * 64,
-                             nb * K::BN, w.bidh_k, w.bidb);
+            tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st), nb * K::BN,
+                                             w.bidh_k, w.bidb);
             tma::wait(sm.empty_v(s.st), s.phase ^ 1);
             tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
-#pragma unroll
-            for (int panel = 0; panel < K::D / 64; ++panel)
-                tma::load_4d(sm.v(s.st) + panel * K::BN * 128, P.v, sm.full_v(s.st), panel * 64,
-                             nb * K::BN, w.bidh_k, w.bidb);
+            tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st), nb * K::BN,
+                                             w.bidh_k, w.bidb);
         }
         if (slot == nullptr) {
             t += gridDim.x;

@@ -77,6 +77,16 @@ __device__ __forceinline__ void fence_proxy_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
+// A ROWS x (64 PANELS) tile of one head at (row, head, batch), one box per 64-column panel,
+// into consecutive panels at `dst` (the layout of wgmma.cuh).
+template <int ROWS, int PANELS>
+__device__ __forceinline__ void load_tile(uint32_t dst, const TmaDesc& desc, uint32_t bar, int row,
+                                          int head, int batch) {
+#pragma unroll
+    for (int panel = 0; panel < PANELS; ++panel)
+        load_4d(dst + panel * ROWS * 128, desc, bar, panel * 64, row, head, batch);
+}
+
 // Named barriers 1..15 (0 is __syncthreads): `threads` arrivals complete one; `sync` waits
 // for that, `arrive` does not.
 __device__ __forceinline__ void named_sync(int id, int threads) {

@@ -858,17 +858,18 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             let tiles = s.sq.div_ceil(shape.bm()) * s.h * s.b;
             let masked = params.window_left >= 0 || params.window_right >= 0;
             let (blocks, dynamic) = tma::WsShape::grid(tiles, device_facts(&dev)?.sms, masked);
-            // Held until the launch is queued (see StreamCounters).
+            // Locked (only for the dynamic schedule) until the launch is queued: see
+            // StreamCounters. The counter, then 16 bytes per block
+            // (`FwdTmaParams::tile_counter`); only the counter needs the zero it keeps.
             static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
-            let mut cache = COUNTERS
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            // The counter, then 16 bytes per block (`FwdTmaParams::tile_counter`); only the
-            // counter needs the zero that stream_counters keeps.
-            let counter = if dynamic {
-                Some(stream_counters(&mut cache, &dev, 4 + 4 * blocks)?)
-            } else {
-                None
+            let mut cache = dynamic.then(|| {
+                COUNTERS
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+            });
+            let counter = match cache.as_deref_mut() {
+                Some(cache) => Some(stream_counters(cache, &dev, 4 + 4 * blocks)?),
+                None => None,
             };
             let _counter_sync = counter.map(|c| {
                 let (ptr, sync) = c.device_ptr_mut(&stream);
