@@ -18,7 +18,7 @@
 //! Candle's own attention has `fwd` and `fwd+bwd` (through autograd).
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -121,7 +121,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -154,6 +154,7 @@ struct Args {
     no_decode: bool,
     no_naive: bool,
     fwd_only: bool,
+    bwd_only: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -166,6 +167,7 @@ impl Args {
             no_decode: false,
             no_naive: false,
             fwd_only: false,
+            bwd_only: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -176,6 +178,7 @@ impl Args {
                 "--no-decode" => args.no_decode = true,
                 "--no-naive" => args.no_naive = true,
                 "--fwd-only" => args.fwd_only = true,
+                "--bwd-only" => args.bwd_only = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -339,6 +342,7 @@ fn run(args: &Args, dev: &Device) {
         start: Instant::now(),
         no_naive: args.no_naive,
         fwd_only: args.fwd_only,
+        bwd_only: args.bwd_only,
     };
     if !args.decode_only {
         println!(
@@ -373,6 +377,8 @@ struct Bench {
     no_naive: bool,
     /// `--fwd-only`: no backward passes (A/B runs of forward kernels).
     fwd_only: bool,
+    /// `--bwd-only`: only the `bwd` pass (A/B runs of backward kernels).
+    bwd_only: bool,
 }
 
 impl Bench {
@@ -393,6 +399,11 @@ impl Bench {
         let dev = self.dev.clone();
         let opts = FlashAttn::new().causal(case.causal);
         let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
+        if self.bwd_only {
+            let bwd = try_time(|| time_bwd_direct(&dev, sets, &opts));
+            self.record(FLASH, "bwd", case, bwd);
+            return;
+        }
         let fwd = self.record(FLASH, "fwd", case, try_time(|| time_fwd(&dev, sets, &attn)));
         if self.fwd_only {
             return;

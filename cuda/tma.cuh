@@ -77,6 +77,29 @@ __device__ __forceinline__ void fence_proxy_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
+// Adds `bytes` of f32 values (a multiple of 16, both addresses 16-byte aligned) from shared
+// memory into global memory, element by element, in L2: no thread issues an atomic. Part of
+// this thread's current bulk group (bulk_commit, then bulk_wait_read before the source is
+// written again). Shared-memory writes of other threads need fence_proxy_async (wgmma.cuh)
+// and a barrier first.
+__device__ __forceinline__ void reduce_add_bulk(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+        "r"(src), "r"(bytes)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's bulk groups still read their shared-memory source.
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until this thread's bulk groups are complete (their global writes done).
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 // A ROWS x (64 PANELS) tile of one head at (row, head, batch), one box per 64-column panel,
 // into consecutive panels at `dst` (the layout of wgmma.cuh).
 template <int ROWS, int PANELS>

@@ -26,8 +26,8 @@ A form whose output differs from a float32 reference by more than 3% of its larg
 reported and not recorded. The device copy bandwidth (bytes read + written by a 2 GiB bf16
 copy_) is recorded as impl "torch-copy", pass "copy".
 
-Usage: python3 scripts/torch_bench.py [--quick] [--decode-only] [--no-graph] [--dtype bf16|fp16]
-                                      [--json PATH]
+Usage: python3 scripts/torch_bench.py [--quick] [--decode-only | --no-decode] [--no-graph]
+                                      [--passes fwd,bwd,fwd+bwd] [--dtype bf16|fp16] [--json PATH]
 """
 import argparse
 import json
@@ -112,8 +112,9 @@ def time_ms(fn, n_sets, calib=1, max_iters=100, repeats=REPEATS, warmup=None):
     return statistics.median(samples)
 
 
-def bench_config(hd, s, h, hk, causal, dtype, backend):
-    """Yields (pass, ms) for one shape and backend; raises if the backend cannot run it."""
+def bench_config(hd, s, h, hk, causal, dtype, backend, passes=tuple(PASS_FLOP_FACTOR)):
+    """Yields (pass, ms) for one shape and backend, for the passes named; raises if the backend
+    cannot run it."""
     b = TOKENS // s
     gqa = h != hk
 
@@ -128,15 +129,18 @@ def bench_config(hd, s, h, hk, causal, dtype, backend):
 
     with sdpa_kernel(backend):
         sets = [make() for _ in range(N_SETS)]
-        with torch.no_grad():
-            yield "fwd", time_ms(lambda i: attn(*sets[i][:3]), N_SETS)
-        # bwd alone: keep one graph per set and re-run only its backward.
-        outs = [attn(q, k, v) for q, k, v, _ in sets]
-        yield "bwd", time_ms(
-            lambda i: torch.autograd.grad(outs[i], sets[i][:3], sets[i][3], retain_graph=True), N_SETS)
-        del outs
-        yield "fwd+bwd", time_ms(
-            lambda i: torch.autograd.grad(attn(*sets[i][:3]), sets[i][:3], sets[i][3]), N_SETS)
+        if "fwd" in passes:
+            with torch.no_grad():
+                yield "fwd", time_ms(lambda i: attn(*sets[i][:3]), N_SETS)
+        if "bwd" in passes:
+            # bwd alone: keep one graph per set and re-run only its backward.
+            outs = [attn(q, k, v) for q, k, v, _ in sets]
+            yield "bwd", time_ms(
+                lambda i: torch.autograd.grad(outs[i], sets[i][:3], sets[i][3], retain_graph=True), N_SETS)
+            del outs
+        if "fwd+bwd" in passes:
+            yield "fwd+bwd", time_ms(
+                lambda i: torch.autograd.grad(attn(*sets[i][:3]), sets[i][:3], sets[i][3]), N_SETS)
 
 
 def decode_caches(b, L, elem_bytes):
@@ -290,10 +294,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="reduced grid")
     ap.add_argument("--decode-only", action="store_true", help="only the decode shapes")
+    ap.add_argument("--no-decode", action="store_true", help="only the grid, no decode shapes")
+    ap.add_argument("--passes", default="fwd,bwd,fwd+bwd",
+                    help="comma-separated grid passes to time (default: all three)")
     ap.add_argument("--no-graph", action="store_true", help="decode: skip the CUDA-graph timings")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     args = ap.parse_args()
+    args.passes = tuple(p for p in args.passes.split(",") if p)
+    if bad := [p for p in args.passes if p not in PASS_FLOP_FACTOR]:
+        ap.error(f"--passes: unknown {bad}, expected some of {list(PASS_FLOP_FACTOR)}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if not torch.cuda.is_available():
         sys.exit("torch_bench: no CUDA device")
@@ -302,7 +312,8 @@ def main():
     records, t_start = [], time.time()
     if not args.decode_only:
         run_grid(args, dtype, records)
-    run_decode(dtype, not args.no_graph, records, args.json)
+    if not args.no_decode:
+        run_decode(dtype, not args.no_graph, records, args.json)
     print(f"# {len(records)} records in {time.time() - t_start:.0f} s")
 
 
@@ -314,7 +325,7 @@ def run_grid(args, dtype, records):
         fwd_flop = 4 * b * h * s * s * hd / (2 if causal else 1)
         for name, backend in BACKENDS.items():
             try:
-                for pas, ms in bench_config(hd, s, h, hk, causal, dtype, backend):
+                for pas, ms in bench_config(hd, s, h, hk, causal, dtype, backend, args.passes):
                     tflops = PASS_FLOP_FACTOR[pas] * fwd_flop / (ms * 1e-3) / 1e12
                     records.append({"impl": name, "pass": pas, "hd": hd, "seqlen": s, "batch": b, "heads": h,
                                     "heads_k": hk, "causal": causal, "ms": ms, "tflops": tflops})

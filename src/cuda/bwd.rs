@@ -3,17 +3,18 @@
 //! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
 //!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
 //!
-//! On Hopper at d 64 and 128 without dropout the fused kernel is the wgmma one
-//! (`cuda/bwd_sm90.cu`). Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
+//! On Hopper at d 64 and 128 without dropout, for fixed-length batches whose tensors TMA can
+//! address, the fused kernel is the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by
+//! [`super::bwd_ws`]); packed batches there take the first wgmma kernel (`cuda/bwd_sm90.cu`). Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
 //! even at d 128, docs/PERF.md session 9), else 64 keys over 4 warps: at hd 128, seqlen 8k the
 //! 128-key shape measured 207 against 192 TFLOP/s (H200, docs/PERF.md).
 //!
 //! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
-//! accuracy: `separate` forces the deterministic kernels everywhere; `bn64`, `bn128` and
-//! `bn128t` (128 keys, twice the query rows per tile) force the mma.sync fused kernel of that
-//! shape.
+//! accuracy: `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma
+//! kernel on Hopper; `bn64`, `bn128` and `bn128t` (128 keys, twice the query rows per tile)
+//! force the mma.sync fused kernel of that shape.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
@@ -21,6 +22,7 @@ use candle::cuda_backend::CudaDType;
 use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
+use super::bwd_ws::{self, BwdWsBuffers, BwdWsShape};
 use super::{
     device_facts, dtype_name, launch, poison, seq_offsets, set_seq_offsets, AttnParams, BwdParams,
     FwdTile,
@@ -128,6 +130,9 @@ enum BwdPath {
     /// The wgmma dK/dV/dQ kernel (`cuda/bwd_sm90.cu`) + convert kernel: d 64 and 128 on
     /// Hopper, no dropout.
     Sm90,
+    /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, for
+    /// fixed-length batches whose tensors TMA can address.
+    Ws(BwdWsShape),
 }
 
 /// Block shapes of the mma.sync fused kernel (`BwdFusedConfig` in `cuda/bwd_traits.cuh`).
@@ -193,6 +198,8 @@ impl BwdPath {
         if deterministic || !tile.has_fused() || env == Some("separate") {
             Self::Separate
         } else if hopper && tile.has_fused_wide() && !dropout && env.is_none() {
+            BwdWsShape::for_head_dim(tile.d).map_or(Self::Sm90, Self::Ws)
+        } else if hopper && tile.has_fused_wide() && !dropout && env == Some("sm90") {
             Self::Sm90
         } else {
             let fits = |shape: FusedShape| {
@@ -278,10 +285,8 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
     let v_view = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
 
     let (nq, nkv) = (s.q_elems(), s.kv_elems());
-    // SAFETY: the kernels write every element of dq, dk, dv (rows < seqlen, cols < d) and
-    // every row of dsum before it is read.
+    // SAFETY: the kernels write every element of dq, dk, dv (rows < seqlen, cols < d).
     let mut grads = unsafe { dev.alloc::<T>(nq + 2 * nkv)? };
-    let mut dsum = unsafe { dev.alloc::<f32>(s.h * s.total_q)? };
     poison(&stream, &mut grads)?;
 
     let packed = problem.varlen.is_some();
@@ -306,18 +311,6 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         facts.hopper(),
         facts.smem,
     );
-    // The fused kernels add into it; rows that no key reaches keep their zeros. The mma.sync
-    // ones tile it (`dq_tile_offset` in cuda/bwd_dq_accum.cuh): per query head, total_q rows
-    // plus one tile of rows per sequence, of the kernel's head dim.
-    let mut dq_accum = match path {
-        BwdPath::Fused(shape) => {
-            let rows = s.total_q + shape.geometry(&tile).bm * s.b;
-            params.dq_tile_rows = rows as i64;
-            Some(dev.alloc_zeros::<f32>(s.h * rows * tile.d)?)
-        }
-        BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
-        BwdPath::Separate => None,
-    };
     let offsets = seq_offsets(problem, &dev)?;
     {
         let _offset_syncs = set_seq_offsets(&mut params.a, &offsets, &stream);
@@ -328,91 +321,133 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         let (do_ptr, _do_sync) = do_view.device_ptr(&stream);
         let (lse_ptr, _lse_sync) = lse_view.device_ptr(&stream);
         let (grads_ptr, _grads_sync) = grads.device_ptr_mut(&stream);
-        let (dsum_ptr, _dsum_sync) = dsum.device_ptr_mut(&stream);
-        let dq_accum_ptr = dq_accum.as_mut().map(|b| b.device_ptr_mut(&stream));
         let elem = std::mem::size_of::<T>() as u64;
         (params.a.q, params.a.k, params.a.v, params.a.o, params.a.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         params.dout = do_ptr;
-        params.dsum = dsum_ptr;
         params.dq = grads_ptr;
         params.dk = grads_ptr + nq as u64 * elem;
         params.dv = grads_ptr + (nq + nkv) as u64 * elem;
-        params.dq_accum = dq_accum_ptr.as_ref().map_or(0, |(ptr, _)| *ptr);
-
-        let rows_per_block = 8; // one warp per row, 256 threads
-        launch(
-            &dev,
-            &format!("flash_bwd_dsum_{dtype}"),
-            (s.sq.div_ceil(rows_per_block), s.h, s.b),
-            32 * rows_per_block as u32,
-            0,
-            &params,
-        )?;
         match path {
-            BwdPath::Separate => {
-                launch(
-                    &dev,
-                    &format!("flash_bwd_dkdv_{dtype}_d{}{}", tile.d, tile.kv_suffix()),
-                    (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
-                    BwdTile::THREADS,
-                    tile.kv_smem_bytes(),
-                    &params,
-                )?;
-                launch(
-                    &dev,
-                    &format!("flash_bwd_dq_{dtype}_d{}", tile.d),
-                    (s.sq.div_ceil(tile.q_bm), s.h, s.b),
-                    BwdTile::THREADS,
-                    tile.q_smem_bytes(),
-                    &params,
-                )?;
+            BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, q.dtype()) => {
+                let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
+                bwd_ws::run(&dev, &shape, q.dtype(), dtype, &params, &mut buffers)?;
             }
-            BwdPath::Sm90 => {
-                launch(
-                    &dev,
-                    &format!("flash_bwd_sm90_{dtype}_d{}", tile.d),
-                    (s.sk.div_ceil(SM90_BN), s.hk, s.b),
-                    256,
-                    sm90_smem_bytes(tile.d),
-                    &params,
-                )?;
-                let (threads, per_thread) = (256, 8);
-                launch(
-                    &dev,
-                    &format!("flash_bwd_dq_convert_{dtype}"),
-                    (nq.div_ceil(threads * per_thread), 1, 1),
-                    threads as u32,
-                    0,
-                    &params,
-                )?;
-            }
-            BwdPath::Fused(shape) => {
-                // Dropout has a kernel of its own (its Philox code costs registers);
-                // `choose` picks the 128-key shapes only without dropout.
-                let g = shape.geometry(&tile);
-                let dropout_suffix = if dropout { "_dropout" } else { "" };
-                launch(
-                    &dev,
-                    &format!(
-                        "flash_bwd_dkdvq_{dtype}_d{}{}{dropout_suffix}",
-                        tile.d, g.suffix
-                    ),
-                    (s.sk.div_ceil(g.bn), s.hk, s.b),
-                    32 * g.warps,
-                    tile.fused_smem_bytes(g.bn, g.bm),
-                    &params,
-                )?;
-                launch(
-                    &dev,
-                    &format!("flash_bwd_dq_convert_{dtype}_d{}{}", tile.d, g.suffix),
-                    (s.sq.div_ceil(g.bm), s.h, s.b),
-                    32 * g.warps,
-                    0,
-                    &params,
-                )?;
-            }
+            // Packed batches, or tensors TMA cannot address: the first wgmma kernel.
+            BwdPath::Ws(_) => run_path(&dev, BwdPath::Sm90, &tile, problem, dtype, &mut params)?,
+            path => run_path(&dev, path, &tile, problem, dtype, &mut params)?,
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(grads, dev))
+}
+
+/// dsum, then the kernels of `path` (not `Ws`) on `params` (every pointer but dsum and
+/// dq_accum set).
+fn run_path(
+    dev: &candle::CudaDevice,
+    path: BwdPath,
+    tile: &BwdTile,
+    problem: &Problem,
+    dtype: &str,
+    params: &mut BwdParams,
+) -> Result<()> {
+    let s = problem.shape;
+    let stream = dev.cuda_stream();
+    let nq = s.q_elems();
+    // SAFETY: the dsum kernel writes every row before the others read it.
+    let mut dsum = unsafe { dev.alloc::<f32>(s.h * s.total_q)? };
+    // The fused kernels add into it; rows that no key reaches keep their zeros. The mma.sync
+    // ones tile it (`dq_tile_offset` in cuda/bwd_dq_accum.cuh): per query head, total_q rows
+    // plus one tile of rows per sequence, of the kernel's head dim.
+    let mut dq_accum = match path {
+        BwdPath::Fused(shape) => {
+            let rows = s.total_q + shape.geometry(tile).bm * s.b;
+            params.dq_tile_rows = rows as i64;
+            Some(dev.alloc_zeros::<f32>(s.h * rows * tile.d)?)
+        }
+        BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
+        BwdPath::Separate => None,
+        BwdPath::Ws(_) => bail!("flash-attn backward: the warp-specialized path is run by bwd_ws"),
+    };
+    let (dsum_ptr, _dsum_sync) = dsum.device_ptr_mut(&stream);
+    let dq_accum_ptr = dq_accum.as_mut().map(|b| b.device_ptr_mut(&stream));
+    params.dsum = dsum_ptr;
+    params.dq_accum = dq_accum_ptr.as_ref().map_or(0, |(ptr, _)| *ptr);
+    let params = &*params;
+    let dropout = params.a.drop_threshold != 0;
+    let rows_per_block = 8; // one warp per row, 256 threads
+    launch(
+        dev,
+        &format!("flash_bwd_dsum_{dtype}"),
+        (s.sq.div_ceil(rows_per_block), s.h, s.b),
+        32 * rows_per_block as u32,
+        0,
+        params,
+    )?;
+    match path {
+        BwdPath::Separate => {
+            launch(
+                dev,
+                &format!("flash_bwd_dkdv_{dtype}_d{}{}", tile.d, tile.kv_suffix()),
+                (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
+                BwdTile::THREADS,
+                tile.kv_smem_bytes(),
+                params,
+            )?;
+            launch(
+                dev,
+                &format!("flash_bwd_dq_{dtype}_d{}", tile.d),
+                (s.sq.div_ceil(tile.q_bm), s.h, s.b),
+                BwdTile::THREADS,
+                tile.q_smem_bytes(),
+                params,
+            )?;
+        }
+        BwdPath::Sm90 => {
+            launch(
+                dev,
+                &format!("flash_bwd_sm90_{dtype}_d{}", tile.d),
+                (s.sk.div_ceil(SM90_BN), s.hk, s.b),
+                256,
+                sm90_smem_bytes(tile.d),
+                params,
+            )?;
+            let (threads, per_thread) = (256, 8);
+            launch(
+                dev,
+                &format!("flash_bwd_dq_convert_{dtype}"),
+                (nq.div_ceil(threads * per_thread), 1, 1),
+                threads as u32,
+                0,
+                params,
+            )?;
+        }
+        BwdPath::Fused(shape) => {
+            // Dropout has a kernel of its own (its Philox code costs registers);
+            // `choose` picks the 128-key shapes only without dropout.
+            let g = shape.geometry(tile);
+            let dropout_suffix = if dropout { "_dropout" } else { "" };
+            launch(
+                dev,
+                &format!(
+                    "flash_bwd_dkdvq_{dtype}_d{}{}{dropout_suffix}",
+                    tile.d, g.suffix
+                ),
+                (s.sk.div_ceil(g.bn), s.hk, s.b),
+                32 * g.warps,
+                tile.fused_smem_bytes(g.bn, g.bm),
+                params,
+            )?;
+            launch(
+                dev,
+                &format!("flash_bwd_dq_convert_{dtype}_d{}{}", tile.d, g.suffix),
+                (s.sq.div_ceil(g.bm), s.h, s.b),
+                32 * g.warps,
+                0,
+                params,
+            )?;
+        }
+        BwdPath::Ws(_) => {} // refused above
+    }
+    Ok(())
 }

@@ -3,6 +3,7 @@
 //! and decoding in [`decode`].
 
 mod bwd;
+mod bwd_ws;
 mod decode;
 mod tma;
 pub(crate) use bwd::bwd;
@@ -469,6 +470,7 @@ pub(crate) enum PtxFile {
     FwdWs,
     Bwd,
     BwdSm90,
+    BwdWs,
     Decode,
     Train,
 }
@@ -482,6 +484,7 @@ impl PtxFile {
             Self::FwdWs => (ptx::sm90a::FWD_WS_SM90, ptx::sm80::FWD_WS_SM90),
             Self::Bwd => (ptx::sm90a::BWD, ptx::sm80::BWD),
             Self::BwdSm90 => (ptx::sm90a::BWD_SM90, ptx::sm80::BWD_SM90),
+            Self::BwdWs => (ptx::sm90a::BWD_WS_SM90, ptx::sm80::BWD_WS_SM90),
             Self::Decode => (ptx::sm90a::DECODE, ptx::sm80::DECODE),
             Self::Train => (ptx::sm90a::TRAIN, ptx::sm80::TRAIN),
         }
@@ -728,6 +731,8 @@ pub(crate) fn prepare_launch(
         PtxFile::FwdWs
     } else if name.starts_with("flash_bwd_sm90") {
         PtxFile::BwdSm90
+    } else if name.starts_with("flash_bwd_ws") {
+        PtxFile::BwdWs
     } else if name.starts_with("flash_fwd") {
         PtxFile::Fwd
     } else if name.starts_with("flash_bwd") {

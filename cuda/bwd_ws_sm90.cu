@@ -1,0 +1,461 @@
+// The warp-specialized backward kernel on Hopper (sm_90a): FlashAttention-2 Algorithm 2 for
+// one block of 128 keys, arranged as in FlashAttention-3's backward:
+// - a producer warp issues TMA copies: K and V of the block once, then per query tile the Q
+//   tile with its row statistics and the dO tile, into a ring of STAGES slots with full/empty
+//   mbarriers (Q and dO have barriers of their own, so S^T starts before dO lands);
+// - a dQ warp adds each tile's dQ (f32, in shared memory) to dq_accum with one bulk
+//   reduce-add (`cp.reduce.async.bulk .add.f32`, summed in L2): no thread of the matmul
+//   warpgroups waits on an atomic;
+// - two consumer warpgroups own 64 keys each, their dK and dV in registers, and run the five
+//   matmuls of each query tile on wgmma: S^T = K Q^T and dP^T = V dO^T (issued together),
+//   P^T (line 13), dV += P^T dO (issued before dS^T is computed, so it runs under that),
+//   dS^T (line 19), dK += dS^T Q, then dQ = dS K with dS^T shared through shared memory, the
+//   warpgroups splitting dQ's columns. The producer warpgroup keeps 24 registers per thread
+//   (setmaxnreg) and the consumers take 240.
+// Scores are computed transposed (S^T, keys as rows) so that P^T and dS^T are register A
+// operands (as in bwd_sm90.cu). The row statistics are precomputed per query tile
+// (flash_bwd_ws_prep_<dtype>: the LSE in log2 units, +inf on rows past the sequence, and
+// rowsum(dO O)), so that each tile's pair is one 512-byte bulk copy. dq_accum is laid out per
+// (sequence, head, query tile) in the consumers' fragment order (each thread's float4s
+// interleaved with its warpgroup's), written without bank conflicts and read back by
+// flash_bwd_ws_convert_<dtype>_d<D>, which scales and stores dq. The prep kernel also zeroes
+// dq_accum.
+// Fixed-length batches without dropout, head dims 33-64 and 97-128, TMA-addressable tensors;
+// src/cuda/bwd.rs runs the older kernels for the rest. Entry points flash_bwd_ws_*.
+#include "bwd_tiles.cuh"
+#include "gemm.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "seq_info.cuh"
+#include "softmax.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+// The kernels' parameter (mirror: `BwdTmaParams` in src/cuda/bwd_ws.rs): tensor maps of q,
+// k, v and dout over (d, rows, heads, batch), boxes of 64 columns x BM (q, dout) or BN (k, v)
+// rows; the backward's parameters (`b.dq_accum` is the tiled buffer described above).
+struct BwdTmaParams {
+    TmaDesc q, k, v, dout;
+    BwdParams b;
+    // Per (sequence, head, query tile): BM LSEs in log2 units, then BM rowsum(dO O).
+    float* stats;
+    int m_blocks;  // query tiles of BM rows per (sequence, head)
+};
+
+template <typename T_, int D_, int STAGES_> struct BwdWsTraits {
+    using T = T_;
+    static constexpr int D = D_, STAGES = STAGES_;
+    static constexpr int BN = 128, BM = 64;  // keys per block (64 per consumer), rows per tile
+    static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+    static constexpr int NQ = BM / 8;   // n8 tiles of S^T per consumer warpgroup
+    static constexpr int DT = D / 8;    // n8 tiles of dK, dV
+    static constexpr int DQ_N = D / 2;  // dQ columns per consumer warpgroup
+    static constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BM * D * 2, DS_BYTES = BN * BM * 2;
+    static constexpr int DQ_BYTES = BM * D * 4, STATS_BYTES = 2 * BM * 4;
+    // K, V, STAGES x (Q, dO), two dS^T tiles (one per tile parity: a warpgroup may write the
+    // next while the other still reads this one), the dQ tile, STAGES x statistics, barriers;
+    // plus 1 KB to align the panels to a swizzle atom (src/cuda/bwd_ws.rs: smem_bytes).
+    static constexpr int Q_OFFSET = 2 * KV_BYTES;
+    static constexpr int DS_OFFSET = Q_OFFSET + 2 * STAGES * Q_BYTES;
+    static constexpr int DQ_OFFSET = DS_OFFSET + 2 * DS_BYTES;
+    static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;
+    static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * STATS_BYTES;
+    static constexpr int SMEM_BYTES = BAR_OFFSET + (3 + 3 * STAGES) * 8 + 1024;
+    // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
+    // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
+    static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+    static_assert(D % 64 == 0 && BM == 64, "panel tiles; dS^T is one 64-column panel");
+    static_assert(DQ_N % 32 == 0, "dQ halves of whole wgmma n32 tiles");
+};
+
+__device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
+template <class K> struct BwdWsSmem {
+    uint32_t base;
+    __device__ __forceinline__ uint32_t k() const { return base; }
+    __device__ __forceinline__ uint32_t v() const { return base + K::KV_BYTES; }
+    __device__ __forceinline__ uint32_t q(int st) const {
+        return base + K::Q_OFFSET + 2 * st * K::Q_BYTES;
+    }
+    __device__ __forceinline__ uint32_t dout(int st) const { return q(st) + K::Q_BYTES; }
+    __device__ __forceinline__ uint32_t ds(int parity) const {
+        return base + K::DS_OFFSET + parity * K::DS_BYTES;
+    }
+    __device__ __forceinline__ uint32_t dq() const { return base + K::DQ_OFFSET; }
+    __device__ __forceinline__ uint32_t stats(int st) const {
+        return base + K::STATS_OFFSET + st * K::STATS_BYTES;
+    }
+    // Barriers: K and V landed; dQ tile written (consumers) / read (dQ warp); per slot Q and
+    // its statistics landed, dO landed, slot released by every consumer warp.
+    __device__ __forceinline__ uint32_t full_kv() const { return base + K::BAR_OFFSET; }
+    __device__ __forceinline__ uint32_t full_dq() const { return full_kv() + 8; }
+    __device__ __forceinline__ uint32_t empty_dq() const { return full_kv() + 16; }
+    __device__ __forceinline__ uint32_t full_q(int st) const { return full_kv() + 8 * (3 + st); }
+    __device__ __forceinline__ uint32_t full_do(int st) const {
+        return full_kv() + 8 * (3 + K::STAGES + st);
+    }
+    __device__ __forceinline__ uint32_t empty(int st) const {
+        return full_kv() + 8 * (3 + 2 * K::STAGES + st);
+    }
+};
+
+// The block's key range and the query tiles that see it, walked the same way by the
+// producer, the dQ warp and the consumers.
+template <class K> struct BwdWsBlock {
+    int n0, bidh_k, bidb;
+    SeqInfo seq;
+    Mask mask;
+    QueryTiles<K::BM, K::BN> tiles;
+
+    __device__ __forceinline__ explicit BwdWsBlock(const AttnParams& p)
+        : n0(blockIdx.x * K::BN), bidh_k(blockIdx.y), bidb(blockIdx.z), seq(p, bidb),
+          mask(p, seq), tiles(mask, p, n0, seq.seqlen_q) {}
+
+    // Index of query tile (bidh, m0) in the tiled statistics and dq_accum.
+    __device__ __forceinline__ int64_t tile_index(const BwdTmaParams& P, int bidh, int m0) const {
+        return (int64_t(bidb) * P.b.a.h + bidh) * P.m_blocks + m0 / K::BM;
+    }
+};
+
+// Every role walks the block's query tiles in the same order through this: `f(bidh, m0,
+// tile)` per tile, with its query head, first row and index in the statistics and dq_accum.
+// The walk starts at tile blockIdx.x (mod the count) and wraps around: without a mask every
+// key block of a head sees the same tiles, and walking them in step made all of them add
+// their dQ to the same tile at once (d 64, seqlen 1k: 146 against 229 TFLOP/s for the
+// atomics of bwd_sm90.cu).
+template <class K, class F>
+__device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
+                                            F&& f) {
+    const int per_head = (blk.tiles.m0_end - blk.tiles.m0_begin) / K::BM;
+    const int h0 = blk.bidh_k * P.b.a.h_h_k_ratio;
+    int j = blk.tiles.count > 0 ? blockIdx.x % blk.tiles.count : 0;
+#pragma unroll 1
+    for (int i = 0; i < blk.tiles.count; ++i) {
+        const int head = j / per_head;
+        const int m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
+        f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
+        if (++j == blk.tiles.count) j = 0;
+    }
+}
+
+template <class K>
+__device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
+                                               const BwdWsBlock<K>& blk) {
+    tma::arrive_expect_tx(sm.full_kv(), 2 * K::KV_BYTES);
+    tma::load_tile<K::BN, K::D / 64>(sm.k(), P.k, sm.full_kv(), blk.n0, blk.bidh_k, blk.bidb);
+    tma::load_tile<K::BN, K::D / 64>(sm.v(), P.v, sm.full_kv(), blk.n0, blk.bidh_k, blk.bidb);
+    int slot = 0, phase = 0;
+    bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t tile) {
+        tma::wait(sm.empty(slot), phase ^ 1);
+        tma::arrive_expect_tx(sm.full_q(slot), K::Q_BYTES + K::STATS_BYTES);
+        tma::load_tile<K::BM, K::D / 64>(sm.q(slot), P.q, sm.full_q(slot), m0, bidh, blk.bidb);
+        tma::load_bulk(sm.stats(slot), P.stats + tile * 2 * K::BM, K::STATS_BYTES,
+                       sm.full_q(slot));
+        tma::arrive_expect_tx(sm.full_do(slot), K::Q_BYTES);
+        tma::load_tile<K::BM, K::D / 64>(sm.dout(slot), P.dout, sm.full_do(slot), m0, bidh,
+                                         blk.bidb);
+        if (++slot == K::STAGES) {
+            slot = 0;
+            phase ^= 1;
+        }
+    });
+}
+
+// Adds each query tile's dQ, once the consumers wrote it, to its tile of dq_accum.
+template <class K>
+__device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
+                                              const BwdWsBlock<K>& blk) {
+    int phase = 0;
+    bwd_ws_walk<K>(P, blk, [&](int, int, int64_t tile) {
+        tma::wait(sm.full_dq(), phase);
+        phase ^= 1;
+        tma::reduce_add_bulk(P.b.dq_accum + tile * K::BM * K::D, sm.dq(), K::DQ_BYTES);
+        tma::bulk_commit();
+        tma::bulk_wait_read<0>();
+        tma::arrive(sm.empty_dq());
+    });
+    tma::bulk_wait_all();
+}
+
+// One consumer warpgroup: keys n0 + 64 group .. + 63, their dK and dV in registers.
+template <class K> struct BwdWsConsumer {
+    using T = typename K::T;
+    static constexpr int D = K::D, BM = K::BM, BN = K::BN, NQ = K::NQ, DT = K::DT;
+    static constexpr int DQ_N = K::DQ_N;
+
+    const AttnParams& p;
+    const BwdWsSmem<K> sm;
+    const int group, tid, lane;  // tid: thread within the warpgroup
+    float dk[DT][4], dv[DT][4];
+
+    // Query tile `it` of the block (rows m0..), from its ring slot.
+    __device__ __forceinline__ void tile(const BwdWsBlock<K>& blk, int it, int m0) {
+        const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+        const uint32_t sK_mine = sm.k() + group * 64 * 128, sV_mine = sm.v() + group * 64 * 128;
+        const uint32_t sQ = sm.q(slot), sdO = sm.dout(slot), sdS = sm.ds(it & 1);
+        const uint32_t sLse = sm.stats(slot), sDsum = sLse + BM * 4;
+
+        // S^T = K Q^T (line 11) once Q has landed, dP^T = V dO^T (line 17) once dO has.
+        float s[1][NQ][4], dpt[1][NQ][4];
+        tma::wait(sm.full_q(slot), phase);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
+                                   sm90::kmajor_desc(sQ, BM, kk), kk > 0);
+        sm90::commit();
+        tma::wait(sm.full_do(slot), phase);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BM>::ss(dpt[0], sm90::kmajor_desc(sV_mine, BN, kk),
+                                   sm90::kmajor_desc(sdO, BM, kk), kk > 0);
+        sm90::commit();
+        sm90::wait<1>();
+        sm90::fence_operand(s[0]);
+
+        // P^T (line 13). Rows that saw no key, and rows past the sequence, have LSE +inf
+        // here: P = 0.
+        if (blk.mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0))
+            blk.mask.template apply<1, NQ, true>(s, blk.n0 + group * 64 + wrow, m0, lane);
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt) {
+            const float2 lse = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[0][nt][e] = exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse.y : lse.x)));
+        }
+        uint32_t a_p[1][NQ / 2][4];
+        pack_a<T, 1, NQ>(s, a_p);
+
+        // dV += P^T dO (line 16), running while dS^T is computed.
+        sm90::fence_operand(dv);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+        sm90::commit();
+        sm90::wait<1>();  // dP^T
+        sm90::fence_operand(dpt[0]);
+
+        // dS^T = P^T o (dP^T - rowsum(dO O)) (line 19).
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt) {
+            const float2 dsum = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum.y : dsum.x));
+        }
+        uint32_t a_ds[1][NQ / 2][4];
+        pack_a<T, 1, NQ>(dpt, a_ds);
+
+        // dK += dS^T Q (line 21).
+        sm90::fence_operand(dk);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            sm90::Wgmma<T, D>::rs(dk, a_ds[0][kk], sm90::mnmajor_desc(sQ, BM, kk), 1);
+        sm90::commit();
+
+        // dS^T into the key-major panel tile (row = key, 64 query columns) meanwhile.
+#pragma unroll
+        for (int kk = 0; kk < NQ / 2; ++kk)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int row = group * 64 + wrow + g + (j % 2) * 8;
+                const int col = kk * 16 + (j / 2) * 8 + 2 * t;
+                const uint32_t addr = sdS + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a_ds[0][kk][j]));
+            }
+        sm90::fence_proxy_async();
+        tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of dS^T are written
+
+        // dQ[:, group's columns] = dS K (line 20). This warpgroup's dQ columns
+        // [group DQ_N, +DQ_N): whole panels at D = 128, half a panel (64 bytes into each
+        // swizzled row) at D = 64.
+        const uint32_t sK_dq =
+            sm.k() + (DQ_N % 64 == 0 ? group * (DQ_N / 64) * BN * 128 : group * DQ_N * 2);
+        float dq[DQ_N / 8][4];
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
+                                       sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
+        sm90::commit();
+        sm90::wait<0>();
+        sm90::fence_operand(dq);
+        sm90::fence_operand(dv);
+        sm90::fence_operand(dk);
+        if (lane == 0) tma::arrive(sm.empty(slot));  // this warp's reads of Q and dO are done
+
+        // The dQ tile for the dQ warp, once it has read the last one: float4 i of thread tid
+        // of warpgroup g at float4 (g DQ_N / 8 + i) x 128 + tid (a warp's stores are 512
+        // consecutive bytes).
+        tma::wait(sm.empty_dq(), (it & 1) ^ 1);
+#pragma unroll
+        for (int i = 0; i < DQ_N / 8; ++i) {
+            const uint32_t addr = sm.dq() + ((group * (DQ_N / 8) + i) * 128 + tid) * 16;
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(dq[i][0]),
+                         "f"(dq[i][1]), "f"(dq[i][2]), "f"(dq[i][3]));
+        }
+        sm90::fence_proxy_async();
+        tma::arrive(sm.full_dq());
+    }
+
+    // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV.
+    __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
+        const BwdParams& bp = P.b;
+        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+        const int64_t off = blk.seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride,
+                                             bp.dk_head_stride, blk.bidb, blk.bidh_k);
+        T* dk_out = static_cast<T*>(bp.dk) + off;
+        T* dv_out = static_cast<T*>(bp.dv) + off;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = blk.n0 + group * 64 + wrow + g + 8 * r;
+            if (row >= blk.seq.seqlen_k) continue;
+#pragma unroll
+            for (int i = 0; i < DT; ++i) {
+                const int col = i * 8 + 2 * t;
+                if (col >= p.d) continue;
+                const int64_t o = int64_t(row) * bp.dk_row_stride + col;
+                *reinterpret_cast<uint32_t*>(dk_out + o) =
+                    MmaOp<T>::pack(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+                *reinterpret_cast<uint32_t*>(dv_out + o) =
+                    MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
+            }
+        }
+    }
+};
+
+template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaParams& P) {
+    const AttnParams& p = P.b.a;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const BwdWsSmem<K> sm{(smem_addr(smem_raw) + 1023) & ~1023u};  // swizzle atoms: 1 KB
+    const BwdWsBlock<K> blk(p);
+    if (blk.n0 >= blk.seq.seqlen_k) return;
+    const int tid = threadIdx.x, warpgroup = tid / 128;
+
+    if (tid == 0) {
+        tma::mbar_init(sm.full_kv(), 1);
+        tma::mbar_init(sm.full_dq(), 128 * K::CONSUMERS);
+        tma::mbar_init(sm.empty_dq(), 1);
+        for (int st = 0; st < K::STAGES; ++st) {
+            tma::mbar_init(sm.full_q(st), 1);
+            tma::mbar_init(sm.full_do(st), 1);
+            tma::mbar_init(sm.empty(st), 4 * K::CONSUMERS);
+        }
+        tma::fence_barrier_init();
+    }
+    __syncthreads();
+    const bool any = blk.tiles.count > 0;  // no query sees these keys: dK = dV = 0
+
+    if (warpgroup == 0) {
+        tma::regs_dealloc<K::PRODUCER_REGS>();
+        if (any && tid == 0) bwd_ws_produce<K>(P, sm, blk);
+        if (any && tid == 32) bwd_ws_add_dq<K>(P, sm, blk);
+        return;
+    }
+    tma::regs_alloc<K::CONSUMER_REGS>();
+    BwdWsConsumer<K> c{p, sm, warpgroup - 1, tid % 128, tid % 32, {}, {}};
+#pragma unroll
+    for (int i = 0; i < K::DT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c.dk[i][e] = c.dv[i][e] = 0.f;
+    if (any) {
+        tma::wait(sm.full_kv(), 0);
+        int it = 0;
+        bwd_ws_walk<K>(P, blk, [&](int, int m0, int64_t) { c.tile(blk, it++, m0); });
+    }
+    c.store(P, blk);
+}
+
+// The row statistics per query tile (see the top of this file) and dq_accum's zeros: one warp
+// per row, rows up to m_blocks x BM. Grid (ceil(m_blocks x BM / 8), h, b).
+template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_ws_prep(
+    const BwdTmaParams& P) {
+    const BwdParams& bp = P.b;
+    const AttnParams& p = bp.a;
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int bidh = blockIdx.y, bidb = blockIdx.z;
+    if (row >= P.m_blocks * BM) return;
+    const SeqInfo seq(p, bidb);
+    float sum = 0.f;
+    if (row < seq.seqlen_q && lane * CHUNK < p.d) {
+        const int64_t off =
+            seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh) +
+            int64_t(row) * p.o_row_stride + lane * CHUNK;
+        const uint4 o4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
+        const uint4 d4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(bp.dout) + off);
+        const T* o8 = reinterpret_cast<const T*>(&o4);
+        const T* d8 = reinterpret_cast<const T*>(&d4);
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) sum += float(o8[i]) * float(d8[i]);
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffff, sum, s);
+    const int64_t tile = (int64_t(bidb) * p.h + bidh) * P.m_blocks + row / BM;
+    if (lane == 0) {
+        P.stats[tile * 2 * BM + row % BM] =
+            row < seq.seqlen_q ? lse_log2(p.lse[seq.lse_offset(p, bidb, bidh) + row]) : INFINITY;
+        P.stats[tile * 2 * BM + BM + row % BM] = sum;
+    }
+    // D floats per row: the tile's BM x D floats in whatever order.
+    float4* zero = reinterpret_cast<float4*>(bp.dq_accum + (tile * BM + row % BM) * D);
+#pragma unroll
+    for (int i = lane; i < D / 4; i += 32) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// dq = scale x dq_accum, undoing the consumers' fragment order. Grid (m_blocks, h, b).
+template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const BwdTmaParams& P) {
+    using T = typename K::T;
+    constexpr int BM = K::BM, D = K::D, DQ_N = K::DQ_N;
+    const AttnParams& p = P.b.a;
+    const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+    const int64_t tile = (int64_t(bidb) * p.h + bidh) * P.m_blocks + m_block;
+    const float4* src = reinterpret_cast<const float4*>(P.b.dq_accum + tile * BM * D);
+    // dq is contiguous (b, seqlen_q, h, d).
+    const int64_t row_stride = int64_t(p.h) * p.d;
+    T* dq = static_cast<T*>(P.b.dq) + int64_t(bidb) * p.seqlen_q * row_stride +
+            int64_t(bidh) * p.d;
+    for (int f = threadIdx.x; f < BM * D / 4; f += blockDim.x) {
+        const int tid = f % 128, i = f / 128 % (DQ_N / 8), group = f / 128 / (DQ_N / 8);
+        const int lane = tid % 32;
+        const int row = m_block * BM + tid / 32 * 16 + lane / 4;
+        const int col = group * DQ_N + i * 8 + 2 * (lane % 4);
+        if (col >= p.d) continue;
+        const float4 x = src[f];
+        if (row < p.seqlen_q)
+            *reinterpret_cast<uint32_t*>(dq + row * row_stride + col) =
+                MmaOp<T>::pack(x.x * p.scale, x.y * p.scale);
+        if (row + 8 < p.seqlen_q)
+            *reinterpret_cast<uint32_t*>(dq + (row + 8) * row_stride + col) =
+                MmaOp<T>::pack(x.z * p.scale, x.w * p.scale);
+    }
+}
+
+#define FLASH_BWD_WS(NAME, T, D, STAGES)                                                      \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {                  \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES>>(p);                                           \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256)                                         \
+        flash_bwd_ws_prep_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {             \
+        flash_bwd_ws_prep<T, BwdWsTraits<T, D, STAGES>::BM, D>(p);                            \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256)                                         \
+        flash_bwd_ws_convert_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {          \
+        flash_bwd_ws_convert<BwdWsTraits<T, D, STAGES>>(p);                                   \
+    }
+#define FLASH_BWD_WS_BOTH(D, STAGES)                                                          \
+    FLASH_BWD_WS(f16, __half, D, STAGES)                                                      \
+    FLASH_BWD_WS(bf16, __nv_bfloat16, D, STAGES)
+
+FLASH_BWD_WS_BOTH(64, 3)
+FLASH_BWD_WS_BOTH(128, 2)

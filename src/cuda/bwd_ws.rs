@@ -1,0 +1,168 @@
+//! The warp-specialized Hopper backward (`cuda/bwd_ws_sm90.cu`): its parameter block, its
+//! buffers and its three launches (row statistics + zeroed dq_accum, dK/dV/dQ, dq).
+
+use candle::cuda_backend::cudarc::driver::sys::CUdeviceptr;
+use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr};
+use candle::{DType, Result};
+
+use super::tma::{TileSource, TmaDesc};
+use super::{launch, AttnParams, BwdParams};
+
+/// Mirror of `struct BwdTmaParams` in `cuda/bwd_ws_sm90.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BwdTmaParams {
+    q: TmaDesc,
+    k: TmaDesc,
+    v: TmaDesc,
+    dout: TmaDesc,
+    b: BwdParams,
+    stats: CUdeviceptr,
+    m_blocks: i32,
+}
+
+// SAFETY: plain-old-data with the C layout of `BwdTmaParams`, passed by value as a kernel
+// argument (__grid_constant__).
+unsafe impl DeviceRepr for BwdTmaParams {}
+
+/// Keys per block and query rows per streamed tile (`BwdWsTraits`).
+const BN: usize = 128;
+const BM: usize = 64;
+
+/// One compiled warp-specialized backward: head dim 64 (three Q/dO slots) or 128 (two).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct BwdWsShape {
+    d: usize,
+    stages: usize,
+}
+
+impl BwdWsShape {
+    /// The kernel for padded head dim `d`, if there is one.
+    pub fn for_head_dim(d: usize) -> Option<Self> {
+        match d {
+            64 => Some(Self { d, stages: 3 }),
+            128 => Some(Self { d, stages: 2 }),
+            _ => None,
+        }
+    }
+
+    /// `BwdWsTraits::SMEM_BYTES`: K, V, the Q/dO slots, two dS^T tiles, the f32 dQ tile, the
+    /// slots' row statistics, the barriers, 1 KB of alignment.
+    fn smem_bytes(&self) -> u32 {
+        let (kv, q, ds) = (BN * self.d * 2, BM * self.d * 2, BN * BM * 2);
+        let dq = BM * self.d * 4;
+        let stats = 2 * BM * 4;
+        let bytes = 2 * kv + 2 * self.stages * q + 2 * ds + dq + self.stages * stats;
+        (bytes + (3 + 3 * self.stages) * 8 + 1024) as u32
+    }
+}
+
+/// The backward's buffers of this path: per (sequence, head, query tile) the row statistics
+/// (2 x 64 f32) and the f32 dQ tile (64 x d), both written before they are read.
+pub(super) struct BwdWsBuffers {
+    stats: CudaSlice<f32>,
+    dq_accum: CudaSlice<f32>,
+    m_blocks: usize,
+}
+
+impl BwdWsBuffers {
+    pub fn new(
+        dev: &candle::CudaDevice,
+        shape: &BwdWsShape,
+        b: usize,
+        h: usize,
+        sq: usize,
+    ) -> Result<Self> {
+        let m_blocks = sq.div_ceil(BM);
+        let tiles = b * h * m_blocks;
+        // SAFETY: flash_bwd_ws_prep writes every element of both before any other kernel
+        // reads them.
+        let stats = unsafe { dev.alloc::<f32>(tiles * 2 * BM)? };
+        let dq_accum = unsafe { dev.alloc::<f32>(tiles * BM * shape.d)? };
+        Ok(Self {
+            stats,
+            dq_accum,
+            m_blocks,
+        })
+    }
+}
+
+/// The parameter block for `b` (pointers set, `b.dq_accum` aside), or `None` where TMA
+/// cannot address q, k, v or dO.
+fn params(b: &BwdParams, dtype: DType) -> Option<BwdTmaParams> {
+    let a: &AttnParams = &b.a;
+    let source = |ptr, rows: i32, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
+        ptr,
+        dtype,
+        b: a.b as usize,
+        rows: rows as usize,
+        heads: heads as usize,
+        d: a.d as usize,
+        strides: [row, head, batch],
+    };
+    let q = [a.q_batch_stride, a.q_row_stride, a.q_head_stride];
+    let k = [a.k_batch_stride, a.k_row_stride, a.k_head_stride];
+    let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
+    let o = [a.o_batch_stride, a.o_row_stride, a.o_head_stride];
+    Some(BwdTmaParams {
+        q: source(a.q, a.seqlen_q, a.h, q).encode(BM)?,
+        k: source(a.k, a.seqlen_k, a.h_k, k).encode(BN)?,
+        v: source(a.v, a.seqlen_k, a.h_k, v).encode(BN)?,
+        dout: source(b.dout, a.seqlen_q, a.h, o).encode(BM)?,
+        b: *b,
+        stats: 0,
+        m_blocks: 0,
+    })
+}
+
+/// Whether this path can run `b` (TMA can address its tensors).
+pub(super) fn supported(b: &BwdParams, dtype: DType) -> bool {
+    params(b, dtype).is_some()
+}
+
+/// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv.
+pub(super) fn run(
+    dev: &candle::CudaDevice,
+    shape: &BwdWsShape,
+    dtype: DType,
+    dtype_name: &str,
+    b: &BwdParams,
+    buffers: &mut BwdWsBuffers,
+) -> Result<()> {
+    let Some(mut p) = params(b, dtype) else {
+        candle::bail!("flash-attn backward: TMA cannot address q, k, v or grad_out")
+    };
+    let stream = dev.cuda_stream();
+    let (stats_ptr, _stats_sync) = buffers.stats.device_ptr_mut(&stream);
+    let (dq_accum_ptr, _dq_accum_sync) = buffers.dq_accum.device_ptr_mut(&stream);
+    p.stats = stats_ptr;
+    p.b.dq_accum = dq_accum_ptr;
+    p.m_blocks = buffers.m_blocks as i32;
+    let (bsz, h, hk) = (b.a.b as usize, b.a.h as usize, b.a.h_k as usize);
+    let d = shape.d;
+    let rows_per_block = 8; // one warp per row, 256 threads
+    launch(
+        dev,
+        &format!("flash_bwd_ws_prep_{dtype_name}_d{d}"),
+        ((buffers.m_blocks * BM).div_ceil(rows_per_block), h, bsz),
+        256,
+        0,
+        &p,
+    )?;
+    launch(
+        dev,
+        &format!("flash_bwd_ws_{dtype_name}_d{d}"),
+        ((b.a.seqlen_k as usize).div_ceil(BN), hk, bsz),
+        384,
+        shape.smem_bytes(),
+        &p,
+    )?;
+    launch(
+        dev,
+        &format!("flash_bwd_ws_convert_{dtype_name}_d{d}"),
+        (buffers.m_blocks, h, bsz),
+        256,
+        0,
+        &p,
+    )
+}
