@@ -332,6 +332,18 @@ impl Record {
 }
 
 fn run(args: &Args, dev: &Device) {
+    // Keep freed memory in CUDA's pool between repetitions, as PyTorch's caching allocator
+    // (which scripts/torch_bench.py runs under) does; the pool's default hands it back to the
+    // driver at each synchronisation and the next call maps it again (the backward's 128-320 MB
+    // of buffers at batch x seqlen = 16k). CANDLE_FLASH_BENCH_POOL=0 leaves the default.
+    if std::env::var("CANDLE_FLASH_BENCH_POOL").is_ok_and(|v| v == "0") {
+        println!("# memory pool: driver default (freed memory released at synchronisation)");
+    } else if let Err(e) = candle_flash::train::retain_freed_device_memory(dev) {
+        println!(
+            "# memory pool: could not keep freed memory: {}",
+            first_line(&e)
+        );
+    }
     let gpu = gpu_name(dev).unwrap_or_else(|| "CUDA device 0".into());
     let quick = if args.quick { "  (quick grid)" } else { "" };
     println!("# {gpu}  candle-flash bench  {:?}{quick}", args.dtype);

@@ -60,12 +60,14 @@ template <typename T_, int D_, int STAGES_> struct BwdWsTraits {
     static constexpr int DQ_OFFSET = DS_OFFSET + 2 * DS_BYTES;
     static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * STATS_BYTES;
-    static constexpr int SMEM_BYTES = BAR_OFFSET + (3 + 3 * STAGES) * 8 + 1024;
+    static constexpr int BARRIERS = 1 + 2 * CONSUMERS + 3 * STAGES;
+    static constexpr int SMEM_BYTES = BAR_OFFSET + BARRIERS * 8 + 1024;
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
     static_assert(D % 64 == 0 && BM == 64, "panel tiles; dS^T is one 64-column panel");
     static_assert(DQ_N % 32 == 0, "dQ halves of whole wgmma n32 tiles");
+    static_assert(CONSUMERS == 2, "the dQ warp's bulk groups are counted for two halves");
 };
 
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
@@ -89,18 +91,21 @@ template <class K> struct BwdWsSmem {
     __device__ __forceinline__ uint32_t stats(int st) const {
         return base + K::STATS_OFFSET + st * K::STATS_BYTES;
     }
-    // Barriers: K and V landed; dQ tile written (consumers) / read (dQ warp); per slot Q and
-    // its statistics landed, dO landed, slot released by every consumer warp.
+    // Barriers: K and V landed; per consumer warpgroup, its half of the dQ tile written (by
+    // it) / read (by the dQ warp); per slot Q and its statistics landed, dO landed, slot
+    // released by every consumer warp.
     __device__ __forceinline__ uint32_t full_kv() const { return base + K::BAR_OFFSET; }
-    __device__ __forceinline__ uint32_t full_dq() const { return full_kv() + 8; }
-    __device__ __forceinline__ uint32_t empty_dq() const { return full_kv() + 16; }
-    __device__ __forceinline__ uint32_t full_q(int st) const { return full_kv() + 8 * (3 + st); }
-    __device__ __forceinline__ uint32_t full_do(int st) const {
-        return full_kv() + 8 * (3 + K::STAGES + st);
+    __device__ __forceinline__ uint32_t full_dq(int group) const {
+        return full_kv() + 8 * (1 + group);
     }
-    __device__ __forceinline__ uint32_t empty(int st) const {
-        return full_kv() + 8 * (3 + 2 * K::STAGES + st);
+    __device__ __forceinline__ uint32_t empty_dq(int group) const {
+        return full_kv() + 8 * (1 + K::CONSUMERS + group);
     }
+    __device__ __forceinline__ uint32_t full_q(int st) const {
+        return full_kv() + 8 * (1 + 2 * K::CONSUMERS + st);
+    }
+    __device__ __forceinline__ uint32_t full_do(int st) const { return full_q(K::STAGES + st); }
+    __device__ __forceinline__ uint32_t empty(int st) const { return full_q(2 * K::STAGES + st); }
 };
 
 // The block's key range and the query tiles that see it, walked the same way by the
@@ -165,18 +170,28 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
     });
 }
 
-// Adds each query tile's dQ, once the consumers wrote it, to its tile of dq_accum.
+// Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
+// as that warpgroup wrote it.
 template <class K>
 __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                               const BwdWsBlock<K>& blk) {
+    constexpr int HALF = K::DQ_BYTES / K::CONSUMERS;
     int phase = 0;
     bwd_ws_walk<K>(P, blk, [&](int, int, int64_t tile) {
-        tma::wait(sm.full_dq(), phase);
+        float* dst = P.b.dq_accum + tile * K::BM * K::D;
+#pragma unroll
+        for (int group = 0; group < K::CONSUMERS; ++group) {
+            tma::wait(sm.full_dq(group), phase);
+            tma::reduce_add_bulk(dst + group * HALF / 4, sm.dq() + group * HALF, HALF);
+            tma::bulk_commit();
+        }
         phase ^= 1;
-        tma::reduce_add_bulk(P.b.dq_accum + tile * K::BM * K::D, sm.dq(), K::DQ_BYTES);
-        tma::bulk_commit();
-        tma::bulk_wait_read<0>();
-        tma::arrive(sm.empty_dq());
+#pragma unroll
+        for (int group = 0; group < K::CONSUMERS; ++group) {
+            // Half `group` was committed CONSUMERS - 1 - group groups before the last.
+            if (group == 0) tma::bulk_wait_read<K::CONSUMERS - 1>(); else tma::bulk_wait_read<0>();
+            tma::arrive(sm.empty_dq(group));
+        }
     });
     tma::bulk_wait_all();
 }
@@ -192,7 +207,9 @@ template <class K> struct BwdWsConsumer {
     const int group, tid, lane;  // tid: thread within the warpgroup
     float dk[DT][4], dv[DT][4];
 
-    // Query tile `it` of the block (rows m0..), from its ring slot.
+    // Query tile `it` of the block (rows m0..), from its ring slot. The matmuls are queued
+    // so that the tensor cores have the next one while this warpgroup computes: dP^T under
+    // the softmax, dV under dS^T, dK under dQ's trip through shared memory.
     __device__ __forceinline__ void tile(const BwdWsBlock<K>& blk, int it, int m0) {
         const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
         const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
@@ -209,6 +226,10 @@ template <class K> struct BwdWsConsumer {
             sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
                                    sm90::kmajor_desc(sQ, BM, kk), kk > 0);
         sm90::commit();
+        // This thread's query columns' LSE, while S^T runs.
+        float2 lse[NQ];
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
         tma::wait(sm.full_do(slot), phase);
         sm90::fence();
 #pragma unroll
@@ -224,12 +245,11 @@ template <class K> struct BwdWsConsumer {
         if (blk.mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0))
             blk.mask.template apply<1, NQ, true>(s, blk.n0 + group * 64 + wrow, m0, lane);
 #pragma unroll
-        for (int nt = 0; nt < NQ; ++nt) {
-            const float2 lse = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
+        for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                s[0][nt][e] = exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse.y : lse.x)));
-        }
+                s[0][nt][e] =
+                    exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
         uint32_t a_p[1][NQ / 2][4];
         pack_a<T, 1, NQ>(s, a_p);
 
@@ -242,27 +262,20 @@ template <class K> struct BwdWsConsumer {
         sm90::commit();
         sm90::wait<1>();  // dP^T
         sm90::fence_operand(dpt[0]);
-
-        // dS^T = P^T o (dP^T - rowsum(dO O)) (line 19).
+        // Loaded only now: with P^T and dP^T live, 16 more registers spilled at d = 128.
+        float2 dsum[NQ];
 #pragma unroll
-        for (int nt = 0; nt < NQ; ++nt) {
-            const float2 dsum = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
+        for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
+
+        // dS^T = P^T o (dP^T - rowsum(dO O)) (line 19), into the key-major panel tile (row =
+        // key, 64 query columns) for dQ.
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum.y : dsum.x));
-        }
+                dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum[nt].y : dsum[nt].x));
         uint32_t a_ds[1][NQ / 2][4];
         pack_a<T, 1, NQ>(dpt, a_ds);
-
-        // dK += dS^T Q (line 21).
-        sm90::fence_operand(dk);
-        sm90::fence();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            sm90::Wgmma<T, D>::rs(dk, a_ds[0][kk], sm90::mnmajor_desc(sQ, BM, kk), 1);
-        sm90::commit();
-
-        // dS^T into the key-major panel tile (row = key, 64 query columns) meanwhile.
 #pragma unroll
         for (int kk = 0; kk < NQ / 2; ++kk)
 #pragma unroll
@@ -275,36 +288,42 @@ template <class K> struct BwdWsConsumer {
         sm90::fence_proxy_async();
         tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of dS^T are written
 
-        // dQ[:, group's columns] = dS K (line 20). This warpgroup's dQ columns
-        // [group DQ_N, +DQ_N): whole panels at D = 128, half a panel (64 bytes into each
-        // swizzled row) at D = 64.
+        // dQ[:, group's columns] = dS K (line 20), then dK += dS^T Q (line 21). This
+        // warpgroup's dQ columns [group DQ_N, +DQ_N): whole panels at D = 128, half a panel
+        // (64 bytes into each swizzled row) at D = 64.
         const uint32_t sK_dq =
             sm.k() + (DQ_N % 64 == 0 ? group * (DQ_N / 64) * BN * 128 : group * DQ_N * 2);
         float dq[DQ_N / 8][4];
+        sm90::fence_operand(dk);
         sm90::fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
                                        sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
         sm90::commit();
-        sm90::wait<0>();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            sm90::Wgmma<T, D>::rs(dk, a_ds[0][kk], sm90::mnmajor_desc(sQ, BM, kk), 1);
+        sm90::commit();
+        sm90::wait<1>();  // dV and dQ
         sm90::fence_operand(dq);
         sm90::fence_operand(dv);
-        sm90::fence_operand(dk);
-        if (lane == 0) tma::arrive(sm.empty(slot));  // this warp's reads of Q and dO are done
 
-        // The dQ tile for the dQ warp, once it has read the last one: float4 i of thread tid
-        // of warpgroup g at float4 (g DQ_N / 8 + i) x 128 + tid (a warp's stores are 512
-        // consecutive bytes).
-        tma::wait(sm.empty_dq(), (it & 1) ^ 1);
+        // This warpgroup's half of the dQ tile for the dQ warp, once it has read the last
+        // one: float4 i of thread tid at float4 (group DQ_N / 8 + i) x 128 + tid (a warp's
+        // stores are 512 consecutive bytes).
+        tma::wait(sm.empty_dq(group), (it & 1) ^ 1);
 #pragma unroll
         for (int i = 0; i < DQ_N / 8; ++i) {
             const uint32_t addr = sm.dq() + ((group * (DQ_N / 8) + i) * 128 + tid) * 16;
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(dq[i][0]),
-                         "f"(dq[i][1]), "f"(dq[i][2]), "f"(dq[i][3]));
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                         "f"(dq[i][0]), "f"(dq[i][1]), "f"(dq[i][2]), "f"(dq[i][3]));
         }
         sm90::fence_proxy_async();
-        tma::arrive(sm.full_dq());
+        tma::arrive(sm.full_dq(group));
+        sm90::wait<0>();  // dK
+        sm90::fence_operand(dk);
+        if (lane == 0) tma::arrive(sm.empty(slot));  // this warp's reads of Q and dO are done
     }
 
     // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV.
@@ -343,8 +362,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
 
     if (tid == 0) {
         tma::mbar_init(sm.full_kv(), 1);
-        tma::mbar_init(sm.full_dq(), 128 * K::CONSUMERS);
-        tma::mbar_init(sm.empty_dq(), 1);
+        for (int group = 0; group < K::CONSUMERS; ++group) {
+            tma::mbar_init(sm.full_dq(group), 128);
+            tma::mbar_init(sm.empty_dq(group), 1);
+        }
         for (int st = 0; st < K::STAGES; ++st) {
             tma::mbar_init(sm.full_q(st), 1);
             tma::mbar_init(sm.full_do(st), 1);
@@ -412,10 +433,14 @@ template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_w
     for (int i = lane; i < D / 4; i += 32) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// dq = scale x dq_accum, undoing the consumers' fragment order. Grid (m_blocks, h, b).
+// dq = scale x dq_accum, undoing the consumers' fragment order. A thread takes the two
+// neighbouring n8 fragments (i, i + 1) of one row pair (g, g + 8) of one warp: 8 float4 that
+// are 4 consecutive float4 per fragment, and 16 columns (32 bytes, a whole sector) per row.
+// Grid (m_blocks, h, b).
 template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const BwdTmaParams& P) {
     using T = typename K::T;
     constexpr int BM = K::BM, D = K::D, DQ_N = K::DQ_N;
+    constexpr int ITEMS = K::CONSUMERS * (DQ_N / 16) * 4 * 8;  // (group, pair, warp, g)
     const AttnParams& p = P.b.a;
     const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
     const int64_t tile = (int64_t(bidb) * p.h + bidh) * P.m_blocks + m_block;
@@ -424,19 +449,32 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     const int64_t row_stride = int64_t(p.h) * p.d;
     T* dq = static_cast<T*>(P.b.dq) + int64_t(bidb) * p.seqlen_q * row_stride +
             int64_t(bidh) * p.d;
-    for (int f = threadIdx.x; f < BM * D / 4; f += blockDim.x) {
-        const int tid = f % 128, i = f / 128 % (DQ_N / 8), group = f / 128 / (DQ_N / 8);
-        const int lane = tid % 32;
-        const int row = m_block * BM + tid / 32 * 16 + lane / 4;
-        const int col = group * DQ_N + i * 8 + 2 * (lane % 4);
-        if (col >= p.d) continue;
-        const float4 x = src[f];
-        if (row < p.seqlen_q)
-            *reinterpret_cast<uint32_t*>(dq + row * row_stride + col) =
-                MmaOp<T>::pack(x.x * p.scale, x.y * p.scale);
-        if (row + 8 < p.seqlen_q)
-            *reinterpret_cast<uint32_t*>(dq + (row + 8) * row_stride + col) =
-                MmaOp<T>::pack(x.z * p.scale, x.w * p.scale);
+    for (int item = threadIdx.x; item < ITEMS; item += blockDim.x) {
+        const int g = item % 8, warp = item / 8 % 4, pair = item / 32 % (DQ_N / 16);
+        const int group = item / 32 / (DQ_N / 16);
+        uint32_t lo[8], hi[8];  // rows g and g + 8, 16 columns as pairs
+#pragma unroll
+        for (int f = 0; f < 2; ++f)
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                const int i = 2 * pair + f;
+                const float4 x = src[(group * (DQ_N / 8) + i) * 128 + warp * 32 + g * 4 + t];
+                lo[4 * f + t] = MmaOp<T>::pack(x.x * p.scale, x.y * p.scale);
+                hi[4 * f + t] = MmaOp<T>::pack(x.z * p.scale, x.w * p.scale);
+            }
+        const int row = m_block * BM + warp * 16 + g;
+        const int col = group * DQ_N + pair * 16;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (row + 8 * r >= p.seqlen_q) continue;
+            const uint32_t* v = r == 0 ? lo : hi;
+            T* out = dq + (row + 8 * r) * row_stride + col;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                if (col + 8 * half < p.d)
+                    *reinterpret_cast<uint4*>(out + 8 * half) =
+                        make_uint4(v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]);
+        }
     }
 }
 

@@ -3,21 +3,24 @@
 # in .gpu/ for the lent GPU machine, which has no Rust. Carry `.gpu` in the `run` call and
 # run `bash scripts/gpu-suite.sh` there.
 #
-# Usage: scripts/stage-gpu.sh [--ptxas | --ptxas-only]
-#   --ptxas       also compile cuda/*.cu to cubin and write the register/spill report
-#                 to .gpu/ptxas.txt (PTXAS_ARCH overrides the arch, default sm_90)
-#   --ptxas-only  only the ptxas report, no cargo build
+# Usage: scripts/stage-gpu.sh [--ptxas | --ptxas-only] [--no-examples]
+#   --ptxas        also compile cuda/*.cu to cubin and write the register/spill report
+#                  to .gpu/ptxas.txt (PTXAS_ARCH overrides the arch, default sm_90)
+#   --ptxas-only   only the ptxas report, no cargo build
+#   --no-examples  stage the test binary and the benches only (kernel A/B runs: quicker
+#                  to build, less to carry)
 #
 # Staged names: .gpu/gpu.xz (test target `gpu`), .gpu/bench-NAME.xz, .gpu/example-NAME.xz.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-PTXAS=0 BUILD=1
+PTXAS=0 BUILD=1 EXAMPLES=1
 for arg in "$@"; do
   case $arg in
     --ptxas) PTXAS=1 ;;
     --ptxas-only) PTXAS=1 BUILD=0 ;;
-    *) echo "usage: $0 [--ptxas | --ptxas-only]" >&2; exit 2 ;;
+    --no-examples) EXAMPLES=0 ;;
+    *) echo "usage: $0 [--ptxas | --ptxas-only] [--no-examples]" >&2; exit 2 ;;
   esac
 done
 
@@ -68,7 +71,7 @@ if [ "$BUILD" = 1 ]; then
   extra=()
   # `--bench '*'` rather than `--benches`: the latter also builds the lib's bench harness.
   if has_rs benches; then extra+=(--bench '*'); fi
-  if has_rs examples; then extra+=(--examples); fi
+  if [ "$EXAMPLES" = 1 ] && has_rs examples; then extra+=(--examples); fi
   if [ ${#extra[@]} -gt 0 ]; then
     cargo build --release --features cuda "${extra[@]}" \
       --message-format=json-render-diagnostics >> "$TMP/cargo.json"

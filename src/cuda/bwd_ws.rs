@@ -53,7 +53,7 @@ impl BwdWsShape {
         let dq = BM * self.d * 4;
         let stats = 2 * BM * 4;
         let bytes = 2 * kv + 2 * self.stages * q + 2 * ds + dq + self.stages * stats;
-        (bytes + (3 + 3 * self.stages) * 8 + 1024) as u32
+        (bytes + (1 + 2 * 2 + 3 * self.stages) * 8 + 1024) as u32
     }
 }
 
