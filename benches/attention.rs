@@ -121,7 +121,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -155,6 +155,7 @@ struct Args {
     no_naive: bool,
     fwd_only: bool,
     bwd_only: bool,
+    mods_only: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -168,6 +169,7 @@ impl Args {
             no_naive: false,
             fwd_only: false,
             bwd_only: false,
+            mods_only: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -179,6 +181,7 @@ impl Args {
                 "--no-naive" => args.no_naive = true,
                 "--fwd-only" => args.fwd_only = true,
                 "--bwd-only" => args.bwd_only = true,
+                "--mods-only" => args.mods_only = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -294,6 +297,25 @@ fn grid(quick: bool) -> Vec<Case> {
     cases
 }
 
+/// The share of a `seqlen` x `seqlen` score matrix that a (causal, window) mask leaves
+/// visible (FA2's window: -1 unbounded; causal sets right = 0).
+fn visible_share(seqlen: usize, causal: bool, left: i64, right: i64) -> f64 {
+    let n = seqlen as i64;
+    let right = if causal { 0 } else { right };
+    let visible: i64 = (0..n)
+        .map(|i| {
+            let lo = if left >= 0 { (i - left).max(0) } else { 0 };
+            let hi = if right >= 0 {
+                (i + right).min(n - 1)
+            } else {
+                n - 1
+            };
+            (hi - lo + 1).max(0)
+        })
+        .sum();
+    visible as f64 / (n * n) as f64
+}
+
 fn flop_factor(pass: &str) -> f64 {
     match pass {
         "bwd" | "bwd-autograd" => 2.5,
@@ -356,6 +378,10 @@ fn run(args: &Args, dev: &Device) {
         fwd_only: args.fwd_only,
         bwd_only: args.bwd_only,
     };
+    if args.mods_only {
+        bench.mods_section();
+        return;
+    }
     if !args.decode_only {
         println!(
             "{:<12} {:<12} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
@@ -447,6 +473,115 @@ impl Bench {
             if fwd_bwd > fwd {
                 println!("{:<25} bwd-autograd derived as (fwd+bwd) - fwd:", "");
                 self.record(FLASH, "bwd-autograd", case, Ok(fwd_bwd - fwd));
+            }
+        }
+    }
+
+    /// `--mods-only`: sliding windows, softcapping and ALiBi against plain attention of the
+    /// same shape, in the same run (torch's SDPA has neither a window nor a cap to compare
+    /// with). `ideal` is the window's share of the plain (non-causal) score matrix: the
+    /// time a windowed pass would take if its cost followed the visible pairs exactly.
+    fn mods_section(&mut self) {
+        println!(
+            "{:<34} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>6}",
+            "variant", "hd", "seqlen", "batch", "pass", "ms", "TFLOP/s", "vs plain", "ideal"
+        );
+        let dev = self.dev.clone();
+        let plain = |causal| FlashAttn::new().causal(causal);
+        for (hd, seqlen, heads) in [(128, 16384, 16), (64, 4096, 32), (256, 4096, 8)] {
+            let case = Case {
+                hd,
+                seqlen,
+                heads,
+                heads_k: heads,
+                causal: false,
+            };
+            let sets = match (0..N_SETS)
+                .map(|_| Inputs::new(&case, self.dtype, &dev))
+                .collect::<Result<Vec<_>>>()
+            {
+                Ok(sets) => sets,
+                Err(e) => {
+                    println!(
+                        "skipped hd {hd} seqlen {seqlen}: inputs: {}",
+                        first_line(&e)
+                    );
+                    continue;
+                }
+            };
+            let slopes: Vec<f32> = (0..heads)
+                .map(|i| 2f32.powf(-8.0 * (i + 1) as f32 / heads as f32))
+                .collect();
+            let slopes = match Tensor::new(slopes.as_slice(), &dev) {
+                Ok(s) => s,
+                Err(e) => {
+                    println!("skipped: slopes: {}", first_line(&e));
+                    continue;
+                }
+            };
+            let quarter = seqlen as i64 / 4;
+            let variants: Vec<(String, FlashAttn, bool)> = vec![
+                ("plain".into(), plain(false), false),
+                ("plain causal".into(), plain(true), true),
+                (
+                    format!("window ({quarter}, 0) causal"),
+                    plain(true).window_size(quarter, 0),
+                    true,
+                ),
+                (
+                    format!("window ({}, {})", quarter / 2, quarter / 2),
+                    plain(false).window_size(quarter / 2, quarter / 2),
+                    false,
+                ),
+                ("softcap 50".into(), plain(false).softcap(50.0), false),
+                ("softcap 50 causal".into(), plain(true).softcap(50.0), true),
+                (
+                    "alibi causal".into(),
+                    plain(true).alibi_slopes(&slopes),
+                    true,
+                ),
+            ];
+            let mut base = [[None; 2]; 2]; // [causal][pass]
+            for (name, opts, causal) in &variants {
+                let (left, right) = opts.window_size;
+                let visible = visible_share(seqlen, *causal, left, right);
+                let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
+                let passes = [
+                    ("fwd", try_time(|| time_fwd(&dev, &sets, &attn))),
+                    ("bwd", try_time(|| time_bwd_direct(&dev, &sets, opts))),
+                ];
+                for (p, (pass, ms)) in passes.into_iter().enumerate() {
+                    let ms = match ms {
+                        Ok(ms) => ms,
+                        Err(e) => {
+                            println!("{name:<34} {hd:>4} {seqlen:>6} {pass}: failed: {e}");
+                            continue;
+                        }
+                    };
+                    let flops = 4.0
+                        * (case.batch() * heads * hd) as f64
+                        * (seqlen * seqlen) as f64
+                        * visible
+                        * flop_factor(pass);
+                    if name.starts_with("plain") {
+                        base[usize::from(*causal)][p] = Some(ms);
+                    }
+                    // Windows against plain non-causal attention (their ideal share), the
+                    // rest against plain attention with their own mask.
+                    let windowed = left >= 0 || (right >= 0 && !*causal);
+                    let against = base[usize::from(*causal && !windowed)][p];
+                    let ratio = against.map_or("-".into(), |b| format!("{:.3}", ms / b));
+                    let ideal = if windowed {
+                        format!("{visible:.3}")
+                    } else {
+                        "-".into()
+                    };
+                    println!(
+                        "{name:<34} {hd:>4} {seqlen:>6} {:>5} {pass:<4} {ms:>9.3} {:>8.1} {ratio:>9} {ideal:>6}",
+                        case.batch(),
+                        flops / ms / 1e9,
+                    );
+                }
             }
         }
     }

@@ -58,7 +58,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     float dk[MT][DOT][4], dv[MT][DOT][4];
     zero(dk);
     zero(dv);
-    const Mask mask(p, seq);
+    const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio);
     const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);  // (bidh, m0) follows it
     const auto load_q_do = [&](int bidh, int m0, int stage) {
         const T* q = static_cast<const T*>(p.q) +
@@ -139,7 +139,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         zero(st);
         gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
         if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-            mask.template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
+            mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
         const int t = lane % 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -199,6 +199,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
                     if (use_dropout) dp = dropped(dp, mt, nt, e);
                     dpt[mt][nt][e] = st[mt][nt][e] * (dp - sDsum[col]);
                 }
+        if (mask.softcap_pre != 0.f)  // dS's factor 1 - t^2 from the tanh
+            mask.with_head(bidh).template times_cap_grad<MT, NQ, true>(
+                dpt, st, n0 + warp_row0, m0, lane, p.scale_log2,
+                [&](int, int nt, int e) { return lse2(nt * 8 + 2 * t + (e % 2)); });
         pack_a<T, MT, NQ>(dpt, a);
         if constexpr (K::DQ)
             store_ds_t<MT, NQ / 2, K::DS_STRIDE>(sdS_t + warp_row0 * K::DS_STRIDE, a, lane);
@@ -230,7 +234,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
                 if (col >= p.d) continue;
                 const int64_t off = int64_t(row) * bp.dk_row_stride + col;
                 *reinterpret_cast<uint32_t*>(dk_out + off) =
-                    MmaOp<T>::pack(dk[mt][dt][2 * r] * p.scale, dk[mt][dt][2 * r + 1] * p.scale);
+                    MmaOp<T>::pack(dk[mt][dt][2 * r] * p.grad_scale, dk[mt][dt][2 * r + 1] * p.grad_scale);
                 *reinterpret_cast<uint32_t*>(dv_out + off) =
                     MmaOp<T>::pack(dv[mt][dt][2 * r], dv[mt][dt][2 * r + 1]);
             }

@@ -61,7 +61,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
 
     float dq[MT][DT][4];
     zero(dq);
-    const Mask mask(p, seq);
+    const Mask mask(p, seq, bidb, bidh);
     const Dropout dropout(p, bidb, bidh);
     int nb_begin, nb_end;
     mask.template key_blocks<BN>(m0, m0 + BM - 1, &nb_begin, &nb_end);
@@ -101,7 +101,12 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
                         const float prob = exp2f(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][r]));
                         float dpe = dp[mt][nt][e];
                         if (dropout.active()) dpe = ((keep >> c) & 1) ? dpe * p.rp_keep : 0.f;
-                        dp[mt][nt][e] = prob * (dpe - dsum[mt][r]);
+                        float ds = prob * (dpe - dsum[mt][r]);
+                        if (mask.softcap_pre != 0.f)  // the tanh's factor 1 - t^2
+                            ds *= cap_grad(prob, mask.template capped<false>(
+                                                     s[mt][nt][e], m0 + warp_row0 + mt * 16 + g + 8 * r,
+                                                     n0 + nt * 8 + 2 * t + c));
+                        dp[mt][nt][e] = ds;
                     }
                 }
         uint32_t a[MT][NT / 2][4];
@@ -123,7 +128,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
                 const int col = dt * 8 + 2 * t;
                 if (col >= p.d) continue;
                 *reinterpret_cast<uint32_t*>(dq_out + int64_t(row) * p.o_row_stride + col) =
-                    MmaOp<T>::pack(dq[mt][dt][2 * r] * p.scale, dq[mt][dt][2 * r + 1] * p.scale);
+                    MmaOp<T>::pack(dq[mt][dt][2 * r] * p.grad_scale, dq[mt][dt][2 * r + 1] * p.grad_scale);
             }
         }
 }

@@ -158,7 +158,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq_convert_tiled(co
                 const float a = tile[dq_slot<FRAG>(warp, i, lane)];
                 const float b = tile[dq_slot<FRAG>(warp, i + 1, lane)];
                 *reinterpret_cast<uint32_t*>(dq + int64_t(row) * p.o_row_stride + col) =
-                    MmaOp<T>::pack(a * p.scale, b * p.scale);
+                    MmaOp<T>::pack(a * p.grad_scale, b * p.grad_scale);
             }
 }
 
@@ -172,7 +172,7 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dq_convert(const
     if (i >= bp.dq_accum_len) return;  // dq_accum_len is a multiple of 8 (d is)
     const float4 lo = *reinterpret_cast<const float4*>(bp.dq_accum + i);
     const float4 hi = *reinterpret_cast<const float4*>(bp.dq_accum + i + 4);
-    const float s = bp.a.scale;
+    const float s = bp.a.grad_scale;
     uint4 out;
     out.x = MmaOp<T>::pack(lo.x * s, lo.y * s);
     out.y = MmaOp<T>::pack(lo.z * s, lo.w * s);

@@ -16,9 +16,11 @@
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-template <typename T_, int D_> struct BwdSm90Traits {
+// MODS: with the softcap and ALiBi code (kernels named `_mods`), as in fwd_sm90.cu.
+template <typename T_, int D_, bool MODS_ = false> struct BwdSm90Traits {
     using T = T_;
     static constexpr int D = D_;
+    static constexpr bool MODS = MODS_;
     static constexpr int BN = 128;  // keys per block, 64 per warpgroup
     static constexpr int BM = 64;   // query rows per streamed tile
     static constexpr int THREADS = 256;
@@ -59,7 +61,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     sm90::load_panels<T, BN, D, K::THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
                                             seq.seqlen_k - n0, p.d, tid);
 
-    const Mask mask(p, seq);
+    const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS);
     const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);  // (bidh, m0) follows it
     // Q, dO and the row statistics of tile (bidh, m0) into `stage`, one cp.async group with
     // whatever was requested before. Rows past the end read LSE 0 and dsum 0: their Q and dO
@@ -133,7 +135,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         sm90::fence_operand(dpt[0]);
 
         if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-            mask.template apply<1, NQ, true>(st, n0 + group * 64 + wrow, m0, lane);
+            mask.with_head(bidh).template apply<1, NQ, true>(st, n0 + group * 64 + wrow, m0,
+                                                             lane);
         // P^T (line 13) and dS^T = P^T o (dP^T - rowsum(dO O)) (line 19). A row that saw no
         // key has LSE -inf and P = 0: exp2(s - inf).
 #pragma unroll
@@ -144,6 +147,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
                 st[0][nt][e] = exp2f(fmaf(st[0][nt][e], p.scale_log2, -lse_log2(sLse[col])));
                 dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - sDsum[col]);
             }
+        if (mask.softcap_pre != 0.f)  // dS's factor 1 - t^2 from the tanh
+            mask.with_head(bidh).template times_cap_grad<1, NQ, true>(
+                dpt, st, n0 + group * 64 + wrow, m0, lane, p.scale_log2,
+                [&](int, int nt, int e) { return lse_log2(sLse[nt * 8 + 2 * t + (e % 2)]); });
         uint32_t a_p[1][NQ / 2][4], a_ds[1][NQ / 2][4];
         pack_a<T, 1, NQ>(st, a_p);
         pack_a<T, 1, NQ>(dpt, a_ds);
@@ -219,7 +226,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
             if (col >= p.d) continue;
             const int64_t off = int64_t(row) * bp.dk_row_stride + col;
             *reinterpret_cast<uint32_t*>(dk_out + off) =
-                MmaOp<T>::pack(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+                MmaOp<T>::pack(dk[i][2 * r] * p.grad_scale, dk[i][2 * r + 1] * p.grad_scale);
             *reinterpret_cast<uint32_t*>(dv_out + off) =
                 MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
         }
@@ -230,6 +237,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     extern "C" __global__ void __launch_bounds__(BwdSm90Traits<T, D>::THREADS, 1)             \
         flash_bwd_sm90_##NAME##_d##D(const __grid_constant__ BwdParams bp) {                  \
         flash_bwd_sm90<BwdSm90Traits<T, D>>(bp);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdSm90Traits<T, D>::THREADS, 1)             \
+        flash_bwd_sm90_##NAME##_d##D##_mods(const __grid_constant__ BwdParams bp) {           \
+        flash_bwd_sm90<BwdSm90Traits<T, D, true>>(bp);                                        \
     }
 
 FLASH_BWD_SM90(f16, __half, 64)

@@ -42,9 +42,12 @@ struct BwdTmaParams {
     int m_blocks;  // query tiles of BM rows per (sequence, head)
 };
 
-template <typename T_, int D_, int STAGES_> struct BwdWsTraits {
+// MODS: with the softcap and ALiBi code (kernels named `_mods`); without it, d = 128 kept
+// no spill (112 bytes with it).
+template <typename T_, int D_, int STAGES_, bool MODS_ = false> struct BwdWsTraits {
     using T = T_;
     static constexpr int D = D_, STAGES = STAGES_;
+    static constexpr bool MODS = MODS_;
     static constexpr int BN = 128, BM = 64;  // keys per block (64 per consumer), rows per tile
     static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NQ = BM / 8;   // n8 tiles of S^T per consumer warpgroup
@@ -118,7 +121,7 @@ template <class K> struct BwdWsBlock {
 
     __device__ __forceinline__ explicit BwdWsBlock(const AttnParams& p)
         : n0(blockIdx.x * K::BN), bidh_k(blockIdx.y), bidb(blockIdx.z), seq(p, bidb),
-          mask(p, seq), tiles(mask, p, n0, seq.seqlen_q) {}
+          mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS), tiles(mask, p, n0, seq.seqlen_q) {}
 
     // Index of query tile (bidh, m0) in the tiled statistics and dq_accum.
     __device__ __forceinline__ int64_t tile_index(const BwdTmaParams& P, int bidh, int m0) const {
@@ -207,10 +210,10 @@ template <class K> struct BwdWsConsumer {
     const int group, tid, lane;  // tid: thread within the warpgroup
     float dk[DT][4], dv[DT][4];
 
-    // Query tile `it` of the block (rows m0..), from its ring slot. The matmuls are queued
+    // Query tile `it` of the block (head bidh, rows m0..), from its ring slot. The matmuls are queued
     // so that the tensor cores have the next one while this warpgroup computes: dP^T under
     // the softmax, dV under dS^T, dK under dQ's trip through shared memory.
-    __device__ __forceinline__ void tile(const BwdWsBlock<K>& blk, int it, int m0) {
+    __device__ __forceinline__ void tile(const BwdWsBlock<K>& blk, int it, int bidh, int m0) {
         const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
         const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
         const uint32_t sK_mine = sm.k() + group * 64 * 128, sV_mine = sm.v() + group * 64 * 128;
@@ -243,7 +246,8 @@ template <class K> struct BwdWsConsumer {
         // P^T (line 13). Rows that saw no key, and rows past the sequence, have LSE +inf
         // here: P = 0.
         if (blk.mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0))
-            blk.mask.template apply<1, NQ, true>(s, blk.n0 + group * 64 + wrow, m0, lane);
+            blk.mask.with_head(bidh).template apply<1, NQ, true>(s, blk.n0 + group * 64 + wrow,
+                                                                 m0, lane);
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
@@ -252,6 +256,11 @@ template <class K> struct BwdWsConsumer {
                     exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
         uint32_t a_p[1][NQ / 2][4];
         pack_a<T, 1, NQ>(s, a_p);
+        // Under a softcap, dS's factor 1 - t^2 goes into P now that dV has its copy.
+        if (blk.mask.softcap_pre != 0.f)
+            blk.mask.with_head(bidh).template times_cap_grad<1, NQ, true>(
+                s, s, blk.n0 + group * 64 + wrow, m0, lane, p.scale_log2,
+                [&](int, int nt, int e) { return e % 2 ? lse[nt].y : lse[nt].x; });
 
         // dV += P^T dO (line 16), running while dS^T is computed.
         sm90::fence_operand(dv);
@@ -344,7 +353,7 @@ template <class K> struct BwdWsConsumer {
                 if (col >= p.d) continue;
                 const int64_t o = int64_t(row) * bp.dk_row_stride + col;
                 *reinterpret_cast<uint32_t*>(dk_out + o) =
-                    MmaOp<T>::pack(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+                    MmaOp<T>::pack(dk[i][2 * r] * p.grad_scale, dk[i][2 * r + 1] * p.grad_scale);
                 *reinterpret_cast<uint32_t*>(dv_out + o) =
                     MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
             }
@@ -391,7 +400,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     if (any) {
         tma::wait(sm.full_kv(), 0);
         int it = 0;
-        bwd_ws_walk<K>(P, blk, [&](int, int m0, int64_t) { c.tile(blk, it++, m0); });
+        bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t) { c.tile(blk, it++, bidh, m0); });
     }
     c.store(P, blk);
 }
@@ -459,8 +468,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
             for (int t = 0; t < 4; ++t) {
                 const int i = 2 * pair + f;
                 const float4 x = src[(group * (DQ_N / 8) + i) * 128 + warp * 32 + g * 4 + t];
-                lo[4 * f + t] = MmaOp<T>::pack(x.x * p.scale, x.y * p.scale);
-                hi[4 * f + t] = MmaOp<T>::pack(x.z * p.scale, x.w * p.scale);
+                lo[4 * f + t] = MmaOp<T>::pack(x.x * p.grad_scale, x.y * p.grad_scale);
+                hi[4 * f + t] = MmaOp<T>::pack(x.z * p.grad_scale, x.w * p.grad_scale);
             }
         const int row = m_block * BM + warp * 16 + g;
         const int col = group * DQ_N + pair * 16;
@@ -482,6 +491,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
         flash_bwd_ws_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {                  \
         flash_bwd_ws<BwdWsTraits<T, D, STAGES>>(p);                                           \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D##_mods(const __grid_constant__ BwdTmaParams p) {           \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, true>>(p);                                     \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         flash_bwd_ws_prep_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {             \

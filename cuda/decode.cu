@@ -259,7 +259,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     SeqInfo seq(p, b);
     seq.seqlen_q = p.seqlen_q;
     seq.seqlen_k = seqlen_k;
-    const Mask mask(p, seq);
+    const Mask mask(p, seq, b, h_k * group);
 
     const auto q_row = [&](int r) -> const T* {
         const int row = m0 + r, token = row / group;

@@ -26,7 +26,7 @@ template <class K, bool DROPOUT> __device__ __forceinline__ void flash_fwd(const
            seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
     float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
 
-    FwdBlock<K, DenseSource<K>, DROPOUT> block(p, src, Mask(p, seq), bidb, bidh, m0, seq.seqlen_q,
+    FwdBlock<K, DenseSource<K>, DROPOUT> block(p, src, Mask(p, seq, bidb, bidh), bidb, bidh, m0, seq.seqlen_q,
                                       reinterpret_cast<T*>(smem_raw));
     int nb_begin, nb_end;
     block.key_blocks(&nb_begin, &nb_end);

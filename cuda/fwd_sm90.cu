@@ -15,9 +15,13 @@
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-template <typename T_, int D_, int GROUPS_ = 2, int BN_ = 128> struct Sm90Traits {
+// MODS: compiled with the softcap and ALiBi code (kernels named `_mods`); the others get no
+// such problem (the host's choice) and carry none of its registers.
+template <typename T_, int D_, int GROUPS_ = 2, int BN_ = 128, bool MODS_ = false>
+struct Sm90Traits {
     using T = T_;
     static constexpr int D = D_;
+    static constexpr bool MODS = MODS_;
     static constexpr int GROUPS = GROUPS_;      // warpgroups, 64 rows each
     static constexpr int BM = 64 * GROUPS, BN = BN_;  // query rows, keys per tile
     static constexpr int THREADS = GROUPS * 128;
@@ -97,7 +101,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_sm90(const AttnPara
     const T* q = static_cast<const T*>(p.q) +
                  seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
     Sm90Fwd<K> f{p,
-                 Mask(p, seq),
+                 Mask(p, seq, bidb, bidh, K::MODS),
                  m0,
                  group,
                  group * 64 + (tid % 128) / 32 * 16,
@@ -184,6 +188,16 @@ FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)
         flash_fwd_sm90_##NAME##_d##D##_g1##_n##BN(const __grid_constant__ AttnParams p) {     \
         flash_fwd_sm90<Sm90Traits<T, D, 1, BN>>(p);                                           \
     }
+#define FLASH_FWD_SM90_MODS(NAME, T, D)                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                      \
+        flash_fwd_sm90_##NAME##_d##D##_mods(const __grid_constant__ AttnParams p) {           \
+        flash_fwd_sm90<Sm90Traits<T, D, 2, 128, true>>(p);                                    \
+    }
+FLASH_FWD_SM90_MODS(f16, __half, 64)
+FLASH_FWD_SM90_MODS(f16, __half, 128)
+FLASH_FWD_SM90_MODS(bf16, __nv_bfloat16, 64)
+FLASH_FWD_SM90_MODS(bf16, __nv_bfloat16, 128)
+
 FLASH_FWD_SM90_G1(f16, __half, 64, 128, 3)
 FLASH_FWD_SM90_G1(bf16, __nv_bfloat16, 64, 128, 3)
 FLASH_FWD_SM90_G1(f16, __half, 64, 64, 4)

@@ -113,7 +113,9 @@ template <class K> struct WsTile {
     // after another, from the last (the heaviest under a causal mask) down, so that the
     // blocks in flight together read the K and V of few heads (they stay in L2).
     __device__ __forceinline__ WsTile(const AttnParams& p, int t)
-        : seq(p, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h), mask(p, seq) {
+        : seq(p, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h),
+          mask(p, seq, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h,
+               t / ((p.seqlen_q + K::BM - 1) / K::BM) % p.h) {
         const int m_blocks = (p.seqlen_q + K::BM - 1) / K::BM;
         m_block = m_blocks - 1 - t % m_blocks;
         bidh = t / m_blocks % p.h;

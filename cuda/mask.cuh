@@ -1,5 +1,6 @@
 // Which (query, key) pairs are visible: the key-length bound, the bottom-right aligned causal
-// mask and, in general, a window around the diagonal. One place for fwd, bwd and decode.
+// mask and, in general, a window around the diagonal; and what else happens to a score before
+// the softmax (softcap, ALiBi bias). One place for fwd, bwd and decode.
 #pragma once
 #include <climits>
 #include <cmath>
@@ -11,10 +12,41 @@ struct Mask {
     int seqlen_k;
     int offset;  // seqlen_k - seqlen_q: query i's diagonal is key i + offset
     int left, right;  // window half-widths, -1 = unbounded
+    float softcap_pre;    // 0, or S = tanh(S * softcap_pre) first
+    const float* slopes;  // ALiBi slopes of this sequence's heads, or null
+    float alibi_scale;
+    int head;     // the query head (the first of GQA-packed decode rows)
+    float slope;  // its slope times alibi_scale
 
-    __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq)
+    // Sequence b, query head h. Kernels compiled without the cap and the bias (`mods` a
+    // compile-time false: the host sends them other problems) drop their code entirely:
+    // on the Hopper backward, its registers spilled.
+    __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq, int b, int h,
+                                    bool mods = true)
         : seqlen_k(seq.seqlen_k), offset(seq.seqlen_k - seq.seqlen_q), left(p.window_left),
-          right(p.window_right) {}
+          right(p.window_right), softcap_pre(mods ? p.softcap_pre : 0.f),
+          slopes(!mods || p.alibi_slopes == nullptr
+                     ? nullptr
+                     : p.alibi_slopes + int64_t(b) * p.alibi_batch_stride),
+          alibi_scale(p.alibi_scale), head(h), slope(slopes == nullptr ? 0.f : slope_of(h)) {}
+
+    // The same mask for query head h: the dK/dV kernels walk the heads of a GQA group.
+    __device__ __forceinline__ Mask with_head(int h) const {
+        Mask m = *this;
+        if (slopes != nullptr) {
+            m.head = h;
+            m.slope = slope_of(h);
+        }
+        return m;
+    }
+
+    // Head h's ALiBi slope in S's units.
+    __device__ __forceinline__ float slope_of(int h) const { return slopes[h] * alibi_scale; }
+
+    // A cap or a bias touches every score, so every block takes the masked path.
+    __device__ __forceinline__ bool modifies() const {
+        return softcap_pre != 0.f || slopes != nullptr;
+    }
 
     // Key blocks of width BN that queries [q_first, q_last] can see: [*begin, *end), maybe
     // empty.
@@ -43,11 +75,12 @@ struct Mask {
     // others run the loop body compiled without mask code.
     template <int BN>
     __device__ __forceinline__ bool block_needs_mask(int q_first, int q_last, int n0) const {
-        return n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > q_first + offset + right) ||
+        return modifies() || n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > q_first + offset + right) ||
                (left >= 0 && n0 < q_last + offset - left);
     }
 
-    // Sets masked scores of a warp's S accumulators to -inf. S holds MT m16 tiles x NT n8
+    // Applies the softcap and the ALiBi bias (if any), then sets masked scores of a warp's S
+    // accumulators to -inf. S holds MT m16 tiles x NT n8
     // tiles in the mma C layout; the warp's first row is row0, the tile's first column col0.
     // Rows are queries and columns keys, or, with TRANSPOSED (S^T in the dK/dV kernel), rows
     // are keys and columns queries. Query rows may be packed: tile row r is query
@@ -58,6 +91,8 @@ struct Mask {
     __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane,
                                           int rows_per_query = 1) const {
         const int g = lane / 4, t = lane % 4;
+        if (softcap_pre != 0.f) cap(s);
+        if (slopes != nullptr) bias<MT, NT, TRANSPOSED>(s, row0, col0, lane, rows_per_query);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -84,4 +119,91 @@ struct Mask {
                     }
             }
     }
+
+    // c tanh(x / c) with the scale folded in: tanh.approx (sm_75+, 2^-11 relative error, below
+    // the bf16 rounding of the scores it feeds).
+    template <int MT, int NT>
+    __device__ __forceinline__ void cap(float (&s)[MT][NT][4]) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float y;
+                    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(s[mt][nt][e] * softcap_pre));
+                    s[mt][nt][e] = y;
+                }
+    }
+
+    // S -= slope |i + offset - j| (in S's units). GQA-packed decode row r is head
+    // head + r % rows_per_query.
+    template <int MT, int NT, bool TRANSPOSED>
+    __device__ __forceinline__ void bias(float (&s)[MT][NT][4], int row0, int col0, int lane,
+                                         int rows_per_query) const {
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = row0 + mt * 16 + g + r * 8;
+                float m = slope;
+                // diag: the key on this row's diagonal (rows are queries), or minus the query
+                // whose diagonal this key is (rows are keys); the distance is |diag - col|.
+                int diag;
+                if constexpr (TRANSPOSED) {
+                    diag = row - offset;
+                } else {
+                    diag = row / rows_per_query + offset;
+                    if (rows_per_query > 1) m = slope_of(head + row % rows_per_query);
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const int col = col0 + nt * 8 + 2 * t + (e % 2);
+                        s[mt][nt][e] -= m * float(abs(diag - col));
+                    }
+            }
+    }
+
+    // The capped score tanh(.) behind S = t - slope |diag - col| at (row, col): the bias
+    // added back (d(c tanh(x / c))/dx needs t, and S is all the backward keeps).
+    template <bool TRANSPOSED>
+    __device__ __forceinline__ float capped(float s, int row, int col) const {
+        if (slopes == nullptr) return s;
+        const int diag = TRANSPOSED ? row - offset : row + offset;
+        return s + slope * float(abs(diag - col));
+    }
+
+    // x *= 1 - t^2 under a softcap (the tanh's derivative; the scale is applied with dQ/dK),
+    // t the capped score behind the probability pr = exp2(scale_log2 S - lse2), recovered
+    // from it with one lg2 instead of keeping S in registers beside P. x = 0 where pr is
+    // (masked entries, rows that saw no key). lse2(mt, nt, e) is the entry's row LSE.
+    template <int MT, int NT, bool TRANSPOSED, class Lse2>
+    __device__ __forceinline__ void times_cap_grad(float (&x)[MT][NT][4],
+                                                   const float (&pr)[MT][NT][4], int row0,
+                                                   int col0, int lane, float scale_log2,
+                                                   const Lse2& lse2) const {
+        const int g = lane / 4, t = lane % 4;
+        const float inv = 1.f / scale_log2;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + mt * 16 + g + (e / 2) * 8;
+                    const int col = col0 + nt * 8 + 2 * t + (e % 2);
+                    const float prob = pr[mt][nt][e];
+                    const float c = capped<TRANSPOSED>(
+                        (__log2f(prob) + lse2(mt, nt, e)) * inv, row, col);
+                    x[mt][nt][e] = prob > 0.f ? x[mt][nt][e] * (1.f - c * c) : 0.f;
+                }
+    }
 };
+
+// 1 - t^2 at a capped score t with probability prob: 0 where prob is (t may be -inf there).
+__device__ __forceinline__ float cap_grad(float prob, float t) {
+    return prob > 0.f ? 1.f - t * t : 0.f;
+}

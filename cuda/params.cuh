@@ -33,6 +33,18 @@ struct AttnParams {
     // off = seqlen_k - seqlen_q of i's sequence (bottom-right alignment); -1 means unbounded
     // on that side. Causal is (-1, 0); no mask is (-1, -1).
     int window_left, window_right;
+    // Softcapping: S = tanh(scale' q.k) with scale' = softcap_pre (the softmax scale / cap),
+    // and `scale` is then the cap; 0 turns it off. (FlashAttention 2 folds it the same way.)
+    float softcap_pre;
+    // What dS K and dS^T Q are multiplied by: the softmax scale (`scale` is the cap under a
+    // softcap).
+    float grad_scale;
+    // ALiBi: S -= alibi_scale * slope * |i + off - j|, slope of sequence b, query head h at
+    // alibi_slopes[b * alibi_batch_stride + h] (stride 0: one slope per head); alibi_scale =
+    // 1 / scale puts the bias in S's units. Null: no bias.
+    const float* alibi_slopes;
+    int alibi_batch_stride;
+    float alibi_scale;
 
     // Dropout (src/philox.rs, cuda/philox.cuh): entry kept iff its Philox word >= threshold;
     // kept entries are scaled by rp_keep = 1 / (1 - p). threshold = 0 disables dropout.

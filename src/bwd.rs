@@ -108,7 +108,7 @@ impl CustomOp3 for BwdKernelOp<'_> {
         let o = cpu_tensor_f32(self.inputs.out, "out")?;
         let d_o = cpu_tensor_f32(self.inputs.grad_out, "grad_out")?;
         let lse = cpu_tensor_f32(self.inputs.lse, "lse")?;
-        let (mut dq, dk, dv) = cpu::attn_bwd(&self.problem, &q, &k, &v, &o, &d_o, &lse);
+        let (mut dq, dk, dv) = cpu::attn_bwd(&self.problem, &q, &k, &v, &o, &d_o, &lse)?;
         dq.reserve(dk.len() + dv.len());
         dq.extend_from_slice(&dk);
         dq.extend_from_slice(&dv);

@@ -6,7 +6,10 @@
 //! One code path serves fixed-length and packed batches: a fixed-length `(b, s, h, d)` tensor
 //! is a packed `(b · s, h, d)` one whose sequences all have length `s` ([`Problem::seq_q`],
 //! [`Problem::seq_k`]). Dropout draws its mask from [`philox::keep`], the function the CUDA
-//! kernels use, so both paths drop the same entries.
+//! kernels use, so both paths drop the same entries. The window, softcap and ALiBi
+//! ([`crate::score_mod::ScoreMods`]) enter through [`Scores`]: each row reads only the keys
+//! of its window, and the tiles outside every row's window are never visited, so a windowed
+//! call costs in proportion to the window.
 //!
 //! Tasks are independent and their results are combined in a fixed order, so the output does
 //! not depend on the number of threads: forward and backward are deterministic.
@@ -106,7 +109,74 @@ impl Seq {
     }
 }
 
-/// Multiply-adds of `q kᵀ` over all sequences and query heads (ignoring the causal mask):
+/// The scores of one query head of one sequence: `scale · q·k`, then the softcap and the
+/// ALiBi bias of [`Problem::mods`], over the keys of each row's window.
+#[derive(Clone, Copy)]
+struct Scores<'a> {
+    p: &'a Problem,
+    sq: usize,
+    sk: usize,
+    /// The head's ALiBi slope, 0 without ALiBi.
+    slope: f32,
+    /// Neither a cap nor a bias: the score is the scaled dot product, and its derivative 1.
+    plain: bool,
+}
+
+impl<'a> Scores<'a> {
+    /// `slopes` is [`Alibi::host`](crate::score_mod::Alibi::host) (empty without ALiBi).
+    fn new(p: &'a Problem, seq: Seq, head: usize, slopes: &[f32]) -> Self {
+        let slope = p
+            .mods
+            .alibi
+            .as_ref()
+            .map_or(0.0, |a| slopes[a.index(seq.b, head, p.shape.h)]);
+        Self {
+            p,
+            sq: seq.sq,
+            sk: seq.sk,
+            slope,
+            plain: p.mods.softcap.is_none() && slope == 0.0,
+        }
+    }
+
+    /// Keys `[lo, hi)` that row `i` sees (`lo >= hi` when none). Both ends grow with `i`,
+    /// which is what lets a tile of rows or keys bound its partners by its first and last.
+    fn keys(&self, i: usize) -> (usize, usize) {
+        self.p.key_range(i, self.sq, self.sk)
+    }
+
+    /// The score of (row `i`, key `j`) from `q_i · k_j`, and its derivative with respect to
+    /// the scaled product (the backward's chain rule through the cap).
+    fn score(&self, qk: f32, i: usize, j: usize) -> (f32, f32) {
+        let s = self.p.scale * qk;
+        if self.plain {
+            return (s, 1.0);
+        }
+        self.p.mods.score(s, i, j, self.sq, self.sk, self.slope)
+    }
+}
+
+/// The ALiBi slopes on the host, read once per call (empty without ALiBi).
+fn host_slopes(p: &Problem) -> Result<Vec<f32>> {
+    p.mods.alibi.as_ref().map_or(Ok(Vec::new()), |a| a.host())
+}
+
+/// The first `i` in `0..n` for which `pred` is false, where `pred` is true on a prefix of
+/// `0..n` and false after it.
+fn partition_point(n: usize, pred: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if pred(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Multiply-adds of `q kᵀ` over all sequences and query heads (ignoring masks and windows):
 /// the size of a call, for [`par_map`].
 fn total_work(p: &Problem) -> usize {
     let s = p.shape;
@@ -129,10 +199,16 @@ fn kept(p: &Problem, b: usize, head: usize, i: usize, j: usize) -> bool {
 
 /// Forward pass. `q` is `(total_q, h, d)`, `k` and `v` are `(total_k, hk, d)`, all
 /// contiguous (a fixed-length `(b, sq, h, d)` is `(b · sq, h, d)`). Returns `out` shaped like
-/// `q` and the natural-log `lse` of the scaled scores in the layout of
+/// `q` and the natural-log `lse` of the final scores (scaled, capped, biased) in the layout of
 /// [`Problem::lse_index`] (`-inf`, with a zero output row, where a query sees no key).
-pub(crate) fn attn_fwd(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn attn_fwd(
+    p: &Problem,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+) -> Result<(Vec<f32>, Vec<f32>)> {
     let s = p.shape;
+    let slopes = host_slopes(p)?;
     // One task per (sequence, head); task t = b * h + head.
     let heads = par_map(s.b * s.h, total_work(p), |t| {
         let (b, head) = (t / s.h, t % s.h);
@@ -141,7 +217,8 @@ pub(crate) fn attn_fwd(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32
         let q = head_rows(q, q0, sq, head, s.h, s.d);
         let k = head_rows(k, k0, sk, kv_head, s.hk, s.d);
         let v = head_rows(v, k0, sk, kv_head, s.hk, s.d);
-        fwd_head(p, Seq::new(p, b), head, &q, &k, &v)
+        let seq = Seq::new(p, b);
+        fwd_head(p, seq, head, Scores::new(p, seq, head, &slopes), &q, &k, &v)
     });
     let mut out = vec![0f32; s.q_elems()];
     let mut lse = vec![f32::NEG_INFINITY; s.h * s.total_q];
@@ -151,7 +228,7 @@ pub(crate) fn attn_fwd(p: &Problem, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32
         put_head_rows(&mut out, &o, q0, sq, head, s.h, s.d);
         lse[p.lse_index(b, head, 0)..][..sq].copy_from_slice(&l);
     }
-    (out, lse)
+    Ok((out, lse))
 }
 
 /// Algorithm 1 for query head `head` of sequence `seq`: `q` `(sq, d)`, `k`, `v` `(sk, d)`.
@@ -164,34 +241,37 @@ fn fwd_head(
     p: &Problem,
     seq: Seq,
     head: usize,
+    scores: Scores,
     q: &[f32],
     k: &[f32],
     v: &[f32],
 ) -> (Vec<f32>, Vec<f32>) {
-    let (sq, sk, d) = (seq.sq, seq.sk, p.shape.d);
+    let (sq, d) = (seq.sq, p.shape.d);
     // `out` holds the unnormalised accumulator until the end of each query tile.
     let mut out = vec![0f32; sq * d];
     let mut lse = vec![f32::NEG_INFINITY; sq];
-    let mut scores = [0f32; KEY_BLOCK];
+    let mut s_buf = [0f32; KEY_BLOCK];
     for r0 in (0..sq).step_by(QUERY_BLOCK) {
         let r1 = (r0 + QUERY_BLOCK).min(sq);
         // Online softmax state (line 5): running max m and running sum l per row.
         let mut m = [f32::NEG_INFINITY; QUERY_BLOCK];
         let mut l = [0f32; QUERY_BLOCK];
-        // key_end grows with the row, so the tile's last row sees the most keys; tiles past
-        // it are skipped entirely.
-        for c0 in (0..p.key_end(r1 - 1, sq, sk)).step_by(KEY_BLOCK) {
+        // Both ends of the window grow with the row: the tile's keys lie between its first
+        // row's first key and its last row's end, and the key tiles outside are skipped.
+        let (first, last) = (scores.keys(r0).0, scores.keys(r1 - 1).1);
+        for c0 in (first..last).step_by(KEY_BLOCK) {
             for i in r0..r1 {
-                let c1 = (c0 + KEY_BLOCK).min(p.key_end(i, sq, sk));
-                if c1 <= c0 {
-                    continue; // this row's visible keys end before the tile
+                let (lo, hi) = scores.keys(i);
+                let (c_lo, c_hi) = (c0.max(lo), (c0 + KEY_BLOCK).min(hi));
+                if c_hi <= c_lo {
+                    continue; // this row's window misses the tile
                 }
                 let r = i - r0;
                 let q_i = &q[i * d..][..d];
-                // Line 8: S_ij = scale · q_i K_jᵀ.
-                let s = &mut scores[..c1 - c0];
-                for (j, s_j) in s.iter_mut().enumerate() {
-                    *s_j = p.scale * dot(q_i, &k[(c0 + j) * d..][..d]);
+                // Line 8: S_ij = scale · q_i K_jᵀ, then the cap and the bias.
+                let s = &mut s_buf[..c_hi - c_lo];
+                for (j, s_j) in (c_lo..).zip(s.iter_mut()) {
+                    *s_j = scores.score(dot(q_i, &k[j * d..][..d]), i, j).0;
                 }
                 // Lines 9-10: new max, rescale the old sum and accumulator by exp(m_old - m_new)
                 // (0 on the first tile, where m_old = -inf), add exp(S - m_new) and, if the
@@ -201,11 +281,11 @@ fn fwd_head(
                 let acc = &mut out[i * d..][..d];
                 acc.iter_mut().for_each(|a| *a *= alpha);
                 let mut row_sum = 0.0;
-                for (j, &s_j) in s.iter().enumerate() {
+                for (j, &s_j) in (c_lo..).zip(s.iter()) {
                     let p_j = (s_j - m_new).exp();
                     row_sum += p_j;
-                    if kept(p, seq.b, head, i, c0 + j) {
-                        axpy(acc, p_j, &v[(c0 + j) * d..][..d]);
+                    if kept(p, seq.b, head, i, j) {
+                        axpy(acc, p_j, &v[j * d..][..d]);
                     }
                 }
                 l[r] = alpha * l[r] + row_sum;
@@ -239,26 +319,29 @@ pub(crate) fn attn_bwd(
     o: &[f32],
     d_o: &[f32],
     lse: &[f32],
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let s = p.shape;
     let group = s.group();
+    let slopes = host_slopes(p)?;
     // One task per (sequence, K/V head): it owns dK and dV of that head and dQ of its group
     // of query heads, so no two tasks write the same gradient and no atomics are needed.
     let tasks = par_map(s.b * s.hk, total_work(p), |t| {
         let (b, kv_head) = (t / s.hk, t % s.hk);
         let ((q0, sq), (k0, sk)) = (p.seq_q(b), p.seq_k(b));
+        let seq = Seq::new(p, b);
         let k = head_rows(k, k0, sk, kv_head, s.hk, s.d);
         let v = head_rows(v, k0, sk, kv_head, s.hk, s.d);
         let heads: Vec<BwdHead> = (kv_head * group..(kv_head + 1) * group)
             .map(|head| BwdHead {
                 head,
+                scores: Scores::new(p, seq, head, &slopes),
                 q: head_rows(q, q0, sq, head, s.h, s.d),
                 o: head_rows(o, q0, sq, head, s.h, s.d),
                 d_o: head_rows(d_o, q0, sq, head, s.h, s.d),
                 lse: &lse[p.lse_index(b, head, 0)..][..sq],
             })
             .collect();
-        bwd_group(p, Seq::new(p, b), &k, &v, &heads)
+        bwd_group(p, seq, &k, &v, &heads)
     });
     let mut dq = vec![0f32; s.q_elems()];
     let mut dk = vec![0f32; s.kv_elems()];
@@ -272,17 +355,26 @@ pub(crate) fn attn_bwd(
         put_head_rows(&mut dk, &dk_t, k0, sk, kv_head, s.hk, s.d);
         put_head_rows(&mut dv, &dv_t, k0, sk, kv_head, s.hk, s.d);
     }
-    (dq, dk, dv)
+    Ok((dq, dk, dv))
 }
 
 /// One query head's inputs to the backward, each `(sq, d)` (`lse`: `(sq)`).
 struct BwdHead<'a> {
     /// The query head's index, which keys the dropout RNG.
     head: usize,
+    scores: Scores<'a>,
     q: Vec<f32>,
     o: Vec<f32>,
     d_o: Vec<f32>,
     lse: &'a [f32],
+}
+
+/// Rows of `0..sq` whose window meets keys `c0..c1`: a contiguous run, as both ends of the
+/// window grow with the row.
+fn rows_seeing(scores: &Scores, sq: usize, c0: usize, c1: usize) -> std::ops::Range<usize> {
+    let first = partition_point(sq, |i| scores.keys(i).1 <= c0);
+    let end = partition_point(sq, |i| scores.keys(i).0 < c1);
+    first..end.max(first)
 }
 
 /// Algorithm 2 for one K/V head `k`, `v` `(sk, d)` of sequence `seq` and the query heads
@@ -290,7 +382,8 @@ struct BwdHead<'a> {
 ///
 /// With dropout (mask Z, kept entries scaled by `1 / (1 - p)`): `P` is recomputed from the
 /// LSE (undropped), `dV += (P∘Z)ᵀ dO / (1 - p)`, `dP = (dO Vᵀ)∘Z / (1 - p)`,
-/// `D = rowsum(dO∘O)` and `dS = P∘(dP − D)` as without.
+/// `D = rowsum(dO∘O)` and `dS = P∘(dP − D)` as without. A softcap multiplies dS by its
+/// derivative `1 - tanh²` before dQ and dK; the ALiBi bias is a constant.
 fn bwd_group(
     p: &Problem,
     seq: Seq,
@@ -312,34 +405,47 @@ fn bwd_group(
     let mut dq = vec![vec![0f32; sq * d]; heads.len()];
     let mut dk = vec![0f32; sk * d];
     let mut dv = vec![0f32; sk * d];
+    if sq == 0 || heads.is_empty() {
+        return (dq, dk, dv);
+    }
+    let window = heads[0].scores;
     // Line 5: outer loop over K/V tiles; dK_j and dV_j stay hot while every query row visits.
-    for c0 in (0..sk).step_by(KEY_BLOCK) {
-        let c1 = (c0 + KEY_BLOCK).min(sk);
+    // Only the keys some row sees (the first row's first to the last row's end) are visited,
+    // and each tile only by the rows whose window meets it (the window does not depend on the
+    // head).
+    let (first, last) = (window.keys(0).0, window.keys(sq - 1).1);
+    for c0 in (first..last).step_by(KEY_BLOCK) {
+        let c1 = (c0 + KEY_BLOCK).min(last);
+        let rows = rows_seeing(&window, sq, c0, c1);
         for ((h, delta), dq) in heads.iter().zip(&delta).zip(&mut dq) {
-            for i in 0..sq {
-                let end = p.key_end(i, sq, sk).min(c1);
+            for i in rows.clone() {
+                let (lo, hi) = h.scores.keys(i);
+                let (c_lo, c_hi) = (c0.max(lo), c1.min(hi));
                 // Rows that see no key of this tile, or no key at all (LSE = -inf), contribute
                 // nothing.
-                if end <= c0 || h.lse[i] == f32::NEG_INFINITY {
+                if c_hi <= c_lo || h.lse[i] == f32::NEG_INFINITY {
                     continue;
                 }
                 let (q_i, d_o_i) = (&h.q[i * d..][..d], &h.d_o[i * d..][..d]);
                 let dq_i = &mut dq[i * d..][..d];
-                for j in c0..end {
+                for j in c_lo..c_hi {
                     let (k_j, v_j) = (&k[j * d..][..d], &v[j * d..][..d]);
                     // Lines 10-14: recompute P_ij from the saved LSE, then
                     // dV_j += P̃_ij dO_i, dP_ij = Z_ij dO_i · v_j / (1 - p),
                     // dS_ij = P_ij (dP_ij - D_i); a dropped entry has P̃_ij = dP_ij = 0.
-                    let p_ij = (p.scale * dot(q_i, k_j) - h.lse[i]).exp();
+                    let (s_ij, ds_dx) = h.scores.score(dot(q_i, k_j), i, j);
+                    let p_ij = (s_ij - h.lse[i]).exp();
                     let ds_ij = if kept(p, seq.b, h.head, i, j) {
                         axpy(&mut dv[j * d..][..d], p_ij * keep_scale, d_o_i);
                         p_ij * (keep_scale * dot(d_o_i, v_j) - delta[i])
                     } else {
                         -p_ij * delta[i]
                     };
-                    // Lines 15-16: dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
-                    axpy(dq_i, p.scale * ds_ij, k_j);
-                    axpy(&mut dk[j * d..][..d], p.scale * ds_ij, q_i);
+                    // Lines 15-16 through the cap: dQ_i += scale dS_ij c'_ij k_j,
+                    // dK_j += scale dS_ij c'_ij q_i.
+                    let g = p.scale * ds_ij * ds_dx;
+                    axpy(dq_i, g, k_j);
+                    axpy(&mut dk[j * d..][..d], g, q_i);
                 }
             }
         }

@@ -200,6 +200,7 @@ impl DecodeOp {
             scale: p.scale,
             causal: p.causal,
             dropout: None,
+            mods: p.mods.clone(),
             varlen: Some(Arc::new(SeqOffsets { cu_q, cu_k })),
         })
     }
@@ -222,7 +223,7 @@ impl CustomOp3 for DecodeOp {
         let q = cpu::gather_f32(s1, l1)?;
         let k = gather_prefixes(&self.0, s2, l2)?;
         let v = gather_prefixes(&self.0, s3, l3)?;
-        let (out, _lse) = cpu::attn_fwd(&self.varlen_problem()?, &q, &k, &v);
+        let (out, _lse) = cpu::attn_fwd(&self.varlen_problem()?, &q, &k, &v)?;
         Ok((cpu::to_storage(out, s1.dtype())?, self.out_shape()))
     }
 

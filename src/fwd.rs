@@ -125,7 +125,7 @@ impl CustomOp3 for OpHandle {
         let q = cpu::gather_f32(s1, l1)?;
         let k = cpu::gather_f32(s2, l2)?;
         let v = cpu::gather_f32(s3, l3)?;
-        let (out, lse) = cpu::attn_fwd(&op.problem, &q, &k, &v);
+        let (out, lse) = cpu::attn_fwd(&op.problem, &q, &k, &v)?;
         let lse = Tensor::from_vec(lse, op.lse_shape(), &candle::Device::Cpu)?;
         op.store_lse(lse)?;
         Ok((cpu::to_storage(out, s1.dtype())?, op.out_shape()))

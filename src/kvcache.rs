@@ -155,6 +155,7 @@ impl Call {
         }
         let scale = opts.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
         params::check_scale(scale)?;
+        let mods = opts.score_mods(&AttnShape::fixed(b, s_q, rows, h, hk, d), q.device())?;
         let append = new_kv.map(|(k_new, v_new, _)| {
             let problem = AppendProblem {
                 b,
@@ -174,6 +175,7 @@ impl Call {
             d,
             scale,
             causal: opts.causal,
+            mods,
             seqlens,
             paging,
         };
@@ -390,11 +392,16 @@ fn lengths_after(cache_seqlens: &[u32], s_new: usize, paging: &Paging) -> Result
 ///   cache row `cache_seqlens[b] + i` of both caches before the attention.
 /// - `cache_seqlens`: tokens already in the cache, one per sequence (before the append).
 ///   Sequences may have different lengths; rows past a sequence's length are never read.
-/// - `opts`: `softmax_scale` (default `1 / sqrt(head_dim)`) and `causal` are used; `causal`
-///   is bottom-right aligned per sequence: query `i` sees cache token `j` iff
-///   `j <= i + seqlen_k - seqlen_q` with `seqlen_k = cache_seqlens[b] + seqlen_new`, so new
-///   tokens attend causally among themselves and to the whole prefix. Query rows that see no
-///   key output zeros.
+/// - `opts`: `softmax_scale` (default `1 / sqrt(head_dim)`), `causal`, `window_size`,
+///   `softcap` and `alibi_slopes` are used (the rest is ignored, but `dropout_p` must be 0).
+///   The mask and the window are bottom-right aligned per sequence: with
+///   `seqlen_k = cache_seqlens[b] + seqlen_new`, query `i` sees cache token `j` iff
+///   `j <= i + seqlen_k - seqlen_q` when causal, so new tokens attend causally among
+///   themselves and to the whole prefix, and a window `(left, right)` keeps
+///   `i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right` (a sliding
+///   window over the newest tokens). ALiBi slopes are `(num_heads)` or
+///   `(batch, num_heads)`, the bias `-slope · |i + seqlen_k - seqlen_q - j|`. Query rows
+///   that see no key output zeros.
 /// - dtypes: f16/bf16 on CUDA (head_dim a multiple of 8), f32/f16/bf16 on the CPU (computed
 ///   in f32); `head_dim` in `1..=256`. All tensors share dtype and device.
 ///
@@ -406,7 +413,7 @@ fn lengths_after(cache_seqlens: &[u32], s_new: usize, paging: &Paging) -> Result
 /// shapes of `q`, the caches and `k_new`/`v_new`; dtypes and devices; `head_dim` and
 /// `num_heads_k` rules; a non-contiguous cache; `cache_seqlens` of the wrong length or a
 /// sequence that would exceed `capacity`; `dropout_p > 0` (not supported in decoding); a bad
-/// `softmax_scale`.
+/// `softmax_scale`, `window_size`, `softcap` or `alibi_slopes` (as in [`FlashAttn::forward`]).
 ///
 /// ```
 /// # fn main() -> candle::Result<()> {

@@ -19,8 +19,11 @@
 //!   in place; [`KvCache`] and [`PagedKvCache`] keep a layer's cache and lengths.
 //! - CUDA (feature `cuda`): hand-written tensor-core kernels for f16/bf16.
 //! - CPU: the same op in f32 math (tiled online softmax), for f32/f16/bf16 inputs.
-//! - [`attention_slow`] / [`attention_slow_dropout`]: the same function in plain Candle ops,
-//!   the test oracle.
+//! - [`FlashAttn::window`], [`FlashAttn::softcap`], [`FlashAttn::alibi_slopes`]: sliding-window
+//!   (local) attention, softcapping and ALiBi with FlashAttention 2's semantics, forward,
+//!   backward, variable-length and KV-cache decoding; windowed cost grows with the window.
+//! - [`attention_slow`] / [`attention_slow_dropout`] / [`attention_slow_with`]: the same
+//!   function in plain Candle ops, the test oracle.
 //! - [`train`]: the rest of a LLaMA-style training step as fused ops with backward passes
 //!   (RMSNorm, rotary embedding, SwiGLU, embedding, cross-entropy) and a fused AdamW.
 //!
@@ -55,6 +58,7 @@ mod philox;
 #[cfg(feature = "cuda")]
 mod ptx;
 mod reference;
+mod score_mod;
 pub mod train;
 mod varlen;
 
@@ -65,5 +69,5 @@ pub use kvcache::{flash_attn_with_kvcache, flash_attn_with_paged_kvcache, KvCach
 pub use options::{flash_attn, FlashAttn};
 pub use padding::Padding;
 pub use params::MAX_HEAD_DIM;
-pub use reference::{attention_slow, attention_slow_dropout};
+pub use reference::{attention_slow, attention_slow_dropout, attention_slow_with};
 pub use varlen::VarLen;

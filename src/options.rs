@@ -28,7 +28,7 @@ static NEXT_RNG_OFFSET: AtomicU64 = AtomicU64::new(0);
 /// assert_eq!(out.dims(), &[2, 16, 8, 64]);
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct FlashAttn {
     /// Multiplies q·kᵀ before the softmax; `None` means `1 / sqrt(head_dim)`. Must be > 0.
@@ -49,6 +49,37 @@ pub struct FlashAttn {
     /// the given offset, so that the same `(seed, offset)` reproduces a mask (and
     /// [`crate::dropout_mask`] can show it to tests).
     pub rng_offset: Option<u64>,
+    /// Local (sliding-window) attention, FlashAttention 2's `window_size = (left, right)`:
+    /// query `i` sees key `j` iff `i + sk - sq - left <= j <= i + sk - sq + right`
+    /// (bottom-right aligned like the causal mask); -1 leaves that side unbounded. Causal
+    /// sets right to 0. `(-1, -1)` (the default) is no window.
+    pub window_size: (i64, i64),
+    /// Softcapping (Gemma 2): scores `s` become `softcap · tanh(s / softcap)` before the
+    /// softmax (after the scale). 0 (the default) disables it.
+    pub softcap: f32,
+    /// ALiBi slopes, f32 `(num_heads)` or `(batch, num_heads)` on q's device: the score of
+    /// query `i`, key `j` of head `h` gets `-slope[h] · |i + sk - sq - j|` (after the softcap).
+    pub alibi_slopes: Option<Tensor>,
+}
+
+impl PartialEq for FlashAttn {
+    /// Equal options; ALiBi slopes compare by tensor identity.
+    fn eq(&self, other: &Self) -> bool {
+        let alibi = match (&self.alibi_slopes, &other.alibi_slopes) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.id() == b.id(),
+            _ => false,
+        };
+        self.softmax_scale == other.softmax_scale
+            && self.causal == other.causal
+            && self.deterministic == other.deterministic
+            && self.dropout_p == other.dropout_p
+            && self.seed == other.seed
+            && self.rng_offset == other.rng_offset
+            && self.window_size == other.window_size
+            && self.softcap == other.softcap
+            && alibi
+    }
 }
 
 impl Default for FlashAttn {
@@ -60,6 +91,9 @@ impl Default for FlashAttn {
             dropout_p: 0.0,
             seed: Self::DEFAULT_SEED,
             rng_offset: None,
+            window_size: (-1, -1),
+            softcap: 0.0,
+            alibi_slopes: None,
         }
     }
 }
@@ -116,10 +150,61 @@ impl FlashAttn {
         self
     }
 
+    /// Sets a local attention window (FlashAttention 2's `window_size`): query `i` sees keys
+    /// `i + sk - sq - left ..= i + sk - sq + right`; `None` leaves a side unbounded. Key blocks
+    /// outside every row's window are never read, so the cost grows with the window.
+    pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
+        let side = |w: Option<usize>| w.map_or(-1, |w| w.min(i64::MAX as usize) as i64);
+        self.window_size = (side(left), side(right));
+        self
+    }
+
+    /// Sets the window in FlashAttention 2's convention: `-1` is unbounded; other negative
+    /// values are an error when the op runs.
+    pub fn window_size(mut self, left: i64, right: i64) -> Self {
+        self.window_size = (left, right);
+        self
+    }
+
+    /// Caps the scores: `s` becomes `softcap · tanh(s / softcap)` before the softmax (Gemma 2).
+    /// Must be finite and > 0 (checked when the op runs); 0 turns it off.
+    pub fn softcap(mut self, softcap: f32) -> Self {
+        self.softcap = softcap;
+        self
+    }
+
+    /// Adds ALiBi biases `-slope[h] · |i + sk - sq - j|` to the scores; `slopes` is f32,
+    /// `(num_heads)` or `(batch, num_heads)`, on q's device (checked when the op runs).
+    pub fn alibi_slopes(mut self, slopes: &Tensor) -> Self {
+        self.alibi_slopes = Some(slopes.clone());
+        self
+    }
+
+    /// The window, cap and slopes of a call with this shape, checked.
+    pub(crate) fn score_mods(
+        &self,
+        shape: &AttnShape,
+        device: &candle::Device,
+    ) -> Result<crate::score_mod::ScoreMods> {
+        crate::score_mod::ScoreMods::new(
+            self.causal,
+            self.window_size,
+            self.softcap,
+            self.alibi_slopes.as_ref(),
+            shape,
+            device,
+        )
+    }
+
     /// The problem description of one call: checks the scale and dropout probability, draws
     /// the RNG offset.
-    fn problem(&self, shape: AttnShape, varlen: Option<&VarLen>) -> Result<Problem> {
-        self.problem_with_offset(shape, varlen, || {
+    fn problem(
+        &self,
+        shape: AttnShape,
+        varlen: Option<&VarLen>,
+        device: &candle::Device,
+    ) -> Result<Problem> {
+        self.problem_with_offset(shape, varlen, device, || {
             Ok(self
                 .rng_offset
                 .unwrap_or_else(|| NEXT_RNG_OFFSET.fetch_add(1, Ordering::Relaxed)))
@@ -132,11 +217,13 @@ impl FlashAttn {
         &self,
         shape: AttnShape,
         varlen: Option<&VarLen>,
+        device: &candle::Device,
         offset: impl FnOnce() -> Result<u64>,
     ) -> Result<Problem> {
         let scale = self.softmax_scale.unwrap_or(1.0 / (shape.d as f32).sqrt());
         params::check_scale(scale)?;
         params::check_dropout(self.dropout_p)?;
+        let mods = self.score_mods(&shape, device)?;
         let dropout = if self.dropout_p > 0.0 {
             Some(Dropout {
                 p: self.dropout_p,
@@ -151,6 +238,7 @@ impl FlashAttn {
             scale,
             causal: self.causal,
             dropout,
+            mods,
             varlen: varlen.map(VarLen::offsets),
         })
     }
@@ -169,10 +257,15 @@ impl FlashAttn {
     /// empty result; `seqlen_k == 0` gives zeros.
     ///
     /// With [`FlashAttn::dropout`], kept probabilities are scaled by `1 / (1 - p)`; the
-    /// backward uses the same mask.
+    /// backward uses the same mask. [`FlashAttn::window`] restricts each query to a band of
+    /// keys (rows that see no key give zeros), [`FlashAttn::softcap`] caps the scores and
+    /// [`FlashAttn::alibi_slopes`] biases them, in that order after the scale; the gradients
+    /// go through the cap. [`crate::attention_slow_with`] computes the same in plain ops.
     ///
     /// Errors name the argument and the expected value (rank, shapes, dtypes, devices,
-    /// head_dim, contiguity, scale, dropout_p).
+    /// head_dim, contiguity, scale, dropout_p, `window_size` with a negative side other than
+    /// -1, a `softcap` that is negative or not finite, `alibi_slopes` that are not f32
+    /// `(num_heads)` or `(batch, num_heads)` on q's device).
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         Ok(self.forward_with_lse(q, k, v)?.0)
     }
@@ -183,7 +276,7 @@ impl FlashAttn {
     /// gradient.
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let shape = params::validate(q, k, v)?;
-        FlashAttnOp::new(self.problem(shape, None)?, self.deterministic).run(q, k, v)
+        FlashAttnOp::new(self.problem(shape, None, q.device())?, self.deterministic).run(q, k, v)
     }
 
     /// The backward pass of [`FlashAttn::forward`], called directly: given q, k, v, the `out`
@@ -234,14 +327,15 @@ impl FlashAttn {
         let shape = params::validate(q, k, v)?;
         params::validate_bwd_inputs(q, out, lse, grad_out, &shape)?;
         // Not the process-wide counter: its next offset is a mask the forward never used.
-        let problem = self.problem_with_offset(shape, None, || match self.rng_offset {
-            Some(offset) => Ok(offset),
-            None => bail!(
-                "rng_offset: backward with dropout_p {} needs the forward's dropout mask; set \
+        let problem =
+            self.problem_with_offset(shape, None, q.device(), || match self.rng_offset {
+                Some(offset) => Ok(offset),
+                None => bail!(
+                    "rng_offset: backward with dropout_p {} needs the forward's dropout mask; set \
                  FlashAttn::rng_offset to the same value for forward_with_lse and backward",
-                self.dropout_p
-            ),
-        })?;
+                    self.dropout_p
+                ),
+            })?;
         if shape.total_q * shape.h == 0 {
             // No query row: the forward computed nothing, and nothing depends on k or v.
             let zeros = |t: &Tensor| t.zeros_like();
@@ -256,7 +350,9 @@ impl FlashAttn {
     /// Attention over a packed batch of variable-length sequences (no work is spent on
     /// padding): sequence `b` attends with its query rows `cu_seqlens_q[b]..cu_seqlens_q[b +
     /// 1]` to its key rows `cu_seqlens_k[b]..cu_seqlens_k[b + 1]` only, as if each were its
-    /// own batch of 1 (causal alignment, MQA/GQA, dropout per sequence).
+    /// own batch of 1 (causal and window alignment, MQA/GQA, dropout per sequence; ALiBi
+    /// slopes of shape `(batch, num_heads)` give sequence `b` row `b`, with
+    /// `batch = num_seqs`).
     ///
     /// - `q`: `(total_q, num_heads, head_dim)`; `k`, `v`: `(total_k, num_heads_k, head_dim)`;
     /// - `varlen`: the offsets, with `total_q = cu_seqlens_q[num_seqs]` and
@@ -291,7 +387,11 @@ impl FlashAttn {
         varlen: &VarLen,
     ) -> Result<(Tensor, Tensor)> {
         let shape = params::validate_varlen(q, k, v, varlen)?;
-        FlashAttnOp::new(self.problem(shape, Some(varlen))?, self.deterministic).run(q, k, v)
+        FlashAttnOp::new(
+            self.problem(shape, Some(varlen), q.device())?,
+            self.deterministic,
+        )
+        .run(q, k, v)
     }
 
     /// Attention over a padded batch: packs the real tokens ([`Padding::unpad`]), runs

@@ -77,6 +77,8 @@ pub(crate) struct Problem {
     /// lengths of i's own sequence.
     pub causal: bool,
     pub dropout: Option<Dropout>,
+    /// Window (its right side includes `causal`), softcap and ALiBi.
+    pub mods: crate::score_mod::ScoreMods,
     /// `Some` for packed variable-length batches.
     pub varlen: Option<std::sync::Arc<SeqOffsets>>,
 }
@@ -135,14 +137,10 @@ impl Problem {
         }
     }
 
-    /// Exclusive end of the keys query row `i` may see, for a sequence with `sq` queries and
-    /// `sk` keys (bottom-right alignment), clamped to `[0, sk]`. 0: the row sees no key.
-    pub fn key_end(&self, i: usize, sq: usize, sk: usize) -> usize {
-        if !self.causal {
-            return sk;
-        }
-        let end = i as i64 + 1 + sk as i64 - sq as i64;
-        end.clamp(0, sk as i64) as usize
+    /// Keys `[lo, hi)` that query row `i` sees, for a sequence with `sq` queries and `sk` keys
+    /// (bottom-right alignment of the causal mask and the window); `lo >= hi` when none.
+    pub fn key_range(&self, i: usize, sq: usize, sk: usize) -> (usize, usize) {
+        self.mods.key_range(i, sq, sk)
     }
 }
 
@@ -420,6 +418,8 @@ pub(crate) struct DecodeProblem {
     pub d: usize,
     pub scale: f32,
     pub causal: bool,
+    /// Window (right side includes `causal`), softcap and ALiBi slopes.
+    pub mods: crate::score_mod::ScoreMods,
     /// Tokens to attend to per sequence (host copy), each <= `paging.capacity()`.
     pub seqlens: Vec<u32>,
     pub paging: Paging,

@@ -2,7 +2,9 @@
 
 use candle::{bail, DType, Result, Tensor, D};
 
+use crate::options::FlashAttn;
 use crate::params;
+use crate::score_mod::ScoreMods;
 
 /// Attention computed the obvious way, `softmax(scale · q kᵀ + mask) v`, in plain Candle ops:
 /// the reference that [`crate::flash_attn`] is tested against.
@@ -30,7 +32,7 @@ pub fn attention_slow(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    slow(q, k, v, softmax_scale, causal, None)
+    slow(q, k, v, &SlowOpts::plain(softmax_scale, causal), None)
 }
 
 /// [`attention_slow`] with dropout given as a mask: the probabilities are multiplied by
@@ -54,19 +56,116 @@ pub fn attention_slow_dropout(
     keep: &Tensor,
     dropout_p: f32,
 ) -> Result<Tensor> {
-    slow(q, k, v, softmax_scale, causal, Some((keep, dropout_p)))
+    let opts = SlowOpts::plain(softmax_scale, causal);
+    slow(q, k, v, &opts, Some((keep, dropout_p)))
+}
+
+/// [`attention_slow`] with the options of a [`FlashAttn`]: the oracle for
+/// [`FlashAttn::forward`] with a sliding window, softcapping or ALiBi.
+///
+/// For query `i` and key `j`, with `off = seqlen_k - seqlen_q` (bottom-right alignment):
+/// - `softmax_scale` (default `1 / sqrt(head_dim)`): `s = scale · q_i·k_j`;
+/// - `softcap` `c > 0`: `s = c · tanh(s / c)`;
+/// - `alibi_slopes` `(num_heads)` or `(batch, num_heads)`: `s -= slope · |i + off - j|`;
+/// - `window_size = (left, right)` and `causal` (which sets right to 0): `j` is visible iff
+///   `i + off - left <= j <= i + off + right`, -1 leaving a side unbounded;
+///
+/// then the softmax over the visible keys. Rows that see no key give zeros, with finite
+/// (zero) gradients. `deterministic`, `seed` and `rng_offset` are ignored.
+///
+/// Computed in the input dtype with plain Candle ops, like [`attention_slow`] (any float dtype
+/// on any device, any strides), and differentiable with Candle's autograd: through the tanh of
+/// the softcap; the ALiBi bias is a constant. The mask and bias are built from the definition
+/// above, not from the kernels' code.
+///
+/// Errors: those of [`attention_slow`]; those [`FlashAttn::forward`] reports for
+/// `window_size`, `softcap` and `alibi_slopes` (which must be f32 on q's device); and
+/// `dropout_p` other than 0 (the dropout mask is not a function of the options here: use
+/// [`attention_slow_dropout`] with [`crate::dropout_mask`]).
+///
+/// ```
+/// # fn main() -> candle::Result<()> {
+/// use candle::{Device, Tensor};
+/// use candle_flash::{attention_slow_with, FlashAttn};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1.0, (1, 16, 4, 32), &dev)?;
+/// let k = Tensor::randn(0f32, 1.0, (1, 16, 2, 32), &dev)?;
+/// let v = Tensor::randn(0f32, 1.0, (1, 16, 2, 32), &dev)?;
+/// let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625], &dev)?;
+/// let attn = FlashAttn::new()
+///     .causal(true)
+///     .window(Some(4), None)
+///     .softcap(30.0)
+///     .alibi_slopes(&slopes);
+/// let ours = attn.forward(&q, &k, &v)?;
+/// let expected = attention_slow_with(&q, &k, &v, &attn)?;
+/// let err = (ours - expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(err < 1e-5);
+/// # Ok(()) }
+/// ```
+pub fn attention_slow_with(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn) -> Result<Tensor> {
+    if opts.dropout_p != 0.0 {
+        bail!(
+            "dropout_p: attention_slow_with does not draw dropout masks, got {}; use \
+             attention_slow_dropout with the mask from dropout_mask",
+            opts.dropout_p
+        )
+    }
+    let opts = SlowOpts {
+        scale: opts.softmax_scale,
+        causal: opts.causal,
+        window: opts.window_size,
+        softcap: opts.softcap,
+        alibi: opts.alibi_slopes.as_ref(),
+    };
+    slow(q, k, v, &opts, None)
+}
+
+/// The oracle's options, as the user gave them (unvalidated).
+struct SlowOpts<'a> {
+    /// `None`: `1 / sqrt(head_dim)`.
+    scale: Option<f32>,
+    causal: bool,
+    /// FlashAttention 2's `window_size`, -1 = unbounded.
+    window: (i64, i64),
+    /// 0 = none.
+    softcap: f32,
+    alibi: Option<&'a Tensor>,
+}
+
+impl SlowOpts<'_> {
+    /// Scale and causal mask only.
+    fn plain(scale: f32, causal: bool) -> Self {
+        Self {
+            scale: Some(scale),
+            causal,
+            window: (-1, -1),
+            softcap: 0.0,
+            alibi: None,
+        }
+    }
 }
 
 fn slow(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    softmax_scale: f32,
-    causal: bool,
+    opts: &SlowOpts,
     dropout: Option<(&Tensor, f32)>,
 ) -> Result<Tensor> {
     let shape = params::validate_shapes(q, k, v)?;
+    let softmax_scale = opts.scale.unwrap_or(1.0 / (shape.d as f32).sqrt());
     params::check_scale(softmax_scale)?;
+    // The kernels' checks, for the same errors; the values below are taken from `opts`, not
+    // from what the check returns, so that a wrong rule there cannot agree with itself here.
+    ScoreMods::new(
+        opts.causal,
+        opts.window,
+        opts.softcap,
+        opts.alibi,
+        &shape,
+        q.device(),
+    )?;
     if let Some((keep, p)) = dropout {
         params::check_dropout(p)?;
         let expected = [shape.b, shape.h, shape.sq, shape.sk];
@@ -94,14 +193,25 @@ fn slow(
     let k = repeat_kv(k, shape.group())?.transpose(1, 2)?.contiguous()?; // (b, h, sk, d)
     let v = repeat_kv(v, shape.group())?.transpose(1, 2)?.contiguous()?; // (b, h, sk, d)
     let mut scores = (q.matmul(&k.t()?)? * softmax_scale as f64)?; // (b, h, sq, sk)
+    if opts.softcap > 0.0 {
+        let c = opts.softcap as f64;
+        scores = ((scores / c)?.tanh()? * c)?;
+    }
+    if let Some(slopes) = opts.alibi {
+        scores = scores.broadcast_add(&alibi_bias(slopes, h, sq, sk, dtype)?)?;
+    }
 
-    // Rows that see no key (causal with seqlen_q > seqlen_k), as 0/1 in the input dtype.
+    // Rows that see no key (causal with seqlen_q > seqlen_k, or a window past the keys), as
+    // 0/1 in the input dtype.
     let mut dead = Tensor::zeros((sq, 1), dtype, dev)?;
-    if causal {
-        // Written from the definition, not from the kernels' `Problem::key_end`, so that a
-        // wrong rule there cannot agree with itself here: bottom-right alignment, query i sees
-        // key j iff j <= i + sk - sq (in signed arithmetic).
-        let sees = |i: usize, j: usize| j as i64 <= i as i64 + sk as i64 - sq as i64;
+    let (left, right) = (opts.window.0, if opts.causal { 0 } else { opts.window.1 });
+    if left != -1 || right != -1 {
+        // Bottom-right alignment, in signed arithmetic: query i sees key j iff
+        // i + sk - sq - left <= j <= i + sk - sq + right, -1 leaving a side open.
+        let sees = |i: usize, j: usize| {
+            let (diag, j) = (i as i64 + sk as i64 - sq as i64, j as i64);
+            (left == -1 || j >= diag - left) && (right == -1 || j <= diag + right)
+        };
         let visible: Vec<u8> = (0..sq)
             .flat_map(|i| (0..sk).map(move |j| u8::from(sees(i, j))))
             .collect();
@@ -110,7 +220,9 @@ fn slow(
             .to_dtype(dtype)?
             .broadcast_as(scores.shape())?;
         scores = visible.where_cond(&scores, &neg_inf)?;
-        let dead_rows: Vec<f32> = (0..sq).map(|i| f32::from(u8::from(!sees(i, 0)))).collect();
+        let dead_rows: Vec<f32> = (0..sq)
+            .map(|i| f32::from(u8::from(!(0..sk).any(|j| sees(i, j)))))
+            .collect();
         dead = Tensor::from_vec(dead_rows, (sq, 1), dev)?.to_dtype(dtype)?;
     }
 
@@ -129,6 +241,24 @@ fn slow(
         probs = ((probs * keep)? * (1.0 / (1.0 - p as f64)))?;
     }
     probs.matmul(&v)?.transpose(1, 2)?.contiguous() // (b, sq, h, d)
+}
+
+/// The ALiBi bias `-slope · |i + sk - sq - j|` as a constant `(b or 1, h, sq, sk)` tensor of
+/// `dtype`, from slopes `(h)` or `(b, h)` (checked), the distances exact in f32.
+fn alibi_bias(slopes: &Tensor, h: usize, sq: usize, sk: usize, dtype: DType) -> Result<Tensor> {
+    let dev = slopes.device();
+    let dist: Vec<f32> = (0..sq)
+        .flat_map(|i| {
+            (0..sk).map(move |j| (i as i64 + sk as i64 - sq as i64 - j as i64).abs() as f32)
+        })
+        .collect();
+    let dist = Tensor::from_vec(dist, (1, 1, sq, sk), dev)?;
+    let slopes = slopes.to_dtype(DType::F32)?.reshape(((), h, 1, 1))?;
+    Ok(slopes
+        .broadcast_mul(&dist)?
+        .neg()?
+        .to_dtype(dtype)?
+        .detach())
 }
 
 /// `(b, s, hk, d)` → `(b, s, hk · group, d)`, K/V head `j` repeated as query heads

@@ -3,7 +3,7 @@
 mod common;
 
 use candle::{DType, Device, Result, Tensor};
-use candle_flash::{attention_slow, flash_attn, FlashAttn};
+use candle_flash::{attention_slow, attention_slow_with, flash_attn, FlashAttn};
 use common::{assert_fails, randn};
 
 /// Runs `flash_attn` and asserts it fails with a message containing every part of `expected`.
@@ -147,6 +147,93 @@ fn bad_softmax_scale() {
         let result = FlashAttn::new().softmax_scale(scale).forward(&t, &t, &t);
         assert_fails(result, &["softmax_scale:", "finite positive", shown]);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sliding window, softcap and ALiBi: each error names the option, on the op, its varlen path
+// and the oracle alike.
+// ---------------------------------------------------------------------------------------------
+
+/// Asserts that `opts` fails with `expected` on the forward, the varlen forward and the
+/// oracle `attention_slow_with`, for q `(2, 4, 2, 16)` and k, v alike.
+fn assert_opts_fail(opts: &FlashAttn, expected: &[&str]) {
+    let t = f32(&[2, 4, 2, 16]);
+    assert_fails(opts.forward(&t, &t, &t), expected);
+    assert_fails(attention_slow_with(&t, &t, &t, opts), expected);
+    let packed = f32(&[8, 2, 16]);
+    let varlen = candle_flash::VarLen::from_seqlens(&[3, 5], &[3, 5]).unwrap();
+    assert_fails(
+        opts.forward_varlen(&packed, &packed, &packed, &varlen),
+        expected,
+    );
+}
+
+#[test]
+fn window_size_with_a_negative_side_other_than_minus_one() {
+    for (window, shown) in [
+        ((-2, 0), "got -2"),
+        ((0, -5), "got -5"),
+        ((-3, -1), "got -3"),
+    ] {
+        let opts = FlashAttn::new().window_size(window.0, window.1);
+        assert_opts_fail(&opts, &["window_size:", "-1 for unbounded", shown]);
+    }
+    // The causal mask overrides the right side, not the check.
+    let opts = FlashAttn::new().causal(true).window_size(4, -7);
+    assert_opts_fail(&opts, &["window_size:", "right", "got -7"]);
+}
+
+#[test]
+fn softcap_negative_or_not_finite() {
+    for (cap, shown) in [
+        (f32::NAN, "got NaN"),
+        (f32::INFINITY, "got inf"),
+        (f32::NEG_INFINITY, "got -inf"),
+        (-1.0, "got -1"),
+    ] {
+        let opts = FlashAttn::new().softcap(cap);
+        assert_opts_fail(&opts, &["softcap:", "finite value > 0", shown]);
+    }
+}
+
+#[test]
+fn alibi_slopes_of_wrong_shape() -> Result<()> {
+    for (shape, shown) in [
+        (vec![3], "[3]"),
+        (vec![1, 2], "[1, 2]"),
+        (vec![2, 3], "[2, 3]"),
+        (vec![2, 2, 1], "[2, 2, 1]"),
+    ] {
+        let slopes = Tensor::ones(shape, DType::F32, &Device::Cpu)?;
+        let opts = FlashAttn::new().alibi_slopes(&slopes);
+        let expected = [
+            "alibi_slopes:",
+            "(num_heads) = (2)",
+            "(batch, num_heads)",
+            shown,
+        ];
+        assert_opts_fail(&opts, &expected);
+    }
+    Ok(())
+}
+
+#[test]
+fn alibi_slopes_of_wrong_dtype() -> Result<()> {
+    for dtype in [DType::F16, DType::BF16, DType::F64] {
+        let slopes = Tensor::ones(2, dtype, &Device::Cpu)?;
+        let opts = FlashAttn::new().alibi_slopes(&slopes);
+        assert_opts_fail(&opts, &["alibi_slopes:", "F32", &format!("{dtype:?}")]);
+    }
+    Ok(())
+}
+
+#[test]
+fn reference_with_options_rejects_dropout() {
+    let t = f32(&[1, 4, 2, 16]);
+    assert_fails(
+        attention_slow_with(&t, &t, &t, &FlashAttn::new().dropout(0.1)),
+        &["dropout_p:", "0.1", "attention_slow_dropout"],
+    );
 }
 
 #[test]
@@ -513,6 +600,26 @@ mod kvcache {
             ..Call::new()
         };
         call.fails(&["softmax_scale:", "-1"]);
+    }
+
+    #[test]
+    fn bad_window_softcap_or_alibi_slopes() -> Result<()> {
+        let bad_slopes = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+        for (opts, expected) in [
+            (FlashAttn::new().window_size(-2, 0), ["window_size:", "-2"]),
+            (FlashAttn::new().softcap(f32::NAN), ["softcap:", "NaN"]),
+            (
+                FlashAttn::new().alibi_slopes(&bad_slopes),
+                ["alibi_slopes:", "[3, 4]"],
+            ),
+        ] {
+            let call = Call {
+                opts: opts.causal(true),
+                ..Call::new()
+            };
+            call.fails(&expected);
+        }
+        Ok(())
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! (`attention_slow`) done in f16/bf16, plus 1e-5.
 //!
 //! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
-//! runs only those sections: fwd, bwd, varlen (varlen, padding, dropout), kvcache, misc
+//! runs only those sections: fwd, bwd, mods (window, softcap, ALiBi), varlen (varlen,
+//! padding, dropout), kvcache, misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
 //! reliability, train (the fused training ops); `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
 //! computes every reference on the CPU, so that the device runs only our kernels, copies and
@@ -42,6 +43,10 @@ mod varlen_dropout;
 #[cfg(feature = "cuda")]
 #[path = "gpu/kvcache.rs"]
 mod kvcache;
+
+#[cfg(feature = "cuda")]
+#[path = "gpu/mods.rs"]
+mod mods;
 
 // The CPU tests' helpers, for the `train` section's shared checks (tests/common/train.rs).
 #[cfg(feature = "cuda")]
@@ -850,9 +855,10 @@ mod cuda_suite {
     type Section = fn(&Device, bool, &mut Suite);
 
     /// The sections in the order they run; `--only` picks among them.
-    const SECTIONS: [(&str, Section); 7] = [
+    const SECTIONS: [(&str, Section); 8] = [
         ("fwd", fwd_section),
         ("bwd", bwd_section),
+        ("mods", crate::mods::run),
         ("varlen", crate::varlen_dropout::run),
         ("kvcache", crate::kvcache::run),
         ("misc", misc_section),

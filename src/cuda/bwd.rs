@@ -24,8 +24,8 @@ use half::{bf16, f16};
 
 use super::bwd_ws::{self, BwdWsBuffers, BwdWsShape};
 use super::{
-    device_facts, dtype_name, launch, poison, seq_offsets, set_seq_offsets, AttnParams, BwdParams,
-    FwdTile,
+    alibi_view, device_facts, dtype_name, launch, poison, seq_offsets, set_seq_offsets, AttnParams,
+    BwdParams, FwdTile,
 };
 use crate::params::Problem;
 
@@ -328,6 +328,17 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         params.dq = grads_ptr;
         params.dk = grads_ptr + nq as u64 * elem;
         params.dv = grads_ptr + (nq + nkv) as u64 * elem;
+        let slopes = problem
+            .mods
+            .alibi
+            .as_ref()
+            .map(|a| a.slopes.storage_and_layout());
+        let slopes_view = alibi_view(&slopes)?;
+        let _slopes_sync = slopes_view.as_ref().map(|v| {
+            let (ptr, sync) = v.device_ptr(&stream);
+            params.a.alibi_slopes = ptr;
+            sync
+        });
         match path {
             BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, q.dtype()) => {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
@@ -406,7 +417,11 @@ fn run_path(
         BwdPath::Sm90 => {
             launch(
                 dev,
-                &format!("flash_bwd_sm90_{dtype}_d{}", tile.d),
+                &format!(
+                    "flash_bwd_sm90_{dtype}_d{}{}",
+                    tile.d,
+                    params.a.mods_suffix()
+                ),
                 (s.sk.div_ceil(SM90_BN), s.hk, s.b),
                 256,
                 sm90_smem_bytes(tile.d),

@@ -151,7 +151,7 @@ pub(super) fn run(
     )?;
     launch(
         dev,
-        &format!("flash_bwd_ws_{dtype_name}_d{d}"),
+        &format!("flash_bwd_ws_{dtype_name}_d{d}{}", b.a.mods_suffix()),
         ((b.a.seqlen_k as usize).div_ceil(BN), hk, bsz),
         384,
         shape.smem_bytes(),

@@ -10,9 +10,9 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    device_ptr_opt, dtype_name, launch, launch_programmatic, poison, rows_i32, stream_counters,
-    strides3, to_device_i32, to_device_i32_shared, to_i32, AttnParams, FwdTile, SharedI32,
-    StreamCounters,
+    alibi_view, device_ptr_opt, dtype_name, launch, launch_programmatic, poison, rows_i32,
+    stream_counters, strides3, to_device_i32, to_device_i32_shared, to_i32, AttnParams, FwdTile,
+    SharedI32, StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 
@@ -399,7 +399,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     let [qb, qr, qh] = strides3(ql);
     let [kb, kr, kh] = strides3(kl);
     let [vb, vr, vh] = strides3(vl);
-    let a = AttnParams {
+    let mut a = AttnParams {
         q_batch_stride: qb,
         q_row_stride: qr,
         q_head_stride: qh,
@@ -419,12 +419,9 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         seqlen_k: rows_i32(max_len, "cache_seqlens")?,
         d: p.d as i32,
         h_h_k_ratio: group as i32,
-        scale: p.scale,
-        scale_log2: p.scale * std::f32::consts::LOG2_E,
-        window_left: -1,
-        window_right: if p.causal { 0 } else { -1 },
         ..AttnParams::default()
     };
+    a.set_mods(&p.mods, p.scale, p.s_q, max_len);
     {
         let q_view = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
         let k_view = kc.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
@@ -443,6 +440,13 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             }
             None => (0, None),
         };
+        let slopes = p.mods.alibi.as_ref().map(|a| a.slopes.storage_and_layout());
+        let slopes_view = alibi_view(&slopes)?;
+        let _slopes_sync = slopes_view.as_ref().map(|v| {
+            let (ptr, sync) = v.device_ptr(&stream);
+            a.alibi_slopes = ptr;
+            sync
+        });
         let params = DecodeParams {
             a: AttnParams {
                 q: q_ptr,

@@ -27,6 +27,7 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use crate::params::Problem;
+use crate::score_mod::ScoreMods;
 use crate::{philox, ptx};
 
 /// Mirror of `struct AttnParams` in `cuda/params.cuh`; same field order.
@@ -65,6 +66,11 @@ struct AttnParams {
     scale_log2: f32,
     window_left: i32,
     window_right: i32,
+    softcap_pre: f32,
+    grad_scale: f32,
+    alibi_slopes: CUdeviceptr,
+    alibi_batch_stride: i32,
+    alibi_scale: f32,
     drop_threshold: u32,
     rp_keep: f32,
     seed_lo: u32,
@@ -139,12 +145,9 @@ impl AttnParams {
             seqlen_k: rows_i32(s.sk, "seqlen_k")?,
             d: s.d as i32,
             h_h_k_ratio: s.group() as i32,
-            scale: problem.scale,
-            scale_log2: problem.scale * std::f32::consts::LOG2_E,
-            window_left: -1,
-            window_right: if problem.causal { 0 } else { -1 },
             ..Self::default()
         };
+        params.set_mods(&problem.mods, problem.scale, s.sq, s.sk);
         rows_i32(s.total_q.max(s.total_k), "total rows")?;
         if let Some(d) = &problem.dropout {
             params.drop_threshold = philox::drop_threshold(d.p);
@@ -154,6 +157,63 @@ impl AttnParams {
         }
         Ok(params)
     }
+}
+
+impl AttnParams {
+    /// `_mods` for a problem with a softcap or ALiBi slopes (set at launch): the wgmma kernels
+    /// have variants compiled with that code and variants without it (which spilled with
+    /// it), `cuda/fwd_sm90.cu` and the backward's.
+    fn mods_suffix(&self) -> &'static str {
+        if self.softcap_pre != 0.0 || self.alibi_slopes != 0 {
+            "_mods"
+        } else {
+            ""
+        }
+    }
+
+    /// The scale, window, softcap and ALiBi fields (the slopes' pointer is set at launch, see
+    /// [`alibi_view`]) for sequences of at most `sq` queries and `sk` keys.
+    fn set_mods(&mut self, mods: &ScoreMods, scale: f32, sq: usize, sk: usize) {
+        // The kernels compare the window against row + (sk - sq) + window in i32: a side that
+        // reaches past every row's keys is unbounded (-1), so no sum overflows.
+        let side = |w: Option<usize>, bound: usize| match w {
+            Some(w) if w < bound => w as i32,
+            _ => -1,
+        };
+        self.window_left = side(mods.left, sk);
+        self.window_right = side(mods.right, sq);
+        // Under a softcap the kernels keep S = tanh(scale q.k / c) and exponentiate c S: the
+        // softmax's scale becomes the cap, the gradient's stays the softmax scale.
+        self.grad_scale = scale;
+        self.scale = match mods.softcap {
+            Some(c) => {
+                self.softcap_pre = scale / c;
+                c
+            }
+            None => scale,
+        };
+        self.scale_log2 = self.scale * std::f32::consts::LOG2_E;
+        if let Some(a) = &mods.alibi {
+            self.alibi_scale = 1.0 / self.scale;
+            self.alibi_batch_stride = if a.per_batch { self.h } else { 0 };
+        }
+    }
+}
+
+/// The ALiBi slopes of `mods` as a device view, to be pointed at by `alibi_slopes` while
+/// `guard` (from `storage_and_layout`) is held.
+fn alibi_view<'a, G: std::ops::Deref<Target = candle::Storage>>(
+    guard: &'a Option<(G, &Layout)>,
+) -> Result<Option<candle::cuda_backend::cudarc::driver::CudaView<'a, f32>>> {
+    let Some((storage, layout)) = guard else {
+        return Ok(None);
+    };
+    let candle::Storage::Cuda(cs) = &**storage else {
+        candle::bail!("alibi_slopes: expected a CUDA tensor (the inputs' device)")
+    };
+    Ok(Some(
+        cs.as_cuda_slice::<f32>()?.slice(layout.start_offset()..),
+    ))
 }
 
 /// `xs` on the device as the i32 the kernels read (offsets, lengths, block tables).
@@ -845,6 +905,17 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
+        let slopes = problem
+            .mods
+            .alibi
+            .as_ref()
+            .map(|a| a.slopes.storage_and_layout());
+        let slopes_view = alibi_view(&slopes)?;
+        let _slopes_sync = slopes_view.as_ref().map(|v| {
+            let (ptr, sync) = v.device_ptr(&stream);
+            params.alibi_slopes = ptr;
+            sync
+        });
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
         // Its tile index is a 32-bit int.
@@ -890,8 +961,18 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                 &ws_params,
             )?;
         } else if !dropout && Sm90Shape::supports(tile.d) && use_sm90(&dev)? {
-            let shape = Sm90Shape::choose(tile.d, s.sq, problem.causal);
-            let name = format!("flash_fwd_sm90_{dtype}_d{}{}", tile.d, shape.suffix());
+            let mods = params.mods_suffix();
+            let shape = if mods.is_empty() {
+                Sm90Shape::choose(tile.d, s.sq, problem.causal)
+            } else {
+                Sm90Shape { groups: 2, bn: 128 }
+            };
+            let suffix = if mods.is_empty() {
+                shape.suffix()
+            } else {
+                mods.to_string()
+            };
+            let name = format!("flash_fwd_sm90_{dtype}_d{}{suffix}", tile.d);
             launch(
                 &dev,
                 &name,

@@ -1,0 +1,556 @@
+//! CPU sliding window, softcapping and ALiBi (FlashAttention 2's `window_size`, `softcap`,
+//! `alibi_slopes`) against `attention_slow_with`: outputs, LSE and gradients, fixed-length,
+//! variable-length and KV-cache decoding, rows that see no key.
+//!
+//! The CPU tiles are 32 query rows by 64 keys (src/cpu.rs), so the windows below are smaller
+//! than, equal to and larger than a key tile, and than the sequences.
+
+mod common;
+
+use candle::{DType, Device, IndexOp, Result, Tensor};
+use candle_flash::{
+    attention_slow, attention_slow_with, flash_attn_with_kvcache, flash_attn_with_paged_kvcache,
+    FlashAttn, VarLen,
+};
+use common::varlen::{packed_qkv, per_sequence};
+use common::{
+    assert_close, assert_within_budget, assert_within_rounding, grads, max_abs_diff, randn, Case,
+};
+
+/// f32 inputs: both sides do f32 math in a different order.
+const F32_TOL: f32 = 1e-5;
+const NAMES: [&str; 3] = ["dq", "dk", "dv"];
+/// Keys per CPU tile (src/cpu.rs).
+const KEY_BLOCK: usize = 64;
+
+/// ALiBi's geometric slopes for `h` heads, `(h)`.
+fn slopes(h: usize) -> Result<Tensor> {
+    let s: Vec<f32> = (0..h).map(|i| 0.5f32.powi(i as i32 + 1)).collect();
+    Tensor::from_vec(s, h, &Device::Cpu)
+}
+
+/// Different slopes per sequence and head, `(b, h)`, one of them 0 and one negative.
+fn batch_slopes(b: usize, h: usize) -> Result<Tensor> {
+    let s: Vec<f32> = (0..b * h)
+        .map(|i| match i {
+            1 => 0.0,
+            2 => -0.05,
+            i => 0.03 * (i + 1) as f32,
+        })
+        .collect();
+    Tensor::from_vec(s, (b, h), &Device::Cpu)
+}
+
+/// The options with sequence `b`'s row of per-batch ALiBi slopes as a batch of one.
+fn for_sequence(opts: &FlashAttn, b: usize) -> Result<FlashAttn> {
+    let mut opts = opts.clone();
+    if let Some(s) = &opts.alibi_slopes {
+        if s.rank() == 2 {
+            opts.alibi_slopes = Some(s.narrow(0, b, 1)?);
+        }
+    }
+    Ok(opts)
+}
+
+/// The natural-log LSE of the final scores, `(b, h, sq)` flattened, in f64 host loops from
+/// the definition: scale, cap, bias, then the window (`-inf` for rows that see no key).
+fn lse_host(q: &Tensor, k: &Tensor, opts: &FlashAttn) -> Result<Vec<f32>> {
+    let (b, sq, h, d) = q.dims4()?;
+    let (_, sk, hk, _) = k.dims4()?;
+    let flat =
+        |t: &Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+    let (q, k) = (flat(q)?, flat(k)?);
+    let scale = opts.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt()) as f64;
+    let slopes = match &opts.alibi_slopes {
+        Some(s) => Some((flat(s)?, s.rank() == 2)),
+        None => None,
+    };
+    let (left, right) = opts.window_size;
+    let right = if opts.causal { 0 } else { right };
+    let mut out = Vec::with_capacity(b * h * sq);
+    for bi in 0..b {
+        for hi in 0..h {
+            let kh = hi / (h / hk);
+            for i in 0..sq {
+                let diag = i as i64 + sk as i64 - sq as i64;
+                let mut sum = 0f64;
+                for j in 0..sk {
+                    let jj = j as i64;
+                    if (left != -1 && jj < diag - left) || (right != -1 && jj > diag + right) {
+                        continue;
+                    }
+                    let q_i = &q[((bi * sq + i) * h + hi) * d..][..d];
+                    let k_j = &k[((bi * sk + j) * hk + kh) * d..][..d];
+                    let mut s: f64 = scale
+                        * q_i
+                            .iter()
+                            .zip(k_j)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>();
+                    if opts.softcap > 0.0 {
+                        let c = opts.softcap as f64;
+                        s = c * (s / c).tanh();
+                    }
+                    if let Some((slopes, per_batch)) = &slopes {
+                        let slope = slopes[if *per_batch { bi * h + hi } else { hi }] as f64;
+                        s -= slope * (diag - jj).abs() as f64;
+                    }
+                    sum += s.exp();
+                }
+                out.push(sum.ln() as f32);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Asserts our LSE against [`lse_host`]: `-inf` exactly where the oracle's is, else within
+/// 1e-5 relative.
+fn check_lse(what: &str, lse: &Tensor, expected: &[f32]) -> Result<()> {
+    let ours = lse.flatten_all()?.to_vec1::<f32>()?;
+    assert_eq!(ours.len(), expected.len(), "{what}: lse length");
+    for (i, (a, e)) in ours.iter().zip(expected).enumerate() {
+        let same = if e.is_infinite() {
+            a == e
+        } else {
+            (a - e).abs() <= 1e-5 * e.abs().max(1.0)
+        };
+        assert!(same, "{what}: lse[{i}] {a} vs {e}");
+    }
+    Ok(())
+}
+
+/// f32: output, LSE and the gradients of `sum(out · w)` against the oracle with `opts`.
+fn check_f32(what: &str, case: &Case, opts: &FlashAttn) -> Result<()> {
+    let what = format!("{what} {case:?}");
+    let (q, k, v) = case.qkv(DType::F32)?;
+    let (out, lse) = opts.forward_with_lse(&q, &k, &v)?;
+    let expected = attention_slow_with(&q, &k, &v, opts)?;
+    assert_close(&format!("out {what}"), &out, &expected, F32_TOL)?;
+    check_lse(&what, &lse, &lse_host(&q, &k, opts)?)?;
+    let w = case.out_weight(DType::F32)?;
+    let ours = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
+    let reference = grads(|q, k, v| attention_slow_with(q, k, v, opts), &q, &k, &v, &w)?;
+    for ((name, a), b) in NAMES.iter().zip(&ours).zip(&reference) {
+        assert_close(&format!("{name} {what}"), a, b, F32_TOL)?;
+    }
+    Ok(())
+}
+
+/// f16/bf16: the low-precision rule, 2x the oracle's own error for the output (and within one
+/// ulp of the exact value: the CPU rounds once), 3x for the gradients.
+fn check_low_precision(what: &str, case: &Case, opts: &FlashAttn, dtype: DType) -> Result<()> {
+    let what = format!("{what} {dtype:?} {case:?}");
+    let (q, k, v) = case.qkv(dtype)?;
+    let w = case.out_weight(dtype)?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let (q32, k32, v32, w32) = (f32(&q)?, f32(&k)?, f32(&v)?, f32(&w)?);
+    let ours = opts.forward(&q, &k, &v)?;
+    let baseline = attention_slow_with(&q, &k, &v, opts)?;
+    let exact = attention_slow_with(&q32, &k32, &v32, opts)?;
+    assert_within_budget(&format!("out {what}"), &ours, &baseline, &exact, 2.0)?;
+    assert_within_rounding(&format!("out {what}"), &ours, &exact, 1.0)?;
+    let slow = |q: &Tensor, k: &Tensor, v: &Tensor| attention_slow_with(q, k, v, opts);
+    let ours = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
+    let baseline = grads(slow, &q, &k, &v, &w)?;
+    let exact = grads(slow, &q32, &k32, &v32, &w32)?;
+    for (i, name) in NAMES.iter().enumerate() {
+        assert_eq!(ours[i].dtype(), dtype);
+        let what = format!("{name} {what}");
+        assert_within_budget(&what, &ours[i], &baseline[i], &exact[i], 3.0)?;
+    }
+    Ok(())
+}
+
+/// Windows smaller than, equal to and larger than a key tile and the sequence, both sides,
+/// one side, the diagonal only, with and without the causal mask (which sets right to 0).
+#[test]
+fn windows_match_reference() -> Result<()> {
+    let case = Case::new(1, 150, 150, 2, 1, 32);
+    let windows = [
+        (Some(5), Some(5)),
+        (Some(KEY_BLOCK), Some(KEY_BLOCK)),
+        (Some(KEY_BLOCK - 1), Some(KEY_BLOCK + 1)),
+        (Some(100), Some(70)),
+        (Some(300), Some(300)),
+        (Some(20), None),
+        (None, Some(20)),
+        (Some(0), Some(0)),
+        (Some(0), None),
+        (None, Some(0)),
+        (None, None),
+    ];
+    for causal in [false, true] {
+        for (left, right) in windows {
+            let opts = FlashAttn::new().causal(causal).window(left, right);
+            let what = format!("window ({left:?}, {right:?}) causal={causal}");
+            check_f32(&what, &case.causal(causal), &opts)?;
+        }
+    }
+    Ok(())
+}
+
+/// A window wider than the sequence, on either side, is no window: the same keys in the same
+/// order, so the same bits.
+#[test]
+fn window_wider_than_the_sequence_is_no_window() -> Result<()> {
+    let case = Case::new(2, 70, 90, 4, 2, 32);
+    let (q, k, v) = case.qkv(DType::F32)?;
+    for causal in [false, true] {
+        let plain = FlashAttn::new().causal(causal).forward(&q, &k, &v)?;
+        for (left, right) in [(1000, 1000), (90, 90), (-1, -1), (1000, -1)] {
+            let windowed = FlashAttn::new()
+                .causal(causal)
+                .window_size(left, right)
+                .forward(&q, &k, &v)?;
+            assert_eq!(
+                max_abs_diff(&plain, &windowed)?,
+                0.0,
+                "({left}, {right}) causal={causal}"
+            );
+        }
+        let reference = attention_slow(&q, &k, &v, case.scale(), causal)?;
+        assert_close("wide window", &plain, &reference, F32_TOL)?;
+    }
+    Ok(())
+}
+
+/// seqlen_q != seqlen_k both ways (bottom-right alignment of the window), GQA and MQA, batch 2.
+#[test]
+fn windows_with_other_shapes() -> Result<()> {
+    let shapes = [
+        Case::new(1, 40, 150, 4, 2, 16),
+        Case::new(1, 150, 40, 4, 2, 16),
+        Case::new(2, 100, 100, 8, 2, 16),
+        Case::new(2, 33, 97, 4, 1, 40),
+        Case::new(1, 1, 130, 2, 2, 64),
+    ];
+    for case in shapes {
+        for causal in [false, true] {
+            for (left, right) in [(Some(16), Some(8)), (Some(70), None), (None, Some(3))] {
+                let opts = FlashAttn::new().causal(causal).window(left, right);
+                let what = format!("window ({left:?}, {right:?}) causal={causal}");
+                check_f32(&what, &case.causal(causal), &opts)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Softcapping, at caps the scores reach (softmax_scale 1 gives scores of several units), and
+/// at head_dim 256.
+#[test]
+fn softcap_matches_reference() -> Result<()> {
+    let cases = [
+        (Case::new(1, 70, 90, 4, 2, 16), 5.0, Some(1.0)),
+        (Case::new(2, 40, 40, 2, 2, 32), 1.0, Some(0.5)),
+        (Case::new(1, 33, 70, 2, 1, 256), 10.0, None),
+        (Case::new(1, 90, 33, 4, 4, 256), 0.5, Some(0.2)),
+    ];
+    for (case, cap, scale) in cases {
+        for causal in [false, true] {
+            let mut opts = FlashAttn::new().causal(causal).softcap(cap);
+            if let Some(s) = scale {
+                opts = opts.softmax_scale(s);
+            }
+            check_f32(
+                &format!("softcap {cap} causal={causal}"),
+                &case.causal(causal),
+                &opts,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// ALiBi with `(num_heads)` and `(batch, num_heads)` slopes, seqlen_q != seqlen_k both ways.
+#[test]
+fn alibi_matches_reference() -> Result<()> {
+    for case in [
+        Case::new(2, 80, 100, 4, 2, 32),
+        Case::new(2, 100, 37, 4, 4, 16),
+    ] {
+        for causal in [false, true] {
+            let per_head = FlashAttn::new()
+                .causal(causal)
+                .alibi_slopes(&slopes(case.h)?);
+            check_f32(
+                &format!("alibi (h) causal={causal}"),
+                &case.causal(causal),
+                &per_head,
+            )?;
+            let per_seq = FlashAttn::new()
+                .causal(causal)
+                .alibi_slopes(&batch_slopes(case.b, case.h)?);
+            check_f32(
+                &format!("alibi (b, h) causal={causal}"),
+                &case.causal(causal),
+                &per_seq,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// All three together: a window, a cap and per-sequence slopes, with and without causal.
+fn combined(case: &Case) -> Result<FlashAttn> {
+    Ok(FlashAttn::new()
+        .causal(case.causal)
+        .window(Some(50), Some(10))
+        .softcap(3.0)
+        .softmax_scale(0.6)
+        .alibi_slopes(&batch_slopes(case.b, case.h)?))
+}
+
+#[test]
+fn window_softcap_and_alibi_together() -> Result<()> {
+    for case in [
+        Case::new(2, 100, 130, 4, 2, 32),
+        Case::new(2, 130, 70, 4, 1, 64),
+    ] {
+        for causal in [false, true] {
+            let case = case.causal(causal);
+            check_f32(
+                &format!("combined causal={causal}"),
+                &case,
+                &combined(&case)?,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn half_precision_within_budget() -> Result<()> {
+    for dtype in [DType::F16, DType::BF16] {
+        let case = Case::new(2, 70, 100, 4, 2, 32).causal(true);
+        check_low_precision("combined", &case, &combined(&case)?, dtype)?;
+        let case = Case::new(1, 100, 70, 2, 2, 64);
+        let opts = FlashAttn::new().window(Some(20), Some(5)).softcap(2.0);
+        check_low_precision("window + softcap", &case, &opts, dtype)?;
+    }
+    Ok(())
+}
+
+/// A window that leaves the first rows without keys (seqlen_q > seqlen_k): those rows are
+/// zeros with LSE -inf and zero dq; every gradient is finite, and the rest matches.
+#[test]
+fn rows_that_see_no_key() -> Result<()> {
+    // off = -20: row i sees keys i - 23 ..= i - 17, so rows 0..17 see none.
+    let case = Case::new(2, 40, 20, 4, 2, 16);
+    let dead = 17;
+    let options = [
+        FlashAttn::new().window(Some(3), Some(3)),
+        FlashAttn::new()
+            .window(Some(3), Some(3))
+            .softcap(2.0)
+            .alibi_slopes(&batch_slopes(2, 4)?),
+    ];
+    for opts in options {
+        let (q, k, v) = case.qkv(DType::F32)?;
+        let (out, lse) = opts.forward_with_lse(&q, &k, &v)?;
+        let zero = |t: Tensor| -> Result<bool> {
+            Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 0.0))
+        };
+        assert!(
+            zero(out.i((.., ..dead))?)?,
+            "rows without keys must be zero"
+        );
+        let dead_lse = lse.i((.., .., ..dead))?.flatten_all()?.to_vec1::<f32>()?;
+        assert!(dead_lse.iter().all(|&x| x == f32::NEG_INFINITY));
+        let live_lse = lse.i((.., .., dead..))?.flatten_all()?.to_vec1::<f32>()?;
+        assert!(live_lse.iter().all(|x| x.is_finite()));
+        let w = case.out_weight(DType::F32)?;
+        let [dq, dk, dv] = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
+        assert!(
+            zero(dq.i((.., ..dead))?)?,
+            "dq of rows without keys must be zero"
+        );
+        for g in [&dq, &dk, &dv] {
+            let g = g.flatten_all()?.to_vec1::<f32>()?;
+            assert!(g.iter().all(|x| x.is_finite()));
+        }
+        check_f32("rows without keys", &case, &opts)?;
+    }
+    Ok(())
+}
+
+/// The direct backward gives the same bits as `backward()` through the forward.
+#[test]
+fn direct_backward_equals_autograd() -> Result<()> {
+    let case = Case::new(2, 70, 90, 4, 2, 32).causal(true);
+    let opts = combined(&case)?;
+    let (q, k, v) = case.qkv(DType::F32)?;
+    let w = case.out_weight(DType::F32)?;
+    let (out, lse) = opts.forward_with_lse(&q, &k, &v)?;
+    let (dq, dk, dv) = opts.backward(&q, &k, &v, &out, &lse, &w)?;
+    let autograd = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
+    for ((name, a), b) in NAMES.iter().zip([&dq, &dk, &dv]).zip(&autograd) {
+        assert_eq!(max_abs_diff(a, b)?, 0.0, "{name}");
+    }
+    Ok(())
+}
+
+/// Packed batches: each sequence aligns its window bottom-right with its own lengths and
+/// reads its own row of `(batch, num_heads)` slopes. Lengths around a tile, 0 on either side,
+/// seqlen_q != seqlen_k both ways.
+#[test]
+fn varlen_matches_per_sequence_loop() -> Result<()> {
+    let (lens_q, lens_k) = ([17, 113, 0, 5, 70], [113, 17, 9, 0, 70]);
+    let (h, hk, d) = (4, 2, 16);
+    let varlen = VarLen::from_seqlens(&lens_q, &lens_k)?;
+    let b = lens_q.len();
+    let options = [
+        FlashAttn::new().window(Some(8), Some(4)),
+        FlashAttn::new().causal(true).window(Some(30), None),
+        FlashAttn::new().alibi_slopes(&slopes(h)?),
+        FlashAttn::new()
+            .causal(true)
+            .window(Some(40), None)
+            .softcap(2.0)
+            .alibi_slopes(&batch_slopes(b, h)?),
+    ];
+    for opts in &options {
+        let what = format!(
+            "varlen window {:?} causal={} alibi={}",
+            opts.window_size,
+            opts.causal,
+            opts.alibi_slopes.is_some()
+        );
+        let (q, k, v) = packed_qkv(&varlen, h, hk, d, DType::F32)?;
+        let reference = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            per_sequence(&varlen, q, k, v, |b, q, k, v| {
+                attention_slow_with(q, k, v, &for_sequence(opts, b)?)
+            })
+        };
+        let flash = |q: &Tensor, k: &Tensor, v: &Tensor| opts.forward_varlen(q, k, v, &varlen);
+        assert_close(&what, &flash(&q, &k, &v)?, &reference(&q, &k, &v)?, F32_TOL)?;
+        let w = randn((varlen.total_q(), h, d), DType::F32)?;
+        let ours = grads(flash, &q, &k, &v, &w)?;
+        let expected = grads(reference, &q, &k, &v, &w)?;
+        for ((name, a), e) in NAMES.iter().zip(&ours).zip(&expected) {
+            assert_close(&format!("{name} {what}"), a, e, F32_TOL)?;
+        }
+    }
+    Ok(())
+}
+
+/// One decoding call's inputs: q `(b, s_q, h, d)`, caches `(b, cap, hk, d)` holding `lens[b]`
+/// tokens, `s_new` new ones.
+struct Decode {
+    lens: Vec<usize>,
+    s_q: usize,
+    s_new: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+}
+
+const PAGE: usize = 16;
+
+impl Decode {
+    fn b(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Whole pages, with room for the longest sequence.
+    fn capacity(&self) -> usize {
+        (self.lens.iter().max().unwrap_or(&0) + self.s_new + 1).next_multiple_of(PAGE)
+    }
+
+    /// Output of the contiguous and the paged call, and the oracle: `attention_slow_with` of
+    /// each sequence over its first `lens[b] + s_new` tokens.
+    fn run(&self, opts: &FlashAttn) -> Result<[Tensor; 3]> {
+        let (b, cap, hk, d) = (self.b(), self.capacity(), self.hk, self.d);
+        let q = randn((b, self.s_q, self.h, d), DType::F32)?;
+        let k0 = randn((b, cap, hk, d), DType::F32)?;
+        let v0 = randn((b, cap, hk, d), DType::F32)?;
+        let k_new = randn((b, self.s_new, hk, d), DType::F32)?;
+        let v_new = randn((b, self.s_new, hk, d), DType::F32)?;
+        let new_kv = (self.s_new > 0).then_some((&k_new, &v_new));
+        let lens: Vec<u32> = self.lens.iter().map(|&l| l as u32).collect();
+
+        let (k, v) = (k0.copy()?, v0.copy()?);
+        let contiguous = flash_attn_with_kvcache(&q, &k, &v, new_kv, &lens, opts)?;
+
+        // Pages of sequence b are the reversed run b * max_pages .. (b + 1) * max_pages.
+        let max_pages = cap / PAGE;
+        let table: Vec<u32> = (0..b * max_pages)
+            .map(|s| ((s / max_pages) * max_pages + max_pages - 1 - s % max_pages) as u32)
+            .collect();
+        let pages = |c: &Tensor| -> Result<Tensor> {
+            let mut by_id = vec![None; b * max_pages];
+            for (slot, &page) in table.iter().enumerate() {
+                let (seq, p) = (slot / max_pages, slot % max_pages);
+                by_id[page as usize] = Some(c.i(seq)?.narrow(0, p * PAGE, PAGE)?);
+            }
+            Tensor::stack(&by_id.into_iter().flatten().collect::<Vec<_>>(), 0)
+        };
+        let (kp, vp) = (pages(&k0)?, pages(&v0)?);
+        let paged =
+            flash_attn_with_paged_kvcache(&q, &kp, &vp, new_kv, &lens, &table, max_pages, opts)?;
+
+        let expected = (0..b)
+            .map(|s| {
+                let len = self.lens[s];
+                let prefix = |c: &Tensor, new: &Tensor| {
+                    Tensor::cat(&[c.i(s)?.narrow(0, 0, len)?, new.i(s)?], 0)?.unsqueeze(0)
+                };
+                let q = q.narrow(0, s, 1)?;
+                let (k, v) = (prefix(&k0, &k_new)?, prefix(&v0, &v_new)?);
+                attention_slow_with(&q, &k, &v, &for_sequence(opts, s)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok([contiguous, paged, Tensor::cat(&expected, 0)?])
+    }
+}
+
+/// KV-cache decoding (contiguous and paged) with a sliding window over the newest tokens,
+/// softcapping and ALiBi, one query and a few, with new tokens and without.
+#[test]
+fn kvcache_decoding_matches_prefix_reference() -> Result<()> {
+    let (h, hk) = (4, 2);
+    let b = 3;
+    let options = [
+        FlashAttn::new().causal(true).window(Some(16), None),
+        FlashAttn::new().window(Some(KEY_BLOCK + 5), Some(0)),
+        FlashAttn::new()
+            .causal(true)
+            .softcap(2.0)
+            .softmax_scale(1.0),
+        FlashAttn::new().causal(true).alibi_slopes(&slopes(h)?),
+        FlashAttn::new()
+            .causal(true)
+            .window(Some(40), None)
+            .softcap(3.0)
+            .alibi_slopes(&batch_slopes(b, h)?),
+    ];
+    for opts in &options {
+        for (s_q, s_new) in [(1, 1), (4, 4), (4, 0), (1, 0)] {
+            let case = Decode {
+                lens: vec![30, 150, 6],
+                s_q,
+                s_new,
+                h,
+                hk,
+                d: 32,
+            };
+            let [contiguous, paged, expected] = case.run(opts)?;
+            let what = format!(
+                "decode s_q={s_q} s_new={s_new} window {:?} causal={} softcap={} alibi={}",
+                opts.window_size,
+                opts.causal,
+                opts.softcap,
+                opts.alibi_slopes.is_some()
+            );
+            assert_close(
+                &format!("{what} contiguous"),
+                &contiguous,
+                &expected,
+                F32_TOL,
+            )?;
+            assert_close(&format!("{what} paged"), &paged, &expected, F32_TOL)?;
+        }
+    }
+    Ok(())
+}

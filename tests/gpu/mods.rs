@@ -1,0 +1,417 @@
+//! GPU tests for the score modifications (issue 19): local windows, softcapping and ALiBi,
+//! forward and gradients against `attention_slow_with` with the same options. The head dims
+//! and modes reach every kernel the router picks: 40/96/160 the mma.sync kernels, 64/128 the
+//! warp-specialized forward and backward (the `_mods` backward under a cap or slopes), 256
+//! the warp-specialized forward and the mma.sync backward, packed batches the first wgmma
+//! kernels (`_mods`), deterministic backwards the separate mma.sync kernels; then KV-cache
+//! decoding, contiguous and paged, with GQA-packed rows (one slope per packed row).
+
+use candle::{DType, Device, IndexOp, Result, Tensor};
+use candle_flash::{
+    attention_slow_with, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, VarLen,
+};
+
+use crate::cuda_suite::{check_grads, check_output, grads_of, randn, to_reference, Suite};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Slopes {
+    None,
+    PerHead,
+    PerBatch,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Mods {
+    causal: bool,
+    window: (i64, i64),
+    softcap: f32,
+    slopes: Slopes,
+}
+
+impl std::fmt::Display for Mods {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "causal={} window={:?} softcap={} alibi={:?}",
+            self.causal, self.window, self.softcap, self.slopes
+        )
+    }
+}
+
+/// ALiBi's geometric slopes `2^(-8 (i + 1) / h)`, times 1 + b / 4 per sequence when
+/// `per_batch` (so that a wrong batch index shows).
+fn slopes(b: usize, h: usize, per_batch: bool, dev: &Device) -> Result<Tensor> {
+    let head = |i: usize| 2f32.powf(-8.0 * (i + 1) as f32 / h as f32);
+    if per_batch {
+        let v: Vec<f32> = (0..b)
+            .flat_map(|s| (0..h).map(move |i| head(i) * (1.0 + s as f32 / 4.0)))
+            .collect();
+        Tensor::from_vec(v, (b, h), dev)
+    } else {
+        Tensor::from_vec((0..h).map(head).collect::<Vec<_>>(), h, dev)
+    }
+}
+
+/// The options of `m` for batch `b`, `h` heads, with the slopes on `dev`.
+fn options(m: &Mods, b: usize, h: usize, dev: &Device) -> Result<FlashAttn> {
+    let mut o = FlashAttn::new()
+        .causal(m.causal)
+        .window_size(m.window.0, m.window.1)
+        .softcap(m.softcap);
+    if m.slopes != Slopes::None {
+        o = o.alibi_slopes(&slopes(b, h, m.slopes == Slopes::PerBatch, dev)?);
+    }
+    Ok(o)
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    sq: usize,
+    sk: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+    mods: Mods,
+    deterministic: bool,
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "b={} sq={} sk={} h={}/{} d={} {} det={}",
+            self.b, self.sq, self.sk, self.h, self.hk, self.d, self.mods, self.deterministic
+        )
+    }
+}
+
+/// Output (2x rule) and gradients of `sum(out * w)` (3x rule) against the f32 oracle, with the
+/// same math in bf16 as the baseline.
+fn case(dev: &Device, c: &Case) -> Result<()> {
+    let dtype = DType::BF16;
+    let q = randn((c.b, c.sq, c.h, c.d), dtype, dev)?;
+    let k = randn((c.b, c.sk, c.hk, c.d), dtype, dev)?;
+    let v = randn((c.b, c.sk, c.hk, c.d), dtype, dev)?;
+    let w = randn((c.b, c.sq, c.h, c.d), dtype, dev)?;
+    let ours_opts = options(&c.mods, c.b, c.h, dev)?.deterministic(c.deterministic);
+    let out = ours_opts.forward(&q, &k, &v)?;
+    let ours = grads_of(&q, &k, &v, &w, |q, k, v| ours_opts.forward(q, k, v))?;
+
+    let (q, k, v, w) = (
+        to_reference(&q)?,
+        to_reference(&k)?,
+        to_reference(&v)?,
+        to_reference(&w)?,
+    );
+    let ref_opts = options(&c.mods, c.b, c.h, q.device())?;
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    let (q32, k32, v32, w32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(&w)?);
+    let slow = |q: &Tensor, k: &Tensor, v: &Tensor| attention_slow_with(q, k, v, &ref_opts);
+    check_output("out", &out, &slow(&q, &k, &v)?, &slow(&q32, &k32, &v32)?)?;
+    let reference = grads_of(&q32, &k32, &v32, &w32, slow)?;
+    let low = grads_of(&q, &k, &v, &w, slow)?;
+    check_grads(&ours, &low, &reference)
+}
+
+/// A packed batch through `forward_varlen` against each sequence on its own (the slopes row
+/// of sequence `b` for per-batch ALiBi), output and gradients.
+fn varlen_case(dev: &Device, d: usize, m: &Mods) -> Result<()> {
+    let (lens_q, lens_k) = ([37usize, 1, 200], [90usize, 64, 150]);
+    let (h, hk, dtype) = (4, 2, DType::BF16);
+    let (tq, tk): (usize, usize) = (lens_q.iter().sum(), lens_k.iter().sum());
+    let q = randn((tq, h, d), dtype, dev)?;
+    let k = randn((tk, hk, d), dtype, dev)?;
+    let v = randn((tk, hk, d), dtype, dev)?;
+    let w = randn((tq, h, d), dtype, dev)?;
+    let varlen = VarLen::from_seqlens(&lens_q, &lens_k)?;
+    let ours_opts = options(m, lens_q.len(), h, dev)?;
+    let as4 = |t: &Tensor| t.unsqueeze(0);
+    let out = ours_opts.forward_varlen(&q, &k, &v, &varlen)?;
+    let ours = grads_of(&as4(&q)?, &as4(&k)?, &as4(&v)?, &as4(&w)?, |q, k, v| {
+        ours_opts
+            .forward_varlen(&q.squeeze(0)?, &k.squeeze(0)?, &v.squeeze(0)?, &varlen)?
+            .unsqueeze(0)
+    })?;
+    let ours = ours.map(|g| g.squeeze(0).unwrap());
+
+    let (q, k, v, w) = (
+        to_reference(&q)?,
+        to_reference(&k)?,
+        to_reference(&v)?,
+        to_reference(&w)?,
+    );
+    let rdev = q.device().clone();
+    let all_slopes = match m.slopes {
+        Slopes::None => None,
+        s => Some(slopes(lens_q.len(), h, s == Slopes::PerBatch, &rdev)?),
+    };
+    // Sequence by sequence, concatenated: differentiable, so the gradients follow.
+    let per_seq = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+        let (mut oq, mut ok, mut outs) = (0, 0, vec![]);
+        for (b, (&lq, &lk)) in lens_q.iter().zip(&lens_k).enumerate() {
+            let mut o = FlashAttn::new()
+                .causal(m.causal)
+                .window_size(m.window.0, m.window.1)
+                .softcap(m.softcap);
+            if let Some(s) = &all_slopes {
+                o = o.alibi_slopes(&if m.slopes == Slopes::PerBatch {
+                    s.i(b)?
+                } else {
+                    s.clone()
+                });
+            }
+            let seq = attention_slow_with(
+                &q.narrow(1, oq, lq)?,
+                &k.narrow(1, ok, lk)?,
+                &v.narrow(1, ok, lk)?,
+                &o,
+            )?;
+            outs.push(seq);
+            (oq, ok) = (oq + lq, ok + lk);
+        }
+        Tensor::cat(&outs, 1)
+    };
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32)?.unsqueeze(0);
+    let (q32, k32, v32, w32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(&w)?);
+    let (q4, k4, v4, w4) = (as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?);
+    check_output(
+        "out",
+        &out,
+        &per_seq(&q4, &k4, &v4)?.squeeze(0)?,
+        &per_seq(&q32, &k32, &v32)?.squeeze(0)?,
+    )?;
+    let reference = grads_of(&q32, &k32, &v32, &w32, per_seq)?.map(|g| g.squeeze(0).unwrap());
+    let low = grads_of(&q4, &k4, &v4, &w4, per_seq)?.map(|g| g.squeeze(0).unwrap());
+    check_grads(&ours, &low, &reference)
+}
+
+/// Decoding `s_q` tokens per sequence over a cache (paged when `page_size`), against the
+/// oracle on each sequence's prefix.
+fn decode_case(
+    dev: &Device,
+    lens: &[usize],
+    s_q: usize,
+    page_size: Option<usize>,
+    m: &Mods,
+) -> Result<()> {
+    let (h, hk, d, dtype) = (8, 2, 128, DType::BF16);
+    let b = lens.len();
+    let capacity = lens.iter().max().copied().unwrap_or(0).next_multiple_of(64);
+    let q = randn((b, s_q, h, d), dtype, dev)?;
+    let k_full = randn((b, capacity, hk, d), dtype, dev)?;
+    let v_full = randn((b, capacity, hk, d), dtype, dev)?;
+    let opts = options(m, b, h, dev)?;
+    let seqlens: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    let out = match page_size {
+        None => flash_attn_with_kvcache(&q, &k_full, &v_full, None, &seqlens, &opts)?,
+        Some(ps) => {
+            // Pages of each sequence in reverse order, so that the table matters.
+            let per_seq = capacity / ps;
+            let paged = |t: &Tensor| -> Result<Tensor> {
+                let pages: Vec<Tensor> = (0..b * per_seq)
+                    .rev()
+                    .map(|p| t.i((p / per_seq, (p % per_seq) * ps..(p % per_seq + 1) * ps)))
+                    .collect::<Result<_>>()?;
+                Tensor::stack(&pages, 0)?.contiguous()
+            };
+            let table: Vec<u32> = (0..b * per_seq)
+                .map(|i| (b * per_seq - 1 - i) as u32)
+                .collect();
+            flash_attn_with_paged_kvcache(
+                &q,
+                &paged(&k_full)?,
+                &paged(&v_full)?,
+                None,
+                &seqlens,
+                &table,
+                per_seq,
+                &opts,
+            )?
+        }
+    };
+    let (q, k_full, v_full) = (
+        to_reference(&q)?,
+        to_reference(&k_full)?,
+        to_reference(&v_full)?,
+    );
+    let rdev = q.device().clone();
+    let mut low = vec![];
+    let mut reference = vec![];
+    for (s, &len) in lens.iter().enumerate() {
+        let mut o = FlashAttn::new()
+            .causal(m.causal)
+            .window_size(m.window.0, m.window.1)
+            .softcap(m.softcap);
+        if m.slopes != Slopes::None {
+            let all = slopes(b, h, m.slopes == Slopes::PerBatch, &rdev)?;
+            o = o.alibi_slopes(&if m.slopes == Slopes::PerBatch {
+                all.i(s)?
+            } else {
+                all
+            });
+        }
+        let (qs, ks, vs) = (
+            q.narrow(0, s, 1)?,
+            k_full.i((s..s + 1, ..len))?,
+            v_full.i((s..s + 1, ..len))?,
+        );
+        low.push(attention_slow_with(&qs, &ks, &vs, &o)?);
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+        reference.push(attention_slow_with(
+            &f32_of(&qs)?,
+            &f32_of(&ks)?,
+            &f32_of(&vs)?,
+            &o,
+        )?);
+    }
+    check_output(
+        "decode out",
+        &out,
+        &Tensor::cat(&low, 0)?,
+        &Tensor::cat(&reference, 0)?,
+    )
+}
+
+pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
+    let none = Mods {
+        causal: false,
+        window: (-1, -1),
+        softcap: 0.0,
+        slopes: Slopes::None,
+    };
+    let mods = [
+        Mods {
+            causal: true,
+            window: (16, 0),
+            ..none
+        }, // narrower than a block
+        Mods {
+            window: (100, 50),
+            ..none
+        }, // both sides, about a block
+        Mods {
+            window: (-1, 7),
+            ..none
+        }, // right side only
+        Mods {
+            window: (300, -1),
+            ..none
+        }, // left side only
+        Mods {
+            window: (0, 0),
+            ..none
+        }, // the diagonal alone
+        Mods {
+            window: (5000, 5000),
+            ..none
+        }, // wider than the sequence
+        Mods {
+            softcap: 30.0,
+            ..none
+        },
+        Mods {
+            causal: true,
+            softcap: 5.0,
+            ..none
+        }, // a cap that bites
+        Mods {
+            causal: true,
+            slopes: Slopes::PerHead,
+            ..none
+        },
+        Mods {
+            slopes: Slopes::PerBatch,
+            ..none
+        },
+        Mods {
+            causal: true,
+            window: (64, 0),
+            softcap: 20.0,
+            slopes: Slopes::PerHead,
+        },
+    ];
+    let dims: &[usize] = if quick {
+        &[64, 128, 256]
+    } else {
+        &[40, 64, 96, 128, 160, 256]
+    };
+    let seqs: &[(usize, usize)] = if quick {
+        &[(113, 203)]
+    } else {
+        &[(113, 203), (203, 113), (1, 17), (1023, 1024)]
+    };
+    for &d in dims {
+        for m in &mods {
+            for &(sq, sk) in seqs {
+                // The long rows with every option: one per head dim keeps the section short.
+                if sq == 1023 && m.softcap == 0.0 && m.slopes == Slopes::None && m.window != (16, 0)
+                {
+                    continue;
+                }
+                let c = Case {
+                    b: 2,
+                    sq,
+                    sk,
+                    h: 4,
+                    hk: 2,
+                    d,
+                    mods: *m,
+                    deterministic: false,
+                };
+                suite.record(&format!("mods {c}"), case(dev, &c));
+            }
+        }
+        // Deterministic backwards run the separate mma.sync kernels.
+        for m in [&mods[1], &mods[7], &mods[10]] {
+            let c = Case {
+                b: 2,
+                sq: 203,
+                sk: 113,
+                h: 4,
+                hk: 2,
+                d,
+                mods: *m,
+                deterministic: true,
+            };
+            suite.record(&format!("mods {c}"), case(dev, &c));
+        }
+    }
+    for d in [64, 128] {
+        for m in [&mods[0], &mods[7], &mods[9], &mods[10]] {
+            suite.record(&format!("mods varlen d={d} {m}"), varlen_case(dev, d, m));
+        }
+    }
+    let decode_mods = [
+        Mods {
+            causal: true,
+            window: (64, 0),
+            ..none
+        },
+        Mods {
+            causal: true,
+            softcap: 10.0,
+            ..none
+        },
+        Mods {
+            causal: true,
+            slopes: Slopes::PerBatch,
+            ..none
+        },
+        Mods {
+            causal: true,
+            window: (200, 0),
+            softcap: 30.0,
+            slopes: Slopes::PerHead,
+        },
+    ];
+    for m in &decode_mods {
+        for (s_q, page) in [(1, None), (4, None), (1, Some(64)), (3, Some(16))] {
+            let lens = [300, 4097, 17];
+            suite.record(
+                &format!("mods decode s_q={s_q} page={page:?} {m}"),
+                decode_case(dev, &lens, s_q, page, m),
+            );
+        }
+    }
+}
