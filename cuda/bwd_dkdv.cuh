@@ -140,6 +140,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
         if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
             mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
+        else
+            mask.with_head(bidh).template modify<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
         const int t = lane % 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)

@@ -134,9 +134,11 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         sm90::fence_operand(st[0]);
         sm90::fence_operand(dpt[0]);
 
+        const Mask head_mask = mask.with_head(bidh);
         if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-            mask.with_head(bidh).template apply<1, NQ, true>(st, n0 + group * 64 + wrow, m0,
-                                                             lane);
+            head_mask.template apply<1, NQ, true>(st, n0 + group * 64 + wrow, m0, lane);
+        else
+            head_mask.template modify<1, NQ, true>(st, n0 + group * 64 + wrow, m0, lane);
         // P^T (line 13) and dS^T = P^T o (dP^T - rowsum(dO O)) (line 19). A row that saw no
         // key has LSE -inf and P = 0: exp2(s - inf).
 #pragma unroll
@@ -147,8 +149,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
                 st[0][nt][e] = exp2f(fmaf(st[0][nt][e], p.scale_log2, -lse_log2(sLse[col])));
                 dpt[0][nt][e] = st[0][nt][e] * (dpt[0][nt][e] - sDsum[col]);
             }
-        if (mask.softcap_pre != 0.f)  // dS's factor 1 - t^2 from the tanh
-            mask.with_head(bidh).template times_cap_grad<1, NQ, true>(
+        // dS's factor 1 - t^2 from the tanh, t recovered from P (32 bytes of spill here
+        // against 96 with t kept beside P in the loop above).
+        if (mask.softcap_pre != 0.f)
+            head_mask.template times_cap_grad<1, NQ, true>(
                 dpt, st, n0 + group * 64 + wrow, m0, lane, p.scale_log2,
                 [&](int, int nt, int e) { return lse_log2(sLse[nt * 8 + 2 * t + (e % 2)]); });
         uint32_t a_p[1][NQ / 2][4], a_ds[1][NQ / 2][4];

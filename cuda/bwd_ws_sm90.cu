@@ -245,22 +245,40 @@ template <class K> struct BwdWsConsumer {
 
         // P^T (line 13). Rows that saw no key, and rows past the sequence, have LSE +inf
         // here: P = 0.
+        const Mask head_mask = blk.mask.with_head(bidh);
+        const int row0 = blk.n0 + group * 64 + wrow;
         if (blk.mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0))
-            blk.mask.with_head(bidh).template apply<1, NQ, true>(s, blk.n0 + group * 64 + wrow,
-                                                                 m0, lane);
-#pragma unroll
-        for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[0][nt][e] =
-                    exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
+            head_mask.template apply<1, NQ, true>(s, row0, m0, lane);
+        else
+            head_mask.template modify<1, NQ, true>(s, row0, m0, lane);
         uint32_t a_p[1][NQ / 2][4];
-        pack_a<T, 1, NQ>(s, a_p);
-        // Under a softcap, dS's factor 1 - t^2 goes into P now that dV has its copy.
-        if (blk.mask.softcap_pre != 0.f)
-            blk.mask.with_head(bidh).template times_cap_grad<1, NQ, true>(
-                s, s, blk.n0 + group * 64 + wrow, m0, lane, p.scale_log2,
-                [&](int, int nt, int e) { return e % 2 ? lse[nt].y : lse[nt].x; });
+        if (blk.mask.softcap_pre != 0.f) {
+            // P for dV, and P (1 - t^2) for dS (the tanh's derivative), t the capped score
+            // behind S: one pair of P at a time, so that no second array of t is live.
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float prob[2];
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        float& x = s[0][nt][2 * half + c];
+                        const float tc = head_mask.template capped<true>(
+                            x, row0 + g + 8 * half, m0 + nt * 8 + 2 * t + c);
+                        prob[c] = exp2f(fmaf(x, p.scale_log2, -(c ? lse[nt].y : lse[nt].x)));
+                        x = prob[c] * cap_grad(prob[c], tc);
+                    }
+                    a_p[0][nt / 2][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[0][nt][e] =
+                        exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
+            pack_a<T, 1, NQ>(s, a_p);
+        }
 
         // dV += P^T dO (line 16), running while dS^T is computed.
         sm90::fence_operand(dv);
@@ -332,7 +350,10 @@ template <class K> struct BwdWsConsumer {
         tma::arrive(sm.full_dq(group));
         sm90::wait<0>();  // dK
         sm90::fence_operand(dk);
-        if (lane == 0) tma::arrive(sm.empty(slot));  // this warp's reads of Q and dO are done
+        // This warp's reads of the slot are done: every lane's, not just lane 0's (without
+        // the __syncwarp racecheck saw the next tile's statistics copy race this one's loads).
+        __syncwarp();
+        if (lane == 0) tma::arrive(sm.empty(slot));
     }
 
     // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV.

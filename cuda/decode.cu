@@ -351,6 +351,8 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         gemm_qk<T, KSTEPS, STRIDE, PITCH, K::Q_IN_REGS>(s, qf, sQ, sK, lane);
         if (mask.template block_needs_mask<BN>(q_first, q_last, tile * BN))
             mask.apply<1, 2>(s, m0, tile * BN, lane, group);
+        else
+            mask.modify<1, 2>(s, m0, tile * BN, lane, group);
         softmax.update(s, o, p.scale_log2);
         uint32_t pa[1][1][4];
         pack_a<T, 1, 2>(s, pa);

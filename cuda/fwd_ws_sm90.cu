@@ -38,11 +38,14 @@ struct FwdTmaParams {
     unsigned int* tile_counter;
 };
 
-template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_>
+// MODS: compiled with the softcap and ALiBi code (entry points `..._mods`); the others are
+// never given such a problem (src/cuda/tma.rs) and keep their registers.
+template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
+          bool MODS_ = false>
 struct WsTraits {
     using T = T_;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
-    static constexpr bool PINGPONG = PINGPONG_;
+    static constexpr bool PINGPONG = PINGPONG_, MODS = MODS_;
     static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -115,7 +118,7 @@ template <class K> struct WsTile {
     __device__ __forceinline__ WsTile(const AttnParams& p, int t)
         : seq(p, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h),
           mask(p, seq, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h,
-               t / ((p.seqlen_q + K::BM - 1) / K::BM) % p.h) {
+               t / ((p.seqlen_q + K::BM - 1) / K::BM) % p.h, K::MODS) {
         const int m_blocks = (p.seqlen_q + K::BM - 1) / K::BM;
         m_block = m_blocks - 1 - t % m_blocks;
         bidh = t / m_blocks % p.h;
@@ -250,6 +253,8 @@ template <class K> struct WsConsumer {
     __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb) {
         if (w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN))
             w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane);
+        else if constexpr (K::MODS)
+            w.mask.template modify<1, NT>(s, w.m0 + warp_row0, nb * BN, lane);
     }
 
     // The key tiles of work tile w, last first: the first alone, then per tile S(j) and
@@ -396,6 +401,14 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
 #define FLASH_FWD_WS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                         \
     FLASH_FWD_WS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
     FLASH_FWD_WS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)
+#define FLASH_FWD_WS_MODS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS)                          \
+    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX##_mods(const __grid_constant__ FwdTmaParams p) {    \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, true>>(p);                   \
+    }
+#define FLASH_FWD_WS_MODS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS)                              \
+    FLASH_FWD_WS_MODS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS)                          \
+    FLASH_FWD_WS_MODS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS)
 
 #ifndef CANDLE_FLASH_WS_PINGPONG
 #define CANDLE_FLASH_WS_PINGPONG true  // -DCANDLE_FLASH_WS_PINGPONG=false: the A/B build
@@ -407,3 +420,7 @@ FLASH_FWD_WS_BOTH(128, , 128, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 FLASH_FWD_WS_BOTH(128, _n176, 176, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 FLASH_FWD_WS_BOTH(256, , 64, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 FLASH_FWD_WS_BOTH(256, _n80, 80, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+// One shape per head dim with the cap and the bias (WsShape::choose).
+FLASH_FWD_WS_MODS_BOTH(64, _g3, 128, 3, 3)
+FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2)
+FLASH_FWD_WS_MODS_BOTH(256, _n80, 80, 2, 2)

@@ -43,7 +43,7 @@ struct Mask {
     // Head h's ALiBi slope in S's units.
     __device__ __forceinline__ float slope_of(int h) const { return slopes[h] * alibi_scale; }
 
-    // A cap or a bias touches every score, so every block takes the masked path.
+    // Whether scores are capped or biased (every block: `modify`, or `apply` on masked ones).
     __device__ __forceinline__ bool modifies() const {
         return softcap_pre != 0.f || slopes != nullptr;
     }
@@ -75,8 +75,16 @@ struct Mask {
     // others run the loop body compiled without mask code.
     template <int BN>
     __device__ __forceinline__ bool block_needs_mask(int q_first, int q_last, int n0) const {
-        return modifies() || n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > q_first + offset + right) ||
+        return n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > q_first + offset + right) ||
                (left >= 0 && n0 < q_last + offset - left);
+    }
+
+    // The softcap and the ALiBi bias (if any) alone: blocks without a masked entry.
+    template <int MT, int NT, bool TRANSPOSED = false>
+    __device__ __forceinline__ void modify(float (&s)[MT][NT][4], int row0, int col0, int lane,
+                                           int rows_per_query = 1) const {
+        if (softcap_pre != 0.f) cap(s);
+        if (slopes != nullptr) bias<MT, NT, TRANSPOSED>(s, row0, col0, lane, rows_per_query);
     }
 
     // Applies the softcap and the ALiBi bias (if any), then sets masked scores of a warp's S
@@ -120,8 +128,10 @@ struct Mask {
             }
     }
 
-    // c tanh(x / c) with the scale folded in: tanh.approx (sm_75+, 2^-11 relative error, below
-    // the bf16 rounding of the scores it feeds).
+    // c tanh(x / c) with the scale folded in (S keeps the tanh; `scale` is c): tanh.approx.f32
+    // (sm_75+, ~2^-11 relative error, below the bf16 rounding of the scores it feeds; the
+    // f16x2 form, half the MUFU issues, was no faster: 1.46-1.75x plain against 1.44-1.61x,
+    // H200, its conversions cost what it saved).
     template <int MT, int NT>
     __device__ __forceinline__ void cap(float (&s)[MT][NT][4]) const {
 #pragma unroll

@@ -10,8 +10,8 @@
 # Usage: bash scripts/sanitize.sh [-j N | --serial] [--all-kernels] [--sections LIST]
 #                                 [TOOL...] [-- ARGS for gpu]
 #   TOOL             memcheck, racecheck, synccheck, initcheck (default: all four)
-#   --sections LIST  comma-separated, from fwd,bwd,varlen,kvcache,misc,reliability,train (default:
-#                    all six)
+#   --sections LIST  comma-separated, from fwd,bwd,mods,varlen,kvcache,misc,reliability,train (default:
+#                    all eight)
 #   -j N             sanitized processes at once (default 2); --serial is -j 1
 #   --all-kernels    racecheck and synccheck instrument every kernel; by default only ours
 #                    (flash_*): Candle's own kernels are not ours to fix and slow racecheck
@@ -46,7 +46,7 @@ TIMEOUT=${SANITIZE_TIMEOUT:-240}
 BUDGET=${SANITIZE_BUDGET:-540}
 # shellcheck source=scripts/staged-bin.sh
 source scripts/staged-bin.sh
-ALL_SECTIONS=(fwd bwd varlen kvcache misc reliability train)
+ALL_SECTIONS=(fwd bwd mods varlen kvcache misc reliability train)
 T0=$(date +%s)
 
 usage() {

@@ -919,7 +919,8 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
         // Its tile index is a 32-bit int.
-        let ws = match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal) {
+        let mods = problem.mods.softcap.is_some() || problem.mods.alibi.is_some();
+        let ws = match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal, mods) {
             Some(shape)
                 if !dropout
                     && problem.varlen.is_none()

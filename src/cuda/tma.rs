@@ -126,7 +126,16 @@ impl WsShape {
     /// one, d = 256 with 80-key tiles (+0-5%). `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80`
     /// forces one of the compiled variants where it exists (`base` the 128 x 128 / 128 x 64
     /// ones; read once; A/B runs).
-    pub fn choose(d: usize, seqlen_q: usize, seqlen_k: usize, causal: bool) -> Option<Self> {
+    ///
+    /// With a softcap or ALiBi slopes (`mods`), the one shape per head dim compiled with that
+    /// code (`_mods`): d = 64 192 x 128, d = 128 128 x 128, d = 256 128 x 80.
+    pub fn choose(
+        d: usize,
+        seqlen_q: usize,
+        seqlen_k: usize,
+        causal: bool,
+        mods: bool,
+    ) -> Option<Self> {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
@@ -136,6 +145,12 @@ impl WsShape {
             return None;
         }
         let (consumers, bn, stages, suffix) = match (forced.as_str(), d) {
+            _ if mods => match d {
+                64 => (3, 128, 3, "_g3_mods"),
+                128 => (2, 128, 2, "_mods"),
+                256 => (2, 80, 2, "_n80_mods"),
+                _ => return None,
+            },
             ("g3", 64) => (3, 128, 3, "_g3"),
             ("n192", 64) => (2, 192, 2, "_n192"),
             ("n176", 128) => (2, 176, 2, "_n176"),

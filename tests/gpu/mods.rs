@@ -273,6 +273,24 @@ fn decode_case(
     )
 }
 
+/// Slopes on the CPU for CUDA inputs: an error naming `alibi_slopes`, from the forward and
+/// from decoding.
+fn slopes_on_wrong_device(dev: &Device) -> Result<()> {
+    let q = randn((1, 16, 4, 64), DType::BF16, dev)?;
+    let opts = FlashAttn::new().alibi_slopes(&slopes(1, 4, false, &Device::Cpu)?);
+    let check = |r: Result<Tensor>, what: &str| match r {
+        Err(e) if e.to_string().contains("alibi_slopes") => Ok(()),
+        Err(e) => candle::bail!("{what}: error does not name alibi_slopes: {e}"),
+        Ok(_) => candle::bail!("{what}: accepted slopes on the CPU"),
+    };
+    let (k, v) = (q.copy()?, q.copy()?);
+    check(opts.forward(&q, &k, &v), "forward")?;
+    check(
+        flash_attn_with_kvcache(&q, &k, &v, None, &[16], &opts),
+        "flash_attn_with_kvcache",
+    )
+}
+
 pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     let none = Mods {
         causal: false,
@@ -330,6 +348,11 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             softcap: 20.0,
             slopes: Slopes::PerHead,
         },
+        Mods {
+            causal: true,
+            window: (128, 0),
+            ..none
+        }, // a 128-key tile exactly
     ];
     let dims: &[usize] = if quick {
         &[64, 128, 256]
@@ -382,6 +405,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             suite.record(&format!("mods varlen d={d} {m}"), varlen_case(dev, d, m));
         }
     }
+    suite.record("mods alibi_slopes on the CPU", slopes_on_wrong_device(dev));
     let decode_mods = [
         Mods {
             causal: true,
