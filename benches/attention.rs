@@ -988,10 +988,19 @@ fn time_bwd_direct(dev: &Device, sets: &[Inputs], opts: &FlashAttn) -> Result<f6
             Ok((q, k, v, out, lse, s.dout.clone()))
         })
         .collect::<Result<Vec<_>>>()?;
-    time_ms(dev, |i| {
+    let t = time_ms_with(dev, PREFILL_TIMING, |i| {
         let (q, k, v, out, lse, dout) = &saved[i % saved.len()];
         opts.backward(q, k, v, out, lse, dout).map(drop)
-    })
+    })?;
+    // CANDLE_FLASH_BENCH_HOST=1: the host's time per call beside the device's (a host that
+    // waits for the device somewhere shows as host ms close to ms).
+    if std::env::var("CANDLE_FLASH_BENCH_HOST").is_ok_and(|v| v == "1") {
+        println!(
+            "# bwd host {:.3} ms per call, {:.3} ms with the device",
+            t.host_ms, t.ms
+        );
+    }
+    Ok(t.ms)
 }
 
 /// Backward alone through Candle's autograd: one graph per input set is built once and its
