@@ -138,10 +138,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
         gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
+        // Two calls with constant `masked`, not one with the test as argument: that one
+        // spilled 36 bytes at d = 224 (ptxas -v, sm_80).
         if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-            mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
+            mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane, true);
         else
-            mask.with_head(bidh).template modify<MT, NQ, true>(st, n0 + warp_row0, m0, lane);
+            mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane, false);
         const int t = lane % 4;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)

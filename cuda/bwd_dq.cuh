@@ -79,10 +79,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
         float s[MT][NT][4];  // S = Q K^T, then P = exp(scale S - LSE)
         zero(s);
         gemm_ss<T, MT, NT, D / 16, STRIDE, false>(s, sQ + warp_row0 * STRIDE, sK, lane);
-        if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-            mask.apply<MT, NT>(s, m0 + warp_row0, n0, lane);
-        else
-            mask.modify<MT, NT>(s, m0 + warp_row0, n0, lane);
+        mask.apply<MT, NT>(s, m0 + warp_row0, n0, lane,
+                           mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0));
         float dp[MT][NT][4];  // dP = dO V^T, then dS = P (dP - rowsum(dO O))
         zero(dp);
         gemm_ss<T, MT, NT, D / 16, STRIDE, false>(dp, sdO + warp_row0 * STRIDE, sV, lane);

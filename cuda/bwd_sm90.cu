@@ -135,10 +135,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         sm90::fence_operand(dpt[0]);
 
         const Mask head_mask = mask.with_head(bidh);
-        if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
-            head_mask.template apply<1, NQ, true>(st, n0 + group * 64 + wrow, m0, lane);
-        else
-            head_mask.template modify<1, NQ, true>(st, n0 + group * 64 + wrow, m0, lane);
+        head_mask.template apply<1, NQ, true>(
+            st, n0 + group * 64 + wrow, m0, lane,
+            mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0));
         // P^T (line 13) and dS^T = P^T o (dP^T - rowsum(dO O)) (line 19). A row that saw no
         // key has LSE -inf and P = 0: exp2(s - inf).
 #pragma unroll

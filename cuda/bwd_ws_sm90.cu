@@ -247,10 +247,8 @@ template <class K> struct BwdWsConsumer {
         // here: P = 0.
         const Mask head_mask = blk.mask.with_head(bidh);
         const int row0 = blk.n0 + group * 64 + wrow;
-        if (blk.mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0))
-            head_mask.template apply<1, NQ, true>(s, row0, m0, lane);
-        else
-            head_mask.template modify<1, NQ, true>(s, row0, m0, lane);
+        head_mask.template apply<1, NQ, true>(
+            s, row0, m0, lane, blk.mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0));
         uint32_t a_p[1][NQ / 2][4];
         if (blk.mask.softcap_pre != 0.f) {
             // P for dV, and P (1 - t^2) for dS (the tanh's derivative), t the capped score

@@ -349,10 +349,8 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         float s[1][2][4];
         zero(s);
         gemm_qk<T, KSTEPS, STRIDE, PITCH, K::Q_IN_REGS>(s, qf, sQ, sK, lane);
-        if (mask.template block_needs_mask<BN>(q_first, q_last, tile * BN))
-            mask.apply<1, 2>(s, m0, tile * BN, lane, group);
-        else
-            mask.modify<1, 2>(s, m0, tile * BN, lane, group);
+        mask.apply<1, 2>(s, m0, tile * BN, lane,
+                         mask.template block_needs_mask<BN>(q_first, q_last, tile * BN), group);
         softmax.update(s, o, p.scale_log2);
         uint32_t pa[1][1][4];
         pack_a<T, 1, 2>(s, pa);

@@ -111,10 +111,7 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
                              // it was measured faster (d > 128 spilled more, ptxas -v)
         zero(s);
         gemm_ss<T, MT, NT, D / 16, STRIDE, (D <= 128)>(s, sQ + warp_row0() * STRIDE, sK, lane);
-        if (MASK)
-            mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane, src.rows_per_query());
-        else
-            mask.modify<MT, NT>(s, m0 + warp_row0(), nb * BN, lane, src.rows_per_query());
+        mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane, MASK, src.rows_per_query());
         // K[nb - 1] is requested before the softmax, so that its copy overlaps the softmax
         // as well as P V (FlashAttention-2's order: +2-3% at d = 128 on the H100 than
         // requesting it after the softmax, docs/PERF.md session 10).

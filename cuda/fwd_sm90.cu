@@ -71,10 +71,7 @@ template <class K> struct Sm90Fwd {
         sm90::commit();
         sm90::wait<0>();
         sm90::fence_operand(s[0]);
-        if (MASK)
-            mask.apply<1, NT>(s, m0 + warp_row0, nb * BN, lane);
-        else
-            mask.modify<1, NT>(s, m0 + warp_row0, nb * BN, lane);
+        mask.apply<1, NT>(s, m0 + warp_row0, nb * BN, lane, MASK);
         softmax.update(s, o, p.scale_log2);
         uint32_t pa[1][NT / 2][4];
         pack_a<T, 1, NT>(s, pa);

@@ -251,10 +251,12 @@ template <class K> struct WsConsumer {
     }
 
     __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb) {
+        // Two calls with constant `masked` (as in bwd_dkdv.cuh): the d = 256 `_mods` kernel
+        // spilled 32 more bytes of loads with the test as argument.
         if (w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN))
-            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane);
-        else if constexpr (K::MODS)
-            w.mask.template modify<1, NT>(s, w.m0 + warp_row0, nb * BN, lane);
+            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, true);
+        else
+            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, false);
     }
 
     // The key tiles of work tile w, last first: the first alone, then per tile S(j) and

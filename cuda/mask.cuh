@@ -43,11 +43,6 @@ struct Mask {
     // Head h's ALiBi slope in S's units.
     __device__ __forceinline__ float slope_of(int h) const { return slopes[h] * alibi_scale; }
 
-    // Whether scores are capped or biased (every block: `modify`, or `apply` on masked ones).
-    __device__ __forceinline__ bool modifies() const {
-        return softcap_pre != 0.f || slopes != nullptr;
-    }
-
     // Key blocks of width BN that queries [q_first, q_last] can see: [*begin, *end), maybe
     // empty.
     template <int BN>
@@ -79,16 +74,9 @@ struct Mask {
                (left >= 0 && n0 < q_last + offset - left);
     }
 
-    // The softcap and the ALiBi bias (if any) alone: blocks without a masked entry.
-    template <int MT, int NT, bool TRANSPOSED = false>
-    __device__ __forceinline__ void modify(float (&s)[MT][NT][4], int row0, int col0, int lane,
-                                           int rows_per_query = 1) const {
-        if (softcap_pre != 0.f) cap(s);
-        if (slopes != nullptr) bias<MT, NT, TRANSPOSED>(s, row0, col0, lane, rows_per_query);
-    }
-
-    // Applies the softcap and the ALiBi bias (if any), then sets masked scores of a warp's S
-    // accumulators to -inf. S holds MT m16 tiles x NT n8
+    // Applies the softcap and the ALiBi bias (if any) to a warp's S accumulators, then, if
+    // the block has a masked entry (`masked`: block_needs_mask), sets the masked scores to
+    // -inf; the other blocks skip the mask's compares. S holds MT m16 tiles x NT n8
     // tiles in the mma C layout; the warp's first row is row0, the tile's first column col0.
     // Rows are queries and columns keys, or, with TRANSPOSED (S^T in the dK/dV kernel), rows
     // are keys and columns queries. Query rows may be packed: tile row r is query
@@ -97,10 +85,11 @@ struct Mask {
     // compares (the per-entry `visible` was 6-8 integer instructions, on every masked block).
     template <int MT, int NT, bool TRANSPOSED = false>
     __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane,
-                                          int rows_per_query = 1) const {
+                                          bool masked, int rows_per_query = 1) const {
         const int g = lane / 4, t = lane % 4;
         if (softcap_pre != 0.f) cap(s);
         if (slopes != nullptr) bias<MT, NT, TRANSPOSED>(s, row0, col0, lane, rows_per_query);
+        if (!masked) return;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

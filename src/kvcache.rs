@@ -99,12 +99,8 @@ impl Call {
             bail!("{kn}: num_heads_k {hk} must divide q's num_heads {h} (MQA/GQA)")
         }
         check_cache_storage(k_cache, v_cache, kn, vn, new_kv.is_some())?;
-        params::check_supported(
-            q,
-            k_cache,
-            v_cache,
-            &AttnShape::fixed(b, s_q, rows, h, hk, d),
-        )?;
+        let shape = AttnShape::fixed(b, s_q, rows, h, hk, d);
+        params::check_supported(q, k_cache, v_cache, &shape)?;
         let paging = match kind {
             CacheKind::Contiguous => {
                 if outer != b {
@@ -155,7 +151,7 @@ impl Call {
         }
         let scale = opts.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
         params::check_scale(scale)?;
-        let mods = opts.score_mods(&AttnShape::fixed(b, s_q, rows, h, hk, d), q.device())?;
+        let mods = opts.score_mods(&shape, q.device())?;
         let append = new_kv.map(|(k_new, v_new, _)| {
             let problem = AppendProblem {
                 b,

@@ -24,8 +24,8 @@ use half::{bf16, f16};
 
 use super::bwd_ws::{self, BwdWsBuffers, BwdWsShape};
 use super::{
-    alibi_view, device_facts, dtype_name, launch, poison, seq_offsets, set_seq_offsets, AttnParams,
-    BwdParams, FwdTile,
+    alibi_ptr, device_facts, dtype_name, launch, lock_slopes, poison, seq_offsets, set_seq_offsets,
+    AttnParams, BwdParams, FwdTile,
 };
 use crate::params::Problem;
 
@@ -328,17 +328,9 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         params.dq = grads_ptr;
         params.dk = grads_ptr + nq as u64 * elem;
         params.dv = grads_ptr + (nq + nkv) as u64 * elem;
-        let slopes = problem
-            .mods
-            .alibi
-            .as_ref()
-            .map(|a| a.slopes.storage_and_layout());
-        let slopes_view = alibi_view(&slopes)?;
-        let _slopes_sync = slopes_view.as_ref().map(|v| {
-            let (ptr, sync) = v.device_ptr(&stream);
-            params.a.alibi_slopes = ptr;
-            sync
-        });
+        let slopes = lock_slopes(&problem.mods);
+        let (alibi, _slopes_sync) = alibi_ptr(&slopes, &stream)?;
+        params.a.alibi_slopes = alibi;
         match path {
             BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, q.dtype()) => {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;

@@ -10,9 +10,9 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    alibi_view, device_ptr_opt, dtype_name, launch, launch_programmatic, poison, rows_i32,
-    stream_counters, strides3, to_device_i32, to_device_i32_shared, to_i32, AttnParams, FwdTile,
-    SharedI32, StreamCounters,
+    alibi_ptr, device_ptr_opt, dtype_name, launch, launch_programmatic, lock_slopes, poison,
+    rows_i32, stream_counters, strides3, to_device_i32, to_device_i32_shared, to_i32, AttnParams,
+    FwdTile, SharedI32, StreamCounters,
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 
@@ -440,13 +440,9 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             }
             None => (0, None),
         };
-        let slopes = p.mods.alibi.as_ref().map(|a| a.slopes.storage_and_layout());
-        let slopes_view = alibi_view(&slopes)?;
-        let _slopes_sync = slopes_view.as_ref().map(|v| {
-            let (ptr, sync) = v.device_ptr(&stream);
-            a.alibi_slopes = ptr;
-            sync
-        });
+        let slopes = lock_slopes(&p.mods);
+        let (alibi, _slopes_sync) = alibi_ptr(&slopes, &stream)?;
+        a.alibi_slopes = alibi;
         let params = DecodeParams {
             a: AttnParams {
                 q: q_ptr,

@@ -160,11 +160,15 @@ impl AttnParams {
 }
 
 impl AttnParams {
-    /// `_mods` for a problem with a softcap or ALiBi slopes (set at launch): the wgmma kernels
-    /// have variants compiled with that code and variants without it (which spilled with
-    /// it), `cuda/fwd_sm90.cu` and the backward's.
+    /// Whether the scores are capped or biased (the slopes' pointer is set at launch).
+    fn has_mods(&self) -> bool {
+        self.softcap_pre != 0.0 || self.alibi_slopes != 0
+    }
+
+    /// `_mods` for a problem with a softcap or ALiBi slopes: the wgmma kernels have variants
+    /// compiled with that code and variants without it (which spilled with it).
     fn mods_suffix(&self) -> &'static str {
-        if self.softcap_pre != 0.0 || self.alibi_slopes != 0 {
+        if self.has_mods() {
             "_mods"
         } else {
             ""
@@ -200,20 +204,29 @@ impl AttnParams {
     }
 }
 
-/// The ALiBi slopes of `mods` as a device view, to be pointed at by `alibi_slopes` while
-/// `guard` (from `storage_and_layout`) is held.
-fn alibi_view<'a, G: std::ops::Deref<Target = candle::Storage>>(
+/// Read-locks the ALiBi slopes of `mods`, if any, for [`alibi_ptr`]: held while the kernels
+/// that read them are queued.
+fn lock_slopes(
+    mods: &ScoreMods,
+) -> Option<(impl std::ops::Deref<Target = candle::Storage> + '_, &Layout)> {
+    mods.alibi.as_ref().map(|a| a.slopes.storage_and_layout())
+}
+
+/// The device address for `AttnParams::alibi_slopes` (0 without slopes) and the stream
+/// ordering of that read, kept until the launches are queued.
+fn alibi_ptr<'a, G: std::ops::Deref<Target = candle::Storage>>(
     guard: &'a Option<(G, &Layout)>,
-) -> Result<Option<candle::cuda_backend::cudarc::driver::CudaView<'a, f32>>> {
+    stream: &'a CudaStream,
+) -> Result<(CUdeviceptr, Option<SyncOnDrop<'a>>)> {
     let Some((storage, layout)) = guard else {
-        return Ok(None);
+        return Ok((0, None));
     };
     let candle::Storage::Cuda(cs) = &**storage else {
-        candle::bail!("alibi_slopes: expected a CUDA tensor (the inputs' device)")
+        bail!("alibi_slopes: expected a CUDA tensor (the inputs' device)")
     };
-    Ok(Some(
-        cs.as_cuda_slice::<f32>()?.slice(layout.start_offset()..),
-    ))
+    let view = cs.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+    let (ptr, sync) = view.view_ptr(stream);
+    Ok((ptr, Some(sync)))
 }
 
 /// `xs` on the device as the i32 the kernels read (offsets, lengths, block tables).
@@ -905,22 +918,13 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
-        let slopes = problem
-            .mods
-            .alibi
-            .as_ref()
-            .map(|a| a.slopes.storage_and_layout());
-        let slopes_view = alibi_view(&slopes)?;
-        let _slopes_sync = slopes_view.as_ref().map(|v| {
-            let (ptr, sync) = v.device_ptr(&stream);
-            params.alibi_slopes = ptr;
-            sync
-        });
+        let slopes = lock_slopes(&problem.mods);
+        let (alibi, _slopes_sync) = alibi_ptr(&slopes, &stream)?;
+        params.alibi_slopes = alibi;
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
         // Its tile index is a 32-bit int.
-        let mods = problem.mods.softcap.is_some() || problem.mods.alibi.is_some();
-        let ws = match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal, mods) {
+        let ws = match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal, params.has_mods()) {
             Some(shape)
                 if !dropout
                     && problem.varlen.is_none()
@@ -962,16 +966,15 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                 &ws_params,
             )?;
         } else if !dropout && Sm90Shape::supports(tile.d) && use_sm90(&dev)? {
-            let mods = params.mods_suffix();
-            let shape = if mods.is_empty() {
-                Sm90Shape::choose(tile.d, s.sq, problem.causal)
+            // With a cap or slopes: the two-warpgroup shape, the one compiled with them.
+            let (shape, suffix) = if params.has_mods() {
+                (
+                    Sm90Shape { groups: 2, bn: 128 },
+                    params.mods_suffix().to_string(),
+                )
             } else {
-                Sm90Shape { groups: 2, bn: 128 }
-            };
-            let suffix = if mods.is_empty() {
-                shape.suffix()
-            } else {
-                mods.to_string()
+                let shape = Sm90Shape::choose(tile.d, s.sq, problem.causal);
+                (shape, shape.suffix())
             };
             let name = format!("flash_fwd_sm90_{dtype}_d{}{suffix}", tile.d);
             launch(
