@@ -48,7 +48,7 @@ use candle::{
     bail, CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape,
     Tensor, Var, D,
 };
-use candle_flash::{flash_attn_with_kvcache, FlashAttn};
+use candle_flash::{flash_attn_with_kvcache, BlockMask, FlashAttn};
 
 /// batch · seqlen for every shape, as in the FlashAttention-2 paper.
 const TOKENS: usize = 16 * 1024;
@@ -121,7 +121,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -156,6 +156,7 @@ struct Args {
     fwd_only: bool,
     bwd_only: bool,
     mods_only: bool,
+    sparse_only: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -170,6 +171,7 @@ impl Args {
             fwd_only: false,
             bwd_only: false,
             mods_only: false,
+            sparse_only: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -182,6 +184,7 @@ impl Args {
                 "--fwd-only" => args.fwd_only = true,
                 "--bwd-only" => args.bwd_only = true,
                 "--mods-only" => args.mods_only = true,
+                "--sparse-only" => args.sparse_only = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -382,6 +385,10 @@ fn run(args: &Args, dev: &Device) {
         bench.mods_section();
         return;
     }
+    if args.sparse_only {
+        bench.sparse_section();
+        return;
+    }
     if !args.decode_only {
         println!(
             "{:<12} {:<12} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
@@ -578,6 +585,110 @@ impl Bench {
                     };
                     println!(
                         "{name:<34} {hd:>4} {seqlen:>6} {:>5} {pass:<4} {ms:>9.3} {:>8.1} {ratio:>9} {ideal:>6}",
+                        case.batch(),
+                        flops / ms / 1e9,
+                    );
+                }
+            }
+        }
+    }
+
+    /// `--sparse-only`: block-sparse attention (128 x 128 blocks) against dense attention of
+    /// the same shape, in the same run; `ideal` is the share of blocks kept, the time a
+    /// block-sparse pass would take if its cost followed the blocks exactly.
+    fn sparse_section(&mut self) {
+        println!(
+            "{:<24} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>6}",
+            "mask", "hd", "seqlen", "batch", "pass", "ms", "TFLOP/s", "vs dense", "ideal"
+        );
+        let dev = self.dev.clone();
+        for (hd, seqlen, heads) in [(128, 16384, 16), (64, 16384, 32), (256, 16384, 8)] {
+            let case = Case {
+                hd,
+                seqlen,
+                heads,
+                heads_k: heads,
+                causal: false,
+            };
+            let sets = match (0..N_SETS)
+                .map(|_| Inputs::new(&case, self.dtype, &dev))
+                .collect::<Result<Vec<_>>>()
+            {
+                Ok(sets) => sets,
+                Err(e) => {
+                    println!(
+                        "skipped hd {hd} seqlen {seqlen}: inputs: {}",
+                        first_line(&e)
+                    );
+                    continue;
+                }
+            };
+            let blocks = seqlen / 128;
+            // Random blocks per head, from a fixed LCG: the same mask every run.
+            let random = |density: f64| -> Result<BlockMask> {
+                let mut x = 0x9E37_79B9_7F4A_7C15u64;
+                let v: Vec<u8> = (0..heads * blocks * blocks)
+                    .map(|_| {
+                        x = x
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        u8::from(((x >> 11) as f64 / (1u64 << 53) as f64) < density)
+                    })
+                    .collect();
+                BlockMask::new(
+                    &Tensor::from_vec(v, (heads, blocks, blocks), &dev)?,
+                    128,
+                    128,
+                )
+            };
+            let masks: Vec<(String, Result<BlockMask>)> = vec![
+                ("random 10%".into(), random(0.1)),
+                ("random 50%".into(), random(0.5)),
+                ("random 100%".into(), random(1.0)),
+                (
+                    "butterfly".into(),
+                    BlockMask::butterfly(seqlen, seqlen, 128, &dev),
+                ),
+                (
+                    "local 3 + global 1".into(),
+                    BlockMask::local_global(seqlen, seqlen, 128, 3, 1, &dev),
+                ),
+            ];
+            let mut variants = vec![("dense".to_string(), FlashAttn::new(), 1.0)];
+            for (name, mask) in masks {
+                match mask.and_then(|m| Ok((m.density()?, m))) {
+                    Ok((density, m)) => {
+                        variants.push((name, FlashAttn::new().block_mask(&m), density))
+                    }
+                    Err(e) => println!("skipped {name}: {}", first_line(&e)),
+                }
+            }
+            let mut base = [None; 2];
+            for (name, opts, density) in &variants {
+                let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
+                let passes = [
+                    ("fwd", try_time(|| time_fwd(&dev, &sets, &attn))),
+                    ("bwd", try_time(|| time_bwd_direct(&dev, &sets, opts))),
+                ];
+                for (p, (pass, ms)) in passes.into_iter().enumerate() {
+                    let ms = match ms {
+                        Ok(ms) => ms,
+                        Err(e) => {
+                            println!("{name:<24} {hd:>4} {seqlen:>6} {pass}: failed: {e}");
+                            continue;
+                        }
+                    };
+                    let flops = 4.0
+                        * (case.batch() * heads * hd) as f64
+                        * (seqlen * seqlen) as f64
+                        * density
+                        * flop_factor(pass);
+                    if name == "dense" {
+                        base[p] = Some(ms);
+                    }
+                    let ratio = base[p].map_or("-".into(), |b| format!("{:.3}", ms / b));
+                    println!(
+                        "{name:<24} {hd:>4} {seqlen:>6} {:>5} {pass:<4} {ms:>9.3} {:>8.1} {ratio:>9} {density:>6.3}",
                         case.batch(),
                         flops / ms / 1e9,
                     );

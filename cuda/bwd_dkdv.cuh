@@ -94,6 +94,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         cp_async_4(sDsum_all + stage * BM + tid, bp.dsum + off, valid);
     };
     int bidh = bidh_k * p.h_h_k_ratio, m0 = tiles.m0_begin;  // tile it
+    if (tiles.count > 0) tiles.first(mask, bidh, m0);
     if constexpr (STAGES == 2) {
         if (tiles.count > 0) {
             load_q_do(bidh, m0, 0);
@@ -101,7 +102,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         }
         cp_async_commit();
     }
-    for (int it = 0; it < tiles.count; ++it, tiles.next(bidh, m0)) {
+    for (int it = 0; it < tiles.count; ++it, tiles.next(mask, bidh, m0)) {
         const int stage = STAGES == 2 ? it % 2 : 0;
         const T* sQ = sQ_all + stage * BM * STRIDE;
         const T* sdO = sdO_all + stage * BM * STRIDE;
@@ -121,7 +122,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
             __syncthreads();
             if (it + 1 < tiles.count) {
                 int next_bidh = bidh, next_m0 = m0;
-                tiles.next(next_bidh, next_m0);
+                tiles.next(mask, next_bidh, next_m0);
                 load_q_do(next_bidh, next_m0, stage ^ 1);
                 load_row_stats(next_bidh, next_m0, stage ^ 1);
             }
@@ -140,7 +141,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
         // Two calls with constant `masked`, not one with the test as argument: that one
         // spilled 36 bytes at d = 224 (ptxas -v, sm_80).
-        if (mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
+        if (mask.with_head(bidh).template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
             mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane, true);
         else
             mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane, false);

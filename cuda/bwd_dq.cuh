@@ -65,7 +65,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
     const Dropout dropout(p, bidb, bidh);
     int nb_begin, nb_end;
     mask.template key_blocks<BN>(m0, m0 + BM - 1, &nb_begin, &nb_end);
-    for (int nb = nb_end - 1; nb >= nb_begin; --nb) {
+    for (int nb = mask.template next_key_block<BN>(m0, m0 + BM - 1, nb_end, nb_begin); nb >= 0;
+         nb = mask.template next_key_block<BN>(m0, m0 + BM - 1, nb, nb_begin)) {
         const int n0 = nb * BN;
         __syncthreads();  // every warp is done with the previous K, V tiles
         load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,

@@ -16,11 +16,12 @@
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-// MODS: with the softcap and ALiBi code (kernels named `_mods`), as in fwd_sm90.cu.
-template <typename T_, int D_, bool MODS_ = false> struct BwdSm90Traits {
+// MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
+// (`_sparse`), as in fwd_sm90.cu.
+template <typename T_, int D_, int MODS_ = MODS_NONE> struct BwdSm90Traits {
     using T = T_;
     static constexpr int D = D_;
-    static constexpr bool MODS = MODS_;
+    static constexpr int MODS = MODS_;
     static constexpr int BN = 128;  // keys per block, 64 per warpgroup
     static constexpr int BM = 64;   // query rows per streamed tile
     static constexpr int THREADS = 256;
@@ -87,6 +88,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         }
     };
     int bidh = bidh_k * p.h_h_k_ratio, m0 = tiles.m0_begin;
+    if (tiles.count > 0) tiles.first(mask, bidh, m0);
     if (tiles.count > 0) load_tile_into(bidh, m0, 0);
     cp_async_commit();  // K, V and the first tile
 
@@ -101,7 +103,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     const uint32_t sK_dq =
         sK + (DQ_N % 64 == 0 ? group * (DQ_N / 64) * BN * 128 : group * DQ_N * 2);
 
-    for (int it = 0; it < tiles.count; ++it, tiles.next(bidh, m0)) {
+    for (int it = 0; it < tiles.count; ++it, tiles.next(mask, bidh, m0)) {
         const int stage = it % 2;
         const uint32_t sQ = sQ0 + 2 * stage * K::Q_BYTES, sdO = sQ + K::Q_BYTES;
         const float* sLse = sStats + 2 * stage * BM;
@@ -111,7 +113,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         __syncthreads();  // tile it landed for everyone; everyone is done with tile it - 1
         if (it + 1 < tiles.count) {
             int next_bidh = bidh, next_m0 = m0;
-            tiles.next(next_bidh, next_m0);
+            tiles.next(mask, next_bidh, next_m0);
             load_tile_into(next_bidh, next_m0, stage ^ 1);
         }
         cp_async_commit();
@@ -137,7 +139,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         const Mask head_mask = mask.with_head(bidh);
         head_mask.template apply<1, NQ, true>(
             st, n0 + group * 64 + wrow, m0, lane,
-            mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0));
+            head_mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0));
         // P^T (line 13) and dS^T = P^T o (dP^T - rowsum(dO O)) (line 19). A row that saw no
         // key has LSE -inf and P = 0: exp2(s - inf).
 #pragma unroll
@@ -243,7 +245,11 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(BwdSm90Traits<T, D>::THREADS, 1)             \
         flash_bwd_sm90_##NAME##_d##D##_mods(const __grid_constant__ BwdParams bp) {           \
-        flash_bwd_sm90<BwdSm90Traits<T, D, true>>(bp);                                        \
+        flash_bwd_sm90<BwdSm90Traits<T, D, MODS_SCORES>>(bp);                                 \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdSm90Traits<T, D>::THREADS, 1)             \
+        flash_bwd_sm90_##NAME##_d##D##_sparse(const __grid_constant__ BwdParams bp) {         \
+        flash_bwd_sm90<BwdSm90Traits<T, D, MODS_SPARSE>>(bp);                                 \
     }
 
 FLASH_BWD_SM90(f16, __half, 64)

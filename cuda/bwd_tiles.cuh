@@ -1,25 +1,56 @@
 // The query tiles a key block's backward streams (dK/dV kernels, mma.sync and wgmma): every
 // query head of the GQA group, since each adds to this K/V head's dK and dV (Algorithm 2,
 // line 21's sum), and within a head every query block that can see the keys. Tiles are
-// numbered 0, 1, ... head-major; `next` steps a (query head, first row) cursor along them.
+// numbered 0, 1, ... head-major; `next` steps a (query head, first row) cursor along them,
+// past the tiles a block mask leaves out.
 #pragma once
 #include "mask.cuh"
 #include "params.cuh"
 
 template <int BM, int BN> struct QueryTiles {
-    int count;             // tiles in all
+    int n0;                // the key block's first key
+    int head0, head_end;   // the group's query heads
+    int total;             // tiles of the window's query blocks in all heads
+    int count;             // those to visit (all of them without a block mask)
     int m0_begin, m0_end;  // first row of the first visible query block, one past the last
 
-    __device__ __forceinline__ QueryTiles(const Mask& mask, const AttnParams& p, int n0,
-                                          int seqlen_q) {
+    // `mask`: the group's first query head's.
+    __device__ __forceinline__ QueryTiles(const Mask& mask, const AttnParams& p, int n0_,
+                                          int seqlen_q)
+        : n0(n0_), head0(mask.head), head_end(mask.head + p.h_h_k_ratio) {
         int mb_begin, mb_end;
         mask.template query_blocks<BM, BN>(n0, seqlen_q, &mb_begin, &mb_end);
-        count = max(mb_end - mb_begin, 0) * p.h_h_k_ratio;
+        total = max(mb_end - mb_begin, 0) * p.h_h_k_ratio;
         m0_begin = mb_begin * BM;
         m0_end = mb_end * BM;
+        count = total;
+        if (mask.sparse && total > 0) {
+            count = 0;
+            for (int h = head0; h < head_end; ++h)
+                for (int m0 = m0_begin; m0 < m0_end; m0 += BM) count += active(mask, h, m0);
+        }
     }
 
-    __device__ __forceinline__ void next(int& bidh, int& m0) const {
+    // Whether the block mask keeps any of tile (bidh, m0) x this key block. The methods take
+    // the mask as an argument: a reference member put the kernels' Mask in local memory.
+    __device__ __forceinline__ bool active(const Mask& mask, int bidh, int m0) const {
+        return !mask.sparse || mask.sparse_state_of(bidh, m0, m0 + BM - 1, n0, n0 + BN) != 0;
+    }
+
+    // The first tile to visit (count > 0).
+    __device__ __forceinline__ void first(const Mask& mask, int& bidh, int& m0) const {
+        bidh = head0;
+        m0 = m0_begin;
+        while (!active(mask, bidh, m0)) step(bidh, m0);
+    }
+
+    // The tile to visit after (bidh, m0); past the last, a head outside the group.
+    __device__ __forceinline__ void next(const Mask& mask, int& bidh, int& m0) const {
+        step(bidh, m0);
+        while (bidh < head_end && !active(mask, bidh, m0)) step(bidh, m0);
+    }
+
+    __device__ __forceinline__ void step(int& bidh, int& m0) const {
         m0 += BM;
         if (m0 == m0_end) {
             m0 = m0_begin;

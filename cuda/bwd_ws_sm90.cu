@@ -42,12 +42,12 @@ struct BwdTmaParams {
     int m_blocks;  // query tiles of BM rows per (sequence, head)
 };
 
-// MODS: with the softcap and ALiBi code (kernels named `_mods`); without it, d = 128 kept
-// no spill (112 bytes with it).
-template <typename T_, int D_, int STAGES_, bool MODS_ = false> struct BwdWsTraits {
+// MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
+// (`_sparse`); without them, d = 128 kept no spill (112 bytes with the first).
+template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE> struct BwdWsTraits {
     using T = T_;
     static constexpr int D = D_, STAGES = STAGES_;
-    static constexpr bool MODS = MODS_;
+    static constexpr int MODS = MODS_;
     static constexpr int BN = 128, BM = 64;  // keys per block (64 per consumer), rows per tile
     static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NQ = BM / 8;   // n8 tiles of S^T per consumer warpgroup
@@ -139,14 +139,15 @@ template <class K, class F>
 __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
                                             F&& f) {
     const int per_head = (blk.tiles.m0_end - blk.tiles.m0_begin) / K::BM;
-    const int h0 = blk.bidh_k * P.b.a.h_h_k_ratio;
-    int j = blk.tiles.count > 0 ? blockIdx.x % blk.tiles.count : 0;
+    const int h0 = blk.bidh_k * P.b.a.h_h_k_ratio, total = blk.tiles.total;
+    int j = total > 0 ? blockIdx.x % total : 0;
 #pragma unroll 1
-    for (int i = 0; i < blk.tiles.count; ++i) {
+    for (int i = 0; i < total; ++i) {
         const int head = j / per_head;
         const int m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
-        f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
-        if (++j == blk.tiles.count) j = 0;
+        // Tiles a block mask leaves out: no role visits them.
+        if (blk.tiles.active(blk.mask, h0 + head, m0)) f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
+        if (++j == total) j = 0;
     }
 }
 
@@ -220,6 +221,20 @@ template <class K> struct BwdWsConsumer {
         const uint32_t sQ = sm.q(slot), sdO = sm.dout(slot), sdS = sm.ds(it & 1);
         const uint32_t sLse = sm.stats(slot), sDsum = sLse + BM * 4;
 
+        // Under a block mask, the mask of this tile is found before S^T is issued (with S^T
+        // live, the block mask's part spilled more); the other kernels find it after (found
+        // before, d = 128 spilled 12 bytes).
+        const Mask head_mask = blk.mask.with_head(bidh);
+        const int row0 = blk.n0 + group * 64 + wrow;
+        constexpr bool EARLY = K::MODS == MODS_SPARSE;
+        bool masked = false;
+        uint64_t bits[1][2];
+        if constexpr (EARLY) {
+            masked = head_mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0);
+            if (head_mask.sparse && masked)
+                head_mask.template sparse_bits<1, NQ, true>(bits, row0, m0, lane);
+        }
+
         // S^T = K Q^T (line 11) once Q has landed, dP^T = V dO^T (line 17) once dO has.
         float s[1][NQ][4], dpt[1][NQ][4];
         tma::wait(sm.full_q(slot), phase);
@@ -245,10 +260,11 @@ template <class K> struct BwdWsConsumer {
 
         // P^T (line 13). Rows that saw no key, and rows past the sequence, have LSE +inf
         // here: P = 0.
-        const Mask head_mask = blk.mask.with_head(bidh);
-        const int row0 = blk.n0 + group * 64 + wrow;
-        head_mask.template apply<1, NQ, true>(
-            s, row0, m0, lane, blk.mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0));
+        if constexpr (EARLY)
+            head_mask.template apply<1, NQ, true>(s, row0, m0, lane, masked, 1, bits);
+        else
+            head_mask.template apply<1, NQ, true>(
+                s, row0, m0, lane, head_mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0));
         uint32_t a_p[1][NQ / 2][4];
         if (blk.mask.softcap_pre != 0.f) {
             // P for dV, and P (1 - t^2) for dS (the tanh's derivative), t the capped score
@@ -513,7 +529,11 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
         flash_bwd_ws_##NAME##_d##D##_mods(const __grid_constant__ BwdTmaParams p) {           \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, true>>(p);                                     \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SCORES>>(p);                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D##_sparse(const __grid_constant__ BwdTmaParams p) {         \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SPARSE>>(p);                              \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         flash_bwd_ws_prep_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {             \

@@ -102,9 +102,10 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
             }
     }
 
-    // One key block. K[nb] is in shared memory; V[nb] is requested here and K[nb - 1] once S
-    // is computed, so each copy overlaps at least one of the two matmuls.
-    template <bool MASK> __device__ __forceinline__ void step(int nb, int nb_begin) {
+    // One key block. K[nb] is in shared memory; V[nb] is requested here and K[next] (the next
+    // block, -1 if none) once S is computed, so each copy overlaps at least one of the two
+    // matmuls.
+    template <bool MASK> __device__ __forceinline__ void step(int nb, int next) {
         load_v(nb);
         cp_async_commit();
         float s[MT][NT][4];  // S = Q K^T (line 8); k-loop fully unrolled up to d = 128, where
@@ -117,8 +118,8 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
         // requesting it after the softmax, docs/PERF.md session 10).
         cp_async_wait<0>();
         __syncthreads();  // V[nb] landed; every warp is done reading K[nb]
-        if (nb > nb_begin) {
-            load_k(nb - 1);
+        if (next >= 0) {
+            load_k(next);
             cp_async_commit();
         }
         softmax.update(s, o, p.scale_log2);  // l and the LSE count every entry, dropped or not
@@ -129,17 +130,20 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
     }
 
     // Key blocks [nb_begin, nb_end), last first: with a causal mask the only blocks that need
-    // the mask come first, and the rest run the mask-free body.
+    // the mask come first, and the rest run the mask-free body. A block mask skips blocks.
     __device__ __forceinline__ void run(int nb_begin, int nb_end) {
-        if (nb_end > nb_begin) load_k(nb_end - 1);
+        int nb = mask.template next_key_block<BN>(q_first, q_last, nb_end, nb_begin);
+        if (nb >= 0) load_k(nb);
         cp_async_commit();  // Q (from the constructor) and the first K
-        for (int nb = nb_end - 1; nb >= nb_begin; --nb) {
+        while (nb >= 0) {
+            const int next = mask.template next_key_block<BN>(q_first, q_last, nb, nb_begin);
             cp_async_wait<0>();
-            __syncthreads();  // K[nb] landed; every warp is done reading V[nb + 1]
+            __syncthreads();  // K[nb] landed; every warp is done reading the last V
             if (mask.template block_needs_mask<BN>(q_first, q_last, nb * BN))
-                step<true>(nb, nb_begin);
+                step<true>(nb, next);
             else
-                step<false>(nb, nb_begin);
+                step<false>(nb, next);
+            nb = next;
         }
         // Q rows are copied by every thread, not by the warp that owns them: before a warp
         // reuses its rows of sQ to stage O, all copies must have landed. Inside the loop the

@@ -15,13 +15,14 @@
 #include "softmax.cuh"
 #include "wgmma.cuh"
 
-// MODS: compiled with the softcap and ALiBi code (kernels named `_mods`); the others get no
-// such problem (the host's choice) and carry none of its registers.
-template <typename T_, int D_, int GROUPS_ = 2, int BN_ = 128, bool MODS_ = false>
+// MODS (mask.cuh): compiled with the softcap and ALiBi code (kernels named `_mods`), also
+// with the block mask's (`_sparse`); the others get no such problem (the host's choice) and
+// carry none of its registers.
+template <typename T_, int D_, int GROUPS_ = 2, int BN_ = 128, int MODS_ = MODS_NONE>
 struct Sm90Traits {
     using T = T_;
     static constexpr int D = D_;
-    static constexpr bool MODS = MODS_;
+    static constexpr int MODS = MODS_;
     static constexpr int GROUPS = GROUPS_;      // warpgroups, 64 rows each
     static constexpr int BM = 64 * GROUPS, BN = BN_;  // query rows, keys per tile
     static constexpr int THREADS = GROUPS * 128;
@@ -123,13 +124,15 @@ template <class K> __device__ __forceinline__ void flash_fwd_sm90(const AttnPara
     int nb_begin, nb_end;
     const int q_last = min(m0 + BM, seq.seqlen_q) - 1;
     f.mask.template key_blocks<BN>(m0, q_last, &nb_begin, &nb_end);
-    if (nb_end > nb_begin) f.load_kv(nb_end - 1, 0);  // commits Q with the first tile
+    int nb = f.mask.template next_key_block<BN>(m0, q_last, nb_end, nb_begin);
+    if (nb >= 0) f.load_kv(nb, 0);  // commits Q with the first tile
     // Last key tile first: under a causal mask only the first tiles need the mask.
-    for (int nb = nb_end - 1, stage = 0; nb >= nb_begin; --nb, stage ^= 1) {
+    for (int stage = 0, next; nb >= 0; nb = next, stage ^= 1) {
+        next = f.mask.template next_key_block<BN>(m0, q_last, nb, nb_begin);
         cp_async_wait<0>();
         sm90::fence_proxy_async();
         __syncthreads();  // tile nb landed for everyone; everyone is done with the other stage
-        if (nb > nb_begin) f.load_kv(nb - 1, stage ^ 1);
+        if (next >= 0) f.load_kv(next, stage ^ 1);
         if (f.mask.template block_needs_mask<BN>(m0, q_last, nb * BN))
             f.template step<true>(nb, stage);
         else
@@ -191,7 +194,11 @@ FLASH_FWD_SM90(bf16, __nv_bfloat16, 128)
 #define FLASH_FWD_SM90_MODS(NAME, T, D)                                                       \
     extern "C" __global__ void __launch_bounds__(256, 1)                                      \
         flash_fwd_sm90_##NAME##_d##D##_mods(const __grid_constant__ AttnParams p) {           \
-        flash_fwd_sm90<Sm90Traits<T, D, 2, 128, true>>(p);                                    \
+        flash_fwd_sm90<Sm90Traits<T, D, 2, 128, MODS_SCORES>>(p);                             \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                      \
+        flash_fwd_sm90_##NAME##_d##D##_sparse(const __grid_constant__ AttnParams p) {         \
+        flash_fwd_sm90<Sm90Traits<T, D, 2, 128, MODS_SPARSE>>(p);                             \
     }
 FLASH_FWD_SM90_MODS(f16, __half, 64)
 FLASH_FWD_SM90_MODS(f16, __half, 128)

@@ -38,14 +38,16 @@ struct FwdTmaParams {
     unsigned int* tile_counter;
 };
 
-// MODS: compiled with the softcap and ALiBi code (entry points `..._mods`); the others are
-// never given such a problem (src/cuda/tma.rs) and keep their registers.
+// MODS (mask.cuh): with the softcap and ALiBi code (entry points `..._mods`), also with the
+// block mask's (`..._sparse`); the others are never given such a problem (src/cuda/tma.rs)
+// and keep their registers.
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
-          bool MODS_ = false>
+          int MODS_ = MODS_NONE>
 struct WsTraits {
     using T = T_;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
-    static constexpr bool PINGPONG = PINGPONG_, MODS = MODS_;
+    static constexpr bool PINGPONG = PINGPONG_;
+    static constexpr int MODS = MODS_;
     static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -127,8 +129,14 @@ template <class K> struct WsTile {
         m0 = m_block * K::BM;
         q_last = min(m0 + K::BM, seq.seqlen_q) - 1;
         mask.template key_blocks<K::BN>(m0, q_last, &nb_begin, &nb_end);
+        nb_end = mask.template next_key_block<K::BN>(m0, q_last, nb_end, nb_begin) + 1;
     }
     __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
+    // The key tile after nb (they go last first), -1 after the last: under a block mask,
+    // the producer and the consumers skip the same absent blocks.
+    __device__ __forceinline__ int next(int nb) const {
+        return mask.template next_key_block<K::BN>(m0, q_last, nb, nb_begin);
+    }
 };
 
 // The producer thread hands the consumers their work tiles one at a time through the Q slot:
@@ -161,7 +169,7 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         if (slot != nullptr) tma::load_bulk(sm.tile(), slot, 16, sm.full_q());
         if (last) return;
         if (q) tma::load_tile<K::BM, K::D / 64>(sm.q(), P.q, sm.full_q(), w.m0, w.bidh, w.bidb);
-        for (int nb = w.nb_end - 1; nb >= w.nb_begin; --nb, ++it) {
+        for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1; nb >= 0; nb = w.next(nb), ++it) {
             const Slot<K> s(it);
             // K, then V, each into its slot once the consumers released it.
             tma::wait(sm.empty_k(s.st), s.phase ^ 1);
@@ -250,11 +258,26 @@ template <class K> struct WsConsumer {
         release(sm.empty_q());
     }
 
-    __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb) {
+    // What the mask does to key tile nb, found before its S is issued: whether it masks any
+    // entry, and the block mask's part (used only if it does and there is a block mask).
+    struct TileMask {
+        bool masked;
+        uint64_t bits[1][2];
+    };
+    __device__ __forceinline__ TileMask tile_mask(const WsTile<K>& w, int nb) const {
+        TileMask m;
+        m.masked = w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN);
+        if (w.mask.sparse && m.masked)
+            w.mask.template sparse_bits<1, NT, false>(m.bits, w.m0 + warp_row0, nb * BN, lane);
+        return m;
+    }
+
+    __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb,
+                                           const TileMask& m) {
         // Two calls with constant `masked` (as in bwd_dkdv.cuh): the d = 256 `_mods` kernel
         // spilled 32 more bytes of loads with the test as argument.
-        if (w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN))
-            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, true);
+        if (m.masked)
+            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, true, 1, m.bits);
         else
             w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, false);
     }
@@ -265,6 +288,7 @@ template <class K> struct WsConsumer {
     __device__ __forceinline__ void run(const WsTile<K>& w, int& it) {
         {
             const Slot<K> s0(it);
+            const TileMask m = tile_mask(w, w.nb_end - 1);
             float s[1][NT][4];
             tma::wait(sm.full_k(s0.st), s0.phase);
             take_turn();
@@ -274,13 +298,14 @@ template <class K> struct WsConsumer {
             sm90::wait<0>();
             sm90::fence_operand(s[0]);
             release(sm.empty_k(s0.st));
-            scores(s, w, w.nb_end - 1);
+            scores(s, w, w.nb_end - 1, m);
             softmax.update(s, o, p.scale_log2);
             pack_a<T, 1, NT>(s, pa);
         }
-        for (int nb = w.nb_end - 2; nb >= w.nb_begin; --nb) {
+        for (int nb = w.next(w.nb_end - 1); nb >= 0; nb = w.next(nb)) {
             const Slot<K> prev(it), cur(it + 1);
             ++it;
+            const TileMask m = tile_mask(w, nb);
             float s[1][NT][4];
             tma::wait(sm.full_k(cur.st), cur.phase);
             // V(j-1) came before K(j); waiting for it here keeps the two issues back to back
@@ -295,7 +320,7 @@ template <class K> struct WsConsumer {
             sm90::wait<WS_WAIT_S>();
             sm90::fence_operand(s[0]);
             release(sm.empty_k(cur.st));
-            scores(s, w, nb);
+            scores(s, w, nb, m);
             float alpha[1][2];
             const bool rescale = softmax.exp_and_factors(s, alpha, p.scale_log2);
             sm90::wait<0>();
@@ -406,7 +431,11 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
 #define FLASH_FWD_WS_MODS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS)                          \
     extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
         flash_fwd_ws_##NAME##_d##D##SUFFIX##_mods(const __grid_constant__ FwdTmaParams p) {    \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, true>>(p);                   \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_SCORES>>(p);            \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX##_sparse(const __grid_constant__ FwdTmaParams p) {  \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_SPARSE>>(p);            \
     }
 #define FLASH_FWD_WS_MODS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS)                              \
     FLASH_FWD_WS_MODS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS)                          \
@@ -422,7 +451,8 @@ FLASH_FWD_WS_BOTH(128, , 128, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 FLASH_FWD_WS_BOTH(128, _n176, 176, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 FLASH_FWD_WS_BOTH(256, , 64, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 FLASH_FWD_WS_BOTH(256, _n80, 80, 2, 2, CANDLE_FLASH_WS_PINGPONG)
-// One shape per head dim with the cap and the bias (WsShape::choose).
+// One shape per head dim with the cap and the bias, and with the block mask too
+// (WsShape::choose).
 FLASH_FWD_WS_MODS_BOTH(64, _g3, 128, 3, 3)
 FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2)
 FLASH_FWD_WS_MODS_BOTH(256, _n80, 80, 2, 2)

@@ -1,5 +1,5 @@
 // Which (query, key) pairs are visible: the key-length bound, the bottom-right aligned causal
-// mask and, in general, a window around the diagonal; and what else happens to a score before
+// mask and, in general, a window around the diagonal, and a block mask; and what else happens to a score before
 // the softmax (softcap, ALiBi bias). One place for fwd, bwd and decode.
 #pragma once
 #include <climits>
@@ -7,6 +7,11 @@
 
 #include "params.cuh"
 #include "seq_info.cuh"
+
+// What a kernel is compiled with (its MODS): the window and the key length alone, also the
+// softcap and ALiBi (entry points `_mods`), also the block mask (`_sparse`). The wgmma kernels
+// have a variant per level, as each level's code cost the plain kernels registers (spills).
+constexpr int MODS_NONE = 0, MODS_SCORES = 1, MODS_SPARSE = 2;
 
 struct Mask {
     int seqlen_k;
@@ -17,27 +22,81 @@ struct Mask {
     float alibi_scale;
     int head;     // the query head (the first of GQA-packed decode rows)
     float slope;  // its slope times alibi_scale
+    bool sparse;  // a block mask (p.block_mask) applies
+    // The block mask of head 0 and its geometry, kept in registers: read through a pointer to
+    // the parameters, every tile's lookups waited on generic loads (a 100% mask cost 1.56x
+    // dense at d = 128 on the H200). The element mask, rarely read, stays behind `prm`.
+    const unsigned char* blocks;
+    int block_head_stride, block_q, block_k, block_cols;
+    const AttnParams* prm;
 
-    // Sequence b, query head h. Kernels compiled without the cap and the bias (`mods` a
-    // compile-time false: the host sends them other problems) drop their code entirely:
-    // on the Hopper backward, its registers spilled.
+    // Sequence b, query head h. Kernels compiled for a lower `mods` level (a compile-time
+    // constant: the host sends them no other problems) drop the code above it entirely.
     __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq, int b, int h,
-                                    bool mods = true)
+                                    int mods = MODS_SPARSE)
         : seqlen_k(seq.seqlen_k), offset(seq.seqlen_k - seq.seqlen_q), left(p.window_left),
-          right(p.window_right), softcap_pre(mods ? p.softcap_pre : 0.f),
-          slopes(!mods || p.alibi_slopes == nullptr
+          right(p.window_right), softcap_pre(mods >= MODS_SCORES ? p.softcap_pre : 0.f),
+          slopes(mods < MODS_SCORES || p.alibi_slopes == nullptr
                      ? nullptr
                      : p.alibi_slopes + int64_t(b) * p.alibi_batch_stride),
-          alibi_scale(p.alibi_scale), head(h), slope(slopes == nullptr ? 0.f : slope_of(h)) {}
+          alibi_scale(p.alibi_scale), head(h), slope(slopes == nullptr ? 0.f : slope_of(h)),
+          sparse(mods >= MODS_SPARSE && p.block_mask != nullptr), blocks(p.block_mask),
+          block_head_stride(int(p.block_head_stride)), block_q(p.block_q), block_k(p.block_k),
+          block_cols(p.block_cols), prm(&p) {}
 
     // The same mask for query head h: the dK/dV kernels walk the heads of a GQA group.
     __device__ __forceinline__ Mask with_head(int h) const {
         Mask m = *this;
-        if (slopes != nullptr) {
-            m.head = h;
-            m.slope = slope_of(h);
-        }
+        m.head = h;
+        if (slopes != nullptr) m.slope = slope_of(h);
         return m;
+    }
+
+    // The block mask's states under queries [q_first, q_last] x keys [n0, n1) of this head
+    // (rows and keys past the sequence do not count): 0 no block present (the tile is
+    // skipped), 1 every block present and entirely visible, 2 anything else (the tile is
+    // masked entry by entry). A tile spans few blocks: block sizes are multiples of 64.
+    __device__ __forceinline__ int sparse_state(int q_first, int q_last, int n0, int n1) const {
+        return sparse_state_of(head, q_first, q_last, n0, n1);
+    }
+    // The same for query head h.
+    __device__ __forceinline__ int sparse_state_of(int h, int q_first, int q_last, int n0,
+                                                   int n1) const {
+        q_last = min(q_last, seqlen_k - offset - 1);
+        n1 = min(n1, seqlen_k);
+        if (q_last < q_first || n1 <= n0) return 0;
+        const unsigned char* head_blocks = blocks + h * block_head_stride;
+        int any = 0, all = 1;
+        for (int r = q_first / block_q; r <= q_last / block_q; ++r)
+            for (int c = n0 / block_k; c <= (n1 - 1) / block_k; ++c) {
+                const int v = head_blocks[r * block_cols + c];
+                any |= v;
+                all &= v == 1;
+            }
+        return any == 0 ? 0 : all ? 1 : 2;
+    }
+
+    // The state of block (r, c) of this head.
+    __device__ __forceinline__ int block_state(int r, int c) const {
+        return blocks[head * block_head_stride + r * block_cols + c];
+    }
+
+    // The key block below nb (of width BN, down to nb_begin) that queries [q_first, q_last]
+    // need: nb - 1, or under a block mask the first one with a block present; -1 if none.
+    // Producers and consumers walk the same blocks through this.
+    template <int BN>
+    __device__ __forceinline__ int next_key_block(int q_first, int q_last, int nb,
+                                                  int nb_begin) const {
+        for (--nb; nb >= nb_begin; --nb)
+            if (!sparse || sparse_state(q_first, q_last, nb * BN, nb * BN + BN) != 0) return nb;
+        return -1;
+    }
+
+    // Whether the element mask lets query q see key k (a block of state 2).
+    __device__ __forceinline__ bool dense_visible(int q, int k) const {
+        const AttnParams& p = *prm;
+        return p.block_dense[int64_t(head) * p.dense_head_stride +
+                             int64_t(q) * p.dense_row_stride + k] != 0;
     }
 
     // Head h's ALiBi slope in S's units.
@@ -71,7 +130,8 @@ struct Mask {
     template <int BN>
     __device__ __forceinline__ bool block_needs_mask(int q_first, int q_last, int n0) const {
         return n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > q_first + offset + right) ||
-               (left >= 0 && n0 < q_last + offset - left);
+               (left >= 0 && n0 < q_last + offset - left) ||
+               (sparse && sparse_state(q_first, q_last, n0, n0 + BN) == 2);
     }
 
     // Applies the softcap and the ALiBi bias (if any) to a warp's S accumulators, then, if
@@ -84,8 +144,10 @@ struct Mask {
     // Each thread's rows get their visible column range [lo, hi) once; an entry then costs two
     // compares (the per-entry `visible` was 6-8 integer instructions, on every masked block).
     template <int MT, int NT, bool TRANSPOSED = false>
+    // `bits`: the block mask's part precomputed by sparse_bits, or null to compute it here.
     __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane,
-                                          bool masked, int rows_per_query = 1) const {
+                                          bool masked, int rows_per_query = 1,
+                                          const uint64_t (*bits)[2] = nullptr) const {
         const int g = lane / 4, t = lane % 4;
         if (softcap_pre != 0.f) cap(s);
         if (slopes != nullptr) bias<MT, NT, TRANSPOSED>(s, row0, col0, lane, rows_per_query);
@@ -114,7 +176,78 @@ struct Mask {
                         const int col = col0 + nt * 8 + 2 * t + (e % 2);
                         if (col < lo || col >= hi) s[mt][nt][e] = -INFINITY;
                     }
+                if (sparse) {
+                    const uint64_t seen =
+                        bits != nullptr ? bits[mt][r]
+                                        : sparse_row<NT, TRANSPOSED>(row / rows_per_query, col0, t);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c)
+                            if (!((seen >> (2 * nt + c)) & 1)) s[mt][nt][2 * r + c] = -INFINITY;
+                }
             }
+    }
+
+    // The block mask's part of `apply` for this thread's rows (bits[mt][r]: see sparse_row),
+    // computed ahead: the warp-specialized kernels call it before the matmul whose scores it
+    // masks, as with S live its registers spilled.
+    template <int MT, int NT, bool TRANSPOSED>
+    __device__ __forceinline__ void sparse_bits(uint64_t (&bits)[MT][2], int row0, int col0,
+                                                int lane) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                bits[mt][r] = sparse_row<NT, TRANSPOSED>(row0 + mt * 16 + lane / 4 + r * 8, col0,
+                                                         lane % 4);
+    }
+
+    // Which of this thread's 2 NT columns (col0 + nt * 8 + 2 t + c: bit 2 nt + c) the block
+    // mask lets row `row` see, block by block across the tile's columns (a thread's row lies in
+    // one block row): a whole block of state 1 sets its columns' bits at once, and only
+    // blocks of state 2 read the element mask, in a loop that is not unrolled (unrolled, its
+    // loads were issued all at once and the forward's consumers spilled hundreds of bytes).
+    template <int NT, bool TRANSPOSED>
+    __device__ __forceinline__ uint64_t sparse_row(int row, int col0, int t) const {
+        static_assert(2 * NT <= 64, "one bit per column");
+        // Rows are queries (keys when TRANSPOSED); columns are keys (queries).
+        const int seqlen_q = seqlen_k - offset;
+        const int row_len = TRANSPOSED ? seqlen_k : seqlen_q;
+        const int col_len = TRANSPOSED ? seqlen_q : seqlen_k;
+        const int row_block = TRANSPOSED ? block_k : block_q;
+        const int col_block = TRANSPOSED ? block_q : block_k;
+        if (row >= row_len) return 0;
+        const int rb = row / row_block;
+        const int col_end = min(col0 + NT * 8, col_len);
+        uint64_t seen = 0;
+#pragma unroll 1
+        for (int cb = col0 / col_block; cb * col_block < col_end; ++cb) {
+            const int state = TRANSPOSED ? block_state(cb, rb) : block_state(rb, cb);
+            if (state == 0) continue;
+            const int lo = max(cb * col_block, col0), hi = min((cb + 1) * col_block, col_end);
+            if (state == 1) {
+                seen |= column_bits<NT>(hi - col0 - 2 * t) & ~column_bits<NT>(lo - col0 - 2 * t);
+                continue;
+            }
+#pragma unroll 1
+            for (int j = 0; j < 2 * NT; ++j) {
+                const int col = col0 + (j / 2) * 8 + 2 * t + j % 2;
+                if (col >= lo && col < hi &&
+                    (state == 1 ||
+                     (TRANSPOSED ? dense_visible(col, row) : dense_visible(row, col))))
+                    seen |= uint64_t(1) << j;
+            }
+        }
+        return seen;
+    }
+
+    // The bits of sparse_row whose columns lie below col0 + 2 t + x: the columns
+    // col0 + 2 t + 8 (j / 2) + j % 2 grow with j, so they are the first
+    // 2 floor(x / 8) + min(x mod 8, 2) of the 2 NT.
+    template <int NT> __device__ __forceinline__ static uint64_t column_bits(int x) {
+        const int n = x <= 0 ? 0 : min(2 * (x / 8) + min(x % 8, 2), 2 * NT);
+        return n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1;
     }
 
     // c tanh(x / c) with the scale folded in (S keeps the tanh; `scale` is c): tanh.approx.f32

@@ -45,6 +45,16 @@ struct AttnParams {
     const float* alibi_slopes;
     int alibi_batch_stride;
     float alibi_scale;
+    // Block-sparse attention (src/block_sparse.rs). Block (r, c) of a sequence, queries
+    // [r block_q, (r + 1) block_q) x keys [c block_k, ..), has under query head h the state
+    // block_mask[h * block_head_stride + r * block_cols + c]: 0 absent, 1 every entry visible,
+    // 2 entry (i, j) visible iff block_dense[h * dense_head_stride + i * dense_row_stride + j]
+    // is nonzero. Indices are within each sequence; head strides are 0 for one mask for all
+    // heads. Null block_mask: no block mask.
+    const unsigned char* block_mask;
+    const unsigned char* block_dense;
+    int64_t block_head_stride, dense_head_stride, dense_row_stride;
+    int block_q, block_k, block_cols;
 
     // Dropout (src/philox.rs, cuda/philox.cuh): entry kept iff its Philox word >= threshold;
     // kept entries are scaled by rp_keep = 1 / (1 - p). threshold = 0 disables dropout.

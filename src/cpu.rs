@@ -6,10 +6,12 @@
 //! One code path serves fixed-length and packed batches: a fixed-length `(b, s, h, d)` tensor
 //! is a packed `(b · s, h, d)` one whose sequences all have length `s` ([`Problem::seq_q`],
 //! [`Problem::seq_k`]). Dropout draws its mask from [`philox::keep`], the function the CUDA
-//! kernels use, so both paths drop the same entries. The window, softcap and ALiBi
-//! ([`crate::score_mod::ScoreMods`]) enter through [`Scores`]: each row reads only the keys
-//! of its window, and the tiles outside every row's window are never visited, so a windowed
-//! call costs in proportion to the window.
+//! kernels use, so both paths drop the same entries. The window, softcap, ALiBi and the block
+//! mask ([`crate::score_mod::ScoreMods`]) enter through [`Scores`]: each row reads only the
+//! keys of its window, and the tiles outside every row's window are never visited, so a
+//! windowed call costs in proportion to the window. A [`crate::BlockMask`] (block-sparse
+//! attention) works per tile: a tile that lies in absent blocks only is skipped, one in fully
+//! visible blocks runs as without a mask, and only the others ask the mask entry by entry.
 //!
 //! Tasks are independent and their results are combined in a fixed order, so the output does
 //! not depend on the number of threads: forward and backward are deterministic.
@@ -18,6 +20,7 @@ use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
+use crate::block_sparse::{HostBlockMask, ALL};
 use crate::params::Problem;
 use crate::philox;
 
@@ -109,22 +112,47 @@ impl Seq {
     }
 }
 
+/// How the block mask covers a tile of the attention matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tile {
+    /// Every block under the tile is absent: nothing to read.
+    Hidden,
+    /// Every block under the tile is fully visible (or there is no block mask): only the
+    /// window decides.
+    Shown,
+    /// Blocks of different states, or some with an element mask: ask
+    /// [`Scores::visible`] entry by entry.
+    Mixed,
+}
+
 /// The scores of one query head of one sequence: `scale · q·k`, then the softcap and the
-/// ALiBi bias of [`Problem::mods`], over the keys of each row's window.
+/// ALiBi bias of [`Problem::mods`], over the keys of each row's window that the block mask
+/// keeps.
 #[derive(Clone, Copy)]
 struct Scores<'a> {
     p: &'a Problem,
     sq: usize,
     sk: usize,
+    /// The query head, which picks its block mask.
+    head: usize,
     /// The head's ALiBi slope, 0 without ALiBi.
     slope: f32,
     /// Neither a cap nor a bias: the score is the scaled dot product, and its derivative 1.
     plain: bool,
+    /// The block mask on the host, if any.
+    sparse: Option<&'a HostBlockMask>,
 }
 
 impl<'a> Scores<'a> {
-    /// `slopes` is [`Alibi::host`](crate::score_mod::Alibi::host) (empty without ALiBi).
-    fn new(p: &'a Problem, seq: Seq, head: usize, slopes: &[f32]) -> Self {
+    /// `slopes` is [`Alibi::host`](crate::score_mod::Alibi::host) (empty without ALiBi),
+    /// `sparse` the host view of the block mask ([`host_block_mask`]).
+    fn new(
+        p: &'a Problem,
+        seq: Seq,
+        head: usize,
+        slopes: &[f32],
+        sparse: Option<&'a HostBlockMask>,
+    ) -> Self {
         let slope = p
             .mods
             .alibi
@@ -134,9 +162,42 @@ impl<'a> Scores<'a> {
             p,
             sq: seq.sq,
             sk: seq.sk,
+            head,
             slope,
             plain: p.mods.softcap.is_none() && slope == 0.0,
+            sparse,
         }
+    }
+
+    /// How the block mask covers rows `rows` × keys `keys` (both non-empty; coordinates
+    /// within the sequence, which uses the top-left part of the mask). The tile may straddle
+    /// blocks (a window moves the key tiles off the 64-key grid), so every block under it is
+    /// read: at most 2 × 2, as blocks are at least 64 rows and keys.
+    fn tile(&self, rows: std::ops::Range<usize>, keys: std::ops::Range<usize>) -> Tile {
+        let Some(mask) = self.sparse else {
+            return Tile::Shown;
+        };
+        let (mut any_visible, mut all_visible) = (false, true);
+        for r in rows.start / mask.block_q..=(rows.end - 1) / mask.block_q {
+            for c in keys.start / mask.block_k..=(keys.end - 1) / mask.block_k {
+                match mask.state(self.head, r, c) {
+                    0 => all_visible = false,
+                    ALL => any_visible = true,
+                    _ => (any_visible, all_visible) = (true, false),
+                }
+            }
+        }
+        match (any_visible, all_visible) {
+            (false, _) => Tile::Hidden,
+            (true, true) => Tile::Shown,
+            (true, false) => Tile::Mixed,
+        }
+    }
+
+    /// Whether the block mask lets row `i` see key `j` (the window aside): what a
+    /// [`Tile::Mixed`] tile asks entry by entry.
+    fn visible(&self, i: usize, j: usize) -> bool {
+        self.sparse.is_none_or(|m| m.visible(self.head, i, j))
     }
 
     /// Keys `[lo, hi)` that row `i` sees (`lo >= hi` when none). Both ends grow with `i`,
@@ -159,6 +220,11 @@ impl<'a> Scores<'a> {
 /// The ALiBi slopes on the host, read once per call (empty without ALiBi).
 fn host_slopes(p: &Problem) -> Result<Vec<f32>> {
     p.mods.alibi.as_ref().map_or(Ok(Vec::new()), |a| a.host())
+}
+
+/// The block mask on the host, read once per call.
+fn host_block_mask(p: &Problem) -> Result<Option<HostBlockMask>> {
+    p.mods.sparse.as_ref().map(|m| m.host()).transpose()
 }
 
 /// The first `i` in `0..n` for which `pred` is false, where `pred` is true on a prefix of
@@ -209,6 +275,7 @@ pub(crate) fn attn_fwd(
 ) -> Result<(Vec<f32>, Vec<f32>)> {
     let s = p.shape;
     let slopes = host_slopes(p)?;
+    let sparse = host_block_mask(p)?;
     // One task per (sequence, head); task t = b * h + head.
     let heads = par_map(s.b * s.h, total_work(p), |t| {
         let (b, head) = (t / s.h, t % s.h);
@@ -218,7 +285,8 @@ pub(crate) fn attn_fwd(
         let k = head_rows(k, k0, sk, kv_head, s.hk, s.d);
         let v = head_rows(v, k0, sk, kv_head, s.hk, s.d);
         let seq = Seq::new(p, b);
-        fwd_head(p, seq, head, Scores::new(p, seq, head, &slopes), &q, &k, &v)
+        let scores = Scores::new(p, seq, head, &slopes, sparse.as_ref());
+        fwd_head(p, seq, head, scores, &q, &k, &v)
     });
     let mut out = vec![0f32; s.q_elems()];
     let mut lse = vec![f32::NEG_INFINITY; s.h * s.total_q];
@@ -260,6 +328,14 @@ fn fwd_head(
         // row's first key and its last row's end, and the key tiles outside are skipped.
         let (first, last) = (scores.keys(r0).0, scores.keys(r1 - 1).1);
         for c0 in (first..last).step_by(KEY_BLOCK) {
+            // Algorithm 5: a tile in absent blocks is neither read nor computed.
+            let tile = scores.tile(r0..r1, c0..(c0 + KEY_BLOCK).min(last));
+            if tile == Tile::Hidden {
+                continue;
+            }
+            // Entries the block mask hides within the tile: never read, neither their score
+            // nor their V.
+            let shown = |i, j| tile == Tile::Shown || scores.visible(i, j);
             for i in r0..r1 {
                 let (lo, hi) = scores.keys(i);
                 let (c_lo, c_hi) = (c0.max(lo), (c0 + KEY_BLOCK).min(hi));
@@ -268,10 +344,22 @@ fn fwd_head(
                 }
                 let r = i - r0;
                 let q_i = &q[i * d..][..d];
-                // Line 8: S_ij = scale · q_i K_jᵀ, then the cap and the bias.
+                // Line 8: S_ij = scale · q_i K_jᵀ, then the cap and the bias; -inf where the
+                // block mask hides the entry.
                 let s = &mut s_buf[..c_hi - c_lo];
+                let mut any_shown = false;
                 for (j, s_j) in (c_lo..).zip(s.iter_mut()) {
-                    *s_j = scores.score(dot(q_i, &k[j * d..][..d]), i, j).0;
+                    *s_j = if shown(i, j) {
+                        any_shown = true;
+                        scores.score(dot(q_i, &k[j * d..][..d]), i, j).0
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+                if !any_shown {
+                    // The mask hides this row's part of the tile: leave m and l alone (with
+                    // m = -inf, the update below would compute exp(-inf - -inf) = NaN).
+                    continue;
                 }
                 // Lines 9-10: new max, rescale the old sum and accumulator by exp(m_old - m_new)
                 // (0 on the first tile, where m_old = -inf), add exp(S - m_new) and, if the
@@ -282,6 +370,9 @@ fn fwd_head(
                 acc.iter_mut().for_each(|a| *a *= alpha);
                 let mut row_sum = 0.0;
                 for (j, &s_j) in (c_lo..).zip(s.iter()) {
+                    if !shown(i, j) {
+                        continue;
+                    }
                     let p_j = (s_j - m_new).exp();
                     row_sum += p_j;
                     if kept(p, seq.b, head, i, j) {
@@ -323,6 +414,7 @@ pub(crate) fn attn_bwd(
     let s = p.shape;
     let group = s.group();
     let slopes = host_slopes(p)?;
+    let sparse = host_block_mask(p)?;
     // One task per (sequence, K/V head): it owns dK and dV of that head and dQ of its group
     // of query heads, so no two tasks write the same gradient and no atomics are needed.
     let tasks = par_map(s.b * s.hk, total_work(p), |t| {
@@ -334,7 +426,7 @@ pub(crate) fn attn_bwd(
         let heads: Vec<BwdHead> = (kv_head * group..(kv_head + 1) * group)
             .map(|head| BwdHead {
                 head,
-                scores: Scores::new(p, seq, head, &slopes),
+                scores: Scores::new(p, seq, head, &slopes, sparse.as_ref()),
                 q: head_rows(q, q0, sq, head, s.h, s.d),
                 o: head_rows(o, q0, sq, head, s.h, s.d),
                 d_o: head_rows(d_o, q0, sq, head, s.h, s.d),
@@ -383,7 +475,9 @@ fn rows_seeing(scores: &Scores, sq: usize, c0: usize, c1: usize) -> std::ops::Ra
 /// With dropout (mask Z, kept entries scaled by `1 / (1 - p)`): `P` is recomputed from the
 /// LSE (undropped), `dV += (P∘Z)ᵀ dO / (1 - p)`, `dP = (dO Vᵀ)∘Z / (1 - p)`,
 /// `D = rowsum(dO∘O)` and `dS = P∘(dP − D)` as without. A softcap multiplies dS by its
-/// derivative `1 - tanh²` before dQ and dK; the ALiBi bias is a constant.
+/// derivative `1 - tanh²` before dQ and dK; the ALiBi bias is a constant. Entries the block
+/// mask hides have `P = 0` and contribute nothing; they are skipped like those outside the
+/// window.
 fn bwd_group(
     p: &Problem,
     seq: Seq,
@@ -426,9 +520,18 @@ fn bwd_group(
                 if c_hi <= c_lo || h.lse[i] == f32::NEG_INFINITY {
                     continue;
                 }
+                // The row's part of the tile (1 x up to 64 keys) against the block mask: this
+                // head's absent blocks are skipped, partly hidden ones asked entry by entry.
+                let tile = h.scores.tile(i..i + 1, c_lo..c_hi);
+                if tile == Tile::Hidden {
+                    continue;
+                }
                 let (q_i, d_o_i) = (&h.q[i * d..][..d], &h.d_o[i * d..][..d]);
                 let dq_i = &mut dq[i * d..][..d];
                 for j in c_lo..c_hi {
+                    if tile == Tile::Mixed && !h.scores.visible(i, j) {
+                        continue;
+                    }
                     let (k_j, v_j) = (&k[j * d..][..d], &v[j * d..][..d]);
                     // Lines 10-14: recompute P_ij from the saved LSE, then
                     // dV_j += P̃_ij dO_i, dP_ij = Z_ij dO_i · v_j / (1 - p),

@@ -151,6 +151,12 @@ impl Call {
         }
         let scale = opts.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
         params::check_scale(scale)?;
+        if opts.block_mask.is_some() {
+            bail!(
+                "block_mask: block-sparse attention is not supported by KV-cache decoding; \
+                 use FlashAttn::forward"
+            )
+        }
         let mods = opts.score_mods(&shape, q.device())?;
         let append = new_kv.map(|(k_new, v_new, _)| {
             let problem = AppendProblem {

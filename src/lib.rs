@@ -22,6 +22,8 @@
 //! - [`FlashAttn::window`], [`FlashAttn::softcap`], [`FlashAttn::alibi_slopes`]: sliding-window
 //!   (local) attention, softcapping and ALiBi with FlashAttention 2's semantics, forward,
 //!   backward, variable-length and KV-cache decoding; windowed cost grows with the window.
+//! - [`FlashAttn::block_mask`] with a [`BlockMask`]: block-sparse attention (the FlashAttention
+//!   paper's Algorithm 5), absent blocks never read, forward and backward.
 //! - [`attention_slow`] / [`attention_slow_dropout`] / [`attention_slow_with`]: the same
 //!   function in plain Candle ops, the test oracle.
 //! - [`train`]: the rest of a LLaMA-style training step as fused ops with backward passes
@@ -42,6 +44,7 @@
 
 #![deny(missing_docs)]
 
+mod block_sparse;
 mod bwd;
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -62,6 +65,7 @@ mod score_mod;
 pub mod train;
 mod varlen;
 
+pub use block_sparse::BlockMask;
 pub use dropout::dropout_mask;
 #[doc(hidden)]
 pub use failpoint::inject_failure;

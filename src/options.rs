@@ -9,6 +9,7 @@ use crate::fwd::{aligned, FlashAttnOp};
 use crate::padding::Padding;
 use crate::params::{self, AttnShape, Dropout, Problem};
 use crate::varlen::VarLen;
+use crate::BlockMask;
 
 /// The next RNG offset of calls that do not fix one: advanced by 1 per call with dropout, so
 /// two calls with the same seed drop different entries.
@@ -60,6 +61,9 @@ pub struct FlashAttn {
     /// ALiBi slopes, f32 `(num_heads)` or `(batch, num_heads)` on q's device: the score of
     /// query `i`, key `j` of head `h` gets `-slope[h] · |i + sk - sq - j|` (after the softcap).
     pub alibi_slopes: Option<Tensor>,
+    /// Block-sparse attention: only the blocks of the attention matrix that the mask keeps
+    /// are visible (and computed); see [`BlockMask`].
+    pub block_mask: Option<BlockMask>,
 }
 
 impl PartialEq for FlashAttn {
@@ -79,6 +83,7 @@ impl PartialEq for FlashAttn {
             && self.window_size == other.window_size
             && self.softcap == other.softcap
             && alibi
+            && self.block_mask == other.block_mask
     }
 }
 
@@ -94,6 +99,7 @@ impl Default for FlashAttn {
             window_size: (-1, -1),
             softcap: 0.0,
             alibi_slopes: None,
+            block_mask: None,
         }
     }
 }
@@ -180,20 +186,35 @@ impl FlashAttn {
         self
     }
 
-    /// The window, cap and slopes of a call with this shape, checked.
+    /// Block-sparse attention: queries see only the keys of the blocks `mask` keeps (with
+    /// any element mask inside them), on top of the causal mask and the window. Blocks the
+    /// mask drops are never read, so the cost falls with the fraction of blocks kept. Checked
+    /// when the op runs: the mask must cover `(seqlen_q, seqlen_k)` in its blocks and be on
+    /// q's device. Not for KV-cache decoding (an error there).
+    pub fn block_mask(mut self, mask: &BlockMask) -> Self {
+        self.block_mask = Some(mask.clone());
+        self
+    }
+
+    /// The window, cap, slopes and block mask of a call with this shape, checked.
     pub(crate) fn score_mods(
         &self,
         shape: &AttnShape,
         device: &candle::Device,
     ) -> Result<crate::score_mod::ScoreMods> {
-        crate::score_mod::ScoreMods::new(
+        let mut mods = crate::score_mod::ScoreMods::new(
             self.causal,
             self.window_size,
             self.softcap,
             self.alibi_slopes.as_ref(),
             shape,
             device,
-        )
+        )?;
+        if let Some(mask) = &self.block_mask {
+            mask.check(shape, device)?;
+            mods.sparse = Some(mask.clone());
+        }
+        Ok(mods)
     }
 
     /// The problem description of one call: checks the scale and dropout probability, draws

@@ -5,6 +5,7 @@ use candle::{bail, DType, Result, Tensor, D};
 use crate::options::FlashAttn;
 use crate::params;
 use crate::score_mod::ScoreMods;
+use crate::BlockMask;
 
 /// Attention computed the obvious way, `softmax(scale · q kᵀ + mask) v`, in plain Candle ops:
 /// the reference that [`crate::flash_attn`] is tested against.
@@ -61,7 +62,7 @@ pub fn attention_slow_dropout(
 }
 
 /// [`attention_slow`] with the options of a [`FlashAttn`]: the oracle for
-/// [`FlashAttn::forward`] with a sliding window, softcapping or ALiBi.
+/// [`FlashAttn::forward`] with a sliding window, softcapping, ALiBi or a block mask.
 ///
 /// For query `i` and key `j`, with `off = seqlen_k - seqlen_q` (bottom-right alignment):
 /// - `softmax_scale` (default `1 / sqrt(head_dim)`): `s = scale · q_i·k_j`;
@@ -69,6 +70,9 @@ pub fn attention_slow_dropout(
 /// - `alibi_slopes` `(num_heads)` or `(batch, num_heads)`: `s -= slope · |i + off - j|`;
 /// - `window_size = (left, right)` and `causal` (which sets right to 0): `j` is visible iff
 ///   `i + off - left <= j <= i + off + right`, -1 leaving a side unbounded;
+/// - `block_mask`: moreover, `j` is visible to query head `h` only where
+///   [`BlockMask::to_dense`]`(seqlen_q, seqlen_k)` is 1 at `(h, i, j)` (at `(0, i, j)` for a
+///   mask shared by all heads);
 ///
 /// then the softmax over the visible keys. Rows that see no key give zeros, with finite
 /// (zero) gradients. `deterministic`, `seed` and `rng_offset` are ignored.
@@ -76,12 +80,13 @@ pub fn attention_slow_dropout(
 /// Computed in the input dtype with plain Candle ops, like [`attention_slow`] (any float dtype
 /// on any device, any strides), and differentiable with Candle's autograd: through the tanh of
 /// the softcap; the ALiBi bias is a constant. The mask and bias are built from the definition
-/// above, not from the kernels' code.
+/// above (the block mask through its dense form), not from the kernels' code.
 ///
 /// Errors: those of [`attention_slow`]; those [`FlashAttn::forward`] reports for
-/// `window_size`, `softcap` and `alibi_slopes` (which must be f32 on q's device); and
-/// `dropout_p` other than 0 (the dropout mask is not a function of the options here: use
-/// [`attention_slow_dropout`] with [`crate::dropout_mask`]).
+/// `window_size`, `softcap`, `alibi_slopes` (which must be f32 on q's device) and
+/// `block_mask` (whose blocks must cover the call, on q's device); and `dropout_p` other than
+/// 0 (the dropout mask is not a function of the options here: use [`attention_slow_dropout`]
+/// with [`crate::dropout_mask`]).
 ///
 /// ```
 /// # fn main() -> candle::Result<()> {
@@ -117,6 +122,7 @@ pub fn attention_slow_with(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn)
         window: opts.window_size,
         softcap: opts.softcap,
         alibi: opts.alibi_slopes.as_ref(),
+        block_mask: opts.block_mask.as_ref(),
     };
     slow(q, k, v, &opts, None)
 }
@@ -131,6 +137,7 @@ struct SlowOpts<'a> {
     /// 0 = none.
     softcap: f32,
     alibi: Option<&'a Tensor>,
+    block_mask: Option<&'a BlockMask>,
 }
 
 impl SlowOpts<'_> {
@@ -142,6 +149,7 @@ impl SlowOpts<'_> {
             window: (-1, -1),
             softcap: 0.0,
             alibi: None,
+            block_mask: None,
         }
     }
 }
@@ -166,6 +174,9 @@ fn slow(
         &shape,
         q.device(),
     )?;
+    if let Some(mask) = opts.block_mask {
+        mask.check(&shape, q.device())?;
+    }
     if let Some((keep, p)) = dropout {
         params::check_dropout(p)?;
         let expected = [shape.b, shape.h, shape.sq, shape.sk];
@@ -201,9 +212,8 @@ fn slow(
         scores = scores.broadcast_add(&alibi_bias(slopes, h, sq, sk, dtype)?)?;
     }
 
-    // Rows that see no key (causal with seqlen_q > seqlen_k, or a window past the keys), as
-    // 0/1 in the input dtype.
-    let mut dead = Tensor::zeros((sq, 1), dtype, dev)?;
+    // Which keys each query sees, u8 (1 or h, sq, sk), 1 = visible; None: every key.
+    let mut visible: Option<Tensor> = None;
     let (left, right) = (opts.window.0, if opts.causal { 0 } else { opts.window.1 });
     if left != -1 || right != -1 {
         // Bottom-right alignment, in signed arithmetic: query i sees key j iff
@@ -212,18 +222,33 @@ fn slow(
             let (diag, j) = (i as i64 + sk as i64 - sq as i64, j as i64);
             (left == -1 || j >= diag - left) && (right == -1 || j <= diag + right)
         };
-        let visible: Vec<u8> = (0..sq)
+        let window: Vec<u8> = (0..sq)
             .flat_map(|i| (0..sk).map(move |j| u8::from(sees(i, j))))
             .collect();
-        let visible = Tensor::from_vec(visible, (sq, sk), dev)?.broadcast_as(scores.shape())?;
+        visible = Some(Tensor::from_vec(window, (1, sq, sk), dev)?);
+    }
+    if let Some(mask) = opts.block_mask {
+        // The mask's dense form, (1 or h, sq, sk) on q's device (checked above), and the
+        // window: a key is visible if both allow it.
+        let blocks = mask.to_dense(sq, sk)?;
+        visible = Some(match visible {
+            Some(window) => window.broadcast_mul(&blocks)?,
+            None => blocks,
+        });
+    }
+    // Rows that see no key (causal with seqlen_q > seqlen_k, a window past the keys, a block
+    // mask that hides the whole row), as 0/1 in the input dtype, shaped to broadcast against
+    // (b, h, sq, 1): (sq, 1), or (1, 1 or h, sq, 1).
+    let mut dead = Tensor::zeros((sq, 1), dtype, dev)?;
+    if let Some(visible) = visible {
+        let visible = visible.unsqueeze(0)?; // (1, 1 or h, sq, sk)
         let neg_inf = Tensor::new(f32::NEG_INFINITY, dev)?
             .to_dtype(dtype)?
             .broadcast_as(scores.shape())?;
-        scores = visible.where_cond(&scores, &neg_inf)?;
-        let dead_rows: Vec<f32> = (0..sq)
-            .map(|i| f32::from(u8::from(!(0..sk).any(|j| sees(i, j)))))
-            .collect();
-        dead = Tensor::from_vec(dead_rows, (sq, 1), dev)?.to_dtype(dtype)?;
+        scores = visible
+            .broadcast_as(scores.shape())?
+            .where_cond(&scores, &neg_inf)?;
+        dead = visible.max_keepdim(D::Minus1)?.eq(0u8)?.to_dtype(dtype)?;
     }
 
     // Softmax with the row max subtracted for range. The max is detached (softmax does not

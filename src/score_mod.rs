@@ -20,6 +20,9 @@ pub(crate) struct ScoreMods {
     pub right: Option<usize>,
     pub softcap: Option<f32>,
     pub alibi: Option<Alibi>,
+    /// Block-sparse attention: only the blocks the mask keeps are visible (checked against
+    /// the call's shape).
+    pub sparse: Option<crate::BlockMask>,
 }
 
 /// ALiBi slopes: f32, contiguous, on the inputs' device, `(num_heads)` (`per_batch` false) or
@@ -92,6 +95,7 @@ impl ScoreMods {
             right,
             softcap,
             alibi,
+            sparse: None,
         })
     }
 

@@ -248,6 +248,157 @@ fn reference_checks_shapes_too() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Block masks: building one names the argument (`block_q`, `block_k`, `mask`, `stride`); a
+// mask that does not fit the call names `block_mask`, on the op, its varlen path, the direct
+// backward and the oracle alike.
+// ---------------------------------------------------------------------------------------------
+
+fn u8s(shape: &[usize]) -> Tensor {
+    Tensor::ones(shape, DType::U8, &Device::Cpu).unwrap()
+}
+
+/// [`assert_opts_fail`] and the direct backward, for q `(2, 4, 2, 16)` (one 64 x 64 block).
+fn assert_block_mask_fails(mask: &candle_flash::BlockMask, expected: &[&str]) {
+    let opts = FlashAttn::new().block_mask(mask);
+    assert_opts_fail(&opts, expected);
+    let t = f32(&[2, 4, 2, 16]);
+    let (out, lse) = FlashAttn::new().forward_with_lse(&t, &t, &t).unwrap();
+    assert_fails(opts.backward(&t, &t, &t, &out, &lse, &t), expected);
+}
+
+#[test]
+fn block_mask_with_the_wrong_number_of_blocks() -> Result<()> {
+    use candle_flash::BlockMask;
+    // The calls need ceil(4 / 64) = 1 (varlen: ceil(5 / 64) = 1) block each way.
+    for (shape, shown) in [
+        (vec![2, 1], "got (1, 2, 1)"),
+        (vec![1, 2], "got (1, 1, 2)"),
+        (vec![2, 3, 3], "got (2, 3, 3)"),
+    ] {
+        let mask = BlockMask::new(&u8s(&shape), 64, 64)?;
+        let expected = [
+            "block_mask:",
+            "(num_row_blocks, num_col_blocks) = (1, 1)",
+            shown,
+        ];
+        assert_block_mask_fails(&mask, &expected);
+    }
+    // Blocks of 128 x 64 over 200 x 200 need 2 x 4, not 4 x 4.
+    let t = f32(&[1, 200, 2, 16]);
+    let mask = BlockMask::new(&u8s(&[4, 4]), 128, 64)?;
+    assert_fails(
+        FlashAttn::new().block_mask(&mask).forward(&t, &t, &t),
+        &[
+            "block_mask:",
+            "= (2, 4)",
+            "blocks of 128 x 64",
+            "got (1, 4, 4)",
+        ],
+    );
+    Ok(())
+}
+
+#[test]
+fn block_mask_with_the_wrong_number_of_heads() -> Result<()> {
+    use candle_flash::BlockMask;
+    // 1 (shared) or num_heads = 2 (per query head); num_heads_k does not count.
+    for heads in [3, 4] {
+        let mask = BlockMask::new(&u8s(&[heads, 1, 1]), 64, 64)?;
+        let shown = format!("got ({heads}, 1, 1)");
+        assert_block_mask_fails(
+            &mask,
+            &["block_mask:", "(num_heads, ..) = (2, 1, 1)", &shown],
+        );
+    }
+    let q = f32(&[1, 4, 4, 16]);
+    let kv = f32(&[1, 4, 1, 16]);
+    let shared = BlockMask::new(&u8s(&[1, 1, 1]), 64, 64)?;
+    let per_query_head = BlockMask::from_dense(&u8s(&[4, 4, 4]), 64, 64)?;
+    FlashAttn::new().block_mask(&shared).forward(&q, &kv, &kv)?;
+    FlashAttn::new()
+        .block_mask(&per_query_head)
+        .forward(&q, &kv, &kv)?;
+    let two = BlockMask::new(&u8s(&[2, 1, 1]), 64, 64)?;
+    assert_fails(
+        FlashAttn::new().block_mask(&two).forward(&q, &kv, &kv),
+        &[
+            "block_mask:",
+            "(num_heads, ..) = (4, 1, 1)",
+            "got (2, 1, 1)",
+        ],
+    );
+    Ok(())
+}
+
+#[test]
+fn element_mask_of_the_wrong_size() -> Result<()> {
+    use candle_flash::BlockMask;
+    // The blocks fit (one), the element mask does not: it must be seqlen_q x seqlen_k (the
+    // longest sequences of a packed batch).
+    for (dims, shown) in [([4, 8], "4 x 8"), ([3, 4], "3 x 4"), ([5, 5], "5 x 5")] {
+        let mask = BlockMask::from_dense(&u8s(&dims), 64, 64)?;
+        let t = f32(&[2, 4, 2, 16]);
+        let opts = FlashAttn::new().block_mask(&mask);
+        let expected = ["block_mask:", "element mask is", shown, "is 4 x 4"];
+        assert_fails(opts.forward(&t, &t, &t), &expected);
+        assert_fails(attention_slow_with(&t, &t, &t, &opts), &expected);
+    }
+    let packed = f32(&[8, 2, 16]);
+    let varlen = candle_flash::VarLen::from_seqlens(&[3, 5], &[3, 5])?;
+    let mask = BlockMask::from_dense(&u8s(&[4, 4]), 64, 64)?;
+    assert_fails(
+        FlashAttn::new()
+            .block_mask(&mask)
+            .forward_varlen(&packed, &packed, &packed, &varlen),
+        &["block_mask:", "element mask is 4 x 4", "is 5 x 5"],
+    );
+    Ok(())
+}
+
+#[test]
+fn block_sizes_not_multiples_of_64() -> Result<()> {
+    use candle_flash::BlockMask;
+    let m = u8s(&[2, 2]);
+    for (bq, bk, expected) in [
+        (32, 64, ["block_q:", "multiple of 64", "got 32"]),
+        (0, 64, ["block_q:", "multiple of 64", "got 0"]),
+        (64, 100, ["block_k:", "multiple of 64", "got 100"]),
+        (128, 16, ["block_k:", "multiple of 64", "got 16"]),
+    ] {
+        assert_fails(BlockMask::new(&m, bq, bk), &expected);
+        assert_fails(BlockMask::from_dense(&m, bq, bk), &expected);
+    }
+    let dev = Device::Cpu;
+    let expected = ["block_q:", "multiple of 64", "got 96"];
+    assert_fails(BlockMask::local_global(256, 256, 96, 1, 1, &dev), &expected);
+    assert_fails(BlockMask::strided(256, 256, 96, 2, &dev), &expected);
+    assert_fails(BlockMask::butterfly(256, 256, 96, &dev), &expected);
+    assert_fails(
+        BlockMask::strided(256, 256, 64, 0, &dev),
+        &["stride:", ">= 1", "got 0"],
+    );
+    Ok(())
+}
+
+#[test]
+fn block_mask_of_wrong_dtype_or_rank() -> Result<()> {
+    use candle_flash::BlockMask;
+    for dtype in [DType::F32, DType::U32, DType::I64] {
+        let m = Tensor::ones((2, 2), dtype, &Device::Cpu)?;
+        let expected = ["mask:", "U8", &format!("{dtype:?}")];
+        assert_fails(BlockMask::new(&m, 64, 64), &expected);
+        assert_fails(BlockMask::from_dense(&m, 64, 64), &expected);
+    }
+    for shape in [vec![4], vec![1, 1, 2, 2]] {
+        let shown = format!("{shape:?}");
+        let expected = ["mask:", "rank 2", "rank 3", &shown];
+        assert_fails(BlockMask::new(&u8s(&shape), 64, 64), &expected);
+        assert_fails(BlockMask::from_dense(&u8s(&shape), 64, 64), &expected);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
 // Variable-length batches, padding helpers and dropout: one test per bad input.
 // ---------------------------------------------------------------------------------------------
 mod varlen_padding_dropout {
@@ -619,6 +770,35 @@ mod kvcache {
             };
             call.fails(&expected);
         }
+        Ok(())
+    }
+
+    #[test]
+    fn block_mask_is_rejected() -> Result<()> {
+        let mask = candle_flash::BlockMask::new(&u8s(&[1, 1]), 64, 64)?;
+        let call = Call {
+            opts: FlashAttn::new().causal(true).block_mask(&mask),
+            ..Call::new()
+        };
+        call.fails(&["block_mask:", "not supported", "KV-cache"]);
+        // Paged and the cache types too.
+        let pages = f32(&[6, 4, 2, 16]);
+        let (k_new, v_new) = (f32(&[2, 1, 2, 16]), f32(&[2, 1, 2, 16]));
+        let result = flash_attn_with_paged_kvcache(
+            &f32(&[2, 1, 4, 16]),
+            &pages,
+            &pages.copy()?,
+            Some((&k_new, &v_new)),
+            &[3, 5],
+            &[4, 1, 0, 5],
+            2,
+            &call.opts,
+        );
+        assert_fails(result, &["block_mask:", "not supported"]);
+        let mut cache = KvCache::new(2, 8, 2, 16, DType::F32, &Device::Cpu)?;
+        let result = cache.append_and_attend(&call.q, &k_new, &v_new, &call.opts);
+        assert_fails(result, &["block_mask:", "not supported"]);
+        assert_eq!(cache.lengths(), &[0, 0]);
         Ok(())
     }
 

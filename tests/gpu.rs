@@ -9,7 +9,7 @@
 //! (`attention_slow`) done in f16/bf16, plus 1e-5.
 //!
 //! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
-//! runs only those sections: fwd, bwd, mods (window, softcap, ALiBi), varlen (varlen,
+//! runs only those sections: fwd, bwd, mods (window, softcap, ALiBi), sparse (block-sparse), varlen (varlen,
 //! padding, dropout), kvcache, misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
 //! reliability, train (the fused training ops); `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
@@ -44,6 +44,9 @@ mod varlen_dropout;
 #[path = "gpu/kvcache.rs"]
 mod kvcache;
 
+#[cfg(feature = "cuda")]
+#[path = "gpu/block_sparse.rs"]
+mod block_sparse;
 #[cfg(feature = "cuda")]
 #[path = "gpu/mods.rs"]
 mod mods;
@@ -855,10 +858,11 @@ mod cuda_suite {
     type Section = fn(&Device, bool, &mut Suite);
 
     /// The sections in the order they run; `--only` picks among them.
-    const SECTIONS: [(&str, Section); 8] = [
+    const SECTIONS: [(&str, Section); 9] = [
         ("fwd", fwd_section),
         ("bwd", bwd_section),
         ("mods", crate::mods::run),
+        ("sparse", crate::block_sparse::run),
         ("varlen", crate::varlen_dropout::run),
         ("kvcache", crate::kvcache::run),
         ("misc", misc_section),

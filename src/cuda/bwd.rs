@@ -24,8 +24,8 @@ use half::{bf16, f16};
 
 use super::bwd_ws::{self, BwdWsBuffers, BwdWsShape};
 use super::{
-    alibi_ptr, device_facts, dtype_name, launch, lock_slopes, poison, seq_offsets, set_seq_offsets,
-    AttnParams, BwdParams, FwdTile,
+    device_facts, dtype_name, launch, lock_slopes, lock_sparse, locked_ptr, poison, seq_offsets,
+    set_seq_offsets, sparse_ptrs, AttnParams, BwdParams, FwdTile,
 };
 use crate::params::Problem;
 
@@ -329,8 +329,10 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         params.dk = grads_ptr + nq as u64 * elem;
         params.dv = grads_ptr + (nq + nkv) as u64 * elem;
         let slopes = lock_slopes(&problem.mods);
-        let (alibi, _slopes_sync) = alibi_ptr(&slopes, &stream)?;
+        let (alibi, _slopes_sync) = locked_ptr::<f32, _>(&slopes, &stream, "alibi_slopes")?;
         params.a.alibi_slopes = alibi;
+        let sparse = lock_sparse(&problem.mods);
+        let _sparse_syncs = sparse_ptrs(&mut params.a, &sparse, &stream)?;
         match path {
             BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, q.dtype()) => {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;

@@ -10,7 +10,7 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::{
-    alibi_ptr, device_ptr_opt, dtype_name, launch, launch_programmatic, lock_slopes, poison,
+    device_ptr_opt, dtype_name, launch, launch_programmatic, lock_slopes, locked_ptr, poison,
     rows_i32, stream_counters, strides3, to_device_i32, to_device_i32_shared, to_i32, AttnParams,
     FwdTile, SharedI32, StreamCounters,
 };
@@ -441,7 +441,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             None => (0, None),
         };
         let slopes = lock_slopes(&p.mods);
-        let (alibi, _slopes_sync) = alibi_ptr(&slopes, &stream)?;
+        let (alibi, _slopes_sync) = locked_ptr::<f32, _>(&slopes, &stream, "alibi_slopes")?;
         a.alibi_slopes = alibi;
         let params = DecodeParams {
             a: AttnParams {

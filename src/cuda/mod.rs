@@ -23,7 +23,7 @@ use candle::cuda_backend::cudarc::driver::{
 };
 use candle::cuda_backend::cudarc::nvrtc::Ptx;
 use candle::cuda_backend::{CudaDType, WrapErr};
-use candle::{bail, CudaStorage, DType, Layout, Result};
+use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
 use crate::params::Problem;
@@ -71,6 +71,14 @@ struct AttnParams {
     alibi_slopes: CUdeviceptr,
     alibi_batch_stride: i32,
     alibi_scale: f32,
+    block_mask: CUdeviceptr,
+    block_dense: CUdeviceptr,
+    block_head_stride: i64,
+    dense_head_stride: i64,
+    dense_row_stride: i64,
+    block_q: i32,
+    block_k: i32,
+    block_cols: i32,
     drop_threshold: u32,
     rp_keep: f32,
     seed_lo: u32,
@@ -160,15 +168,18 @@ impl AttnParams {
 }
 
 impl AttnParams {
-    /// Whether the scores are capped or biased (the slopes' pointer is set at launch).
+    /// Whether the scores are capped or biased, or a block mask applies (the pointers are set
+    /// at launch, the block sizes with the rest of the problem).
     fn has_mods(&self) -> bool {
-        self.softcap_pre != 0.0 || self.alibi_slopes != 0
+        self.softcap_pre != 0.0 || self.alibi_slopes != 0 || self.block_q != 0
     }
 
-    /// `_mods` for a problem with a softcap or ALiBi slopes: the wgmma kernels have variants
-    /// compiled with that code and variants without it (which spilled with it).
+    /// `_mods` for a problem with a softcap, ALiBi slopes or a block mask: the wgmma kernels
+    /// have variants compiled with that code and variants without it (which spilled with it).
     fn mods_suffix(&self) -> &'static str {
-        if self.has_mods() {
+        if self.block_q != 0 {
+            "_sparse"
+        } else if self.has_mods() {
             "_mods"
         } else {
             ""
@@ -201,32 +212,80 @@ impl AttnParams {
             self.alibi_scale = 1.0 / self.scale;
             self.alibi_batch_stride = if a.per_batch { self.h } else { 0 };
         }
+        if let Some(m) = &mods.sparse {
+            // Checked against the call (BlockMask::check): (1 or h, rows, cols) blocks cover
+            // (sq, sk) in blocks of at least 64, so every value fits in i32 but the head
+            // strides of the element mask.
+            let (heads, rows, cols) = m.states().dims3().unwrap_or((1, 0, 0));
+            let (bq, bk) = m.block_size();
+            (self.block_q, self.block_k, self.block_cols) = (bq as i32, bk as i32, cols as i32);
+            self.block_head_stride = if heads == 1 { 0 } else { (rows * cols) as i64 };
+            if let Some(d) = m.dense() {
+                let (_, dq, dk) = d.dims3().unwrap_or((1, 0, 0));
+                self.dense_row_stride = dk as i64;
+                self.dense_head_stride = if heads == 1 { 0 } else { (dq * dk) as i64 };
+            }
+        }
     }
 }
 
-/// Read-locks the ALiBi slopes of `mods`, if any, for [`alibi_ptr`]: held while the kernels
-/// that read them are queued.
-fn lock_slopes(
-    mods: &ScoreMods,
+/// Read-locks a tensor the kernels read besides the inputs, for [`locked_ptr`].
+fn lock_tensor(
+    t: Option<&Tensor>,
 ) -> Option<(impl std::ops::Deref<Target = candle::Storage> + '_, &Layout)> {
-    mods.alibi.as_ref().map(|a| a.slopes.storage_and_layout())
+    t.map(|t| t.storage_and_layout())
 }
 
-/// The device address for `AttnParams::alibi_slopes` (0 without slopes) and the stream
-/// ordering of that read, kept until the launches are queued.
-fn alibi_ptr<'a, G: std::ops::Deref<Target = candle::Storage>>(
+/// The device address of a tensor locked by [`lock_tensor`] (0 for none) and the stream
+/// ordering of that read, kept until the launches are queued. `name` is the option's.
+fn locked_ptr<'a, T: CudaDType + 'static, G: std::ops::Deref<Target = candle::Storage>>(
     guard: &'a Option<(G, &Layout)>,
     stream: &'a CudaStream,
+    name: &str,
 ) -> Result<(CUdeviceptr, Option<SyncOnDrop<'a>>)> {
     let Some((storage, layout)) = guard else {
         return Ok((0, None));
     };
     let candle::Storage::Cuda(cs) = &**storage else {
-        bail!("alibi_slopes: expected a CUDA tensor (the inputs' device)")
+        bail!("{name}: expected a CUDA tensor (the inputs' device)")
     };
-    let view = cs.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
+    let view = cs.as_cuda_slice::<T>()?.slice(layout.start_offset()..);
     let (ptr, sync) = view.view_ptr(stream);
     Ok((ptr, Some(sync)))
+}
+
+/// The block mask's states and element mask, locked while the kernels that read them are
+/// queued; see [`sparse_ptrs`].
+type SparseLocks<'a, G> = (Option<(G, &'a Layout)>, Option<(G, &'a Layout)>);
+
+fn lock_sparse(
+    mods: &ScoreMods,
+) -> SparseLocks<'_, impl std::ops::Deref<Target = candle::Storage> + '_> {
+    let m = mods.sparse.as_ref();
+    (
+        lock_tensor(m.map(crate::BlockMask::states)),
+        lock_tensor(m.and_then(crate::BlockMask::dense)),
+    )
+}
+
+/// Sets `block_mask` and `block_dense` from [`lock_sparse`]'s locks; the syncs returned are
+/// kept until the launches are queued.
+fn sparse_ptrs<'a, G: std::ops::Deref<Target = candle::Storage>>(
+    params: &mut AttnParams,
+    locks: &'a SparseLocks<'a, G>,
+    stream: &'a CudaStream,
+) -> Result<[Option<SyncOnDrop<'a>>; 2]> {
+    let (blocks, blocks_sync) = locked_ptr::<u8, G>(&locks.0, stream, "block_mask")?;
+    let (dense, dense_sync) = locked_ptr::<u8, G>(&locks.1, stream, "block_mask")?;
+    (params.block_mask, params.block_dense) = (blocks, dense);
+    Ok([blocks_sync, dense_sync])
+}
+
+/// Read-locks the ALiBi slopes of `mods`, if any, for [`locked_ptr`].
+fn lock_slopes(
+    mods: &ScoreMods,
+) -> Option<(impl std::ops::Deref<Target = candle::Storage> + '_, &Layout)> {
+    lock_tensor(mods.alibi.as_ref().map(|a| &a.slopes))
 }
 
 /// `xs` on the device as the i32 the kernels read (offsets, lengths, block tables).
@@ -919,25 +978,28 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         (params.q, params.k, params.v, params.o, params.lse) =
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
         let slopes = lock_slopes(&problem.mods);
-        let (alibi, _slopes_sync) = alibi_ptr(&slopes, &stream)?;
+        let (alibi, _slopes_sync) = locked_ptr::<f32, _>(&slopes, &stream, "alibi_slopes")?;
         params.alibi_slopes = alibi;
+        let sparse = lock_sparse(&problem.mods);
+        let _sparse_syncs = sparse_ptrs(&mut params, &sparse, &stream)?;
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
         // Its tile index is a 32-bit int.
-        let ws = match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal, params.has_mods()) {
-            Some(shape)
-                if !dropout
-                    && problem.varlen.is_none()
-                    && s.sq.div_ceil(shape.bm()) * s.h * s.b <= i32::MAX as usize
-                    && use_ws(&dev)? =>
-            {
-                tma::fwd_params(&params, q.dtype(), &shape).map(|p| (shape, p))
-            }
-            _ => None,
-        };
+        let ws =
+            match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal, params.mods_suffix()) {
+                Some(shape)
+                    if !dropout
+                        && problem.varlen.is_none()
+                        && s.sq.div_ceil(shape.bm()) * s.h * s.b <= i32::MAX as usize
+                        && use_ws(&dev)? =>
+                {
+                    tma::fwd_params(&params, q.dtype(), &shape).map(|p| (shape, p))
+                }
+                _ => None,
+            };
         if let Some((shape, mut ws_params)) = ws {
             let tiles = s.sq.div_ceil(shape.bm()) * s.h * s.b;
-            let masked = params.window_left >= 0 || params.window_right >= 0;
+            let masked = params.window_left >= 0 || params.window_right >= 0 || params.block_q != 0;
             let (blocks, dynamic) = tma::WsShape::grid(tiles, device_facts(&dev)?.sms, masked);
             // Locked (only for the dynamic schedule) until the launch is queued: see
             // StreamCounters. The counter, then 16 bytes per block

@@ -127,14 +127,15 @@ impl WsShape {
     /// forces one of the compiled variants where it exists (`base` the 128 x 128 / 128 x 64
     /// ones; read once; A/B runs).
     ///
-    /// With a softcap or ALiBi slopes (`mods`), the one shape per head dim compiled with that
-    /// code (`_mods`): d = 64 192 x 128, d = 128 128 x 128, d = 256 128 x 80.
+    /// With a softcap or ALiBi slopes (`mods` = `_mods`), or a block mask (`_sparse`), the one
+    /// shape per head dim compiled with that code: d = 64 192 x 128, d = 128 128 x 128,
+    /// d = 256 128 x 80.
     pub fn choose(
         d: usize,
         seqlen_q: usize,
         seqlen_k: usize,
         causal: bool,
-        mods: bool,
+        mods: &'static str,
     ) -> Option<Self> {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
@@ -145,10 +146,12 @@ impl WsShape {
             return None;
         }
         let (consumers, bn, stages, suffix) = match (forced.as_str(), d) {
-            _ if mods => match d {
-                64 => (3, 128, 3, "_g3_mods"),
-                128 => (2, 128, 2, "_mods"),
-                256 => (2, 80, 2, "_n80_mods"),
+            _ if !mods.is_empty() => match (d, mods) {
+                (64, "_mods") => (3, 128, 3, "_g3_mods"),
+                (64, _) => (3, 128, 3, "_g3_sparse"),
+                (128, _) => (2, 128, 2, mods),
+                (256, "_mods") => (2, 80, 2, "_n80_mods"),
+                (256, _) => (2, 80, 2, "_n80_sparse"),
                 _ => return None,
             },
             ("g3", 64) => (3, 128, 3, "_g3"),
