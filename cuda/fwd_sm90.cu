@@ -124,16 +124,17 @@ template <class K> __device__ __forceinline__ void flash_fwd_sm90(const AttnPara
     int nb_begin, nb_end;
     const int q_last = min(m0 + BM, seq.seqlen_q) - 1;
     f.mask.template key_blocks<BN>(m0, q_last, &nb_begin, &nb_end);
-    int nb = f.mask.template next_key_block<BN>(m0, q_last, nb_end, nb_begin);
+    int state, next_state;  // the tiles' sparse_state
+    int nb = f.mask.template next_key_block<BN>(m0, q_last, nb_end, nb_begin, &state);
     if (nb >= 0) f.load_kv(nb, 0);  // commits Q with the first tile
     // Last key tile first: under a causal mask only the first tiles need the mask.
-    for (int stage = 0, next; nb >= 0; nb = next, stage ^= 1) {
-        next = f.mask.template next_key_block<BN>(m0, q_last, nb, nb_begin);
+    for (int stage = 0, next; nb >= 0; nb = next, state = next_state, stage ^= 1) {
+        next = f.mask.template next_key_block<BN>(m0, q_last, nb, nb_begin, &next_state);
         cp_async_wait<0>();
         sm90::fence_proxy_async();
         __syncthreads();  // tile nb landed for everyone; everyone is done with the other stage
         if (next >= 0) f.load_kv(next, stage ^ 1);
-        if (f.mask.template block_needs_mask<BN>(m0, q_last, nb * BN))
+        if (f.mask.template block_needs_mask<BN>(m0, q_last, nb * BN, state))
             f.template step<true>(nb, stage);
         else
             f.template step<false>(nb, stage);

@@ -111,6 +111,7 @@ template <class K> struct Slot {
 // One work tile: query block m_block of head bidh of sequence bidb, and its key tiles.
 template <class K> struct WsTile {
     int m_block, bidh, bidb, bidh_k, m0, q_last, nb_begin, nb_end;
+    int last_state;  // the last key tile's sparse_state
     SeqInfo seq;
     Mask mask;
 
@@ -129,13 +130,13 @@ template <class K> struct WsTile {
         m0 = m_block * K::BM;
         q_last = min(m0 + K::BM, seq.seqlen_q) - 1;
         mask.template key_blocks<K::BN>(m0, q_last, &nb_begin, &nb_end);
-        nb_end = mask.template next_key_block<K::BN>(m0, q_last, nb_end, nb_begin) + 1;
+        nb_end = mask.template next_key_block<K::BN>(m0, q_last, nb_end, nb_begin, &last_state) + 1;
     }
     __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
-    // The key tile after nb (they go last first), -1 after the last: under a block mask,
-    // the producer and the consumers skip the same absent blocks.
-    __device__ __forceinline__ int next(int nb) const {
-        return mask.template next_key_block<K::BN>(m0, q_last, nb, nb_begin);
+    // The key tile after nb (they go last first), -1 after the last, and its sparse_state:
+    // under a block mask, the producer and the consumers skip the same absent blocks.
+    __device__ __forceinline__ int next(int nb, int* state = nullptr) const {
+        return mask.template next_key_block<K::BN>(m0, q_last, nb, nb_begin, state);
     }
 };
 
@@ -264,9 +265,9 @@ template <class K> struct WsConsumer {
         bool masked;
         uint64_t bits[1][2];
     };
-    __device__ __forceinline__ TileMask tile_mask(const WsTile<K>& w, int nb) const {
+    __device__ __forceinline__ TileMask tile_mask(const WsTile<K>& w, int nb, int state) const {
         TileMask m;
-        m.masked = w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN);
+        m.masked = w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN, state);
         if (w.mask.sparse && m.masked)
             w.mask.template sparse_bits<1, NT, false>(m.bits, w.m0 + warp_row0, nb * BN, lane);
         return m;
@@ -288,7 +289,7 @@ template <class K> struct WsConsumer {
     __device__ __forceinline__ void run(const WsTile<K>& w, int& it) {
         {
             const Slot<K> s0(it);
-            const TileMask m = tile_mask(w, w.nb_end - 1);
+            const TileMask m = tile_mask(w, w.nb_end - 1, w.last_state);
             float s[1][NT][4];
             tma::wait(sm.full_k(s0.st), s0.phase);
             take_turn();
@@ -302,10 +303,11 @@ template <class K> struct WsConsumer {
             softmax.update(s, o, p.scale_log2);
             pack_a<T, 1, NT>(s, pa);
         }
-        for (int nb = w.next(w.nb_end - 1); nb >= 0; nb = w.next(nb)) {
+        int state;  // of tile nb
+        for (int nb = w.next(w.nb_end - 1, &state); nb >= 0; nb = w.next(nb, &state)) {
             const Slot<K> prev(it), cur(it + 1);
             ++it;
-            const TileMask m = tile_mask(w, nb);
+            const TileMask m = tile_mask(w, nb, state);
             float s[1][NT][4];
             tma::wait(sm.full_k(cur.st), cur.phase);
             // V(j-1) came before K(j); waiting for it here keeps the two issues back to back

@@ -23,11 +23,9 @@ struct Mask {
     int head;     // the query head (the first of GQA-packed decode rows)
     float slope;  // its slope times alibi_scale
     bool sparse;  // a block mask (p.block_mask) applies
-    // The block mask of head 0 and its geometry, kept in registers: read through a pointer to
-    // the parameters, every tile's lookups waited on generic loads (a 100% mask cost 1.56x
-    // dense at d = 128 on the H200). The element mask, rarely read, stays behind `prm`.
-    const unsigned char* blocks;
-    int block_head_stride, block_q, block_k, block_cols;
+    // The block mask and its geometry are read from the parameters through `prm` when used:
+    // copied into fields, they cost the mma.sync kernels (run-time `sparse`) registers even
+    // without a block mask (sm_80 forward d = 128: 0 -> 124 bytes of spill).
     const AttnParams* prm;
 
     // Sequence b, query head h. Kernels compiled for a lower `mods` level (a compile-time
@@ -40,9 +38,7 @@ struct Mask {
                      ? nullptr
                      : p.alibi_slopes + int64_t(b) * p.alibi_batch_stride),
           alibi_scale(p.alibi_scale), head(h), slope(slopes == nullptr ? 0.f : slope_of(h)),
-          sparse(mods >= MODS_SPARSE && p.block_mask != nullptr), blocks(p.block_mask),
-          block_head_stride(int(p.block_head_stride)), block_q(p.block_q), block_k(p.block_k),
-          block_cols(p.block_cols), prm(&p) {}
+          sparse(mods >= MODS_SPARSE && p.block_mask != nullptr), prm(&p) {}
 
     // The same mask for query head h: the dK/dV kernels walk the heads of a GQA group.
     __device__ __forceinline__ Mask with_head(int h) const {
@@ -65,11 +61,12 @@ struct Mask {
         q_last = min(q_last, seqlen_k - offset - 1);
         n1 = min(n1, seqlen_k);
         if (q_last < q_first || n1 <= n0) return 0;
-        const unsigned char* head_blocks = blocks + h * block_head_stride;
+        const AttnParams& p = *prm;
+        const unsigned char* head_blocks = p.block_mask + h * p.block_head_stride;
         int any = 0, all = 1;
-        for (int r = q_first / block_q; r <= q_last / block_q; ++r)
-            for (int c = n0 / block_k; c <= (n1 - 1) / block_k; ++c) {
-                const int v = head_blocks[r * block_cols + c];
+        for (int r = q_first / p.block_q; r <= q_last / p.block_q; ++r)
+            for (int c = n0 / p.block_k; c <= (n1 - 1) / p.block_k; ++c) {
+                const int v = head_blocks[r * p.block_cols + c];
                 any |= v;
                 all &= v == 1;
             }
@@ -78,17 +75,23 @@ struct Mask {
 
     // The state of block (r, c) of this head.
     __device__ __forceinline__ int block_state(int r, int c) const {
-        return blocks[head * block_head_stride + r * block_cols + c];
+        return prm->block_mask[head * prm->block_head_stride + r * prm->block_cols + c];
     }
 
     // The key block below nb (of width BN, down to nb_begin) that queries [q_first, q_last]
     // need: nb - 1, or under a block mask the first one with a block present; -1 if none.
-    // Producers and consumers walk the same blocks through this.
+    // Producers and consumers walk the same blocks through this. `state`, if given, gets the
+    // block's sparse_state (1 without a block mask), for block_needs_mask.
     template <int BN>
-    __device__ __forceinline__ int next_key_block(int q_first, int q_last, int nb,
-                                                  int nb_begin) const {
-        for (--nb; nb >= nb_begin; --nb)
-            if (!sparse || sparse_state(q_first, q_last, nb * BN, nb * BN + BN) != 0) return nb;
+    __device__ __forceinline__ int next_key_block(int q_first, int q_last, int nb, int nb_begin,
+                                                  int* state = nullptr) const {
+        for (--nb; nb >= nb_begin; --nb) {
+            const int st = sparse ? sparse_state(q_first, q_last, nb * BN, nb * BN + BN) : 1;
+            if (st != 0) {
+                if (state != nullptr) *state = st;
+                return nb;
+            }
+        }
         return -1;
     }
 
@@ -127,11 +130,14 @@ struct Mask {
 
     // Whether any pair of queries [q_first, q_last] x keys [n0, n0 + BN) is masked; the
     // others run the loop body compiled without mask code.
+    // `state`: the tile's sparse_state if the caller has it (from next_key_block), else -1.
     template <int BN>
-    __device__ __forceinline__ bool block_needs_mask(int q_first, int q_last, int n0) const {
+    __device__ __forceinline__ bool block_needs_mask(int q_first, int q_last, int n0,
+                                                     int state = -1) const {
         return n0 + BN > seqlen_k || (right >= 0 && n0 + BN - 1 > q_first + offset + right) ||
                (left >= 0 && n0 < q_last + offset - left) ||
-               (sparse && sparse_state(q_first, q_last, n0, n0 + BN) == 2);
+               (sparse &&
+                (state >= 0 ? state : sparse_state(q_first, q_last, n0, n0 + BN)) == 2);
     }
 
     // Applies the softcap and the ALiBi bias (if any) to a warp's S accumulators, then, if
@@ -178,8 +184,9 @@ struct Mask {
                     }
                 if (sparse) {
                     const uint64_t seen =
-                        bits != nullptr ? bits[mt][r]
-                                        : sparse_row<NT, TRANSPOSED>(row / rows_per_query, col0, t);
+                        bits != nullptr
+                            ? bits[mt][r]
+                            : sparse_row_lean<NT, TRANSPOSED>(row / rows_per_query, col0, t);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -215,8 +222,8 @@ struct Mask {
         const int seqlen_q = seqlen_k - offset;
         const int row_len = TRANSPOSED ? seqlen_k : seqlen_q;
         const int col_len = TRANSPOSED ? seqlen_q : seqlen_k;
-        const int row_block = TRANSPOSED ? block_k : block_q;
-        const int col_block = TRANSPOSED ? block_q : block_k;
+        const int row_block = TRANSPOSED ? prm->block_k : prm->block_q;
+        const int col_block = TRANSPOSED ? prm->block_q : prm->block_k;
         if (row >= row_len) return 0;
         const int rb = row / row_block;
         const int col_end = min(col0 + NT * 8, col_len);
@@ -238,6 +245,23 @@ struct Mask {
                      (TRANSPOSED ? dense_visible(col, row) : dense_visible(row, col))))
                     seen |= uint64_t(1) << j;
             }
+        }
+        return seen;
+    }
+
+    // sparse_row entry by entry, for `apply` in the mma.sync kernels (their `sparse` is a
+    // run-time test, and they call it with S live): sparse_row's block-by-block form made
+    // the sm_80 forward at d = 128 spill 72 bytes where this one spills none.
+    template <int NT, bool TRANSPOSED>
+    __device__ __forceinline__ uint64_t sparse_row_lean(int row, int col0, int t) const {
+        uint64_t seen = 0;
+#pragma unroll 1
+        for (int j = 0; j < 2 * NT; ++j) {
+            const int col = col0 + (j / 2) * 8 + 2 * t + j % 2;
+            const int q = TRANSPOSED ? col : row, k = TRANSPOSED ? row : col;
+            if (q >= seqlen_k - offset || k >= seqlen_k) continue;
+            const int state = block_state(q / prm->block_q, k / prm->block_k);
+            if (state == 1 || (state == 2 && dense_visible(q, k))) seen |= uint64_t(1) << j;
         }
         return seen;
     }
