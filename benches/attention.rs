@@ -602,7 +602,18 @@ impl Bench {
             "mask", "hd", "seqlen", "batch", "pass", "ms", "TFLOP/s", "vs dense", "ideal"
         );
         let dev = self.dev.clone();
+        // `CANDLE_FLASH_BENCH_SPARSE=HD/DENSITY` (profiling): that head dim and one random mask.
+        let only: Option<(usize, f64)> =
+            std::env::var("CANDLE_FLASH_BENCH_SPARSE")
+                .ok()
+                .and_then(|v| {
+                    let (hd, density) = v.split_once('/')?;
+                    Some((hd.parse().ok()?, density.parse().ok()?))
+                });
         for (hd, seqlen, heads) in [(128, 16384, 16), (64, 16384, 32), (256, 16384, 8)] {
+            if only.is_some_and(|(h, _)| h != hd) {
+                continue;
+            }
             let case = Case {
                 hd,
                 seqlen,
@@ -641,19 +652,23 @@ impl Bench {
                     128,
                 )
             };
-            let masks: Vec<(String, Result<BlockMask>)> = vec![
-                ("random 10%".into(), random(0.1)),
-                ("random 50%".into(), random(0.5)),
-                ("random 100%".into(), random(1.0)),
-                (
-                    "butterfly".into(),
-                    BlockMask::butterfly(seqlen, seqlen, 128, &dev),
-                ),
-                (
-                    "local 3 + global 1".into(),
-                    BlockMask::local_global(seqlen, seqlen, 128, 3, 1, &dev),
-                ),
-            ];
+            let masks: Vec<(String, Result<BlockMask>)> = if let Some((_, density)) = only {
+                vec![(format!("random {:.0}%", density * 100.0), random(density))]
+            } else {
+                vec![
+                    ("random 10%".into(), random(0.1)),
+                    ("random 50%".into(), random(0.5)),
+                    ("random 100%".into(), random(1.0)),
+                    (
+                        "butterfly".into(),
+                        BlockMask::butterfly(seqlen, seqlen, 128, &dev),
+                    ),
+                    (
+                        "local 3 + global 1".into(),
+                        BlockMask::local_global(seqlen, seqlen, 128, 3, 1, &dev),
+                    ),
+                ]
+            };
             let mut variants = vec![("dense".to_string(), FlashAttn::new(), 1.0)];
             for (name, mask) in masks {
                 match mask.and_then(|m| Ok((m.density()?, m))) {

@@ -42,10 +42,16 @@ template <typename T> __device__ __forceinline__ void flash_bwd_dsum(const BwdPa
         flash_bwd_dsum<T>(bp);                                                                \
     }
 
+// `_sparse`: the dK/dV kernel that runs under a block mask (on Ampere and Ada, and Hopper's
+// mma.sync paths, the block mask takes this separate path).
 #define FLASH_BWD(NAME, T, D)                                                                 \
     extern "C" __global__ void __launch_bounds__(BwdConfig<T, D>::Kv::THREADS, 1)             \
         flash_bwd_dkdv_##NAME##_d##D(const __grid_constant__ BwdParams bp) {                  \
         flash_bwd_dkdv<BwdConfig<T, D>::Kv>(bp);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdConfig<T, D>::Kv::THREADS, 1)             \
+        flash_bwd_dkdv_##NAME##_d##D##_sparse(const __grid_constant__ BwdParams bp) {         \
+        flash_bwd_dkdv<BwdConfig<T, D>::Kv, true, MODS_SPARSE>(bp);                           \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(BwdConfig<T, D>::Q::THREADS, 1)              \
         flash_bwd_dq_##NAME##_d##D(const __grid_constant__ BwdParams bp) {                    \
@@ -122,6 +128,10 @@ FLASH_BWD_ALL(bf16, __nv_bfloat16)
     extern "C" __global__ void __launch_bounds__(BwdKvSmall256<T>::Kv::THREADS, 1)            \
         flash_bwd_dkdv_##NAME##_d256_s16(const __grid_constant__ BwdParams bp) {              \
         flash_bwd_dkdv<BwdKvSmall256<T>::Kv>(bp);                                             \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdKvSmall256<T>::Kv::THREADS, 1)            \
+        flash_bwd_dkdv_##NAME##_d256_s16_sparse(const __grid_constant__ BwdParams bp) {       \
+        flash_bwd_dkdv<BwdKvSmall256<T>::Kv, true, MODS_SPARSE>(bp);                          \
     }
 #ifndef CANDLE_FLASH_ONLY_BF16
 FLASH_BWD_SMALL256(f16, __half)

@@ -16,8 +16,9 @@
 #include "softmax.cuh"
 
 // MAYBE_DROPOUT = false compiles the dropout code out (it costs registers in the loop) for
-// launches without dropout.
-template <class K, bool MAYBE_DROPOUT = true>
+// launches without dropout. MODS: MODS_SCORES, or MODS_SPARSE for the `_sparse` kernels, the
+// only ones a block mask runs (its walk cost the others up to 48 bytes of spill, sm_80).
+template <class K, bool MAYBE_DROPOUT = true, int MODS = MODS_SCORES>
 __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     using T = typename K::T;
     constexpr int D = K::D, DO = K::DO, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
@@ -58,7 +59,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     float dk[MT][DOT][4], dv[MT][DOT][4];
     zero(dk);
     zero(dv);
-    const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio);
+    const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, MODS);
     const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);  // (bidh, m0) follows it
     const auto load_q_do = [&](int bidh, int m0, int stage) {
         const T* q = static_cast<const T*>(p.q) +
@@ -141,7 +142,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
         // Two calls with constant `masked`, not one with the test as argument: that one
         // spilled 36 bytes at d = 224 (ptxas -v, sm_80).
-        if (mask.with_head(bidh).template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
+        // The block mask is per query head; the rest of block_needs_mask is not.
+        if ((MODS & MODS_BLOCKS ? mask.with_head(bidh) : mask)
+                .template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
             mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane, true);
         else
             mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + warp_row0, m0, lane, false);

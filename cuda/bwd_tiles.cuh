@@ -2,7 +2,7 @@
 // query head of the GQA group, since each adds to this K/V head's dK and dV (Algorithm 2,
 // line 21's sum), and within a head every query block that can see the keys. Tiles are
 // numbered 0, 1, ... head-major; `next` steps a (query head, first row) cursor along them,
-// past the tiles a block mask leaves out.
+// past the tiles a block mask leaves out (jumping with its skip table).
 #pragma once
 #include "mask.cuh"
 #include "params.cuh"
@@ -11,12 +11,13 @@ template <int BM, int BN> struct QueryTiles {
     int n0;                // the key block's first key
     int head0, head_end;   // the group's query heads
     int total;             // tiles of the window's query blocks in all heads
-    int count;             // those to visit (all of them without a block mask)
+    int count;             // those to visit (all of them without a block mask; see below)
     int m0_begin, m0_end;  // first row of the first visible query block, one past the last
 
-    // `mask`: the group's first query head's.
+    // `mask`: the group's first query head's. Under a block mask, `count` costs a walk of
+    // the tiles (`counted`); the warp-specialized kernel, which walks with next_index, skips it.
     __device__ __forceinline__ QueryTiles(const Mask& mask, const AttnParams& p, int n0_,
-                                          int seqlen_q)
+                                          int seqlen_q, bool counted = true)
         : n0(n0_), head0(mask.head), head_end(mask.head + p.h_h_k_ratio) {
         int mb_begin, mb_end;
         mask.template query_blocks<BM, BN>(n0, seqlen_q, &mb_begin, &mb_end);
@@ -24,37 +25,66 @@ template <int BM, int BN> struct QueryTiles {
         m0_begin = mb_begin * BM;
         m0_end = mb_end * BM;
         count = total;
-        if (mask.sparse && total > 0) {
+        if (mask.sparse && counted && total > 0) {
             count = 0;
             for (int h = head0; h < head_end; ++h)
-                for (int m0 = m0_begin; m0 < m0_end; m0 += BM) count += active(mask, h, m0);
+                for (int m0 = skip(mask, h, m0_begin); m0 < m0_end; m0 = skip(mask, h, m0 + BM))
+                    ++count;
         }
     }
 
-    // Whether the block mask keeps any of tile (bidh, m0) x this key block. The methods take
-    // the mask as an argument: a reference member put the kernels' Mask in local memory.
-    __device__ __forceinline__ bool active(const Mask& mask, int bidh, int m0) const {
-        return !mask.sparse || mask.sparse_state_of(bidh, m0, m0 + BM - 1, n0, n0 + BN) != 0;
+    // The first tile at or after (bidh, m0) that the block mask keeps (m0_end if none in this
+    // head). The methods take the mask as an argument: a reference member put the kernels'
+    // Mask in local memory.
+    __device__ __forceinline__ int skip(const Mask& mask, int bidh, int m0) const {
+        return mask.sparse ? mask.template next_present_tile<BM>(bidh, n0, n0 + BN, m0, m0_end)
+                           : m0;
     }
 
     // The first tile to visit (count > 0).
     __device__ __forceinline__ void first(const Mask& mask, int& bidh, int& m0) const {
         bidh = head0;
         m0 = m0_begin;
-        while (!active(mask, bidh, m0)) step(bidh, m0);
+        if (mask.sparse) {
+            m0 = skip(mask, bidh, m0);
+            settle(mask, bidh, m0);
+        }
     }
 
     // The tile to visit after (bidh, m0); past the last, a head outside the group.
     __device__ __forceinline__ void next(const Mask& mask, int& bidh, int& m0) const {
-        step(bidh, m0);
-        while (bidh < head_end && !active(mask, bidh, m0)) step(bidh, m0);
+        if (!mask.sparse) {
+            m0 += BM;
+            if (m0 == m0_end) {
+                m0 = m0_begin;
+                ++bidh;
+            }
+            return;
+        }
+        m0 = skip(mask, bidh, m0 + BM);
+        settle(mask, bidh, m0);
     }
 
-    __device__ __forceinline__ void step(int& bidh, int& m0) const {
-        m0 += BM;
-        if (m0 == m0_end) {
+    // Past a head's last tile: the next head's first kept tile.
+    __device__ __forceinline__ void settle(const Mask& mask, int& bidh, int& m0) const {
+        while (m0 >= m0_end) {
             m0 = m0_begin;
-            ++bidh;
+            if (++bidh == head_end) return;
+            m0 = skip(mask, bidh, m0);
         }
+    }
+
+    // Tiles are numbered head-major from 0 to total: the number of the first kept one at or
+    // after j, total if none (for the warp-specialized kernel's walk, which starts anywhere).
+    __device__ __forceinline__ int next_index(const Mask& mask, int j) const {
+        if (!mask.sparse || j >= total) return min(j, total);
+        const int per_head = (m0_end - m0_begin) / BM;
+        int head = j / per_head;
+        int m0 = skip(mask, head0 + head, m0_begin + (j - head * per_head) * BM);
+        while (m0 >= m0_end) {
+            if (++head == head_end - head0) return total;
+            m0 = skip(mask, head0 + head, m0_begin);
+        }
+        return head * per_head + (m0 - m0_begin) / BM;
     }
 };

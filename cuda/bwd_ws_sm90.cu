@@ -121,7 +121,8 @@ template <class K> struct BwdWsBlock {
 
     __device__ __forceinline__ explicit BwdWsBlock(const AttnParams& p)
         : n0(blockIdx.x * K::BN), bidh_k(blockIdx.y), bidb(blockIdx.z), seq(p, bidb),
-          mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS), tiles(mask, p, n0, seq.seqlen_q) {}
+          mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS),
+          tiles(mask, p, n0, seq.seqlen_q, false) {}
 
     // Index of query tile (bidh, m0) in the tiled statistics and dq_accum.
     __device__ __forceinline__ int64_t tile_index(const BwdTmaParams& P, int bidh, int m0) const {
@@ -140,14 +141,32 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
                                             F&& f) {
     const int per_head = (blk.tiles.m0_end - blk.tiles.m0_begin) / K::BM;
     const int h0 = blk.bidh_k * P.b.a.h_h_k_ratio, total = blk.tiles.total;
-    int j = total > 0 ? blockIdx.x % total : 0;
+    const int start = total > 0 ? blockIdx.x % total : 0;
+    if (!blk.mask.sparse) {
+        int j = start;
 #pragma unroll 1
-    for (int i = 0; i < total; ++i) {
+        for (int i = 0; i < total; ++i) {
+            const int head = j / per_head;
+            const int m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
+            f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
+            if (++j == total) j = 0;
+        }
+        return;
+    }
+    // Under a block mask (the `_sparse` kernels: a compile-time branch) the kept tiles only,
+    // jumping past the others: from `start` to the end, then from 0 to `start`. One call site
+    // of `f`, as the consumers' is the whole tile's work.
+    bool wrapped = false;
+#pragma unroll 1
+    for (int j = blk.tiles.next_index(blk.mask, start);; j = blk.tiles.next_index(blk.mask, j + 1)) {
+        if (j == total && !wrapped) {
+            j = blk.tiles.next_index(blk.mask, 0);
+            wrapped = true;
+        }
+        if (wrapped && j >= start) break;
         const int head = j / per_head;
         const int m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
-        // Tiles a block mask leaves out: no role visits them.
-        if (blk.tiles.active(blk.mask, h0 + head, m0)) f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
-        if (++j == total) j = 0;
+        f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
     }
 }
 
@@ -226,7 +245,7 @@ template <class K> struct BwdWsConsumer {
         // before, d = 128 spilled 12 bytes).
         const Mask head_mask = blk.mask.with_head(bidh);
         const int row0 = blk.n0 + group * 64 + wrow;
-        constexpr bool EARLY = K::MODS == MODS_SPARSE;
+        constexpr bool EARLY = (K::MODS & MODS_BLOCKS) != 0;
         bool masked = false;
         uint64_t bits[1][2];
         if constexpr (EARLY) {
@@ -418,7 +437,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
         tma::fence_barrier_init();
     }
     __syncthreads();
-    const bool any = blk.tiles.count > 0;  // no query sees these keys: dK = dV = 0
+    // No query sees these keys: dK = dV = 0.
+    const bool any = blk.tiles.next_index(blk.mask, 0) < blk.tiles.total;
 
     if (warpgroup == 0) {
         tma::regs_dealloc<K::PRODUCER_REGS>();

@@ -170,13 +170,17 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         if (slot != nullptr) tma::load_bulk(sm.tile(), slot, 16, sm.full_q());
         if (last) return;
         if (q) tma::load_tile<K::BM, K::D / 64>(sm.q(), P.q, sm.full_q(), w.m0, w.bidh, w.bidb);
-        for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1; nb >= 0; nb = w.next(nb), ++it) {
+        for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next; nb >= 0; nb = next, ++it) {
             const Slot<K> s(it);
             // K, then V, each into its slot once the consumers released it.
             tma::wait(sm.empty_k(s.st), s.phase ^ 1);
             tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
             tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st), nb * K::BN,
                                              w.bidh_k, w.bidb);
+            // The next tile here, while V's slot is still in use: under a block mask, its
+            // skip-table read after V's load delayed the next K (two slots leave no slack
+            // for it: hd 128, all blocks kept, 1.42x the time of dense attention).
+            next = w.next(nb);
             tma::wait(sm.empty_v(s.st), s.phase ^ 1);
             tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
             tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st), nb * K::BN,
@@ -304,7 +308,8 @@ template <class K> struct WsConsumer {
             pack_a<T, 1, NT>(s, pa);
         }
         int state;  // of tile nb
-        for (int nb = w.next(w.nb_end - 1, &state); nb >= 0; nb = w.next(nb, &state)) {
+        for (int nb = w.next(w.nb_end - 1, &state), next_nb, next_state; nb >= 0;
+             nb = next_nb, state = next_state) {
             const Slot<K> prev(it), cur(it + 1);
             ++it;
             const TileMask m = tile_mask(w, nb, state);
@@ -319,6 +324,10 @@ template <class K> struct WsConsumer {
             issue_s(s, cur.st);
             issue_pv(prev.st);
             pass_turn();
+            // The tile after this one, under the matmuls: under a block mask its skip-table
+            // reads took their latency between the tiles (hd 128, all blocks kept: 1.43x the
+            // time of dense attention).
+            next_nb = w.next(nb, &next_state);
             sm90::wait<WS_WAIT_S>();
             sm90::fence_operand(s[0]);
             release(sm.empty_k(cur.st));
@@ -430,18 +439,15 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
 #define FLASH_FWD_WS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                         \
     FLASH_FWD_WS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
     FLASH_FWD_WS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)
-#define FLASH_FWD_WS_MODS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS)                          \
+// `_mods` (MODS_SCORES) and `_sparse` (MODS_SPARSE) kernels.
+#define FLASH_FWD_WS_MODS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)      \
     extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
-        flash_fwd_ws_##NAME##_d##D##SUFFIX##_mods(const __grid_constant__ FwdTmaParams p) {    \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_SCORES>>(p);            \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
-        flash_fwd_ws_##NAME##_d##D##SUFFIX##_sparse(const __grid_constant__ FwdTmaParams p) {  \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_SPARSE>>(p);            \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX##LEVEL_SUFFIX(const __grid_constant__ FwdTmaParams p) { \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, LEVEL>>(p);                  \
     }
-#define FLASH_FWD_WS_MODS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS)                              \
-    FLASH_FWD_WS_MODS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS)                          \
-    FLASH_FWD_WS_MODS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS)
+#define FLASH_FWD_WS_MODS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)         \
+    FLASH_FWD_WS_MODS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)     \
+    FLASH_FWD_WS_MODS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)
 
 #ifndef CANDLE_FLASH_WS_PINGPONG
 #define CANDLE_FLASH_WS_PINGPONG true  // -DCANDLE_FLASH_WS_PINGPONG=false: the A/B build
@@ -455,6 +461,11 @@ FLASH_FWD_WS_BOTH(256, , 64, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 FLASH_FWD_WS_BOTH(256, _n80, 80, 2, 2, CANDLE_FLASH_WS_PINGPONG)
 // One shape per head dim with the cap and the bias, and with the block mask too
 // (WsShape::choose).
-FLASH_FWD_WS_MODS_BOTH(64, _g3, 128, 3, 3)
-FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2)
-FLASH_FWD_WS_MODS_BOTH(256, _n80, 80, 2, 2)
+FLASH_FWD_WS_MODS_BOTH(64, _g3, 128, 3, 3, MODS_SCORES, _mods)
+FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SCORES, _mods)
+FLASH_FWD_WS_MODS_BOTH(256, _n80, 80, 2, 2, MODS_SCORES, _mods)
+// d = 64 with two consumer warpgroups: the three of _g3 have 160 registers each, and its block
+// mask variant spilled 208 bytes (ran at 1.7x the time of dense attention with every block).
+FLASH_FWD_WS_MODS_BOTH(64, , 128, 3, 2, MODS_SPARSE, _sparse)
+FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SPARSE, _sparse)
+FLASH_FWD_WS_MODS_BOTH(256, _n80, 80, 2, 2, MODS_SPARSE, _sparse)

@@ -8,10 +8,12 @@
 #include "params.cuh"
 #include "seq_info.cuh"
 
-// What a kernel is compiled with (its MODS): the window and the key length alone, also the
-// softcap and ALiBi (entry points `_mods`), also the block mask (`_sparse`). The wgmma kernels
-// have a variant per level, as each level's code cost the plain kernels registers (spills).
-constexpr int MODS_NONE = 0, MODS_SCORES = 1, MODS_SPARSE = 2;
+// What a kernel is compiled with (its MODS), flags: MODS_SCORES the softcap and ALiBi (entry
+// points `_mods`), MODS_BLOCKS a block mask, always there (`_blocks`); MODS_SPARSE both
+// (`_sparse`); MODS_ANY everything, the block mask tested at run time (the mma.sync kernels).
+// The wgmma kernels have a variant per level, as each level's code cost the plain kernels
+// registers (spills).
+constexpr int MODS_NONE = 0, MODS_SCORES = 1, MODS_BLOCKS = 2, MODS_SPARSE = 3, MODS_ANY = 7;
 
 struct Mask {
     int seqlen_k;
@@ -31,14 +33,15 @@ struct Mask {
     // Sequence b, query head h. Kernels compiled for a lower `mods` level (a compile-time
     // constant: the host sends them no other problems) drop the code above it entirely.
     __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq, int b, int h,
-                                    int mods = MODS_SPARSE)
+                                    int mods = MODS_ANY)
         : seqlen_k(seq.seqlen_k), offset(seq.seqlen_k - seq.seqlen_q), left(p.window_left),
-          right(p.window_right), softcap_pre(mods >= MODS_SCORES ? p.softcap_pre : 0.f),
-          slopes(mods < MODS_SCORES || p.alibi_slopes == nullptr
+          right(p.window_right), softcap_pre(mods & MODS_SCORES ? p.softcap_pre : 0.f),
+          slopes(!(mods & MODS_SCORES) || p.alibi_slopes == nullptr
                      ? nullptr
                      : p.alibi_slopes + int64_t(b) * p.alibi_batch_stride),
           alibi_scale(p.alibi_scale), head(h), slope(slopes == nullptr ? 0.f : slope_of(h)),
-          sparse(mods >= MODS_SPARSE && p.block_mask != nullptr), prm(&p) {}
+          sparse((mods & MODS_BLOCKS) && (mods != MODS_ANY || p.block_mask != nullptr)),
+          prm(&p) {}
 
     // The same mask for query head h: the dK/dV kernels walk the heads of a GQA group.
     __device__ __forceinline__ Mask with_head(int h) const {
@@ -64,8 +67,9 @@ struct Mask {
         const AttnParams& p = *prm;
         const unsigned char* head_blocks = p.block_mask + h * p.block_head_stride;
         int any = 0, all = 1;
-        for (int r = q_first / p.block_q; r <= q_last / p.block_q; ++r)
-            for (int c = n0 / p.block_k; c <= (n1 - 1) / p.block_k; ++c) {
+        const int c0 = p.block_k_div(n0), c1 = p.block_k_div(n1 - 1);
+        for (int r = p.block_q_div(q_first); r <= p.block_q_div(q_last); ++r)
+            for (int c = c0; c <= c1; ++c) {
                 const int v = head_blocks[r * p.block_cols + c];
                 any |= v;
                 all &= v == 1;
@@ -85,14 +89,51 @@ struct Mask {
     template <int BN>
     __device__ __forceinline__ int next_key_block(int q_first, int q_last, int nb, int nb_begin,
                                                   int* state = nullptr) const {
-        for (--nb; nb >= nb_begin; --nb) {
-            const int st = sparse ? sparse_state(q_first, q_last, nb * BN, nb * BN + BN) : 1;
-            if (st != 0) {
-                if (state != nullptr) *state = st;
-                return nb;
-            }
-        }
-        return -1;
+        --nb;
+        if (sparse) nb = last_present_tile<BN>(q_first, q_last, nb);
+        if (nb < nb_begin) return -1;
+        if (state != nullptr)
+            *state = sparse ? sparse_state(q_first, q_last, nb * BN, nb * BN + BN) : 1;
+        return nb;
+    }
+
+    // The last key block of width BN at or before nb that meets a block present for queries
+    // [q_first, q_last] (rows and keys past the sequence do not count); -1 if none. One
+    // read per block row of the skip table, however many absent blocks lie between.
+    template <int BN>
+    __device__ __forceinline__ int last_present_tile(int q_first, int q_last, int nb) const {
+        const AttnParams& p = *prm;
+        q_last = min(q_last, seqlen_k - offset - 1);
+        const int n1 = min(nb * BN + BN, seqlen_k);
+        if (nb < 0 || q_last < q_first || n1 <= 0) return -1;
+        const unsigned int* prev =
+            p.block_prev_col + head * p.block_head_stride + p.block_k_div(n1 - 1);
+        int c = 0;
+        for (int r = p.block_q_div(q_first); r <= p.block_q_div(q_last); ++r)
+            c = max(c, int(prev[r * p.block_cols]));
+        if (c-- == 0) return -1;
+        // Block c ends in or after the tiles of [.., n1): its last tile, or nb itself.
+        return min(nb, (min(c * p.block_k + p.block_k, seqlen_k) - 1) / BN);
+    }
+
+    // The first query block of height BM (a multiple of BM at or after m0, below m_end) of
+    // query head h that meets a block present for keys [n0, n1); m_end if none. The dK/dV
+    // loops' counterpart of last_present_tile.
+    template <int BM>
+    __device__ __forceinline__ int next_present_tile(int h, int n0, int n1, int m0,
+                                                     int m_end) const {
+        const AttnParams& p = *prm;
+        const int seqlen_q = seqlen_k - offset;
+        n1 = min(n1, seqlen_k);
+        if (n1 <= n0 || m0 >= min(m_end, seqlen_q)) return m_end;
+        const unsigned int* next =
+            p.block_next_row + h * p.block_head_stride + p.block_q_div(m0);
+        int r = p.block_rows;
+        for (int c = p.block_k_div(n0); c <= p.block_k_div(n1 - 1); ++c)
+            r = min(r, int(next[c * p.block_rows]));
+        const int q = r * p.block_q;  // the block's first query
+        if (q >= seqlen_q) return m_end;
+        return min(max(m0, q / BM * BM), m_end);
     }
 
     // Whether the element mask lets query q see key k (a block of state 2).
@@ -222,14 +263,14 @@ struct Mask {
         const int seqlen_q = seqlen_k - offset;
         const int row_len = TRANSPOSED ? seqlen_k : seqlen_q;
         const int col_len = TRANSPOSED ? seqlen_q : seqlen_k;
-        const int row_block = TRANSPOSED ? prm->block_k : prm->block_q;
         const int col_block = TRANSPOSED ? prm->block_q : prm->block_k;
         if (row >= row_len) return 0;
-        const int rb = row / row_block;
+        const int rb = TRANSPOSED ? prm->block_k_div(row) : prm->block_q_div(row);
         const int col_end = min(col0 + NT * 8, col_len);
         uint64_t seen = 0;
 #pragma unroll 1
-        for (int cb = col0 / col_block; cb * col_block < col_end; ++cb) {
+        for (int cb = TRANSPOSED ? prm->block_q_div(col0) : prm->block_k_div(col0);
+             cb * col_block < col_end; ++cb) {
             const int state = TRANSPOSED ? block_state(cb, rb) : block_state(rb, cb);
             if (state == 0) continue;
             const int lo = max(cb * col_block, col0), hi = min((cb + 1) * col_block, col_end);
@@ -260,7 +301,7 @@ struct Mask {
             const int col = col0 + (j / 2) * 8 + 2 * t + j % 2;
             const int q = TRANSPOSED ? col : row, k = TRANSPOSED ? row : col;
             if (q >= seqlen_k - offset || k >= seqlen_k) continue;
-            const int state = block_state(q / prm->block_q, k / prm->block_k);
+            const int state = block_state(prm->block_q_div(q), prm->block_k_div(k));
             if (state == 1 || (state == 2 && dense_visible(q, k))) seen |= uint64_t(1) << j;
         }
         return seen;

@@ -3,6 +3,17 @@
 #pragma once
 #include <cstdint>
 
+// n / d for 0 <= n < 2^31 with a multiply-high and a shift (Granlund and Montgomery 1994):
+// shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1, set by the host
+// (src/block_sparse.rs: fast_div, tested there against the division).
+struct FastDiv {
+    unsigned int mul;
+    int shift;
+    __device__ __forceinline__ int operator()(int n) const {
+        return int((__umulhi(unsigned(n), mul) + unsigned(n)) >> shift);
+    }
+};
+
 struct AttnParams {
     const void* q;   // (b, seqlen_q, h, d), or packed (total_q, h, d)
     const void* k;   // (b, seqlen_k, h_k, d), or packed (total_k, h_k, d)
@@ -53,8 +64,19 @@ struct AttnParams {
     // heads. Null block_mask: no block mask.
     const unsigned char* block_mask;
     const unsigned char* block_dense;
+    // Where loops jump past absent blocks (BlockMask's Skips), same head stride:
+    // block_prev_col[h * block_head_stride + r * block_cols + c] = 1 + the last present
+    // block at or before column c of row r (0: none); block_next_row[h * block_head_stride +
+    // c * block_rows + r] = the first present block at or after row r of column c (block_rows:
+    // none).
+    const unsigned int* block_prev_col;
+    const unsigned int* block_next_row;
     int64_t block_head_stride, dense_head_stride, dense_row_stride;
-    int block_q, block_k, block_cols;
+    int block_q, block_k, block_cols, block_rows;
+    // Divisions by block_q and block_k: every consumer thread divides per key tile, and the
+    // integer division (~20 instructions each) made the block-mask kernels issue 62% more
+    // instructions than the plain ones.
+    FastDiv block_q_div, block_k_div;
 
     // Dropout (src/philox.rs, cuda/philox.cuh): entry kept iff its Philox word >= threshold;
     // kept entries are scaled by rp_keep = 1 / (1 - p). threshold = 0 disables dropout.

@@ -186,21 +186,25 @@ fn bwd_override() -> Option<&'static str> {
 
 impl BwdPath {
     /// `smem`: the bytes of shared memory a block may use on the device; the 128-key shapes
-    /// (115 and 158 KB at d = 128) run only where they fit, the tall one first.
+    /// (115 and 158 KB at d = 128) run only where they fit, the tall one first. Under a block
+    /// mask (`sparse`) the mma.sync kernels run the separate path, whose dK/dV kernel has the
+    /// `_sparse` variant (the fused ones have none: the walk cost them registers).
     fn choose(
         tile: &BwdTile,
         deterministic: bool,
         dropout: bool,
+        sparse: bool,
         hopper: bool,
         smem: usize,
     ) -> Self {
         let env = bwd_override();
-        if deterministic || !tile.has_fused() || env == Some("separate") {
+        let wgmma = hopper && tile.has_fused_wide() && !dropout;
+        if deterministic || !tile.has_fused() || env == Some("separate") || (sparse && !wgmma) {
             Self::Separate
-        } else if hopper && tile.has_fused_wide() && !dropout && env.is_none() {
-            BwdWsShape::for_head_dim(tile.d).map_or(Self::Sm90, Self::Ws)
-        } else if hopper && tile.has_fused_wide() && !dropout && env == Some("sm90") {
+        } else if wgmma && env == Some("sm90") {
             Self::Sm90
+        } else if wgmma && (env.is_none() || sparse) {
+            BwdWsShape::for_head_dim(tile.d).map_or(Self::Sm90, Self::Ws)
         } else {
             let fits = |shape: FusedShape| {
                 let g = shape.geometry(tile);
@@ -307,6 +311,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         &tile,
         deterministic,
         dropout,
+        problem.mods.sparse.is_some(),
         // Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
         facts.hopper(),
         facts.smem,
@@ -393,7 +398,12 @@ fn run_path(
         BwdPath::Separate => {
             launch(
                 dev,
-                &format!("flash_bwd_dkdv_{dtype}_d{}{}", tile.d, tile.kv_suffix()),
+                &format!(
+                    "flash_bwd_dkdv_{dtype}_d{}{}{}",
+                    tile.d,
+                    tile.kv_suffix(),
+                    if params.a.block_q != 0 { "_sparse" } else { "" }
+                ),
                 (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
                 BwdTile::THREADS,
                 tile.kv_smem_bytes(),

@@ -73,12 +73,17 @@ struct AttnParams {
     alibi_scale: f32,
     block_mask: CUdeviceptr,
     block_dense: CUdeviceptr,
+    block_prev_col: CUdeviceptr,
+    block_next_row: CUdeviceptr,
     block_head_stride: i64,
     dense_head_stride: i64,
     dense_row_stride: i64,
     block_q: i32,
     block_k: i32,
     block_cols: i32,
+    block_rows: i32,
+    block_q_div: FastDiv,
+    block_k_div: FastDiv,
     drop_threshold: u32,
     rp_keep: f32,
     seed_lo: u32,
@@ -89,6 +94,22 @@ struct AttnParams {
 
 // SAFETY: plain-old-data with the C layout of `AttnParams`, passed by value as a kernel argument.
 unsafe impl DeviceRepr for AttnParams {}
+
+/// Mirror of `struct FastDiv` in `cuda/params.cuh`: division by a constant the kernels take
+/// as a multiply-high and a shift ([`crate::block_sparse::fast_div`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct FastDiv {
+    mul: u32,
+    shift: i32,
+}
+
+impl FastDiv {
+    fn new(d: usize) -> Self {
+        let (mul, shift) = crate::block_sparse::fast_div(d as u32);
+        Self { mul, shift }
+    }
+}
 
 /// Mirror of `struct BwdParams` in `cuda/params.cuh`.
 #[repr(C)]
@@ -218,7 +239,9 @@ impl AttnParams {
             // strides of the element mask.
             let (heads, rows, cols) = m.states().dims3().unwrap_or((1, 0, 0));
             let (bq, bk) = m.block_size();
-            (self.block_q, self.block_k, self.block_cols) = (bq as i32, bk as i32, cols as i32);
+            (self.block_q, self.block_k) = (bq as i32, bk as i32);
+            (self.block_cols, self.block_rows) = (cols as i32, rows as i32);
+            (self.block_q_div, self.block_k_div) = (FastDiv::new(bq), FastDiv::new(bk));
             self.block_head_stride = if heads == 1 { 0 } else { (rows * cols) as i64 };
             if let Some(d) = m.dense() {
                 let (_, dq, dk) = d.dims3().unwrap_or((1, 0, 0));
@@ -254,31 +277,36 @@ fn locked_ptr<'a, T: CudaDType + 'static, G: std::ops::Deref<Target = candle::St
     Ok((ptr, Some(sync)))
 }
 
-/// The block mask's states and element mask, locked while the kernels that read them are
-/// queued; see [`sparse_ptrs`].
-type SparseLocks<'a, G> = (Option<(G, &'a Layout)>, Option<(G, &'a Layout)>);
+/// The block mask's states, element mask and skip tables, locked while the kernels that read
+/// them are queued; see [`sparse_ptrs`].
+type SparseLocks<'a, G> = [Option<(G, &'a Layout)>; 4];
 
 fn lock_sparse(
     mods: &ScoreMods,
 ) -> SparseLocks<'_, impl std::ops::Deref<Target = candle::Storage> + '_> {
     let m = mods.sparse.as_ref();
-    (
+    [
         lock_tensor(m.map(crate::BlockMask::states)),
         lock_tensor(m.and_then(crate::BlockMask::dense)),
-    )
+        lock_tensor(m.map(|m| m.skips().0)),
+        lock_tensor(m.map(|m| m.skips().1)),
+    ]
 }
 
-/// Sets `block_mask` and `block_dense` from [`lock_sparse`]'s locks; the syncs returned are
-/// kept until the launches are queued.
+/// Sets the block mask's pointers from [`lock_sparse`]'s locks; the syncs returned are kept
+/// until the launches are queued.
 fn sparse_ptrs<'a, G: std::ops::Deref<Target = candle::Storage>>(
     params: &mut AttnParams,
     locks: &'a SparseLocks<'a, G>,
     stream: &'a CudaStream,
-) -> Result<[Option<SyncOnDrop<'a>>; 2]> {
-    let (blocks, blocks_sync) = locked_ptr::<u8, G>(&locks.0, stream, "block_mask")?;
-    let (dense, dense_sync) = locked_ptr::<u8, G>(&locks.1, stream, "block_mask")?;
+) -> Result<[Option<SyncOnDrop<'a>>; 4]> {
+    let (blocks, blocks_sync) = locked_ptr::<u8, G>(&locks[0], stream, "block_mask")?;
+    let (dense, dense_sync) = locked_ptr::<u8, G>(&locks[1], stream, "block_mask")?;
+    let (prev, prev_sync) = locked_ptr::<u32, G>(&locks[2], stream, "block_mask")?;
+    let (next, next_sync) = locked_ptr::<u32, G>(&locks[3], stream, "block_mask")?;
     (params.block_mask, params.block_dense) = (blocks, dense);
-    Ok([blocks_sync, dense_sync])
+    (params.block_prev_col, params.block_next_row) = (prev, next);
+    Ok([blocks_sync, dense_sync, prev_sync, next_sync])
 }
 
 /// Read-locks the ALiBi slopes of `mods`, if any, for [`locked_ptr`].

@@ -148,7 +148,7 @@ impl WsShape {
         let (consumers, bn, stages, suffix) = match (forced.as_str(), d) {
             _ if !mods.is_empty() => match (d, mods) {
                 (64, "_mods") => (3, 128, 3, "_g3_mods"),
-                (64, _) => (3, 128, 3, "_g3_sparse"),
+                (64, _) => (2, 128, 3, "_sparse"),
                 (128, _) => (2, 128, 2, mods),
                 (256, "_mods") => (2, 80, 2, "_n80_mods"),
                 (256, _) => (2, 80, 2, "_n80_sparse"),
