@@ -15,7 +15,7 @@ template <int BM, int BN> struct QueryTiles {
     int m0_begin, m0_end;  // first row of the first visible query block, one past the last
 
     // `mask`: the group's first query head's. Under a block mask, `count` costs a walk of
-    // the tiles (`counted`); the warp-specialized kernel, which walks with next_index, skips it.
+    // the tiles (`counted`); the warp-specialized kernel, which walks with seek, skips it.
     __device__ __forceinline__ QueryTiles(const Mask& mask, const AttnParams& p, int n0_,
                                           int seqlen_q, bool counted = true)
         : n0(n0_), head0(mask.head), head_end(mask.head + p.h_h_k_ratio) {
@@ -74,17 +74,14 @@ template <int BM, int BN> struct QueryTiles {
         }
     }
 
-    // Tiles are numbered head-major from 0 to total: the number of the first kept one at or
-    // after j, total if none (for the warp-specialized kernel's walk, which starts anywhere).
-    __device__ __forceinline__ int next_index(const Mask& mask, int j) const {
-        if (!mask.sparse || j >= total) return min(j, total);
-        const int per_head = (m0_end - m0_begin) / BM;
-        int head = j / per_head;
-        int m0 = skip(mask, head0 + head, m0_begin + (j - head * per_head) * BM);
+    // Moves (head, m0), head counted from the group's first, to the first kept tile at or
+    // after it; false if none is left in the group.
+    __device__ __forceinline__ bool seek(const Mask& mask, int& head, int& m0) const {
+        m0 = skip(mask, head0 + head, m0);
         while (m0 >= m0_end) {
-            if (++head == head_end - head0) return total;
+            if (++head == head_end - head0) return false;
             m0 = skip(mask, head0 + head, m0_begin);
         }
-        return head * per_head + (m0 - m0_begin) / BM;
+        return true;
     }
 };

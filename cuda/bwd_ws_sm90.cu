@@ -154,19 +154,25 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
         return;
     }
     // Under a block mask (the `_sparse` kernels: a compile-time branch) the kept tiles only,
-    // jumping past the others: from `start` to the end, then from 0 to `start`. One call site
-    // of `f`, as the consumers' is the whole tile's work.
+    // jumping past the others (seek): from `start` to the end, then from 0 to `start`. A
+    // (head, row) cursor, not the tile number, steps: per tile, a division by per_head
+    // cost more than the tile's skip-table read. One call site of `f`, as the consumers' is
+    // the whole tile's work.
+    if (total == 0) return;
     bool wrapped = false;
+    int head = start / per_head, m0 = blk.tiles.m0_begin + (start - head * per_head) * K::BM;
 #pragma unroll 1
-    for (int j = blk.tiles.next_index(blk.mask, start);; j = blk.tiles.next_index(blk.mask, j + 1)) {
-        if (j == total && !wrapped) {
-            j = blk.tiles.next_index(blk.mask, 0);
+    while (true) {
+        if (!blk.tiles.seek(blk.mask, head, m0)) {
+            if (wrapped) break;
             wrapped = true;
+            head = 0;
+            m0 = blk.tiles.m0_begin;
+            continue;
         }
-        if (wrapped && j >= start) break;
-        const int head = j / per_head;
-        const int m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
+        if (wrapped && head * per_head + (m0 - blk.tiles.m0_begin) / K::BM >= start) break;
         f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
+        m0 += K::BM;
     }
 }
 
@@ -438,7 +444,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     }
     __syncthreads();
     // No query sees these keys: dK = dV = 0.
-    const bool any = blk.tiles.next_index(blk.mask, 0) < blk.tiles.total;
+    int first_head = 0, first_m0 = blk.tiles.m0_begin;
+    const bool any = blk.tiles.total > 0 && blk.tiles.seek(blk.mask, first_head, first_m0);
 
     if (warpgroup == 0) {
         tma::regs_dealloc<K::PRODUCER_REGS>();
