@@ -57,7 +57,14 @@ struct WsTraits {
     static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
     // The next work tile's index (written by the producer before it fills Q) after them.
     static constexpr int TILE_OFFSET = (BAR_OFFSET + (2 + 4 * STAGES) * 8 + 15) / 16 * 16;
-    static constexpr int SMEM_BYTES = TILE_OFFSET + 16 + 1024;
+    // Under a block mask, per K slot its key tile (KeyInfo), written by the producer.
+    static constexpr int KEY_OFFSET = TILE_OFFSET + 16;
+    static constexpr int SMEM_BYTES = KEY_OFFSET + 16 + 1024;
+    // The consumers take their key tiles from the producer (KEY_OFFSET) rather than walk
+    // the block mask themselves: its reads and index arithmetic, in each of their threads,
+    // cost the d = 64 forward a third of its time with every block kept.
+    static constexpr bool KEYS_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0;
+    static_assert(STAGES <= 4, "one 4-byte KeyInfo per K slot");
     // Registers per thread after the hand-over. The launch gives each thread 65536 / THREADS
     // rounded down to 8 (168 or 128); the consumers can take what the producer gives up:
     // 128 x (168 - 40) / 256 -> 232 with two, 128 x (128 - 32) / 384 -> 160 with three. The
@@ -92,7 +99,21 @@ template <class K> struct WsSmem {
         return full_q() + 8 * (2 + 3 * K::STAGES + st);
     }
     __device__ __forceinline__ uint32_t tile() const { return base + K::TILE_OFFSET; }
+    __device__ __forceinline__ uint32_t key(int st) const { return base + K::KEY_OFFSET + 4 * st; }
 };
+
+// A key tile as the producer hands it over (K::KEYS_FROM_PRODUCER): its index, its
+// sparse_state and whether it is the work tile's last, in one word.
+struct KeyInfo {
+    int nb, state;
+    bool last;
+    __device__ __forceinline__ int pack() const { return nb << 3 | int(last) << 2 | state; }
+    __device__ __forceinline__ static KeyInfo unpack(int x) { return {x >> 3, x & 3, (x & 4) != 0}; }
+};
+
+__device__ __forceinline__ void st_shared(uint32_t addr, int v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 
 __device__ __forceinline__ int ld_shared(uint32_t addr) {
     int v;
@@ -170,17 +191,20 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         if (slot != nullptr) tma::load_bulk(sm.tile(), slot, 16, sm.full_q());
         if (last) return;
         if (q) tma::load_tile<K::BM, K::D / 64>(sm.q(), P.q, sm.full_q(), w.m0, w.bidh, w.bidb);
-        for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next; nb >= 0; nb = next, ++it) {
+        int state = w.last_state;
+        for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next, next_state; nb >= 0;
+             nb = next, state = next_state, ++it) {
             const Slot<K> s(it);
+            // The next tile before the wait for K's slot: under a block mask its skip-table
+            // read then runs during the wait.
+            next = w.next(nb, &next_state);
             // K, then V, each into its slot once the consumers released it.
             tma::wait(sm.empty_k(s.st), s.phase ^ 1);
+            if constexpr (K::KEYS_FROM_PRODUCER)
+                st_shared(sm.key(s.st), KeyInfo{nb, state, next < 0}.pack());
             tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
             tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st), nb * K::BN,
                                              w.bidh_k, w.bidb);
-            // The next tile here, while V's slot is still in use: under a block mask, its
-            // skip-table read after V's load delayed the next K (two slots leave no slack
-            // for it: hd 128, all blocks kept, 1.42x the time of dense attention).
-            next = w.next(nb);
             tma::wait(sm.empty_v(s.st), s.phase ^ 1);
             tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
             tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st), nb * K::BN,
@@ -291,11 +315,13 @@ template <class K> struct WsConsumer {
     // P(j-1) V(j-1) in flight together, the softmax of S(j) under the second, and at the end
     // the last P V. `it` counts the block's key tiles (ring slots); Q has landed.
     __device__ __forceinline__ void run(const WsTile<K>& w, int& it) {
+        bool more;  // a key tile after this one
         {
             const Slot<K> s0(it);
             const TileMask m = tile_mask(w, w.nb_end - 1, w.last_state);
             float s[1][NT][4];
             tma::wait(sm.full_k(s0.st), s0.phase);
+            if constexpr (K::KEYS_FROM_PRODUCER) more = !KeyInfo::unpack(ld_shared(sm.key(s0.st))).last;
             take_turn();
             sm90::fence();
             issue_s(s, s0.st);
@@ -307,14 +333,25 @@ template <class K> struct WsConsumer {
             softmax.update(s, o, p.scale_log2);
             pack_a<T, 1, NT>(s, pa);
         }
-        int state;  // of tile nb
-        for (int nb = w.next(w.nb_end - 1, &state), next_nb, next_state; nb >= 0;
-             nb = next_nb, state = next_state) {
+        int nb = w.nb_end - 1;
+        if constexpr (!K::KEYS_FROM_PRODUCER) more = w.next(nb) >= 0;
+        while (more) {
             const Slot<K> prev(it), cur(it + 1);
             ++it;
+            int state;  // of tile nb
+            if constexpr (K::KEYS_FROM_PRODUCER) {
+                tma::wait(sm.full_k(cur.st), cur.phase);
+                const KeyInfo key = KeyInfo::unpack(ld_shared(sm.key(cur.st)));
+                nb = key.nb;
+                state = key.state;
+                more = !key.last;
+            } else {
+                nb = w.next(nb, &state);
+                more = w.next(nb) >= 0;
+            }
             const TileMask m = tile_mask(w, nb, state);
             float s[1][NT][4];
-            tma::wait(sm.full_k(cur.st), cur.phase);
+            if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(cur.st), cur.phase);
             // V(j-1) came before K(j); waiting for it here keeps the two issues back to back
             // (ptxas fences between them if a wait loop separates them).
             tma::wait(sm.full_v(prev.st), prev.phase);
@@ -324,10 +361,6 @@ template <class K> struct WsConsumer {
             issue_s(s, cur.st);
             issue_pv(prev.st);
             pass_turn();
-            // The tile after this one, under the matmuls: under a block mask its skip-table
-            // reads took their latency between the tiles (hd 128, all blocks kept: 1.43x the
-            // time of dense attention).
-            next_nb = w.next(nb, &next_state);
             sm90::wait<WS_WAIT_S>();
             sm90::fence_operand(s[0]);
             release(sm.empty_k(cur.st));

@@ -190,10 +190,10 @@ impl WsShape {
     }
 
     /// `WsTraits::SMEM_BYTES`: Q, the K and V slots, the mbarriers, 16 bytes for the next
-    /// tile's index, 1 KB of alignment.
+    /// tile's index, 16 for the key tiles' `KeyInfo`, 1 KB of alignment.
     pub fn smem_bytes(&self) -> u32 {
         let tiles = (self.bm() + 2 * self.stages * self.bn) * self.d * 2;
-        ((tiles + (2 + 4 * self.stages) * 8).next_multiple_of(16) + 16 + 1024) as u32
+        ((tiles + (2 + 4 * self.stages) * 8).next_multiple_of(16) + 32 + 1024) as u32
     }
 
     /// Blocks to launch for `tiles` work tiles (query blocks x heads x batch): one per SM,
