@@ -64,7 +64,13 @@ template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE> struct BwdWsT
     static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * STATS_BYTES;
     static constexpr int BARRIERS = 1 + 2 * CONSUMERS + 3 * STAGES;
-    static constexpr int SMEM_BYTES = BAR_OFFSET + BARRIERS * 8 + 1024;
+    // Under a block mask, per slot its query tile (TileInfo), written by the producer.
+    static constexpr int INFO_OFFSET = BAR_OFFSET + BARRIERS * 8;
+    static constexpr int SMEM_BYTES = INFO_OFFSET + STAGES * 8 + 1024;
+    // The consumers take their query tiles from the producer (INFO_OFFSET) rather than walk
+    // the block mask themselves, in each of their threads (the dQ warp still walks: it runs
+    // behind them, after the slot's reuse).
+    static constexpr bool TILES_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0;
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -109,7 +115,27 @@ template <class K> struct BwdWsSmem {
     }
     __device__ __forceinline__ uint32_t full_do(int st) const { return full_q(K::STAGES + st); }
     __device__ __forceinline__ uint32_t empty(int st) const { return full_q(2 * K::STAGES + st); }
+    __device__ __forceinline__ uint32_t info(int st) const {
+        return base + K::INFO_OFFSET + 8 * st;
+    }
 };
+
+// A query tile as the producer hands it over (K::TILES_FROM_PRODUCER): its query head,
+// first row and whether it is the block's last.
+struct TileInfo {
+    int bidh, m0;
+    bool last;
+};
+__device__ __forceinline__ void st_tile_info(uint32_t addr, TileInfo t) {
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(t.m0),
+                 "r"(t.bidh << 1 | int(t.last))
+                 : "memory");
+}
+__device__ __forceinline__ TileInfo ld_tile_info(uint32_t addr) {
+    int m0, x;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(m0), "=r"(x) : "r"(addr) : "memory");
+    return {x >> 1, m0, (x & 1) != 0};
+}
 
 // The block's key range and the query tiles that see it, walked the same way by the
 // producer, the dQ warp and the consumers.
@@ -183,8 +209,9 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
     tma::load_tile<K::BN, K::D / 64>(sm.k(), P.k, sm.full_kv(), blk.n0, blk.bidh_k, blk.bidb);
     tma::load_tile<K::BN, K::D / 64>(sm.v(), P.v, sm.full_kv(), blk.n0, blk.bidh_k, blk.bidb);
     int slot = 0, phase = 0;
-    bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t tile) {
+    const auto issue = [&](int bidh, int m0, int64_t tile, bool last) {
         tma::wait(sm.empty(slot), phase ^ 1);
+        if constexpr (K::TILES_FROM_PRODUCER) st_tile_info(sm.info(slot), {bidh, m0, last});
         tma::arrive_expect_tx(sm.full_q(slot), K::Q_BYTES + K::STATS_BYTES);
         tma::load_tile<K::BM, K::D / 64>(sm.q(slot), P.q, sm.full_q(slot), m0, bidh, blk.bidb);
         tma::load_bulk(sm.stats(slot), P.stats + tile * 2 * K::BM, K::STATS_BYTES,
@@ -196,7 +223,22 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
             slot = 0;
             phase ^= 1;
         }
+    };
+    if constexpr (!K::TILES_FROM_PRODUCER) {
+        bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t tile) { issue(bidh, m0, tile, false); });
+        return;
+    }
+    // One tile behind the walk, to tell the consumers which is the last (there is one: the
+    // kernel calls this only if any query sees the keys).
+    int pending_bidh = -1, pending_m0 = 0;
+    int64_t pending_tile = 0;
+    bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t tile) {
+        if (pending_bidh >= 0) issue(pending_bidh, pending_m0, pending_tile, false);
+        pending_bidh = bidh;
+        pending_m0 = m0;
+        pending_tile = tile;
     });
+    issue(pending_bidh, pending_m0, pending_tile, true);
 }
 
 // Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
@@ -461,8 +503,19 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
         for (int e = 0; e < 4; ++e) c.dk[i][e] = c.dv[i][e] = 0.f;
     if (any) {
         tma::wait(sm.full_kv(), 0);
-        int it = 0;
-        bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t) { c.tile(blk, it++, bidh, m0); });
+        if constexpr (K::TILES_FROM_PRODUCER) {
+#pragma unroll 1
+            for (int it = 0;; ++it) {
+                const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+                tma::wait(sm.full_q(slot), phase);  // its TileInfo was written before
+                const TileInfo t = ld_tile_info(sm.info(slot));
+                c.tile(blk, it, t.bidh, t.m0);
+                if (t.last) break;
+            }
+        } else {
+            int it = 0;
+            bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t) { c.tile(blk, it++, bidh, m0); });
+        }
     }
     c.store(P, blk);
 }

@@ -47,13 +47,13 @@ impl BwdWsShape {
     }
 
     /// `BwdWsTraits::SMEM_BYTES`: K, V, the Q/dO slots, two dS^T tiles, the f32 dQ tile, the
-    /// slots' row statistics, the barriers, 1 KB of alignment.
+    /// slots' row statistics, the barriers, the slots' `TileInfo`, 1 KB of alignment.
     fn smem_bytes(&self) -> u32 {
         let (kv, q, ds) = (BN * self.d * 2, BM * self.d * 2, BN * BM * 2);
         let dq = BM * self.d * 4;
         let stats = 2 * BM * 4;
         let bytes = 2 * kv + 2 * self.stages * q + 2 * ds + dq + self.stages * stats;
-        (bytes + (1 + 2 * 2 + 3 * self.stages) * 8 + 1024) as u32
+        (bytes + (1 + 2 * 2 + 3 * self.stages) * 8 + self.stages * 8 + 1024) as u32
     }
 }
 
