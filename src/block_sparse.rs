@@ -22,10 +22,14 @@ use crate::params::AttnShape;
 /// `num_col_blocks = ceil(seqlen_k / block_k)`.
 ///
 /// Block sizes are positive multiples of [`BlockMask::GRANULE`] (64), chosen freely otherwise:
-/// the kernels' own tiles (64 to 192 rows, 64 to 176 keys) are independent of them. A tile
-/// that lies in absent blocks only is skipped; one that straddles blocks of different states
-/// is masked entry by entry. Multiples of 128 line up with the tiles of the fastest kernels
-/// (Hopper, head_dim 64 and 128), which then skip exactly the absent blocks.
+/// the kernels' own tiles (64 to 128 rows, 64 to 128 keys under a block mask) are independent
+/// of them. A tile that lies in absent blocks only is skipped; one that straddles blocks of
+/// different states is masked entry by entry. Multiples of 128 line up with the tiles of the
+/// fastest kernels (Hopper: 128 x 128 at head_dim 64 and 128, 128 x 64 at 256), which then
+/// skip exactly the absent blocks.
+///
+/// Making a mask runs a few tensor ops on its device (log2 of its rows and columns): the
+/// tables with which the kernels jump from one kept block to the next.
 ///
 /// The mask combines with the causal mask, a window, GQA, variable-length batches (each
 /// sequence uses the top-left part of the mask that its lengths cover) and dropout. A query
