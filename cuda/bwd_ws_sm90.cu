@@ -138,7 +138,8 @@ __device__ __forceinline__ TileInfo ld_tile_info(uint32_t addr) {
 }
 
 // The block's key range and the query tiles that see it, walked the same way by the
-// producer, the dQ warp and the consumers.
+// producer, the dQ warp and (without a block mask; with one the producer hands them the
+// tiles: TileInfo) the consumers.
 template <class K> struct BwdWsBlock {
     int n0, bidh_k, bidb;
     SeqInfo seq;

@@ -155,7 +155,8 @@ template <class K> struct WsTile {
     }
     __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
     // The key tile after nb (they go last first), -1 after the last, and its sparse_state:
-    // under a block mask, the producer and the consumers skip the same absent blocks.
+    // under a block mask, the producer skips absent blocks with it (and hands its consumers
+    // the tiles it kept: KeyInfo).
     __device__ __forceinline__ int next(int nb, int* state = nullptr) const {
         return mask.template next_key_block<K::BN>(m0, q_last, nb, nb_begin, state);
     }

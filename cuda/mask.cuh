@@ -84,7 +84,8 @@ struct Mask {
 
     // The key block below nb (of width BN, down to nb_begin) that queries [q_first, q_last]
     // need: nb - 1, or under a block mask the first one with a block present; -1 if none.
-    // Producers and consumers walk the same blocks through this. `state`, if given, gets the
+    // The forward loops and the warp-specialized producer (which hands the tiles to its
+    // consumers) walk the blocks through this. `state`, if given, gets the
     // block's sparse_state (1 without a block mask), for block_needs_mask.
     template <int BN>
     __device__ __forceinline__ int next_key_block(int q_first, int q_last, int nb, int nb_begin,
