@@ -9,10 +9,10 @@
 #include "seq_info.cuh"
 
 // What a kernel is compiled with (its MODS), flags: MODS_SCORES the softcap and ALiBi (entry
-// points `_mods`), MODS_BLOCKS a block mask, always there (`_blocks`); MODS_SPARSE both
-// (`_sparse`); MODS_ANY everything, the block mask tested at run time (the mma.sync kernels).
-// The wgmma kernels have a variant per level, as each level's code cost the plain kernels
-// registers (spills).
+// points `_mods`), MODS_BLOCKS a block mask, always there; MODS_SPARSE both (`_sparse`: a block
+// mask may come with a cap or slopes); MODS_ANY everything, the block mask tested at run time
+// (the mma.sync kernels but the `_sparse` dK/dV ones). The wgmma kernels have a variant per
+// level, as each level's code cost the plain kernels registers (spills).
 constexpr int MODS_NONE = 0, MODS_SCORES = 1, MODS_BLOCKS = 2, MODS_SPARSE = 3, MODS_ANY = 7;
 
 struct Mask {

@@ -28,8 +28,8 @@ use crate::params::AttnShape;
 /// fastest kernels (Hopper: 128 x 128 at head_dim 64 and 128, 128 x 64 at 256), which then
 /// skip exactly the absent blocks.
 ///
-/// Making a mask runs a few tensor ops on its device (log2 of its rows and columns): the
-/// tables with which the kernels jump from one kept block to the next.
+/// Making a mask on a CUDA device also builds the tables with which the kernels jump from one
+/// kept block to the next: 8 bytes per block, in a few tensor ops on that device.
 ///
 /// The mask combines with the causal mask, a window, GQA, variable-length batches (each
 /// sequence uses the top-left part of the mask that its lengths cover) and dropout. A query
@@ -60,8 +60,9 @@ pub struct BlockMask {
     /// u8 `(heads, seqlen_q, seqlen_k)`, contiguous, nonzero = visible: the element mask of
     /// [`BlockMask::from_dense`].
     dense: Option<Tensor>,
-    /// Where the kernels' loops jump past absent blocks: see [`Skips`].
-    skips: Skips,
+    /// Where the CUDA kernels' loops jump past absent blocks (see [`Skips`]); none for masks
+    /// on other devices, whose path reads the states on the host.
+    skips: Option<Skips>,
     block_q: usize,
     block_k: usize,
 }
@@ -253,7 +254,11 @@ impl BlockMask {
         block_k: usize,
     ) -> Result<Self> {
         Ok(Self {
-            skips: Skips::new(&states)?,
+            skips: states
+                .device()
+                .is_cuda()
+                .then(|| Skips::new(&states))
+                .transpose()?,
             states,
             dense,
             block_q,
@@ -394,10 +399,10 @@ impl BlockMask {
         self.dense.as_ref()
     }
 
-    /// [`Skips`]: `(prev_col, next_row)`.
+    /// [`Skips`]: `(prev_col, next_row)`, for masks on a CUDA device.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn skips(&self) -> (&Tensor, &Tensor) {
-        (&self.skips.prev_col, &self.skips.next_row)
+    pub(crate) fn skips(&self) -> Option<(&Tensor, &Tensor)> {
+        self.skips.as_ref().map(|s| (&s.prev_col, &s.next_row))
     }
 }
 
@@ -557,7 +562,8 @@ mod tests {
             64,
             64,
         )?;
-        let (prev, next) = bm.skips();
+        let skips = Skips::new(bm.blocks())?;
+        let (prev, next) = (&skips.prev_col, &skips.next_row);
         let prev = prev.flatten_all()?.to_vec1::<u32>()?;
         let next = next.flatten_all()?.to_vec1::<u32>()?;
         let on = |h: usize, r: usize, c: usize| states[(h * rows + r) * cols + c] != 0;

@@ -288,8 +288,8 @@ fn lock_sparse(
     [
         lock_tensor(m.map(crate::BlockMask::states)),
         lock_tensor(m.and_then(crate::BlockMask::dense)),
-        lock_tensor(m.map(|m| m.skips().0)),
-        lock_tensor(m.map(|m| m.skips().1)),
+        lock_tensor(m.and_then(|m| m.skips()).map(|s| s.0)),
+        lock_tensor(m.and_then(|m| m.skips()).map(|s| s.1)),
     ]
 }
 
@@ -305,6 +305,9 @@ fn sparse_ptrs<'a, G: std::ops::Deref<Target = candle::Storage>>(
     let (prev, prev_sync) = locked_ptr::<u32, G>(&locks[2], stream, "block_mask")?;
     let (next, next_sync) = locked_ptr::<u32, G>(&locks[3], stream, "block_mask")?;
     (params.block_mask, params.block_dense) = (blocks, dense);
+    if blocks != 0 && (prev == 0 || next == 0) {
+        bail!("block_mask: has no skip tables (it was not made on a CUDA device)")
+    }
     (params.block_prev_col, params.block_next_row) = (prev, next);
     Ok([blocks_sync, dense_sync, prev_sync, next_sync])
 }
