@@ -6,6 +6,7 @@ use candle::{DType, Device, Result, Tensor, Var, D};
 use candle_flash::{attention_slow, FlashAttn};
 
 pub mod nan;
+pub mod options;
 pub mod train;
 pub mod varlen;
 
