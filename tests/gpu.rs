@@ -537,6 +537,30 @@ mod cuda_suite {
         Ok([get(&q, "q")?, get(&k, "k")?, get(&v, "v")?])
     }
 
+    /// Our output and gradients of `sum(out * w)` (`ours`, for inputs q, k, v, w on the GPU)
+    /// against `slow` on the reference device: the output by the 2x rule and the gradients
+    /// by the 3x rule, with `slow` in the inputs' dtype as the baseline and in f32 as the
+    /// truth. `slow` must take tensors of the reference device (`reference_device`).
+    pub(crate) fn check_against_slow(
+        out: &Tensor,
+        ours: &[Tensor],
+        [q, k, v, w]: [&Tensor; 4],
+        slow: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        let (q, k, v, w) = (
+            to_reference(q)?,
+            to_reference(k)?,
+            to_reference(v)?,
+            to_reference(w)?,
+        );
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+        let (q32, k32, v32, w32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(&w)?);
+        check_output("out", out, &slow(&q, &k, &v)?, &slow(&q32, &k32, &v32)?)?;
+        let reference = grads_of(&q32, &k32, &v32, &w32, &slow)?;
+        let low = grads_of(&q, &k, &v, &w, &slow)?;
+        check_grads(ours, &low, &reference)
+    }
+
     fn bwd_case(dev: &Device, c: Case) -> Result<()> {
         let q = randn((c.b, c.sq, c.h, c.d), c.dtype, dev)?;
         let k = randn((c.b, c.sk, c.hk, c.d), c.dtype, dev)?;

@@ -11,7 +11,7 @@
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow_with, BlockMask, FlashAttn, VarLen};
 
-use crate::cuda_suite::{check_grads, check_output, grads_of, randn, to_reference, Suite};
+use crate::cuda_suite::{check_against_slow, grads_of, randn, reference_device, Suite};
 
 /// A block mask, built the same way on any device.
 #[derive(Clone, Copy, Debug)]
@@ -152,21 +152,11 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
         }
     }
 
-    let (q, k, v, w) = (
-        to_reference(&q)?,
-        to_reference(&k)?,
-        to_reference(&v)?,
-        to_reference(&w)?,
-    );
-    let ref_mask = build(c.kind, c.sq, c.sk, c.h, c.block, q.device())?;
+    let ref_mask = build(c.kind, c.sq, c.sk, c.h, c.block, &reference_device(dev))?;
     let ref_opts = FlashAttn::new().causal(c.causal).block_mask(&ref_mask);
-    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-    let (q32, k32, v32, w32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(&w)?);
-    let slow = |q: &Tensor, k: &Tensor, v: &Tensor| attention_slow_with(q, k, v, &ref_opts);
-    check_output("out", &out, &slow(&q, &k, &v)?, &slow(&q32, &k32, &v32)?)?;
-    let reference = grads_of(&q32, &k32, &v32, &w32, slow)?;
-    let low = grads_of(&q, &k, &v, &w, slow)?;
-    check_grads(&ours, &low, &reference)
+    check_against_slow(&out, &ours, [&q, &k, &v, &w], |q, k, v| {
+        attention_slow_with(q, k, v, &ref_opts)
+    })
 }
 
 /// A packed batch through `forward_varlen` against each sequence on its own, with the top-left
@@ -191,15 +181,9 @@ fn varlen_case(dev: &Device, d: usize, kind: Kind, causal: bool) -> Result<()> {
             .forward_varlen(&q.squeeze(0)?, &k.squeeze(0)?, &v.squeeze(0)?, &varlen)?
             .unsqueeze(0)
     })?;
-    let ours = ours.map(|g| g.squeeze(0).unwrap());
-
-    let (q, k, v, w) = (
-        to_reference(&q)?,
-        to_reference(&k)?,
-        to_reference(&v)?,
-        to_reference(&w)?,
-    );
-    let full = build(kind, mq, mk, h, bs, q.device())?;
+    let full = build(kind, mq, mk, h, bs, &reference_device(dev))?;
+    // Sequence by sequence, concatenated, on `(1, t, h, d)` tensors: differentiable, so the
+    // gradients follow.
     let per_seq = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
         let (mut oq, mut ok, mut outs) = (0, 0, vec![]);
         for (&lq, &lk) in lens_q.iter().zip(&lens_k) {
@@ -215,18 +199,13 @@ fn varlen_case(dev: &Device, d: usize, kind: Kind, causal: bool) -> Result<()> {
         }
         Tensor::cat(&outs, 1)
     };
-    let f32_of = |t: &Tensor| t.to_dtype(DType::F32)?.unsqueeze(0);
-    let (q32, k32, v32, w32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(&w)?);
-    let (q4, k4, v4, w4) = (as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?);
-    check_output(
-        "out",
-        &out,
-        &per_seq(&q4, &k4, &v4)?.squeeze(0)?,
-        &per_seq(&q32, &k32, &v32)?.squeeze(0)?,
-    )?;
-    let reference = grads_of(&q32, &k32, &v32, &w32, per_seq)?.map(|g| g.squeeze(0).unwrap());
-    let low = grads_of(&q4, &k4, &v4, &w4, per_seq)?.map(|g| g.squeeze(0).unwrap());
-    check_grads(&ours, &low, &reference)
+    let inputs = [as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?];
+    check_against_slow(
+        &as4(&out)?,
+        &ours,
+        [&inputs[0], &inputs[1], &inputs[2], &inputs[3]],
+        per_seq,
+    )
 }
 
 /// Dropout with a block mask: the CUDA kernels and the CPU path drop the same entries, so the

@@ -11,7 +11,9 @@ use candle_flash::{
     attention_slow_with, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, VarLen,
 };
 
-use crate::cuda_suite::{check_grads, check_output, grads_of, randn, to_reference, Suite};
+use crate::cuda_suite::{
+    check_against_slow, check_output, grads_of, randn, reference_device, to_reference, Suite,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Slopes {
@@ -97,21 +99,10 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
     let ours_opts = options(&c.mods, c.b, c.h, dev)?.deterministic(c.deterministic);
     let out = ours_opts.forward(&q, &k, &v)?;
     let ours = grads_of(&q, &k, &v, &w, |q, k, v| ours_opts.forward(q, k, v))?;
-
-    let (q, k, v, w) = (
-        to_reference(&q)?,
-        to_reference(&k)?,
-        to_reference(&v)?,
-        to_reference(&w)?,
-    );
-    let ref_opts = options(&c.mods, c.b, c.h, q.device())?;
-    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-    let (q32, k32, v32, w32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(&w)?);
-    let slow = |q: &Tensor, k: &Tensor, v: &Tensor| attention_slow_with(q, k, v, &ref_opts);
-    check_output("out", &out, &slow(&q, &k, &v)?, &slow(&q32, &k32, &v32)?)?;
-    let reference = grads_of(&q32, &k32, &v32, &w32, slow)?;
-    let low = grads_of(&q, &k, &v, &w, slow)?;
-    check_grads(&ours, &low, &reference)
+    let ref_opts = options(&c.mods, c.b, c.h, &reference_device(dev))?;
+    check_against_slow(&out, &ours, [&q, &k, &v, &w], |q, k, v| {
+        attention_slow_with(q, k, v, &ref_opts)
+    })
 }
 
 /// A packed batch through `forward_varlen` against each sequence on its own (the slopes row
@@ -133,20 +124,13 @@ fn varlen_case(dev: &Device, d: usize, m: &Mods) -> Result<()> {
             .forward_varlen(&q.squeeze(0)?, &k.squeeze(0)?, &v.squeeze(0)?, &varlen)?
             .unsqueeze(0)
     })?;
-    let ours = ours.map(|g| g.squeeze(0).unwrap());
-
-    let (q, k, v, w) = (
-        to_reference(&q)?,
-        to_reference(&k)?,
-        to_reference(&v)?,
-        to_reference(&w)?,
-    );
-    let rdev = q.device().clone();
+    let rdev = reference_device(dev);
     let all_slopes = match m.slopes {
         Slopes::None => None,
         s => Some(slopes(lens_q.len(), h, s == Slopes::PerBatch, &rdev)?),
     };
-    // Sequence by sequence, concatenated: differentiable, so the gradients follow.
+    // Sequence by sequence, concatenated, on `(1, t, h, d)` tensors: differentiable, so the
+    // gradients follow.
     let per_seq = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
         let (mut oq, mut ok, mut outs) = (0, 0, vec![]);
         for (b, (&lq, &lk)) in lens_q.iter().zip(&lens_k).enumerate() {
@@ -172,18 +156,13 @@ fn varlen_case(dev: &Device, d: usize, m: &Mods) -> Result<()> {
         }
         Tensor::cat(&outs, 1)
     };
-    let f32_of = |t: &Tensor| t.to_dtype(DType::F32)?.unsqueeze(0);
-    let (q32, k32, v32, w32) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(&w)?);
-    let (q4, k4, v4, w4) = (as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?);
-    check_output(
-        "out",
-        &out,
-        &per_seq(&q4, &k4, &v4)?.squeeze(0)?,
-        &per_seq(&q32, &k32, &v32)?.squeeze(0)?,
-    )?;
-    let reference = grads_of(&q32, &k32, &v32, &w32, per_seq)?.map(|g| g.squeeze(0).unwrap());
-    let low = grads_of(&q4, &k4, &v4, &w4, per_seq)?.map(|g| g.squeeze(0).unwrap());
-    check_grads(&ours, &low, &reference)
+    let inputs = [as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?];
+    check_against_slow(
+        &as4(&out)?,
+        &ours,
+        [&inputs[0], &inputs[1], &inputs[2], &inputs[3]],
+        per_seq,
+    )
 }
 
 /// Decoding `s_q` tokens per sequence over a cache (paged when `page_size`), against the
