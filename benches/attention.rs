@@ -488,6 +488,25 @@ impl Bench {
     /// same shape, in the same run (torch's SDPA has neither a window nor a cap to compare
     /// with). `ideal` is the window's share of the plain (non-causal) score matrix: the
     /// time a windowed pass would take if its cost followed the visible pairs exactly.
+    /// The input sets of `--mods-only` and `--sparse-only` cases, or none (said why).
+    fn option_inputs(&self, case: &Case) -> Option<Vec<Inputs>> {
+        match (0..N_SETS)
+            .map(|_| Inputs::new(case, self.dtype, &self.dev))
+            .collect::<Result<Vec<_>>>()
+        {
+            Ok(sets) => Some(sets),
+            Err(e) => {
+                println!(
+                    "skipped hd {} seqlen {}: inputs: {}",
+                    case.hd,
+                    case.seqlen,
+                    first_line(&e)
+                );
+                None
+            }
+        }
+    }
+
     fn mods_section(&mut self) {
         println!(
             "{:<34} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>6}",
@@ -503,18 +522,8 @@ impl Bench {
                 heads_k: heads,
                 causal: false,
             };
-            let sets = match (0..N_SETS)
-                .map(|_| Inputs::new(&case, self.dtype, &dev))
-                .collect::<Result<Vec<_>>>()
-            {
-                Ok(sets) => sets,
-                Err(e) => {
-                    println!(
-                        "skipped hd {hd} seqlen {seqlen}: inputs: {}",
-                        first_line(&e)
-                    );
-                    continue;
-                }
+            let Some(sets) = self.option_inputs(&case) else {
+                continue;
             };
             let slopes: Vec<f32> = (0..heads)
                 .map(|i| 2f32.powf(-8.0 * (i + 1) as f32 / heads as f32))
@@ -552,11 +561,7 @@ impl Bench {
             for (name, opts, causal) in &variants {
                 let (left, right) = opts.window_size;
                 let visible = visible_share(seqlen, *causal, left, right);
-                let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
-                let passes = [
-                    ("fwd", try_time(|| time_fwd(&dev, &sets, &attn))),
-                    ("bwd", try_time(|| time_bwd_direct(&dev, &sets, opts))),
-                ];
+                let passes = time_option_passes(&dev, &sets, opts);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
                     let ms = match ms {
                         Ok(ms) => ms,
@@ -621,18 +626,8 @@ impl Bench {
                 heads_k: heads,
                 causal: false,
             };
-            let sets = match (0..N_SETS)
-                .map(|_| Inputs::new(&case, self.dtype, &dev))
-                .collect::<Result<Vec<_>>>()
-            {
-                Ok(sets) => sets,
-                Err(e) => {
-                    println!(
-                        "skipped hd {hd} seqlen {seqlen}: inputs: {}",
-                        first_line(&e)
-                    );
-                    continue;
-                }
+            let Some(sets) = self.option_inputs(&case) else {
+                continue;
             };
             let blocks = seqlen / 128;
             // Random blocks per head, from a fixed LCG: the same mask every run.
@@ -680,11 +675,7 @@ impl Bench {
             }
             let mut base = [None; 2];
             for (name, opts, density) in &variants {
-                let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
-                let passes = [
-                    ("fwd", try_time(|| time_fwd(&dev, &sets, &attn))),
-                    ("bwd", try_time(|| time_bwd_direct(&dev, &sets, opts))),
-                ];
+                let passes = time_option_passes(&dev, &sets, opts);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
                     let ms = match ms {
                         Ok(ms) => ms,
@@ -1219,6 +1210,19 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 /// Runs a measurement, turning errors (unsupported shape, backward not implemented, out of
 /// memory) and panics into the error's first line, so that one failure costs one row.
+/// The forward and the direct backward of `opts` on `sets`, timed: `[("fwd", ms), ("bwd", ms)]`.
+fn time_option_passes(
+    dev: &Device,
+    sets: &[Inputs],
+    opts: &FlashAttn,
+) -> [(&'static str, std::result::Result<f64, String>); 2] {
+    let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
+    [
+        ("fwd", try_time(|| time_fwd(dev, sets, &attn))),
+        ("bwd", try_time(|| time_bwd_direct(dev, sets, opts))),
+    ]
+}
+
 fn try_time(f: impl FnOnce() -> Result<f64>) -> std::result::Result<f64, String> {
     match try_run(f)? {
         ms if ms.is_finite() && ms > 0.0 => Ok(ms),
