@@ -11,10 +11,10 @@
 mod common;
 
 use candle::{DType, Device, IndexOp, Result, Tensor, D};
-use candle_flash::{attention_slow_with, dropout_mask, BlockMask, FlashAttn, VarLen};
+use candle_flash::{dropout_mask, BlockMask, FlashAttn, VarLen};
 use common::options::{self, check_low_precision, check_lse, lse_host, F32_TOL, NAMES};
-use common::varlen::{packed_qkv, per_sequence, sequence};
-use common::{assert_close, grads, max_abs, max_abs_diff, randn, Case};
+use common::varlen::sequence;
+use common::{assert_close, grads, max_abs, max_abs_diff, Case};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
 /// The smallest difference from dense attention that counts as "the mask changed the result".
@@ -448,26 +448,13 @@ fn varlen_matches_per_sequence_reference() -> Result<()> {
                     .causal(causal)
                     .block_mask(&BlockMask::from_dense(&cut, bq, bk)?))
             };
-            let (q, k, v) = packed_qkv(&varlen, h, hk, d, DType::F32)?;
-            let reference = |q: &Tensor, k: &Tensor, v: &Tensor| {
-                per_sequence(&varlen, q, k, v, |b, q, k, v| {
-                    attention_slow_with(q, k, v, &for_sequence(b)?)
-                })
-            };
-            let flash = |q: &Tensor, k: &Tensor, v: &Tensor| opts.forward_varlen(q, k, v, &varlen);
-            let out = flash(&q, &k, &v)?;
-            assert_close(&what, &out, &reference(&q, &k, &v)?, F32_TOL)?;
+            let [q, k, v, out] =
+                options::check_varlen_f32(&what, &varlen, (h, hk, d), &opts, for_sequence)?;
             let unmasked = dense(&opts).forward_varlen(&q, &k, &v, &varlen)?;
             assert!(
                 max_abs_diff(&out, &unmasked)? > CHANGED,
                 "{what}: the mask changed nothing"
             );
-            let w = randn((varlen.total_q(), h, d), DType::F32)?;
-            let ours = grads(flash, &q, &k, &v, &w)?;
-            let expected = grads(reference, &q, &k, &v, &w)?;
-            for ((name, a), e) in NAMES.iter().zip(&ours).zip(&expected) {
-                assert_close(&format!("{name} {what}"), a, e, F32_TOL)?;
-            }
             // The LSE of each sequence: that of the sequence run alone with its cut mask.
             let (_, lse) = opts.forward_varlen_with_lse(&q, &k, &v, &varlen)?; // (h, total_q)
             let cu_q = varlen.cu_seqlens_q();
@@ -589,16 +576,10 @@ fn direct_backward_equals_autograd() -> Result<()> {
     let case = Case::new(2, 200, 150, 4, 2, 32).causal(true);
     let elements = random_elements(&mut rng(90), 4, (200, 150), (64, 64))?;
     let mask = BlockMask::from_dense(&elements, 64, 64)?;
-    let opts = case.flash().block_mask(&mask).window(Some(80), None);
-    let (q, k, v) = case.qkv(DType::F32)?;
-    let w = case.out_weight(DType::F32)?;
-    let (out, lse) = opts.forward_with_lse(&q, &k, &v)?;
-    let (dq, dk, dv) = opts.backward(&q, &k, &v, &out, &lse, &w)?;
-    let autograd = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
-    for ((name, a), b) in NAMES.iter().zip([&dq, &dk, &dv]).zip(&autograd) {
-        assert_eq!(max_abs_diff(a, b)?, 0.0, "{name}");
-    }
-    Ok(())
+    options::check_direct_backward(
+        &case,
+        &case.flash().block_mask(&mask).window(Some(80), None),
+    )
 }
 
 /// Hidden entries are never read: NaN keys and values in absent blocks (and in hidden entries

@@ -12,8 +12,7 @@ use candle_flash::{
     attention_slow, attention_slow_with, flash_attn_with_kvcache, flash_attn_with_paged_kvcache,
     FlashAttn, VarLen,
 };
-use common::options::{self, check_low_precision, F32_TOL, NAMES};
-use common::varlen::{packed_qkv, per_sequence};
+use common::options::{self, check_low_precision, F32_TOL};
 use common::{assert_close, grads, max_abs_diff, randn, Case};
 
 /// Keys per CPU tile (src/cpu.rs).
@@ -270,16 +269,7 @@ fn rows_that_see_no_key() -> Result<()> {
 #[test]
 fn direct_backward_equals_autograd() -> Result<()> {
     let case = Case::new(2, 70, 90, 4, 2, 32).causal(true);
-    let opts = combined(&case)?;
-    let (q, k, v) = case.qkv(DType::F32)?;
-    let w = case.out_weight(DType::F32)?;
-    let (out, lse) = opts.forward_with_lse(&q, &k, &v)?;
-    let (dq, dk, dv) = opts.backward(&q, &k, &v, &out, &lse, &w)?;
-    let autograd = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
-    for ((name, a), b) in NAMES.iter().zip([&dq, &dk, &dv]).zip(&autograd) {
-        assert_eq!(max_abs_diff(a, b)?, 0.0, "{name}");
-    }
-    Ok(())
+    options::check_direct_backward(&case, &combined(&case)?)
 }
 
 /// Packed batches: each sequence aligns its window bottom-right with its own lengths and
@@ -308,20 +298,7 @@ fn varlen_matches_per_sequence_loop() -> Result<()> {
             opts.causal,
             opts.alibi_slopes.is_some()
         );
-        let (q, k, v) = packed_qkv(&varlen, h, hk, d, DType::F32)?;
-        let reference = |q: &Tensor, k: &Tensor, v: &Tensor| {
-            per_sequence(&varlen, q, k, v, |b, q, k, v| {
-                attention_slow_with(q, k, v, &for_sequence(opts, b)?)
-            })
-        };
-        let flash = |q: &Tensor, k: &Tensor, v: &Tensor| opts.forward_varlen(q, k, v, &varlen);
-        assert_close(&what, &flash(&q, &k, &v)?, &reference(&q, &k, &v)?, F32_TOL)?;
-        let w = randn((varlen.total_q(), h, d), DType::F32)?;
-        let ours = grads(flash, &q, &k, &v, &w)?;
-        let expected = grads(reference, &q, &k, &v, &w)?;
-        for ((name, a), e) in NAMES.iter().zip(&ours).zip(&expected) {
-            assert_close(&format!("{name} {what}"), a, e, F32_TOL)?;
-        }
+        options::check_varlen_f32(&what, &varlen, (h, hk, d), opts, |b| for_sequence(opts, b))?;
     }
     Ok(())
 }

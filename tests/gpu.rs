@@ -62,7 +62,7 @@ mod cuda_suite {
     use std::time::Instant;
 
     use candle::{DType, Device, Result, Shape, Tensor, Var, D};
-    use candle_flash::{attention_slow, flash_attn, FlashAttn};
+    use candle_flash::{attention_slow, attention_slow_with, flash_attn, FlashAttn, VarLen};
 
     /// Counts results and prints failures as they happen.
     #[derive(Default)]
@@ -559,6 +559,54 @@ mod cuda_suite {
         let reference = grads_of(&q32, &k32, &v32, &w32, &slow)?;
         let low = grads_of(&q, &k, &v, &w, &slow)?;
         check_grads(ours, &low, &reference)
+    }
+
+    /// A packed bf16 batch (`lens_q`, `lens_k`; `heads` = (h, hk) of `d`) through
+    /// `opts.forward_varlen`, output and gradients, against `attention_slow_with` run on each
+    /// sequence alone with `seq_opts(b, len_q, len_k)` (options on the reference device),
+    /// concatenated, by [`check_against_slow`]'s rules.
+    pub(crate) fn check_varlen_against_slow(
+        dev: &Device,
+        d: usize,
+        (h, hk): (usize, usize),
+        (lens_q, lens_k): (&[usize], &[usize]),
+        opts: &FlashAttn,
+        seq_opts: impl Fn(usize, usize, usize) -> Result<FlashAttn>,
+    ) -> Result<()> {
+        let dtype = DType::BF16;
+        let (tq, tk): (usize, usize) = (lens_q.iter().sum(), lens_k.iter().sum());
+        let q = randn((tq, h, d), dtype, dev)?;
+        let k = randn((tk, hk, d), dtype, dev)?;
+        let v = randn((tk, hk, d), dtype, dev)?;
+        let w = randn((tq, h, d), dtype, dev)?;
+        let varlen = VarLen::from_seqlens(lens_q, lens_k)?;
+        // Both sides on `(1, t, h, d)` tensors, so that the oracle's gradients follow.
+        let as4 = |t: &Tensor| t.unsqueeze(0);
+        let out = opts.forward_varlen(&q, &k, &v, &varlen)?;
+        let ours = grads_of(&as4(&q)?, &as4(&k)?, &as4(&v)?, &as4(&w)?, |q, k, v| {
+            opts.forward_varlen(&q.squeeze(0)?, &k.squeeze(0)?, &v.squeeze(0)?, &varlen)?
+                .unsqueeze(0)
+        })?;
+        let per_seq = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+            let (mut oq, mut ok, mut outs) = (0, 0, vec![]);
+            for (b, (&lq, &lk)) in lens_q.iter().zip(lens_k).enumerate() {
+                outs.push(attention_slow_with(
+                    &q.narrow(1, oq, lq)?,
+                    &k.narrow(1, ok, lk)?,
+                    &v.narrow(1, ok, lk)?,
+                    &seq_opts(b, lq, lk)?,
+                )?);
+                (oq, ok) = (oq + lq, ok + lk);
+            }
+            Tensor::cat(&outs, 1)
+        };
+        let inputs = [as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?];
+        check_against_slow(
+            &as4(&out)?,
+            &ours,
+            [&inputs[0], &inputs[1], &inputs[2], &inputs[3]],
+            per_seq,
+        )
     }
 
     fn bwd_case(dev: &Device, c: Case) -> Result<()> {

@@ -2,9 +2,12 @@
 //! `attention_slow_with`, shared by the CPU option tests (cpu_mods, cpu_block_sparse).
 
 use candle::{DType, Result, Tensor};
-use candle_flash::{attention_slow_with, FlashAttn};
+use candle_flash::{attention_slow_with, FlashAttn, VarLen};
 
-use super::{assert_close, assert_within_budget, assert_within_rounding, grads, Case};
+use super::varlen::{packed_qkv, per_sequence};
+use super::{
+    assert_close, assert_within_budget, assert_within_rounding, grads, max_abs_diff, randn, Case,
+};
 
 /// f32 inputs: both sides do f32 math in a different order.
 pub const F32_TOL: f32 = 1e-5;
@@ -134,4 +137,46 @@ pub fn check_low_precision(what: &str, case: &Case, opts: &FlashAttn, dtype: DTy
         assert_within_budget(&what, &ours[i], &baseline[i], &exact[i], 3.0)?;
     }
     Ok(())
+}
+
+/// The direct backward (`FlashAttn::backward`) gives the same bits as `backward()` through
+/// the forward.
+pub fn check_direct_backward(case: &Case, opts: &FlashAttn) -> Result<()> {
+    let (q, k, v) = case.qkv(DType::F32)?;
+    let w = case.out_weight(DType::F32)?;
+    let (out, lse) = opts.forward_with_lse(&q, &k, &v)?;
+    let (dq, dk, dv) = opts.backward(&q, &k, &v, &out, &lse, &w)?;
+    let autograd = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
+    for ((name, a), b) in NAMES.iter().zip([&dq, &dk, &dv]).zip(&autograd) {
+        assert_eq!(max_abs_diff(a, b)?, 0.0, "{name}");
+    }
+    Ok(())
+}
+
+/// A packed f32 batch through `opts.forward_varlen`, output and gradients, against
+/// `attention_slow_with` on each sequence alone with `seq_opts(b)`. Returns q, k, v and the
+/// output, for callers that check more.
+pub fn check_varlen_f32(
+    what: &str,
+    varlen: &VarLen,
+    (h, hk, d): (usize, usize, usize),
+    opts: &FlashAttn,
+    seq_opts: impl Fn(usize) -> Result<FlashAttn>,
+) -> Result<[Tensor; 4]> {
+    let (q, k, v) = packed_qkv(varlen, h, hk, d, DType::F32)?;
+    let reference = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        per_sequence(varlen, q, k, v, |b, q, k, v| {
+            attention_slow_with(q, k, v, &seq_opts(b)?)
+        })
+    };
+    let flash = |q: &Tensor, k: &Tensor, v: &Tensor| opts.forward_varlen(q, k, v, varlen);
+    let out = flash(&q, &k, &v)?;
+    assert_close(what, &out, &reference(&q, &k, &v)?, F32_TOL)?;
+    let w = randn((varlen.total_q(), h, d), DType::F32)?;
+    let ours = grads(flash, &q, &k, &v, &w)?;
+    let expected = grads(reference, &q, &k, &v, &w)?;
+    for ((name, a), e) in NAMES.iter().zip(&ours).zip(&expected) {
+        assert_close(&format!("{name} {what}"), a, e, F32_TOL)?;
+    }
+    Ok([q, k, v, out])
 }

@@ -9,9 +9,11 @@
 //! of 64 and 192 make the kernels' tiles straddle blocks.
 
 use candle::{DType, Device, Result, Tensor};
-use candle_flash::{attention_slow_with, BlockMask, FlashAttn, VarLen};
+use candle_flash::{attention_slow_with, BlockMask, FlashAttn};
 
-use crate::cuda_suite::{check_against_slow, grads_of, randn, reference_device, Suite};
+use crate::cuda_suite::{
+    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, Suite,
+};
 
 /// A block mask, built the same way on any device.
 #[derive(Clone, Copy, Debug)]
@@ -163,49 +165,15 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
 /// part of the mask that its lengths cover.
 fn varlen_case(dev: &Device, d: usize, kind: Kind, causal: bool) -> Result<()> {
     let (lens_q, lens_k) = ([37usize, 1, 300], [90usize, 64, 250]);
-    let (h, hk, dtype, bs) = (4, 2, DType::BF16, (64, 64));
-    let (mq, mk) = (300, 250);
-    let (tq, tk): (usize, usize) = (lens_q.iter().sum(), lens_k.iter().sum());
-    let q = randn((tq, h, d), dtype, dev)?;
-    let k = randn((tk, hk, d), dtype, dev)?;
-    let v = randn((tk, hk, d), dtype, dev)?;
-    let w = randn((tq, h, d), dtype, dev)?;
-    let varlen = VarLen::from_seqlens(&lens_q, &lens_k)?;
-    let ours_opts = FlashAttn::new()
+    let (h, bs, (mq, mk)) = (4, (64, 64), (300, 250));
+    let opts = FlashAttn::new()
         .causal(causal)
         .block_mask(&build(kind, mq, mk, h, bs, dev)?);
-    let as4 = |t: &Tensor| t.unsqueeze(0);
-    let out = ours_opts.forward_varlen(&q, &k, &v, &varlen)?;
-    let ours = grads_of(&as4(&q)?, &as4(&k)?, &as4(&v)?, &as4(&w)?, |q, k, v| {
-        ours_opts
-            .forward_varlen(&q.squeeze(0)?, &k.squeeze(0)?, &v.squeeze(0)?, &varlen)?
-            .unsqueeze(0)
-    })?;
     let full = build(kind, mq, mk, h, bs, &reference_device(dev))?;
-    // Sequence by sequence, concatenated, on `(1, t, h, d)` tensors: differentiable, so the
-    // gradients follow.
-    let per_seq = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
-        let (mut oq, mut ok, mut outs) = (0, 0, vec![]);
-        for (&lq, &lk) in lens_q.iter().zip(&lens_k) {
-            let mask = BlockMask::from_dense(&full.to_dense(lq, lk)?, bs.0, bs.1)?;
-            let o = FlashAttn::new().causal(causal).block_mask(&mask);
-            outs.push(attention_slow_with(
-                &q.narrow(1, oq, lq)?,
-                &k.narrow(1, ok, lk)?,
-                &v.narrow(1, ok, lk)?,
-                &o,
-            )?);
-            (oq, ok) = (oq + lq, ok + lk);
-        }
-        Tensor::cat(&outs, 1)
-    };
-    let inputs = [as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?];
-    check_against_slow(
-        &as4(&out)?,
-        &ours,
-        [&inputs[0], &inputs[1], &inputs[2], &inputs[3]],
-        per_seq,
-    )
+    check_varlen_against_slow(dev, d, (h, 2), (&lens_q, &lens_k), &opts, |_, lq, lk| {
+        let mask = BlockMask::from_dense(&full.to_dense(lq, lk)?, bs.0, bs.1)?;
+        Ok(FlashAttn::new().causal(causal).block_mask(&mask))
+    })
 }
 
 /// Dropout with a block mask: the CUDA kernels and the CPU path drop the same entries, so the

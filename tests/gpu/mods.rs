@@ -8,11 +8,12 @@
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::{
-    attention_slow_with, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, VarLen,
+    attention_slow_with, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn,
 };
 
 use crate::cuda_suite::{
-    check_against_slow, check_output, grads_of, randn, reference_device, to_reference, Suite,
+    check_against_slow, check_output, check_varlen_against_slow, grads_of, randn, reference_device,
+    to_reference, Suite,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -109,60 +110,31 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
 /// of sequence `b` for per-batch ALiBi), output and gradients.
 fn varlen_case(dev: &Device, d: usize, m: &Mods) -> Result<()> {
     let (lens_q, lens_k) = ([37usize, 1, 200], [90usize, 64, 150]);
-    let (h, hk, dtype) = (4, 2, DType::BF16);
-    let (tq, tk): (usize, usize) = (lens_q.iter().sum(), lens_k.iter().sum());
-    let q = randn((tq, h, d), dtype, dev)?;
-    let k = randn((tk, hk, d), dtype, dev)?;
-    let v = randn((tk, hk, d), dtype, dev)?;
-    let w = randn((tq, h, d), dtype, dev)?;
-    let varlen = VarLen::from_seqlens(&lens_q, &lens_k)?;
-    let ours_opts = options(m, lens_q.len(), h, dev)?;
-    let as4 = |t: &Tensor| t.unsqueeze(0);
-    let out = ours_opts.forward_varlen(&q, &k, &v, &varlen)?;
-    let ours = grads_of(&as4(&q)?, &as4(&k)?, &as4(&v)?, &as4(&w)?, |q, k, v| {
-        ours_opts
-            .forward_varlen(&q.squeeze(0)?, &k.squeeze(0)?, &v.squeeze(0)?, &varlen)?
-            .unsqueeze(0)
-    })?;
-    let rdev = reference_device(dev);
+    let h = 4;
+    let opts = options(m, lens_q.len(), h, dev)?;
     let all_slopes = match m.slopes {
         Slopes::None => None,
-        s => Some(slopes(lens_q.len(), h, s == Slopes::PerBatch, &rdev)?),
+        s => Some(slopes(
+            lens_q.len(),
+            h,
+            s == Slopes::PerBatch,
+            &reference_device(dev),
+        )?),
     };
-    // Sequence by sequence, concatenated, on `(1, t, h, d)` tensors: differentiable, so the
-    // gradients follow.
-    let per_seq = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
-        let (mut oq, mut ok, mut outs) = (0, 0, vec![]);
-        for (b, (&lq, &lk)) in lens_q.iter().zip(&lens_k).enumerate() {
-            let mut o = FlashAttn::new()
-                .causal(m.causal)
-                .window_size(m.window.0, m.window.1)
-                .softcap(m.softcap);
-            if let Some(s) = &all_slopes {
-                o = o.alibi_slopes(&if m.slopes == Slopes::PerBatch {
-                    s.i(b)?
-                } else {
-                    s.clone()
-                });
-            }
-            let seq = attention_slow_with(
-                &q.narrow(1, oq, lq)?,
-                &k.narrow(1, ok, lk)?,
-                &v.narrow(1, ok, lk)?,
-                &o,
-            )?;
-            outs.push(seq);
-            (oq, ok) = (oq + lq, ok + lk);
+    check_varlen_against_slow(dev, d, (h, 2), (&lens_q, &lens_k), &opts, |b, _, _| {
+        let mut o = FlashAttn::new()
+            .causal(m.causal)
+            .window_size(m.window.0, m.window.1)
+            .softcap(m.softcap);
+        if let Some(s) = &all_slopes {
+            o = o.alibi_slopes(&if m.slopes == Slopes::PerBatch {
+                s.i(b)?
+            } else {
+                s.clone()
+            });
         }
-        Tensor::cat(&outs, 1)
-    };
-    let inputs = [as4(&q)?, as4(&k)?, as4(&v)?, as4(&w)?];
-    check_against_slow(
-        &as4(&out)?,
-        &ours,
-        [&inputs[0], &inputs[1], &inputs[2], &inputs[3]],
-        per_seq,
-    )
+        Ok(o)
+    })
 }
 
 /// Decoding `s_q` tokens per sequence over a cache (paged when `page_size`), against the
