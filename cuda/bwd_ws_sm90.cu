@@ -20,7 +20,10 @@
 // interleaved with its warpgroup's), written without bank conflicts and read back by
 // flash_bwd_ws_convert_<dtype>_d<D>, which scales and stores dq. The prep kernel also zeroes
 // dq_accum.
-// Fixed-length batches without dropout, head dims 33-64 and 97-128, TMA-addressable tensors;
+// d = 256 (head dims 193-256) splits the head dim between the consumers instead of the keys:
+// see BwdWsSplitConsumer.
+// Fixed-length batches without dropout, head dims 33-64, 97-128 and 193-256, TMA-addressable
+// tensors;
 // src/cuda/bwd.rs runs the older kernels for the rest. Entry points flash_bwd_ws_*.
 #include "bwd_tiles.cuh"
 #include "gemm.cuh"
@@ -44,23 +47,34 @@ struct BwdTmaParams {
 
 // MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
 // (`_sparse`); without them, d = 128 kept no spill (112 bytes with the first).
+// SPLIT (d = 256): 64 keys per block, and the consumer warpgroups split the head dim instead
+// of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
+// registers per thread in each warpgroup, of 64 keys x 128 columns 128.
 template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE> struct BwdWsTraits {
     using T = T_;
     static constexpr int D = D_, STAGES = STAGES_;
     static constexpr int MODS = MODS_;
-    static constexpr int BN = 128, BM = 64;  // keys per block (64 per consumer), rows per tile
+    static constexpr bool SPLIT = D > 128;
+    // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
+    static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
     static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
-    static constexpr int NQ = BM / 8;   // n8 tiles of S^T per consumer warpgroup
-    static constexpr int DT = D / 8;    // n8 tiles of dK, dV
+    // n8 tiles of S^T per consumer warpgroup (SPLIT: its 32 of the tile's query rows).
+    static constexpr int NQ = SPLIT ? BM / 16 : BM / 8;
+    // n8 tiles of dK, dV per consumer warpgroup (SPLIT: its half of the columns).
+    static constexpr int DT = SPLIT ? D / 16 : D / 8;
     static constexpr int DQ_N = D / 2;  // dQ columns per consumer warpgroup
     static constexpr int KV_BYTES = BN * D * 2, Q_BYTES = BM * D * 2, DS_BYTES = BN * BM * 2;
-    static constexpr int DQ_BYTES = BM * D * 4, STATS_BYTES = 2 * BM * 4;
+    // SPLIT adds dQ to dq_accum from the consumers' registers (red.global.add): the f32 tile
+    // does not fit beside K, V and two slots of Q and dO (64 KB each at d = 256).
+    static constexpr int DQ_BYTES = SPLIT ? 0 : BM * D * 4, STATS_BYTES = 2 * BM * 4;
     // K, V, STAGES x (Q, dO), two dS^T tiles (one per tile parity: a warpgroup may write the
-    // next while the other still reads this one), the dQ tile, STAGES x statistics, barriers;
-    // plus 1 KB to align the panels to a swizzle atom (src/cuda/bwd_ws.rs: smem_bytes).
+    // next while the other still reads this one), with SPLIT two P^T tiles likewise, the dQ
+    // tile, STAGES x statistics, barriers; plus 1 KB to align the panels to a swizzle atom
+    // (src/cuda/bwd_ws.rs: smem_bytes).
     static constexpr int Q_OFFSET = 2 * KV_BYTES;
     static constexpr int DS_OFFSET = Q_OFFSET + 2 * STAGES * Q_BYTES;
-    static constexpr int DQ_OFFSET = DS_OFFSET + 2 * DS_BYTES;
+    static constexpr int P_OFFSET = DS_OFFSET + 2 * DS_BYTES;
+    static constexpr int DQ_OFFSET = P_OFFSET + (SPLIT ? 2 * DS_BYTES : 0);
     static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * STATS_BYTES;
     static constexpr int BARRIERS = 1 + 2 * CONSUMERS + 3 * STAGES;
@@ -69,14 +83,16 @@ template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE> struct BwdWsT
     static constexpr int SMEM_BYTES = INFO_OFFSET + STAGES * 8 + 1024;
     // The consumers take their query tiles from the producer (INFO_OFFSET) rather than walk
     // the block mask themselves, in each of their threads (the dQ warp still walks: it runs
-    // behind them, after the slot's reuse).
-    static constexpr bool TILES_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0;
+    // behind them, after the slot's reuse); with SPLIT always (walking, the consumers of
+    // d = 256 spilled 768 bytes).
+    static constexpr bool TILES_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0 || SPLIT;
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
     static_assert(D % 64 == 0 && BM == 64, "panel tiles; dS^T is one 64-column panel");
     static_assert(DQ_N % 32 == 0, "dQ halves of whole wgmma n32 tiles");
     static_assert(CONSUMERS == 2, "the dQ warp's bulk groups are counted for two halves");
+    static_assert(SMEM_BYTES <= 227 * 1024, "a Hopper block's shared memory");
 };
 
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
@@ -95,6 +111,9 @@ template <class K> struct BwdWsSmem {
     __device__ __forceinline__ uint32_t dout(int st) const { return q(st) + K::Q_BYTES; }
     __device__ __forceinline__ uint32_t ds(int parity) const {
         return base + K::DS_OFFSET + parity * K::DS_BYTES;
+    }
+    __device__ __forceinline__ uint32_t p(int parity) const {
+        return base + K::P_OFFSET + parity * K::DS_BYTES;
     }
     __device__ __forceinline__ uint32_t dq() const { return base + K::DQ_OFFSET; }
     __device__ __forceinline__ uint32_t stats(int st) const {
@@ -464,6 +483,203 @@ template <class K> struct BwdWsConsumer {
     }
 };
 
+// d = 256 (K::SPLIT): both consumer warpgroups see all 64 keys of the block; each owns half
+// of the head dim's columns of dK, dV and dQ (128 registers for dK and dV) and half of the
+// tile's 32 query rows for S^T and dP^T, so that each computes P^T and dS^T in f32 for its
+// rows as the other kernels do. The halves meet in shared memory (P^T and dS^T, key-major),
+// from which both warpgroups' dV, dK and dQ matmuls read them. dQ goes from the registers to
+// dq_accum by red.global.add (there is no room for the f32 tile), in the fragment order of
+// the other kernels, so that the convert kernel is the same.
+template <class K> struct BwdWsSplitConsumer {
+    using T = typename K::T;
+    static constexpr int D = K::D, BM = K::BM, BN = K::BN, NQ = K::NQ, DT = K::DT;
+    static constexpr int DQ_N = K::DQ_N;
+
+    const AttnParams& p;
+    const BwdWsSmem<K> sm;
+    const int group, tid, lane;
+    float dk[DT][4], dv[DT][4];
+
+    // This warpgroup's A fragments (keys x its 32 query columns) into a key-major tile.
+    __device__ __forceinline__ void store_half(uint32_t tile, const uint32_t (&a)[1][NQ / 2][4]) const {
+        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+#pragma unroll
+        for (int kk = 0; kk < NQ / 2; ++kk)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int row = wrow + g + (j % 2) * 8;
+                const int col = group * 32 + kk * 16 + (j / 2) * 8 + 2 * t;
+                const uint32_t addr = tile + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a[0][kk][j]));
+            }
+    }
+
+    __device__ __forceinline__ void tile(const BwdTmaParams& P, const BwdWsBlock<K>& blk, int it,
+                                         int bidh, int m0, int64_t tile_index) {
+        const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+        const uint32_t sQ = sm.q(slot), sdO = sm.dout(slot);
+        const uint32_t sdS = sm.ds(it & 1), sP = sm.p(it & 1);
+        const int c0 = group * 32;  // this warpgroup's first query column of the tile
+        const uint32_t sLse = sm.stats(slot) + c0 * 4, sDsum = sLse + BM * 4;
+        // This warpgroup's columns: panels 2 group, 2 group + 1 of Q, dO and K.
+        const uint32_t sQ_mine = sQ + 2 * group * BM * 128, sdO_mine = sdO + 2 * group * BM * 128;
+        const uint32_t sK_mine = sm.k() + 2 * group * BN * 128;
+
+        const Mask head_mask = blk.mask.with_head(bidh);
+        const int row0 = blk.n0 + wrow;
+        constexpr bool EARLY = (K::MODS & MODS_BLOCKS) != 0;
+        const bool masked =
+            head_mask.template block_needs_mask<BN>(m0 + c0, m0 + c0 + 31, blk.n0);
+        uint64_t bits[1][2];
+        if constexpr (EARLY)
+            if (head_mask.sparse && masked)
+                head_mask.template sparse_bits<1, NQ, true>(bits, row0, m0 + c0, lane);
+
+        // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 32 query rows.
+        float s[1][NQ][4], dpt[1][NQ][4];
+        tma::wait(sm.full_q(slot), phase);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BM / 2>::ss(s[0], sm90::kmajor_desc(sm.k(), BN, kk),
+                                       sm90::kmajor_desc(sQ + c0 * 128, BM, kk), kk > 0);
+        sm90::commit();
+        float2 lse[NQ];
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
+        tma::wait(sm.full_do(slot), phase);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BM / 2>::ss(dpt[0], sm90::kmajor_desc(sm.v(), BN, kk),
+                                       sm90::kmajor_desc(sdO + c0 * 128, BM, kk), kk > 0);
+        sm90::commit();
+        sm90::wait<1>();
+        sm90::fence_operand(s[0]);
+
+        // P^T; with a softcap, s becomes P (1 - t^2) for dS (see BwdWsConsumer).
+        head_mask.template apply<1, NQ, true>(s, row0, m0 + c0, lane, masked, 1,
+                                              EARLY ? bits : nullptr);
+        uint32_t a_p[1][NQ / 2][4];
+        if (blk.mask.softcap_pre != 0.f) {
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float prob[2];
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        float& x = s[0][nt][2 * half + c];
+                        const float tc = head_mask.template capped<true>(
+                            x, row0 + g + 8 * half, m0 + c0 + nt * 8 + 2 * t + c);
+                        prob[c] = exp2f(fmaf(x, p.scale_log2, -(c ? lse[nt].y : lse[nt].x)));
+                        x = prob[c] * cap_grad(prob[c], tc);
+                    }
+                    a_p[0][nt / 2][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[0][nt][e] =
+                        exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
+            pack_a<T, 1, NQ>(s, a_p);
+        }
+        store_half(sP, a_p);
+        sm90::fence_proxy_async();
+        tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of P^T are written
+
+        // dV[:, mine] += P^T dO[:, mine], running while dS^T is computed.
+        sm90::fence_operand(dv);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            sm90::Wgmma<T, DQ_N>::template ss_t<0, 1>(dv, sm90::kmajor_desc(sP, BN, kk),
+                                                      sm90::mnmajor_desc(sdO_mine, BM, kk), 1);
+        sm90::commit();
+        sm90::wait<1>();  // dP^T
+        sm90::fence_operand(dpt[0]);
+        float2 dsum[NQ];
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum[nt].y : dsum[nt].x));
+        uint32_t a_ds[1][NQ / 2][4];
+        pack_a<T, 1, NQ>(dpt, a_ds);
+        store_half(sdS, a_ds);
+        sm90::fence_proxy_async();
+        tma::named_sync(2, 128 * K::CONSUMERS);  // both halves of dS^T are written
+
+        // dQ[:, mine] = dS K[:, mine], then dK[:, mine] += dS^T Q[:, mine].
+        float dq[DQ_N / 8][4];
+        sm90::fence_operand(dk);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
+                                       sm90::mnmajor_desc(sK_mine, BN, kk), kk > 0);
+        sm90::commit();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            sm90::Wgmma<T, DQ_N>::template ss_t<0, 1>(dk, sm90::kmajor_desc(sdS, BN, kk),
+                                                      sm90::mnmajor_desc(sQ_mine, BM, kk), 1);
+        sm90::commit();
+        sm90::wait<1>();  // dV and dQ
+        sm90::fence_operand(dq);
+        sm90::fence_operand(dv);
+        // float4 i of thread tid at float4 (group DQ_N / 8 + i) x 128 + tid of the tile.
+        float* dst = P.b.dq_accum + tile_index * BM * D;
+#pragma unroll
+        for (int i = 0; i < DQ_N / 8; ++i) {
+            float* addr = dst + ((group * (DQ_N / 8) + i) * 128 + tid) * 4;
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr),
+                         "f"(dq[i][0]), "f"(dq[i][1]), "f"(dq[i][2]), "f"(dq[i][3])
+                         : "memory");
+        }
+        sm90::wait<0>();  // dK
+        sm90::fence_operand(dk);
+        __syncwarp();
+        if (lane == 0) tma::arrive(sm.empty(slot));
+    }
+
+    // dK (scaled as in BwdWsConsumer::store) and dV: all 64 keys, this warpgroup's columns.
+    __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
+        const BwdParams& bp = P.b;
+        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+        const int64_t off = blk.seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride,
+                                             bp.dk_head_stride, blk.bidb, blk.bidh_k);
+        T* dk_out = static_cast<T*>(bp.dk) + off;
+        T* dv_out = static_cast<T*>(bp.dv) + off;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = blk.n0 + wrow + g + 8 * r;
+            if (row >= blk.seq.seqlen_k) continue;
+#pragma unroll
+            for (int i = 0; i < DT; ++i) {
+                const int col = group * DQ_N + i * 8 + 2 * t;
+                if (col >= p.d) continue;
+                const int64_t o = int64_t(row) * bp.dk_row_stride + col;
+                *reinterpret_cast<uint32_t*>(dk_out + o) =
+                    MmaOp<T>::pack(dk[i][2 * r] * p.grad_scale, dk[i][2 * r + 1] * p.grad_scale);
+                *reinterpret_cast<uint32_t*>(dv_out + o) =
+                    MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
+            }
+        }
+    }
+};
+
+template <class K, bool SPLIT = K::SPLIT> struct ConsumerOf {
+    using type = BwdWsConsumer<K>;
+};
+template <class K> struct ConsumerOf<K, true> {
+    using type = BwdWsSplitConsumer<K>;
+};
+
 template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaParams& P) {
     const AttnParams& p = P.b.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -493,15 +709,23 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     if (warpgroup == 0) {
         tma::regs_dealloc<K::PRODUCER_REGS>();
         if (any && tid == 0) bwd_ws_produce<K>(P, sm, blk);
-        if (any && tid == 32) bwd_ws_add_dq<K>(P, sm, blk);
+        if constexpr (!K::SPLIT)
+            if (any && tid == 32) bwd_ws_add_dq<K>(P, sm, blk);
         return;
     }
     tma::regs_alloc<K::CONSUMER_REGS>();
-    BwdWsConsumer<K> c{p, sm, warpgroup - 1, tid % 128, tid % 32, {}, {}};
+    typename ConsumerOf<K>::type c{p, sm, warpgroup - 1, tid % 128, tid % 32, {}, {}};
 #pragma unroll
     for (int i = 0; i < K::DT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) c.dk[i][e] = c.dv[i][e] = 0.f;
+    // The split consumer adds dQ itself, so it needs the tile's place in dq_accum.
+    const auto run_tile = [&](int it, int bidh, int m0, int64_t tile) {
+        if constexpr (K::SPLIT)
+            c.tile(P, blk, it, bidh, m0, tile);
+        else
+            c.tile(blk, it, bidh, m0);
+    };
     if (any) {
         tma::wait(sm.full_kv(), 0);
         if constexpr (K::TILES_FROM_PRODUCER) {
@@ -510,12 +734,13 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
                 const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
                 tma::wait(sm.full_q(slot), phase);  // its TileInfo was written before
                 const TileInfo t = ld_tile_info(sm.info(slot));
-                c.tile(blk, it, t.bidh, t.m0);
+                run_tile(it, t.bidh, t.m0, blk.tile_index(P, t.bidh, t.m0));
                 if (t.last) break;
             }
         } else {
             int it = 0;
-            bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t) { c.tile(blk, it++, bidh, m0); });
+            bwd_ws_walk<K>(P, blk,
+                           [&](int bidh, int m0, int64_t tile) { run_tile(it++, bidh, m0, tile); });
         }
     }
     c.store(P, blk);
@@ -630,3 +855,4 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
 
 FLASH_BWD_WS_BOTH(64, 3)
 FLASH_BWD_WS_BOTH(128, 2)
+FLASH_BWD_WS_BOTH(256, 2)

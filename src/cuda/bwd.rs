@@ -130,8 +130,9 @@ enum BwdPath {
     /// The wgmma dK/dV/dQ kernel (`cuda/bwd_sm90.cu`) + convert kernel: d 64 and 128 on
     /// Hopper, no dropout.
     Sm90,
-    /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, for
-    /// fixed-length batches whose tensors TMA can address.
+    /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at d = 256
+    /// on Hopper without dropout or determinism, for fixed-length batches whose tensors TMA
+    /// can address.
     Ws(BwdWsShape),
 }
 
@@ -198,6 +199,12 @@ impl BwdPath {
         smem: usize,
     ) -> Self {
         let env = bwd_override();
+        // d = 256 has the warp-specialized kernel only (no fused mma.sync or first wgmma one).
+        if hopper && tile.d == 256 && !dropout && !deterministic && env != Some("separate") {
+            if let Some(shape) = BwdWsShape::for_head_dim(tile.d) {
+                return Self::Ws(shape);
+            }
+        }
         let wgmma = hopper && tile.has_fused_wide() && !dropout;
         if deterministic || !tile.has_fused() || env == Some("separate") || (sparse && !wgmma) {
             Self::Separate
@@ -339,12 +346,20 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         let sparse = lock_sparse(&problem.mods);
         let _sparse_syncs = sparse_ptrs(&mut params.a, &sparse, &stream)?;
         match path {
-            BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, q.dtype()) => {
+            BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, &shape, q.dtype()) => {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
                 bwd_ws::run(&dev, &shape, q.dtype(), dtype, &params, &mut buffers)?;
             }
-            // Packed batches, or tensors TMA cannot address: the first wgmma kernel.
-            BwdPath::Ws(_) => run_path(&dev, BwdPath::Sm90, &tile, problem, dtype, &mut params)?,
+            // Packed batches, or tensors TMA cannot address: the first wgmma kernel, or at
+            // d = 256 the mma.sync ones.
+            BwdPath::Ws(shape) => {
+                let path = if shape.fallback_is_sm90() {
+                    BwdPath::Sm90
+                } else {
+                    BwdPath::Separate
+                };
+                run_path(&dev, path, &tile, problem, dtype, &mut params)?
+            }
             path => run_path(&dev, path, &tile, problem, dtype, &mut params)?,
         }
     }

@@ -25,11 +25,10 @@ pub(super) struct BwdTmaParams {
 // argument (__grid_constant__).
 unsafe impl DeviceRepr for BwdTmaParams {}
 
-/// Keys per block and query rows per streamed tile (`BwdWsTraits`).
-const BN: usize = 128;
+/// Query rows per streamed tile (`BwdWsTraits`).
 const BM: usize = 64;
 
-/// One compiled warp-specialized backward: head dim 64 (three Q/dO slots) or 128 (two).
+/// One compiled warp-specialized backward: head dim 64 (three Q/dO slots), 128 or 256 (two).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct BwdWsShape {
     d: usize,
@@ -41,16 +40,42 @@ impl BwdWsShape {
     pub fn for_head_dim(d: usize) -> Option<Self> {
         match d {
             64 => Some(Self { d, stages: 3 }),
-            128 => Some(Self { d, stages: 2 }),
+            128 | 256 => Some(Self { d, stages: 2 }),
             _ => None,
         }
     }
 
-    /// `BwdWsTraits::SMEM_BYTES`: K, V, the Q/dO slots, two dS^T tiles, the f32 dQ tile, the
-    /// slots' row statistics, the barriers, the slots' `TileInfo`, 1 KB of alignment.
+    /// d = 256 splits the head dim between the consumer warpgroups (`BwdWsTraits::SPLIT`).
+    fn split(&self) -> bool {
+        self.d > 128
+    }
+
+    /// Keys per block.
+    fn bn(&self) -> usize {
+        if self.split() {
+            64
+        } else {
+            128
+        }
+    }
+
+    /// The path for what this one cannot run (packed batches, tensors TMA cannot address):
+    /// the first wgmma kernel, which has no d = 256.
+    pub fn fallback_is_sm90(&self) -> bool {
+        !self.split()
+    }
+
+    /// `BwdWsTraits::SMEM_BYTES`: K, V, the Q/dO slots, two dS^T tiles, the f32 dQ tile (with
+    /// `split`, two P^T tiles instead), the slots' row statistics, the barriers, the slots'
+    /// `TileInfo`, 1 KB of alignment.
     fn smem_bytes(&self) -> u32 {
-        let (kv, q, ds) = (BN * self.d * 2, BM * self.d * 2, BN * BM * 2);
-        let dq = BM * self.d * 4;
+        let bn = self.bn();
+        let (kv, q, ds) = (bn * self.d * 2, BM * self.d * 2, bn * BM * 2);
+        let dq = if self.split() {
+            2 * ds
+        } else {
+            BM * self.d * 4
+        };
         let stats = 2 * BM * 4;
         let bytes = 2 * kv + 2 * self.stages * q + 2 * ds + dq + self.stages * stats;
         (bytes + (1 + 2 * 2 + 3 * self.stages) * 8 + self.stages * 8 + 1024) as u32
@@ -89,7 +114,7 @@ impl BwdWsBuffers {
 
 /// The parameter block for `b` (pointers set, `b.dq_accum` aside), or `None` where TMA
 /// cannot address q, k, v or dO.
-fn params(b: &BwdParams, dtype: DType) -> Option<BwdTmaParams> {
+fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParams> {
     let a: &AttnParams = &b.a;
     let source = |ptr, rows: i32, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
         ptr,
@@ -106,8 +131,8 @@ fn params(b: &BwdParams, dtype: DType) -> Option<BwdTmaParams> {
     let o = [a.o_batch_stride, a.o_row_stride, a.o_head_stride];
     Some(BwdTmaParams {
         q: source(a.q, a.seqlen_q, a.h, q).encode(BM)?,
-        k: source(a.k, a.seqlen_k, a.h_k, k).encode(BN)?,
-        v: source(a.v, a.seqlen_k, a.h_k, v).encode(BN)?,
+        k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn())?,
+        v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn())?,
         dout: source(b.dout, a.seqlen_q, a.h, o).encode(BM)?,
         b: *b,
         stats: 0,
@@ -116,8 +141,8 @@ fn params(b: &BwdParams, dtype: DType) -> Option<BwdTmaParams> {
 }
 
 /// Whether this path can run `b` (TMA can address its tensors).
-pub(super) fn supported(b: &BwdParams, dtype: DType) -> bool {
-    params(b, dtype).is_some()
+pub(super) fn supported(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> bool {
+    params(b, shape, dtype).is_some()
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv.
@@ -129,7 +154,7 @@ pub(super) fn run(
     b: &BwdParams,
     buffers: &mut BwdWsBuffers,
 ) -> Result<()> {
-    let Some(mut p) = params(b, dtype) else {
+    let Some(mut p) = params(b, shape, dtype) else {
         candle::bail!("flash-attn backward: TMA cannot address q, k, v or grad_out")
     };
     let stream = dev.cuda_stream();
@@ -152,7 +177,7 @@ pub(super) fn run(
     launch(
         dev,
         &format!("flash_bwd_ws_{dtype_name}_d{d}{}", b.a.mods_suffix()),
-        ((b.a.seqlen_k as usize).div_ceil(BN), hk, bsz),
+        ((b.a.seqlen_k as usize).div_ceil(shape.bn()), hk, bsz),
         384,
         shape.smem_bytes(),
         &p,
