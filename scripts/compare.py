@@ -32,6 +32,12 @@ IMPLS = ["candle-flash", "torch-flash", "torch-cudnn", "candle-naive"]
 LABELS = {"candle-flash": "ours", "torch-flash": "torch flash", "torch-cudnn": "cuDNN",
           "candle-naive": "candle naive"}
 COLORS = {"candle-flash": "C0", "torch-flash": "C1", "torch-cudnn": "C2", "candle-naive": "C3"}
+# candle-flash-attn 0.11.1 (FA2's forward kernels, what Candle users run today), from a
+# comparison binary built outside this repository (../shared/GPU.md): a column and a ratio
+# of the tables where any row has it.
+CFA = "candle-flash-attn"
+LABELS[CFA] = "candle-flash-attn"
+COLORS[CFA] = "C5"
 PASS_ORDER = ["fwd", "bwd", "fwd+bwd"]
 # Our backward through Candle's autograd: shown as a column of the bwd table, next to ours.
 AUTOGRAD_PASS = "bwd-autograd"
@@ -89,11 +95,13 @@ def table(records):
 
 
 def columns(rows):
-    """IMPLS, with "ours via autograd" after ours where any row has it."""
+    """IMPLS, with candle-flash-attn last and "ours via autograd" after ours where any row
+    has them."""
+    impls = IMPLS + ([CFA] if any(CFA in v for v in rows.values()) else [])
     if not any(OURS_AUTOGRAD in v for v in rows.values()):
-        return IMPLS
-    at = IMPLS.index(OURS) + 1
-    return IMPLS[:at] + [OURS_AUTOGRAD] + IMPLS[at:]
+        return impls
+    at = impls.index(OURS) + 1
+    return impls[:at] + [OURS_AUTOGRAD] + impls[at:]
 
 
 def passes(tab):
@@ -119,8 +127,8 @@ def markdown(records, tab):
         impls = columns(tab[pas])
         lines += [f"### {pas} ({u})", "",
                   "| hd | seqlen | causal | heads | " + " | ".join(LABELS[i] for i in impls)
-                  + " | ours/flash | ours/cuDNN |",
-                  "|---:|---:|:---:|:---:|" + "---:|" * (len(impls) + 2)]
+                  + " | ours/flash | ours/cuDNN |" + (" ours/candle-flash-attn |" if CFA in impls else ""),
+                  "|---:|---:|:---:|:---:|" + "---:|" * (len(impls) + 2 + (CFA in impls))]
         for key in sorted(tab[pas], key=lambda k: (is_gqa(k[3]), k)):
             hd, seqlen, causal, hh = key
             v = tab[pas][key]
@@ -128,6 +136,8 @@ def markdown(records, tab):
             cells = [str(hd), str(seqlen), "yes" if causal else "no", hh]
             cells += [fmt(v.get(i)) for i in impls]
             cells += [fmt(ratio(ours, v.get("torch-flash")), ".2f"), fmt(ratio(ours, v.get("torch-cudnn")), ".2f")]
+            if CFA in impls:
+                cells.append(fmt(ratio(ours, v.get(CFA)), ".2f"))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
