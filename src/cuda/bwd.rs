@@ -5,7 +5,10 @@
 //!
 //! On Hopper at d 64 and 128 without dropout, for fixed-length batches whose tensors TMA can
 //! address, the fused kernel is the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by
-//! [`super::bwd_ws`]); packed batches there take the first wgmma kernel (`cuda/bwd_sm90.cu`). Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
+//! [`super::bwd_ws`]); packed batches there take the first wgmma kernel (`cuda/bwd_sm90.cu`).
+//! At d 256 (225-256) the warp-specialized kernel also runs, under the same conditions and
+//! when non-determinism is allowed; the rest of d 256 takes the dK/dV and dQ kernels.
+//! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
 //! even at d 128, docs/PERF.md session 9), else 64 keys over 4 warps: at hd 128, seqlen 8k the
