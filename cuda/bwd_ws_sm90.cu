@@ -287,6 +287,101 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
     tma::bulk_wait_all();
 }
 
+// P^T (Algorithm 2, line 13) from S^T (keys as rows from row0, queries as columns from col0)
+// and this thread's query columns' LSE, into A fragments for dV. S^T becomes P^T, or under a
+// softcap P^T (1 - t^2) for dS^T (the tanh's derivative, t the capped score behind S), one
+// pair of P at a time, so that no second array of t is live.
+template <typename T, int NQ>
+__device__ __forceinline__ void probs_t(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
+                                        const float2 (&lse)[NQ], const Mask& mask, int row0,
+                                        int col0, int lane, float scale_log2) {
+    const int g = lane / 4, t = lane % 4;
+    if (mask.softcap_pre != 0.f) {
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float prob[2];
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    float& x = s[0][nt][2 * half + c];
+                    const float tc = mask.template capped<true>(x, row0 + g + 8 * half,
+                                                                col0 + nt * 8 + 2 * t + c);
+                    prob[c] = exp2f(fmaf(x, scale_log2, -(c ? lse[nt].y : lse[nt].x)));
+                    x = prob[c] * cap_grad(prob[c], tc);
+                }
+                a_p[0][nt / 2][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
+            }
+        return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s[0][nt][e] = exp2f(fmaf(s[0][nt][e], scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
+    pack_a<T, 1, NQ>(s, a_p);
+}
+
+// dS^T = P^T o (dP^T - rowsum(dO O)) (line 19) in dpt, and as A fragments.
+template <typename T, int NQ>
+__device__ __forceinline__ void grads_t(float (&dpt)[1][NQ][4], const float (&s)[1][NQ][4],
+                                        const float2 (&dsum)[NQ], uint32_t (&a_ds)[1][NQ / 2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum[nt].y : dsum[nt].x));
+    pack_a<T, 1, NQ>(dpt, a_ds);
+}
+
+// A warpgroup's A fragments of a transposed tile (keys as rows from key0, queries as columns
+// from col0) into a key-major panel tile of BN rows (row = key, 64 query columns).
+template <int BN, int NQ>
+__device__ __forceinline__ void store_key_major(uint32_t tile, const uint32_t (&a)[1][NQ / 2][4],
+                                                int key0, int col0, int tid, int lane) {
+    const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+#pragma unroll
+    for (int kk = 0; kk < NQ / 2; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int row = key0 + wrow + g + (j % 2) * 8;
+            const int col = col0 + kk * 16 + (j / 2) * 8 + 2 * t;
+            const uint32_t addr = tile + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a[0][kk][j]));
+        }
+}
+
+// dK (with the softmax scale of S = scale Q K^T, applied once here) and dV of a warpgroup's
+// fragments: keys from key0 (of the block), head-dim columns from col0.
+template <class K, int DT>
+__device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
+                                           const float (&dk)[DT][4], const float (&dv)[DT][4],
+                                           int key0, int col0, int tid, int lane) {
+    using T = typename K::T;
+    const BwdParams& bp = P.b;
+    const AttnParams& p = bp.a;
+    const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+    const int64_t off = blk.seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride,
+                                         bp.dk_head_stride, blk.bidb, blk.bidh_k);
+    T* dk_out = static_cast<T*>(bp.dk) + off;
+    T* dv_out = static_cast<T*>(bp.dv) + off;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = blk.n0 + key0 + wrow + g + 8 * r;
+        if (row >= blk.seq.seqlen_k) continue;
+#pragma unroll
+        for (int i = 0; i < DT; ++i) {
+            const int col = col0 + i * 8 + 2 * t;
+            if (col >= p.d) continue;
+            const int64_t o = int64_t(row) * bp.dk_row_stride + col;
+            *reinterpret_cast<uint32_t*>(dk_out + o) =
+                MmaOp<T>::pack(dk[i][2 * r] * p.grad_scale, dk[i][2 * r + 1] * p.grad_scale);
+            *reinterpret_cast<uint32_t*>(dv_out + o) =
+                MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
+        }
+    }
+}
+
 // One consumer warpgroup: keys n0 + 64 group .. + 63, their dK and dV in registers.
 template <class K> struct BwdWsConsumer {
     using T = typename K::T;
@@ -353,33 +448,7 @@ template <class K> struct BwdWsConsumer {
             head_mask.template apply<1, NQ, true>(
                 s, row0, m0, lane, head_mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0));
         uint32_t a_p[1][NQ / 2][4];
-        if (blk.mask.softcap_pre != 0.f) {
-            // P for dV, and P (1 - t^2) for dS (the tanh's derivative), t the capped score
-            // behind S: one pair of P at a time, so that no second array of t is live.
-#pragma unroll
-            for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    float prob[2];
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        float& x = s[0][nt][2 * half + c];
-                        const float tc = head_mask.template capped<true>(
-                            x, row0 + g + 8 * half, m0 + nt * 8 + 2 * t + c);
-                        prob[c] = exp2f(fmaf(x, p.scale_log2, -(c ? lse[nt].y : lse[nt].x)));
-                        x = prob[c] * cap_grad(prob[c], tc);
-                    }
-                    a_p[0][nt / 2][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
-                }
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[0][nt][e] =
-                        exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
-            pack_a<T, 1, NQ>(s, a_p);
-        }
+        probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
 
         // dV += P^T dO (line 16), running while dS^T is computed.
         sm90::fence_operand(dv);
@@ -395,15 +464,10 @@ template <class K> struct BwdWsConsumer {
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
 
-        // dS^T = P^T o (dP^T - rowsum(dO O)) (line 19), into the key-major panel tile (row =
-        // key, 64 query columns) for dQ.
-#pragma unroll
-        for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum[nt].y : dsum[nt].x));
+        // dS^T (line 19), into the key-major panel tile for dQ (written here rather than by
+        // store_key_major: through it, d = 128 spilled 8 bytes).
         uint32_t a_ds[1][NQ / 2][4];
-        pack_a<T, 1, NQ>(dpt, a_ds);
+        grads_t<T, NQ>(dpt, s, dsum, a_ds);
 #pragma unroll
         for (int kk = 0; kk < NQ / 2; ++kk)
 #pragma unroll
@@ -457,29 +521,9 @@ template <class K> struct BwdWsConsumer {
         if (lane == 0) tma::arrive(sm.empty(slot));
     }
 
-    // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV.
+    // dK and dV of this warpgroup's 64 keys.
     __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
-        const BwdParams& bp = P.b;
-        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
-        const int64_t off = blk.seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride,
-                                             bp.dk_head_stride, blk.bidb, blk.bidh_k);
-        T* dk_out = static_cast<T*>(bp.dk) + off;
-        T* dv_out = static_cast<T*>(bp.dv) + off;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = blk.n0 + group * 64 + wrow + g + 8 * r;
-            if (row >= blk.seq.seqlen_k) continue;
-#pragma unroll
-            for (int i = 0; i < DT; ++i) {
-                const int col = i * 8 + 2 * t;
-                if (col >= p.d) continue;
-                const int64_t o = int64_t(row) * bp.dk_row_stride + col;
-                *reinterpret_cast<uint32_t*>(dk_out + o) =
-                    MmaOp<T>::pack(dk[i][2 * r] * p.grad_scale, dk[i][2 * r + 1] * p.grad_scale);
-                *reinterpret_cast<uint32_t*>(dv_out + o) =
-                    MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
-            }
-        }
+        store_dkdv<K, DT>(P, blk, dk, dv, group * 64, 0, tid, lane);
     }
 };
 
@@ -499,20 +543,6 @@ template <class K> struct BwdWsSplitConsumer {
     const BwdWsSmem<K> sm;
     const int group, tid, lane;
     float dk[DT][4], dv[DT][4];
-
-    // This warpgroup's A fragments (keys x its 32 query columns) into a key-major tile.
-    __device__ __forceinline__ void store_half(uint32_t tile, const uint32_t (&a)[1][NQ / 2][4]) const {
-        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
-#pragma unroll
-        for (int kk = 0; kk < NQ / 2; ++kk)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int row = wrow + g + (j % 2) * 8;
-                const int col = group * 32 + kk * 16 + (j / 2) * 8 + 2 * t;
-                const uint32_t addr = tile + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a[0][kk][j]));
-            }
-    }
 
     __device__ __forceinline__ void tile(const BwdTmaParams& P, const BwdWsBlock<K>& blk, int it,
                                          int bidh, int m0, int64_t tile_index) {
@@ -562,32 +592,8 @@ template <class K> struct BwdWsSplitConsumer {
         head_mask.template apply<1, NQ, true>(s, row0, m0 + c0, lane, masked, 1,
                                               EARLY ? bits : nullptr);
         uint32_t a_p[1][NQ / 2][4];
-        if (blk.mask.softcap_pre != 0.f) {
-#pragma unroll
-            for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    float prob[2];
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        float& x = s[0][nt][2 * half + c];
-                        const float tc = head_mask.template capped<true>(
-                            x, row0 + g + 8 * half, m0 + c0 + nt * 8 + 2 * t + c);
-                        prob[c] = exp2f(fmaf(x, p.scale_log2, -(c ? lse[nt].y : lse[nt].x)));
-                        x = prob[c] * cap_grad(prob[c], tc);
-                    }
-                    a_p[0][nt / 2][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
-                }
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[0][nt][e] =
-                        exp2f(fmaf(s[0][nt][e], p.scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
-            pack_a<T, 1, NQ>(s, a_p);
-        }
-        store_half(sP, a_p);
+        probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0 + c0, lane, p.scale_log2);
+        store_key_major<BN, NQ>(sP, a_p, 0, c0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of P^T are written
 
@@ -604,14 +610,9 @@ template <class K> struct BwdWsSplitConsumer {
         float2 dsum[NQ];
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
-#pragma unroll
-        for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum[nt].y : dsum[nt].x));
         uint32_t a_ds[1][NQ / 2][4];
-        pack_a<T, 1, NQ>(dpt, a_ds);
-        store_half(sdS, a_ds);
+        grads_t<T, NQ>(dpt, s, dsum, a_ds);
+        store_key_major<BN, NQ>(sdS, a_ds, 0, c0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(2, 128 * K::CONSUMERS);  // both halves of dS^T are written
 
@@ -647,29 +648,9 @@ template <class K> struct BwdWsSplitConsumer {
         if (lane == 0) tma::arrive(sm.empty(slot));
     }
 
-    // dK (scaled as in BwdWsConsumer::store) and dV: all 64 keys, this warpgroup's columns.
+    // dK and dV: all 64 keys, this warpgroup's columns.
     __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
-        const BwdParams& bp = P.b;
-        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
-        const int64_t off = blk.seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride,
-                                             bp.dk_head_stride, blk.bidb, blk.bidh_k);
-        T* dk_out = static_cast<T*>(bp.dk) + off;
-        T* dv_out = static_cast<T*>(bp.dv) + off;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = blk.n0 + wrow + g + 8 * r;
-            if (row >= blk.seq.seqlen_k) continue;
-#pragma unroll
-            for (int i = 0; i < DT; ++i) {
-                const int col = group * DQ_N + i * 8 + 2 * t;
-                if (col >= p.d) continue;
-                const int64_t o = int64_t(row) * bp.dk_row_stride + col;
-                *reinterpret_cast<uint32_t*>(dk_out + o) =
-                    MmaOp<T>::pack(dk[i][2 * r] * p.grad_scale, dk[i][2 * r + 1] * p.grad_scale);
-                *reinterpret_cast<uint32_t*>(dv_out + o) =
-                    MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
-            }
-        }
+        store_dkdv<K, DT>(P, blk, dk, dv, 0, group * DQ_N, tid, lane);
     }
 };
 
