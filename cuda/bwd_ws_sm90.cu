@@ -727,22 +727,27 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     c.store(P, blk);
 }
 
-// The row statistics per query tile (see the top of this file) and dq_accum's zeros: one warp
-// per row, rows up to m_blocks x BM. Grid (ceil(m_blocks x BM / 8), h, b).
+// The row statistics per query tile (see the top of this file) and dq_accum's zeros: D / 8
+// lanes per row (16 bytes of O and of dO each), 256 / D rows per warp (one warp per row left
+// three quarters of the lanes idle at d = 64, and too few loads in flight to reach DRAM's
+// bandwidth), rows up to m_blocks x BM. Grid (ceil(m_blocks x BM / (8 x 256 / D)), h, b).
 template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_ws_prep(
     const BwdTmaParams& P) {
+    constexpr int LANES = D / CHUNK, ROWS_PER_WARP = 32 / LANES;
+    static_assert(BM % ROWS_PER_WARP == 0, "a warp's rows are all in range or all past it");
     const BwdParams& bp = P.b;
     const AttnParams& p = bp.a;
-    const int lane = threadIdx.x % 32;
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, l = lane % LANES;
+    const int row =
+        (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * ROWS_PER_WARP + lane / LANES;
     const int bidh = blockIdx.y, bidb = blockIdx.z;
-    if (row >= P.m_blocks * BM) return;
+    if (row >= P.m_blocks * BM) return;  // the whole warp
     const SeqInfo seq(p, bidb);
     float sum = 0.f;
-    if (row < seq.seqlen_q && lane * CHUNK < p.d) {
+    if (row < seq.seqlen_q && l * CHUNK < p.d) {
         const int64_t off =
             seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh) +
-            int64_t(row) * p.o_row_stride + lane * CHUNK;
+            int64_t(row) * p.o_row_stride + l * CHUNK;
         const uint4 o4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
         const uint4 d4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(bp.dout) + off);
         const T* o8 = reinterpret_cast<const T*>(&o4);
@@ -750,10 +755,11 @@ template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_w
 #pragma unroll
         for (int i = 0; i < CHUNK; ++i) sum += float(o8[i]) * float(d8[i]);
     }
+    // Within each row's LANES lanes (xor with less than LANES stays in the group).
 #pragma unroll
-    for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffff, sum, s);
+    for (int s = LANES / 2; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffff, sum, s);
     const int64_t tile = (int64_t(bidb) * p.h + bidh) * P.m_blocks + row / BM;
-    if (lane == 0) {
+    if (l == 0) {
         P.stats[tile * 2 * BM + row % BM] =
             row < seq.seqlen_q ? lse_log2(p.lse[seq.lse_offset(p, bidb, bidh) + row]) : INFINITY;
         P.stats[tile * 2 * BM + BM + row % BM] = sum;
@@ -761,7 +767,7 @@ template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_w
     // D floats per row: the tile's BM x D floats in whatever order.
     float4* zero = reinterpret_cast<float4*>(bp.dq_accum + (tile * BM + row % BM) * D);
 #pragma unroll
-    for (int i = lane; i < D / 4; i += 32) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = l; i < D / 4; i += LANES) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // dq = scale x dq_accum, undoing the consumers' fragment order. A thread takes the two

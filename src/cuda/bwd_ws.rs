@@ -165,7 +165,8 @@ pub(super) fn run(
     p.m_blocks = buffers.m_blocks as i32;
     let (bsz, h, hk) = (b.a.b as usize, b.a.h as usize, b.a.h_k as usize);
     let d = shape.d;
-    let rows_per_block = 8; // one warp per row, 256 threads
+    // 256 threads: 8 warps of 256 / d rows (d / 8 lanes per row).
+    let rows_per_block = 8 * (256 / d);
     launch(
         dev,
         &format!("flash_bwd_ws_prep_{dtype_name}_d{d}"),
@@ -182,11 +183,13 @@ pub(super) fn run(
         shape.smem_bytes(),
         &p,
     )?;
+    // One thread per item of the convert kernel (2 d of them; 256 threads at most): at
+    // d = 64, 256 threads left half of every block idle.
     launch(
         dev,
         &format!("flash_bwd_ws_convert_{dtype_name}_d{d}"),
         (buffers.m_blocks, h, bsz),
-        256,
+        (2 * d as u32).min(256),
         0,
         &p,
     )
