@@ -262,6 +262,12 @@ fn grid(quick: bool) -> Vec<Case> {
             &[2048, 8192],
         )
     };
+    // `CANDLE_FLASH_BENCH_HDS=96,224` replaces the head dims (hidden 2048 / hd heads, rounded
+    // down): the head-dim classes between the grid's.
+    let hds_env: Option<Vec<usize>> = std::env::var("CANDLE_FLASH_BENCH_HDS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect());
+    let hds = hds_env.as_deref().unwrap_or(hds);
     let mut cases = Vec::new();
     for &hd in hds {
         for &seqlen in seqlens {

@@ -20,11 +20,10 @@
 // interleaved with its warpgroup's), written without bank conflicts and read back by
 // flash_bwd_ws_convert_<dtype>_d<D>, which scales and stores dq. The prep kernel also zeroes
 // dq_accum.
-// d = 256 (head dims 193-256) splits the head dim between the consumers instead of the keys:
-// see BwdWsSplitConsumer.
+// d = 256 (head dims 193-256, columns past the head dim zero) splits the head dim between the
+// consumers instead of the keys: see BwdWsSplitConsumer.
 // Fixed-length batches without dropout, head dims 33-64, 97-128 and 193-256, TMA-addressable
-// tensors;
-// src/cuda/bwd.rs runs the older kernels for the rest. Entry points flash_bwd_ws_*.
+// tensors; src/cuda/bwd.rs runs the older kernels for the rest. Entry points flash_bwd_ws_*.
 #include "bwd_tiles.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"

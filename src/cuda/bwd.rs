@@ -6,8 +6,8 @@
 //! On Hopper at d 64 and 128 without dropout, for fixed-length batches whose tensors TMA can
 //! address, the fused kernel is the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by
 //! [`super::bwd_ws`]); packed batches there take the first wgmma kernel (`cuda/bwd_sm90.cu`).
-//! At d 256 (225-256) the warp-specialized kernel also runs, under the same conditions and
-//! when non-determinism is allowed; the rest of d 256 takes the dK/dV and dQ kernels.
+//! At head dims 193-256 its d = 256 kernel also runs, under the same conditions and when
+//! non-determinism is allowed; the rest of them takes the dK/dV and dQ kernels.
 //! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
@@ -133,9 +133,9 @@ enum BwdPath {
     /// The wgmma dK/dV/dQ kernel (`cuda/bwd_sm90.cu`) + convert kernel: d 64 and 128 on
     /// Hopper, no dropout.
     Sm90,
-    /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at d = 256
-    /// on Hopper without dropout or determinism, for fixed-length batches whose tensors TMA
-    /// can address.
+    /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
+    /// dims 193-256 on Hopper without dropout or determinism, for fixed-length batches whose
+    /// tensors TMA can address.
     Ws(BwdWsShape),
 }
 
@@ -202,9 +202,11 @@ impl BwdPath {
         smem: usize,
     ) -> Self {
         let env = bwd_override();
-        // d = 256 has the warp-specialized kernel only (no fused mma.sync or first wgmma one).
-        if hopper && tile.d == 256 && !dropout && !deterministic && env != Some("separate") {
-            if let Some(shape) = BwdWsShape::for_head_dim(tile.d) {
+        // Head dims 193-256 (the 224 and 256 classes) take the d = 256 warp-specialized kernel,
+        // its columns past the head dim zero (TMA's fill): there is no fused mma.sync or first
+        // wgmma kernel at these head dims.
+        if hopper && tile.d > 192 && !dropout && !deterministic && env != Some("separate") {
+            if let Some(shape) = BwdWsShape::for_head_dim(256) {
                 return Self::Ws(shape);
             }
         }
