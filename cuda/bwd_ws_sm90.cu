@@ -22,8 +22,9 @@
 // dq_accum.
 // d = 256 (head dims 193-256, columns past the head dim zero) splits the head dim between the
 // consumers instead of the keys: see BwdWsSplitConsumer.
-// Fixed-length batches without dropout, head dims 33-64, 97-128 and 193-256, TMA-addressable
-// tensors; src/cuda/bwd.rs runs the older kernels for the rest. Entry points flash_bwd_ws_*.
+// Fixed-length batches without dropout, head dims 33-128 (65-96 on the d = 128 kernel) and
+// 193-256, TMA-addressable tensors; src/cuda/bwd.rs runs the older kernels for the rest.
+// Entry points flash_bwd_ws_*.
 #include "bwd_tiles.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"

@@ -6,8 +6,9 @@
 //! On Hopper at d 64 and 128 without dropout, for fixed-length batches whose tensors TMA can
 //! address, the fused kernel is the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by
 //! [`super::bwd_ws`]); packed batches there take the first wgmma kernel (`cuda/bwd_sm90.cu`).
-//! At head dims 193-256 its d = 256 kernel also runs, under the same conditions and when
-//! non-determinism is allowed; the rest of them takes the dK/dV and dQ kernels.
+//! At head dims 65-96 its d = 128 kernel and at 193-256 its d = 256 kernel also run (the
+//! columns past the head dim zero), under the same conditions and when non-determinism is
+//! allowed (65-96: without a block mask or a `CANDLE_FLASH_BWD` override).
 //! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
@@ -134,8 +135,8 @@ enum BwdPath {
     /// Hopper, no dropout.
     Sm90,
     /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
-    /// dims 193-256 on Hopper without dropout or determinism, for fixed-length batches whose
-    /// tensors TMA can address.
+    /// dims 65-96 and 193-256 on Hopper without dropout or determinism, for fixed-length
+    /// batches whose tensors TMA can address.
     Ws(BwdWsShape),
 }
 
@@ -189,6 +190,17 @@ fn bwd_override() -> Option<&'static str> {
 }
 
 impl BwdPath {
+    /// Where `Ws` was chosen but cannot run (packed batches, tensors TMA cannot address): the
+    /// first wgmma kernel at d 64/128, the mma.sync fused kernel at 96 (its 64-key shape, the
+    /// only one compiled there), the dK/dV and dQ kernels above 128.
+    fn ws_fallback(tile: &BwdTile) -> Self {
+        match tile.d {
+            64 | 128 => Self::Sm90,
+            96 => Self::Fused(FusedShape::Bn64),
+            _ => Self::Separate,
+        }
+    }
+
     /// `smem`: the bytes of shared memory a block may use on the device; the 128-key shapes
     /// (115 and 158 KB at d = 128) run only where they fit, the tall one first. Under a block
     /// mask (`sparse`) the mma.sync kernels run the separate path, whose dK/dV kernel has the
@@ -207,6 +219,13 @@ impl BwdPath {
         // wgmma kernel at these head dims.
         if hopper && tile.d > 192 && !dropout && !deterministic && env != Some("separate") {
             if let Some(shape) = BwdWsShape::for_head_dim(256) {
+                return Self::Ws(shape);
+            }
+        }
+        // Head dims 65-96 take the d = 128 warp-specialized kernel likewise (as the forward
+        // does), unless an override asks for the mma.sync kernels or a block mask is set.
+        if hopper && tile.d == 96 && !dropout && !deterministic && !sparse && env.is_none() {
+            if let Some(shape) = BwdWsShape::for_head_dim(128) {
                 return Self::Ws(shape);
             }
         }
@@ -355,14 +374,10 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
                 bwd_ws::run(&dev, &shape, q.dtype(), dtype, &params, &mut buffers)?;
             }
-            // Packed batches, or tensors TMA cannot address: the first wgmma kernel, or at
-            // d = 256 the mma.sync ones.
-            BwdPath::Ws(shape) => {
-                let path = if shape.fallback_is_sm90() {
-                    BwdPath::Sm90
-                } else {
-                    BwdPath::Separate
-                };
+            // Packed batches, or tensors TMA cannot address: what runs there without the
+            // warp-specialized kernels.
+            BwdPath::Ws(_) => {
+                let path = BwdPath::ws_fallback(&tile);
                 run_path(&dev, path, &tile, problem, dtype, &mut params)?
             }
             path => run_path(&dev, path, &tile, problem, dtype, &mut params)?,

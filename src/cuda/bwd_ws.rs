@@ -59,12 +59,6 @@ impl BwdWsShape {
         }
     }
 
-    /// The path for what this one cannot run (packed batches, tensors TMA cannot address):
-    /// the first wgmma kernel, which has no d = 256.
-    pub fn fallback_is_sm90(&self) -> bool {
-        !self.split()
-    }
-
     /// `BwdWsTraits::SMEM_BYTES`: K, V, the Q/dO slots, two dS^T tiles, the f32 dQ tile (with
     /// `split`, two P^T tiles instead), the slots' row statistics, the barriers, the slots'
     /// `TileInfo`, 1 KB of alignment.
