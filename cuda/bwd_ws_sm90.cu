@@ -529,8 +529,8 @@ template <class K> struct BwdWsConsumer {
 
 // d = 256 (K::SPLIT): both consumer warpgroups see all 64 keys of the block; each owns half
 // of the head dim's columns of dK, dV and dQ (128 registers for dK and dV) and half of the
-// tile's 32 query rows for S^T and dP^T, so that each computes P^T and dS^T in f32 for its
-// rows as the other kernels do. The halves meet in shared memory (P^T and dS^T, key-major),
+// tile's 64 query rows (32) for S^T and dP^T, so that each computes P^T and dS^T in f32 for
+// its rows as the other kernels do. The halves meet in shared memory (P^T and dS^T, key-major),
 // from which both warpgroups' dV, dK and dQ matmuls read them. dQ goes from the registers to
 // dq_accum by red.global.add (there is no room for the f32 tile), in the fragment order of
 // the other kernels, so that the convert kernel is the same.
@@ -547,7 +547,7 @@ template <class K> struct BwdWsSplitConsumer {
     __device__ __forceinline__ void tile(const BwdTmaParams& P, const BwdWsBlock<K>& blk, int it,
                                          int bidh, int m0, int64_t tile_index) {
         const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
-        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+        const int t = lane % 4, wrow = tid / 32 * 16;
         const uint32_t sQ = sm.q(slot), sdO = sm.dout(slot);
         const uint32_t sdS = sm.ds(it & 1), sP = sm.p(it & 1);
         const int c0 = group * 32;  // this warpgroup's first query column of the tile
