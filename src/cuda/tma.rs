@@ -140,6 +140,13 @@ impl WsShape {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
+        // The head-dim classes between the compiled ones (96: 65-96, 224: 193-224) run the next
+        // one up, their columns past the head dim zero (TMA's fill), as at 97-127 and 225-255.
+        let d = match d {
+            96 => 128,
+            224 => 256,
+            d => d,
+        };
         // d = 64 causal at 512: the one-warpgroup kernel of fwd_sm90.cu, four blocks per SM
         // (190 against 165 TFLOP/s).
         if forced.is_empty() && d == 64 && causal && seqlen_q <= 512 {
