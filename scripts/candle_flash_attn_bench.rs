@@ -11,6 +11,8 @@
 //! [dependencies]
 //! candle-flash-attn = "0.11.1"
 //! candle-core = { version = "0.11.1", features = ["cuda"] }
+//! # for `retain_freed_device_memory`, the pool setting our bench runs under
+//! candle-flash = { path = "PATH/TO/THIS/REPOSITORY", features = ["cuda"] }
 //! ```
 //!
 //! with this file as src/main.rs, `CUDA_COMPUTE_CAP=90 cargo build --release` (CUTLASS from the
@@ -21,30 +23,9 @@
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 
-fn retain_pool(dev: &Device) {
-    if let Device::Cuda(d) = dev {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        let ctx = d.cuda_stream().context().clone();
-        ctx.bind_to_thread().unwrap();
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: plain driver calls on the context's device, with valid out-pointers.
-        unsafe {
-            sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().unwrap();
-            let mut threshold = u64::MAX;
-            sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut threshold as *mut u64 as *mut std::ffi::c_void,
-            )
-            .result()
-            .unwrap();
-        }
-    }
-}
-
 fn main() -> candle_core::Result<()> {
     let dev = Device::new_cuda(0)?;
-    retain_pool(&dev);
+    candle_flash::train::retain_freed_device_memory(&dev)?;
     let mut cases = vec![];
     for hd in [64usize, 128, 256] {
         for seqlen in [512usize, 1024, 2048, 4096, 8192, 16384] {
