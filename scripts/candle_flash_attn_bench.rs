@@ -44,7 +44,9 @@ fn main() -> candle_core::Result<()> {
         let b = 16384 / seqlen;
         let sets: Vec<(Tensor, Tensor, Tensor)> = (0..3)
             .map(|_| -> candle_core::Result<_> {
-                let r = |heads| Tensor::randn(0f32, 1.0, (b, seqlen, heads, hd), &dev)?.to_dtype(DType::BF16);
+                let r = |heads| {
+                    Tensor::randn(0f32, 1.0, (b, seqlen, heads, hd), &dev)?.to_dtype(DType::BF16)
+                };
                 Ok((r(h)?, r(hk)?, r(hk)?))
             })
             .collect::<candle_core::Result<_>>()?;
