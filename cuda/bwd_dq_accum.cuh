@@ -25,6 +25,17 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
 #endif
 }
 
+// Four adjacent f32 in one L2 atomic (sm_90); `addr` is 16-byte aligned.
+__device__ __forceinline__ void red_add_v4(float* addr, const float (&x)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(x[0]),
+                 "f"(x[1]), "f"(x[2]), "f"(x[3])
+                 : "memory");
+#else
+    for (int i = 0; i < 4; ++i) atomicAdd(addr + i, x[i]);
+#endif
+}
+
 // acc += dS K for this warp's MT x NT tiles: dS (queries x keys) is read from the key-major
 // dS^T tile with ldmatrix.trans (A operand), K (keys x d, row-major) also with .trans (B).
 // `ds_t` points at query column row0 of dS^T, `b` at column col0 of K.

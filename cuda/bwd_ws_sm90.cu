@@ -25,6 +25,7 @@
 // Fixed-length batches without dropout, head dims 33-128 (65-96 on the d = 128 kernel) and
 // 193-256, TMA-addressable tensors; src/cuda/bwd.rs runs the older kernels for the rest.
 // Entry points flash_bwd_ws_*.
+#include "bwd_dq_accum.cuh"
 #include "bwd_tiles.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
@@ -637,10 +638,7 @@ template <class K> struct BwdWsSplitConsumer {
         float* dst = P.b.dq_accum + tile_index * BM * D;
 #pragma unroll
         for (int i = 0; i < DQ_N / 8; ++i) {
-            float* addr = dst + ((group * (DQ_N / 8) + i) * 128 + tid) * 4;
-            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr),
-                         "f"(dq[i][0]), "f"(dq[i][1]), "f"(dq[i][2]), "f"(dq[i][3])
-                         : "memory");
+            red_add_v4(dst + ((group * (DQ_N / 8) + i) * 128 + tid) * 4, dq[i]);
         }
         sm90::wait<0>();  // dK
         sm90::fence_operand(dk);

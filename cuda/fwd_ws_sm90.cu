@@ -33,8 +33,9 @@ struct FwdTmaParams {
     AttnParams a;
     // Dynamic schedule: blocks take their tiles after the first from tile_counter[0], zero at
     // launch and left zero (the last fetch resets it); the producer passes each tile's index to
-    // the consumers through tile_counter[4 + 4 * block] and a bulk copy into shared memory
-    // beside Q. Null: the static walk, which every warp follows by itself.
+    // the consumers through 16 bytes per Q slot, tile_counter[4 + 4 * (2 * block + slot)], and
+    // a bulk copy into shared memory beside Q. Null: the static walk, which every warp follows
+    // by itself.
     unsigned int* tile_counter;
 };
 
@@ -51,15 +52,23 @@ struct WsTraits {
     static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
-    // Q, STAGES K tiles, STAGES V tiles, then the barriers: Q full and empty, and full/empty
-    // per K and V slot; plus 1 KB to align the tiles to a swizzle atom (src/cuda/tma.rs:
+    // Two Q slots where shared memory has room (d = 64, d = 128 with 128-key tiles): the
+    // producer then loads the next work tile's Q while the consumers still run the last one's
+    // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
+    // for it once per tile). src/cuda/tma.rs: WsShape::q_stages.
+    static constexpr int Q_STAGES =
+        2 * Q_BYTES + 2 * STAGES * KV_BYTES + (4 + 4 * STAGES) * 8 + 48 + 1024 <= 232448 ? 2 : 1;
+    // Q_STAGES Q tiles, STAGES K tiles, STAGES V tiles, then the barriers: full and empty per
+    // Q, K and V slot; plus 1 KB to align the tiles to a swizzle atom (src/cuda/tma.rs:
     // WsShape::smem_bytes).
-    static constexpr int BAR_OFFSET = Q_BYTES + 2 * STAGES * KV_BYTES;
-    // The next work tile's index (written by the producer before it fills Q) after them.
-    static constexpr int TILE_OFFSET = (BAR_OFFSET + (2 + 4 * STAGES) * 8 + 15) / 16 * 16;
+    static constexpr int BAR_OFFSET = Q_STAGES * Q_BYTES + 2 * STAGES * KV_BYTES;
+    // Per Q slot its work tile's index (written by the producer before it fills Q) after them.
+    static constexpr int TILE_OFFSET =
+        (BAR_OFFSET + (2 * Q_STAGES + 4 * STAGES) * 8 + 15) / 16 * 16;
     // Under a block mask, per K slot its key tile (KeyInfo), written by the producer.
-    static constexpr int KEY_OFFSET = TILE_OFFSET + 16;
+    static constexpr int KEY_OFFSET = TILE_OFFSET + 16 * Q_STAGES;
     static constexpr int SMEM_BYTES = KEY_OFFSET + 16 + 1024;
+    static_assert(SMEM_BYTES <= 232448, "shared memory per block");
     // The consumers take their key tiles from the producer (KEY_OFFSET) rather than walk
     // the block mask themselves: its reads and index arithmetic, in each of their threads,
     // cost the d = 64 forward a third of its time with every block kept.
@@ -79,26 +88,33 @@ struct WsTraits {
 // Shared-memory addresses of the tiles and barriers.
 template <class K> struct WsSmem {
     uint32_t base;
-    __device__ __forceinline__ uint32_t q() const { return base; }
+    static constexpr int QB = 2 * K::Q_STAGES;  // Q's barriers, before K's and V's
+    __device__ __forceinline__ uint32_t q(int qs) const { return base + qs * K::Q_BYTES; }
     __device__ __forceinline__ uint32_t k(int st) const {
-        return base + K::Q_BYTES + st * K::KV_BYTES;
+        return base + K::Q_STAGES * K::Q_BYTES + st * K::KV_BYTES;
     }
     __device__ __forceinline__ uint32_t v(int st) const {
-        return base + K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
+        return base + K::Q_STAGES * K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
     }
-    __device__ __forceinline__ uint32_t full_q() const { return base + K::BAR_OFFSET; }
-    __device__ __forceinline__ uint32_t empty_q() const { return full_q() + 8; }
-    __device__ __forceinline__ uint32_t full_k(int st) const { return full_q() + 8 * (2 + st); }
+    __device__ __forceinline__ uint32_t full_q(int qs) const {
+        return base + K::BAR_OFFSET + 8 * qs;
+    }
+    __device__ __forceinline__ uint32_t empty_q(int qs) const {
+        return full_q(K::Q_STAGES + qs);
+    }
+    __device__ __forceinline__ uint32_t full_k(int st) const { return full_q(QB + st); }
     __device__ __forceinline__ uint32_t full_v(int st) const {
-        return full_q() + 8 * (2 + K::STAGES + st);
+        return full_q(QB + K::STAGES + st);
     }
     __device__ __forceinline__ uint32_t empty_k(int st) const {
-        return full_q() + 8 * (2 + 2 * K::STAGES + st);
+        return full_q(QB + 2 * K::STAGES + st);
     }
     __device__ __forceinline__ uint32_t empty_v(int st) const {
-        return full_q() + 8 * (2 + 3 * K::STAGES + st);
+        return full_q(QB + 3 * K::STAGES + st);
     }
-    __device__ __forceinline__ uint32_t tile() const { return base + K::TILE_OFFSET; }
+    __device__ __forceinline__ uint32_t tile(int qs) const {
+        return base + K::TILE_OFFSET + 16 * qs;
+    }
     __device__ __forceinline__ uint32_t key(int st) const { return base + K::KEY_OFFSET + 4 * st; }
 };
 
@@ -121,13 +137,14 @@ __device__ __forceinline__ int ld_shared(uint32_t addr) {
     return v;
 }
 
-// A key tile's place in the ring: every block counts the key tiles it has passed through
-// (over all its work tiles), the producer and each consumer alike.
-template <class K> struct Slot {
+// A tile's place in a ring of N slots: every block counts the key tiles (N = STAGES) and the
+// work tiles (N = Q_STAGES) it has passed through, the producer and each consumer alike.
+template <int N> struct Ring {
     int st, phase;
-    __device__ __forceinline__ explicit Slot(int it)
-        : st(it % K::STAGES), phase((it / K::STAGES) & 1) {}
+    __device__ __forceinline__ explicit Ring(int it) : st(it % N), phase((it / N) & 1) {}
 };
+template <class K> using Slot = Ring<K::STAGES>;
+template <class K> using QSlot = Ring<K::Q_STAGES>;
 
 // One work tile: query block m_block of head bidh of sequence bidb, and its key tiles.
 template <class K> struct WsTile {
@@ -162,36 +179,43 @@ template <class K> struct WsTile {
     }
 };
 
-// The producer thread hands the consumers their work tiles one at a time through the Q slot:
-// once they are done with the last Q, it copies the next tile's Q, and under the dynamic
-// schedule the tile's index (an index past the last tile tells them to stop) beside it, both
-// completing on the slot's barrier; then K and V of the tile's key tiles, last first, each
-// into the next slot once the consumers have released it.
+// The producer thread hands the consumers their work tiles one at a time through the Q slots:
+// once they are done with the slot's last Q, it copies the next tile's Q, and under the
+// dynamic schedule the tile's index (an index past the last tile tells them to stop) beside
+// it, both completing on the slot's barrier; then K and V of the tile's key tiles, last
+// first, each into the next slot once the consumers have released it.
 template <class K>
 __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
                                            int tiles) {
-    unsigned int* slot = P.tile_counter == nullptr ? nullptr : P.tile_counter + 4 + 4 * blockIdx.x;
+    // Each Q slot's index goes through a global slot of its own: with two Q slots the
+    // producer may write the next index before the last one's bulk copy has landed.
+    unsigned int* slots =
+        P.tile_counter == nullptr ? nullptr : P.tile_counter + 4 + 8 * blockIdx.x;
     int it = 0;
     for (int t = blockIdx.x, q_uses = 0;; ++q_uses) {
         const bool last = t >= tiles;
-        if (last && slot == nullptr) return;  // the consumers walk the same tiles and stop
-        tma::wait(sm.empty_q(), (q_uses & 1) ^ 1);
+        if (last && slots == nullptr) return;  // the consumers walk the same tiles and stop
+        const QSlot<K> qs(q_uses);
+        tma::wait(sm.empty_q(qs.st), qs.phase ^ 1);
         const WsTile<K> w(P.a, last ? 0 : t);
         // No keys: no Q either; the consumers write zeros and move on.
         const bool q = !last && w.key_tiles() > 0;
+        unsigned int* slot = slots == nullptr ? nullptr : slots + 4 * qs.st;
         if (slot != nullptr) {
             *slot = unsigned(t);
             tma::fence_proxy_global();
         }
         const uint32_t bytes = (slot != nullptr ? 16 : 0) + (q ? K::Q_BYTES : 0);
         if (bytes == 0) {
-            tma::arrive(sm.full_q());
+            tma::arrive(sm.full_q(qs.st));
         } else {
-            tma::arrive_expect_tx(sm.full_q(), bytes);
+            tma::arrive_expect_tx(sm.full_q(qs.st), bytes);
         }
-        if (slot != nullptr) tma::load_bulk(sm.tile(), slot, 16, sm.full_q());
+        if (slot != nullptr) tma::load_bulk(sm.tile(qs.st), slot, 16, sm.full_q(qs.st));
         if (last) return;
-        if (q) tma::load_tile<K::BM, K::D / 64>(sm.q(), P.q, sm.full_q(), w.m0, w.bidh, w.bidb);
+        if (q)
+            tma::load_tile<K::BM, K::D / 64>(sm.q(qs.st), P.q, sm.full_q(qs.st), w.m0, w.bidh,
+                                             w.bidb);
         int state = w.last_state;
         for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next, next_state; nb >= 0;
              nb = next, state = next_state, ++it) {
@@ -211,7 +235,7 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
             tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st), nb * K::BN,
                                              w.bidh_k, w.bidb);
         }
-        if (slot == nullptr) {
+        if (slots == nullptr) {
             t += gridDim.x;
         } else {
             // Every block fetches until it fails once: `tiles` fetches in all (the grid is at
@@ -239,6 +263,7 @@ template <class K> struct WsConsumer {
     const AttnParams& p;
     const WsSmem<K> sm;
     const int group, warp_row0, lane;
+    int qs;  // the Q slot of the work tile being run
     float o[1][DT][4];
     uint32_t pa[1][NT / 2][4];  // P of the previous tile, the A operand of P V
     OnlineSoftmax<1> softmax;
@@ -257,7 +282,7 @@ template <class K> struct WsConsumer {
     __device__ __forceinline__ void issue_s(float (&s)[1][NT][4], int st) const {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
-            sm90::Wgmma<T, BN>::ss(s[0], sm90::kmajor_desc(sm.q() + group * 64 * 128, BM, kk),
+            sm90::Wgmma<T, BN>::ss(s[0], sm90::kmajor_desc(sm.q(qs) + group * 64 * 128, BM, kk),
                                     sm90::kmajor_desc(sm.k(st), BN, kk), kk > 0);
         sm90::commit();
     }
@@ -285,7 +310,7 @@ template <class K> struct WsConsumer {
     // The Q slot also holds the tile index every lane read.
     __device__ __forceinline__ void release_q() const {
         __syncwarp();
-        release(sm.empty_q());
+        release(sm.empty_q(qs));
     }
 
     // What the mask does to key tile nb, found before its S is issued: whether it masks any
@@ -420,8 +445,10 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     const int tid = threadIdx.x, warpgroup = tid / 128;
 
     if (tid == 0) {
-        tma::mbar_init(sm.full_q(), 1);
-        tma::mbar_init(sm.empty_q(), 4 * K::CONSUMERS);
+        for (int qs = 0; qs < K::Q_STAGES; ++qs) {
+            tma::mbar_init(sm.full_q(qs), 1);
+            tma::mbar_init(sm.empty_q(qs), 4 * K::CONSUMERS);
+        }
         for (int st = 0; st < K::STAGES; ++st) {
             tma::mbar_init(sm.full_k(st), 1);
             tma::mbar_init(sm.full_v(st), 1);
@@ -439,13 +466,15 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     }
     tma::regs_alloc<K::CONSUMER_REGS>();
     const int group = warpgroup - 1;
-    WsConsumer<K> c{p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, {}, {}, {}};
+    WsConsumer<K> c{p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, 0, {}, {}, {}};
     bool started = false;  // took a pingpong turn yet
     const bool dynamic = P.tile_counter != nullptr;
     for (int it = 0, q_uses = 0, t = blockIdx.x;; ++q_uses, t += gridDim.x) {
         if (!dynamic && t >= tiles) break;
-        tma::wait(sm.full_q(), q_uses & 1);
-        if (dynamic) t = ld_shared(sm.tile());
+        const QSlot<K> qs(q_uses);
+        c.qs = qs.st;
+        tma::wait(sm.full_q(qs.st), qs.phase);
+        if (dynamic) t = ld_shared(sm.tile(qs.st));
         if (t >= tiles) break;
         const WsTile<K> w(p, t);
         zero(c.o);

@@ -29,7 +29,7 @@ use half::{bf16, f16};
 use super::bwd_ws::{self, BwdWsBuffers, BwdWsShape};
 use super::{
     device_facts, dtype_name, launch, lock_slopes, lock_sparse, locked_ptr, poison, seq_offsets,
-    set_seq_offsets, sparse_ptrs, AttnParams, BwdParams, FwdTile,
+    set_seq_offsets, sparse_ptrs, tma, AttnParams, BwdParams, FwdTile,
 };
 use crate::params::Problem;
 
@@ -189,53 +189,71 @@ fn bwd_override() -> Option<&'static str> {
         .as_deref()
 }
 
+/// What the backward's kernel choice depends on.
+#[derive(Clone, Copy)]
+struct BwdProblem<'a> {
+    tile: &'a BwdTile,
+    deterministic: bool,
+    dropout: bool,
+    /// A block mask.
+    sparse: bool,
+    /// Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
+    hopper: bool,
+    /// The bytes of shared memory a block may use on the device.
+    smem: usize,
+}
+
 impl BwdPath {
-    /// Where `Ws` was chosen but cannot run (packed batches, tensors TMA cannot address): the
-    /// first wgmma kernel at d 64/128, the mma.sync fused kernel at 96 (its 64-key shape, the
-    /// only one compiled there), the dK/dV and dQ kernels above 128.
-    fn ws_fallback(tile: &BwdTile) -> Self {
-        match tile.d {
-            64 | 128 => Self::Sm90,
-            96 => Self::Fused(FusedShape::Bn64),
-            _ => Self::Separate,
-        }
+    /// The warp-specialized kernel where one runs the head dim (`tma::ws_head_dim`: 65-96 on
+    /// d = 128, 193-224 on d = 256), else `without_ws`.
+    fn choose(c: &BwdProblem) -> Self {
+        Self::ws(c).map_or_else(|| Self::without_ws(c), Self::Ws)
     }
 
-    /// `smem`: the bytes of shared memory a block may use on the device; the 128-key shapes
-    /// (115 and 158 KB at d = 128) run only where they fit, the tall one first. Under a block
-    /// mask (`sparse`) the mma.sync kernels run the separate path, whose dK/dV kernel has the
-    /// `_sparse` variant (the fused ones have none: the walk cost them registers).
-    fn choose(
-        tile: &BwdTile,
-        deterministic: bool,
-        dropout: bool,
-        sparse: bool,
-        hopper: bool,
-        smem: usize,
-    ) -> Self {
+    /// The warp-specialized kernel of the head dim's class, on Hopper, without dropout, not
+    /// deterministic. `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere;
+    /// `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
+    /// block mask at 64/128 still runs it (the fused mma.sync kernels have no `_sparse`
+    /// variant). Head dims 65-96 under a block mask keep the mma.sync kernels (measured only
+    /// without one).
+    fn ws(c: &BwdProblem) -> Option<BwdWsShape> {
         let env = bwd_override();
-        // Head dims 193-256 (the 224 and 256 classes) take the d = 256 warp-specialized kernel,
-        // its columns past the head dim zero (TMA's fill): there is no fused mma.sync or first
-        // wgmma kernel at these head dims.
-        if hopper && tile.d > 192 && !dropout && !deterministic && env != Some("separate") {
-            if let Some(shape) = BwdWsShape::for_head_dim(256) {
-                return Self::Ws(shape);
+        let d = tma::ws_head_dim(c.tile.d)?;
+        let allowed = match env {
+            None => !(c.sparse && c.tile.d == 96),
+            Some("separate") => false,
+            Some(_) => {
+                c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide() && env != Some("sm90"))
             }
+        };
+        if !c.hopper || c.dropout || c.deterministic || !allowed {
+            return None;
         }
-        // Head dims 65-96 take the d = 128 warp-specialized kernel likewise (as the forward
-        // does), unless an override asks for the mma.sync kernels or a block mask is set.
-        if hopper && tile.d == 96 && !dropout && !deterministic && !sparse && env.is_none() {
-            if let Some(shape) = BwdWsShape::for_head_dim(128) {
-                return Self::Ws(shape);
-            }
-        }
+        BwdWsShape::for_head_dim(d)
+    }
+
+    /// The kernels before the warp-specialized one; also where it was chosen but cannot run
+    /// (packed batches, tensors TMA cannot address). The first wgmma kernel at 64/128, else
+    /// the mma.sync fused kernels up to 128, else the dK/dV and dQ kernels. The 128-key fused
+    /// shapes (115 and 158 KB at d = 128) run only where they fit in `smem`, the tall one
+    /// first. Under a block mask the mma.sync kernels run the separate path, whose dK/dV
+    /// kernel has the `_sparse` variant (the fused ones have none: the walk cost them
+    /// registers).
+    fn without_ws(c: &BwdProblem) -> Self {
+        let BwdProblem {
+            tile,
+            deterministic,
+            dropout,
+            sparse,
+            hopper,
+            smem,
+        } = *c;
+        let env = bwd_override();
         let wgmma = hopper && tile.has_fused_wide() && !dropout;
         if deterministic || !tile.has_fused() || env == Some("separate") || (sparse && !wgmma) {
             Self::Separate
-        } else if wgmma && env == Some("sm90") {
+        } else if wgmma && (env.is_none() || env == Some("sm90") || sparse) {
             Self::Sm90
-        } else if wgmma && (env.is_none() || sparse) {
-            BwdWsShape::for_head_dim(tile.d).map_or(Self::Sm90, Self::Ws)
         } else {
             let fits = |shape: FusedShape| {
                 let g = shape.geometry(tile);
@@ -338,15 +356,15 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         ..BwdParams::default()
     };
     let dropout = params.a.drop_threshold != 0;
-    let path = BwdPath::choose(
-        &tile,
+    let choice = BwdProblem {
+        tile: &tile,
         deterministic,
         dropout,
-        problem.mods.sparse.is_some(),
-        // Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
-        facts.hopper(),
-        facts.smem,
-    );
+        sparse: problem.mods.sparse.is_some(),
+        hopper: facts.hopper(),
+        smem: facts.smem,
+    };
+    let path = BwdPath::choose(&choice);
     let offsets = seq_offsets(problem, &dev)?;
     {
         let _offset_syncs = set_seq_offsets(&mut params.a, &offsets, &stream);
@@ -377,7 +395,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
             // Packed batches, or tensors TMA cannot address: what runs there without the
             // warp-specialized kernels.
             BwdPath::Ws(_) => {
-                let path = BwdPath::ws_fallback(&tile);
+                let path = BwdPath::without_ws(&choice);
                 run_path(&dev, path, &tile, problem, dtype, &mut params)?
             }
             path => run_path(&dev, path, &tile, problem, dtype, &mut params)?,

@@ -1033,7 +1033,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             let masked = params.window_left >= 0 || params.window_right >= 0 || params.block_q != 0;
             let (blocks, dynamic) = tma::WsShape::grid(tiles, device_facts(&dev)?.sms, masked);
             // Locked (only for the dynamic schedule) until the launch is queued: see
-            // StreamCounters. The counter, then 16 bytes per block
+            // StreamCounters. The counter, then 16 bytes per block and Q slot
             // (`FwdTmaParams::tile_counter`); only the counter needs the zero it keeps.
             static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
             let mut cache = dynamic.then(|| {
@@ -1042,7 +1042,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                     .unwrap_or_else(|poisoned| poisoned.into_inner())
             });
             let counter = match cache.as_deref_mut() {
-                Some(cache) => Some(stream_counters(cache, &dev, 4 + 4 * blocks)?),
+                Some(cache) => Some(stream_counters(cache, &dev, 4 + 8 * blocks)?),
                 None => None,
             };
             let _counter_sync = counter.map(|c| {

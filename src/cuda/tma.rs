@@ -105,6 +105,19 @@ impl TileSource {
     }
 }
 
+/// The head dim of the warp-specialized kernels (forward and backward) that run padded head
+/// dim `d`, if one does: the classes between the compiled ones (96: 65-96, 224: 193-224) run
+/// the next one up, their columns past the head dim zero (TMA's fill), as 97-127 and 225-255
+/// do in theirs.
+pub(super) fn ws_head_dim(d: usize) -> Option<usize> {
+    match d {
+        64 | 128 | 256 => Some(d),
+        96 => Some(128),
+        224 => Some(256),
+        _ => None,
+    }
+}
+
 /// One warp-specialized forward kernel (mirror of `WsTraits`): 64 query rows per consumer
 /// warpgroup, `bn` keys per tile, `stages` slots of K and V.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,13 +153,7 @@ impl WsShape {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
-        // The head-dim classes between the compiled ones (96: 65-96, 224: 193-224) run the next
-        // one up, their columns past the head dim zero (TMA's fill), as at 97-127 and 225-255.
-        let d = match d {
-            96 => 128,
-            224 => 256,
-            d => d,
-        };
+        let d = ws_head_dim(d)?;
         // d = 64 causal at 512: the one-warpgroup kernel of fwd_sm90.cu, four blocks per SM
         // (190 against 165 TFLOP/s).
         if forced.is_empty() && d == 64 && causal && seqlen_q <= 512 {
@@ -196,11 +203,26 @@ impl WsShape {
         format!("flash_fwd_ws_{dtype}_d{}{}", self.d, self.suffix)
     }
 
-    /// `WsTraits::SMEM_BYTES`: Q, the K and V slots, the mbarriers, 16 bytes for the next
-    /// tile's index, 16 for the key tiles' `KeyInfo`, 1 KB of alignment.
+    /// `WsTraits::SMEM_BYTES`: the Q slots, the K and V slots, the mbarriers, 16 bytes per Q
+    /// slot for its tile's index, 16 for the key tiles' `KeyInfo`, 1 KB of alignment.
     pub fn smem_bytes(&self) -> u32 {
-        let tiles = (self.bm() + 2 * self.stages * self.bn) * self.d * 2;
-        ((tiles + (2 + 4 * self.stages) * 8).next_multiple_of(16) + 32 + 1024) as u32
+        let q = self.q_stages();
+        let tiles = (q * self.bm() + 2 * self.stages * self.bn) * self.d * 2;
+        ((tiles + (2 * q + 4 * self.stages) * 8).next_multiple_of(16) + 16 * q + 16 + 1024) as u32
+    }
+
+    /// `WsTraits::Q_STAGES`: two Q slots where they fit beside the K and V slots in the 227 KB
+    /// a block may have, so that the next work tile's Q loads under the last one's key tiles.
+    pub fn q_stages(&self) -> usize {
+        let two = (2 * self.bm() + 2 * self.stages * self.bn) * self.d * 2
+            + (4 + 4 * self.stages) * 8
+            + 48
+            + 1024;
+        if two <= 232_448 {
+            2
+        } else {
+            1
+        }
     }
 
     /// Blocks to launch for `tiles` work tiles (query blocks x heads x batch): one per SM,
