@@ -134,7 +134,8 @@ impl WsShape {
     /// The kernel for padded head dim `d`, if there is one (`None`: the older kernels run).
     /// Measured on the H100 (bf16, docs/PERF.md session 11, same-run A/B of every compiled
     /// shape): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128 from
-    /// seqlen 512 to 16k without a mask, +0-15% causal), d = 128 with 176-key tiles without a
+    /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal at 1k 128 x 128 is
+    /// 7% faster, H200, session 16), d = 128 with 176-key tiles without a
     /// mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster up to 4k) and 128 with
     /// one, d = 256 with 80-key tiles (+0-5%). `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80`
     /// forces one of the compiled variants where it exists (`base` the 128 x 128 / 128 x 64
@@ -175,6 +176,10 @@ impl WsShape {
             ("base", 64) => (2, 128, 3, ""),
             ("base", 128) => (2, 128, 2, ""),
             ("base", 256) => (2, 64, 2, ""),
+            // Causal at 1k: 128 x 128 (0.269 against 0.288 ms; a 192-row tile leaves 1024
+            // rows with a partial sixth tile); from 2k the three warpgroups again (0.87-0.94x
+            // the time, session 16).
+            (_, 64) if causal && seqlen_q <= 1024 => (2, 128, 3, ""),
             (_, 64) => (3, 128, 3, "_g3"),
             (_, 128) if !causal && seqlen_k >= 8192 => (2, 176, 2, "_n176"),
             (_, 128) => (2, 128, 2, ""),
