@@ -173,15 +173,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
         sm90::commit();
 
         // dS^T into the key-major panel tile (row = key, 64 query columns) while those run.
-#pragma unroll
-        for (int kk = 0; kk < NQ / 2; ++kk)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int row = group * 64 + wrow + g + (j % 2) * 8;
-                const int col = kk * 16 + (j / 2) * 8 + 2 * t;
-                const uint32_t addr = sdS + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a_ds[0][kk][j]));
-            }
+        sm90::store_key_major<BN, NQ>(sdS, a_ds, group * 64, 0, tid % 128, lane);
         sm90::fence_proxy_async();
         __syncthreads();  // both warpgroups' dS^T are in shared memory
 

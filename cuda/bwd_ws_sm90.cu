@@ -335,23 +335,6 @@ __device__ __forceinline__ void grads_t(float (&dpt)[1][NQ][4], const float (&s)
     pack_a<T, 1, NQ>(dpt, a_ds);
 }
 
-// A warpgroup's A fragments of a transposed tile (keys as rows from key0, queries as columns
-// from col0) into a key-major panel tile of BN rows (row = key, 64 query columns).
-template <int BN, int NQ>
-__device__ __forceinline__ void store_key_major(uint32_t tile, const uint32_t (&a)[1][NQ / 2][4],
-                                                int key0, int col0, int tid, int lane) {
-    const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
-#pragma unroll
-    for (int kk = 0; kk < NQ / 2; ++kk)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int row = key0 + wrow + g + (j % 2) * 8;
-            const int col = col0 + kk * 16 + (j / 2) * 8 + 2 * t;
-            const uint32_t addr = tile + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a[0][kk][j]));
-        }
-}
-
 // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV of a warpgroup's
 // fragments: keys from key0 (of the block), head-dim columns from col0.
 template <class K, int DT>
@@ -594,7 +577,7 @@ template <class K> struct BwdWsSplitConsumer {
                                               EARLY ? bits : nullptr);
         uint32_t a_p[1][NQ / 2][4];
         probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0 + c0, lane, p.scale_log2);
-        store_key_major<BN, NQ>(sP, a_p, 0, c0, tid, lane);
+        sm90::store_key_major<BN, NQ>(sP, a_p, 0, c0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of P^T are written
 
@@ -613,7 +596,7 @@ template <class K> struct BwdWsSplitConsumer {
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
         uint32_t a_ds[1][NQ / 2][4];
         grads_t<T, NQ>(dpt, s, dsum, a_ds);
-        store_key_major<BN, NQ>(sdS, a_ds, 0, c0, tid, lane);
+        sm90::store_key_major<BN, NQ>(sdS, a_ds, 0, c0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(2, 128 * K::CONSUMERS);  // both halves of dS^T are written
 

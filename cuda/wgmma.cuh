@@ -161,4 +161,21 @@ SM90_WGMMA(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69)
 SM90_WGMMA(__nv_bfloat16, "bf16", 176, 88, 89, 90, 91, 92, 93)
 SM90_WGMMA(__nv_bfloat16, "bf16", 192, 96, 97, 98, 99, 100, 101)
 
+// A warpgroup's A fragments of a transposed tile (keys as rows from key0, queries as columns
+// from col0) into a key-major panel tile of BN rows (row = key, 64 query columns).
+template <int BN, int NQ>
+__device__ __forceinline__ void store_key_major(uint32_t tile, const uint32_t (&a)[1][NQ / 2][4],
+                                                int key0, int col0, int tid, int lane) {
+    const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+#pragma unroll
+    for (int kk = 0; kk < NQ / 2; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int row = key0 + wrow + g + (j % 2) * 8;
+            const int col = col0 + kk * 16 + (j / 2) * 8 + 2 * t;
+            const uint32_t addr = tile + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a[0][kk][j]));
+        }
+}
+
 }  // namespace sm90
