@@ -821,6 +821,6 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     FLASH_BWD_WS(f16, __half, D, STAGES)                                                      \
     FLASH_BWD_WS(bf16, __nv_bfloat16, D, STAGES)
 
-FLASH_BWD_WS_BOTH(64, 3)
+FLASH_BWD_WS_BOTH(64, 4)
 FLASH_BWD_WS_BOTH(128, 2)
 FLASH_BWD_WS_BOTH(256, 2)
