@@ -39,6 +39,20 @@ struct FwdTmaParams {
     unsigned int* tile_counter;
 };
 
+// Shared memory with q Q slots (src/cuda/tma.rs: WsShape::smem_for): q Q tiles, STAGES K
+// tiles, STAGES V tiles, then the barriers (full and empty per Q, K and V slot); per Q slot
+// its work tile's index, written by the producer before it fills Q; under a block mask per K
+// slot its key tile (KeyInfo), written by the producer; 1 KB to align the tiles to a swizzle
+// atom.
+struct WsLayout {
+    int bar, tile, key, bytes;
+    static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages) {
+        const int bar = q * q_bytes + 2 * stages * kv_bytes;
+        const int tile = (bar + (2 * q + 4 * stages) * 8 + 15) / 16 * 16;
+        return {bar, tile, tile + 16 * q, tile + 16 * q + 16 + 1024};
+    }
+};
+
 // MODS (mask.cuh): with the softcap and ALiBi code (entry points `..._mods`), also with the
 // block mask's (`..._sparse`); the others are never given such a problem (src/cuda/tma.rs)
 // and keep their registers.
@@ -55,19 +69,11 @@ struct WsTraits {
     // Two Q slots where shared memory has room (d = 64, d = 128 with 128-key tiles): the
     // producer then loads the next work tile's Q while the consumers still run the last one's
     // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
-    // for it once per tile). src/cuda/tma.rs: WsShape::q_stages.
-    static constexpr int Q_STAGES =
-        2 * Q_BYTES + 2 * STAGES * KV_BYTES + (4 + 4 * STAGES) * 8 + 48 + 1024 <= 232448 ? 2 : 1;
-    // Q_STAGES Q tiles, STAGES K tiles, STAGES V tiles, then the barriers: full and empty per
-    // Q, K and V slot; plus 1 KB to align the tiles to a swizzle atom (src/cuda/tma.rs:
-    // WsShape::smem_bytes).
-    static constexpr int BAR_OFFSET = Q_STAGES * Q_BYTES + 2 * STAGES * KV_BYTES;
-    // Per Q slot its work tile's index (written by the producer before it fills Q) after them.
-    static constexpr int TILE_OFFSET =
-        (BAR_OFFSET + (2 * Q_STAGES + 4 * STAGES) * 8 + 15) / 16 * 16;
-    // Under a block mask, per K slot its key tile (KeyInfo), written by the producer.
-    static constexpr int KEY_OFFSET = TILE_OFFSET + 16 * Q_STAGES;
-    static constexpr int SMEM_BYTES = KEY_OFFSET + 16 + 1024;
+    // for it once per tile).
+    static constexpr int Q_STAGES = WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES).bytes <= 232448 ? 2 : 1;
+    static constexpr WsLayout LAYOUT = WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES);
+    static constexpr int BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
+    static constexpr int KEY_OFFSET = LAYOUT.key, SMEM_BYTES = LAYOUT.bytes;
     static_assert(SMEM_BYTES <= 232448, "shared memory per block");
     // The consumers take their key tiles from the producer (KEY_OFFSET) rather than walk
     // the block mask themselves: its reads and index arithmetic, in each of their threads,

@@ -29,15 +29,14 @@ import os
 import sys
 
 IMPLS = ["candle-flash", "torch-flash", "torch-cudnn", "candle-naive"]
-LABELS = {"candle-flash": "ours", "torch-flash": "torch flash", "torch-cudnn": "cuDNN",
-          "candle-naive": "candle naive"}
-COLORS = {"candle-flash": "C0", "torch-flash": "C1", "torch-cudnn": "C2", "candle-naive": "C3"}
 # candle-flash-attn 0.11.1 (FA2's forward kernels, what Candle users run today), from a
 # comparison binary built outside this repository (../shared/GPU.md): a column and a ratio
 # of the tables where any row has it.
 CFA = "candle-flash-attn"
-LABELS[CFA] = "candle-flash-attn"
-COLORS[CFA] = "C5"
+LABELS = {"candle-flash": "ours", "torch-flash": "torch flash", "torch-cudnn": "cuDNN",
+          "candle-naive": "candle naive", CFA: "candle-flash-attn"}
+COLORS = {"candle-flash": "C0", "torch-flash": "C1", "torch-cudnn": "C2", "candle-naive": "C3",
+          CFA: "C5"}
 PASS_ORDER = ["fwd", "bwd", "fwd+bwd"]
 # Our backward through Candle's autograd: shown as a column of the bwd table, next to ours.
 AUTOGRAD_PASS = "bwd-autograd"

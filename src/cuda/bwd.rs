@@ -222,9 +222,8 @@ impl BwdPath {
         let allowed = match env {
             None => !(c.sparse && c.tile.d == 96),
             Some("separate") => false,
-            Some(_) => {
-                c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide() && env != Some("sm90"))
-            }
+            Some("sm90") => c.tile.d > 192,
+            Some(_) => c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide()),
         };
         if !c.hopper || c.dropout || c.deterministic || !allowed {
             return None;

@@ -28,7 +28,7 @@ unsafe impl DeviceRepr for BwdTmaParams {}
 /// Query rows per streamed tile (`BwdWsTraits`).
 const BM: usize = 64;
 
-/// One compiled warp-specialized backward: head dim 64 (three Q/dO slots), 128 or 256 (two).
+/// One compiled warp-specialized backward: head dim 64 (four Q/dO slots), 128 or 256 (two).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct BwdWsShape {
     d: usize,

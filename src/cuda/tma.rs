@@ -126,25 +126,52 @@ pub(super) struct WsShape {
     pub consumers: usize,
     pub bn: usize,
     pub stages: usize,
-    /// The entry point's name after the head dim.
+    /// The variant's part of the entry point's name after the head dim.
     pub suffix: &'static str,
+    /// `_mods` or `_sparse` where the kernel is compiled with the softcap and ALiBi code or
+    /// the block mask too (`AttnParams::mods_suffix`), else empty.
+    pub mods: &'static str,
 }
 
 impl WsShape {
+    /// The compiled variants (cuda/fwd_ws_sm90.cu's entry points; `CANDLE_FLASH_WS_SHAPE`
+    /// names them): `base` 128 x 128 (d = 256: 128 x 64), `g3` 192 x 128 (three consumer
+    /// warpgroups), `n192` 128 x 192, `n176` 128 x 176, `n80` 128 x 80; `mods` selects the
+    /// variant's `_mods` / `_sparse` entry point, compiled for one variant per head dim.
+    fn compiled(d: usize, variant: &str, mods: &'static str) -> Option<Self> {
+        let (consumers, bn, stages, suffix) = match (variant, d) {
+            ("base", 64) => (2, 128, 3, ""),
+            ("base", 128) => (2, 128, 2, ""),
+            ("base", 256) => (2, 64, 2, ""),
+            ("g3", 64) => (3, 128, 3, "_g3"),
+            ("n192", 64) => (2, 192, 2, "_n192"),
+            ("n176", 128) => (2, 176, 2, "_n176"),
+            ("n80", 256) => (2, 80, 2, "_n80"),
+            _ => return None,
+        };
+        Some(Self {
+            d,
+            consumers,
+            bn,
+            stages,
+            suffix,
+            mods,
+        })
+    }
+
     /// The kernel for padded head dim `d`, if there is one (`None`: the older kernels run).
     /// Measured on the H100 (bf16, docs/PERF.md session 11, same-run A/B of every compiled
     /// shape): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128 from
     /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal at 1k 128 x 128 is
-    /// 7% faster, H200, session 16), d = 128 with 176-key tiles without a
-    /// mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster up to 4k) and 128 with
-    /// one, d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key tiles, 2-8% faster,
-    /// H200, session 16). `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80`
-    /// forces one of the compiled variants where it exists (`base` the 128 x 128 / 128 x 64
-    /// ones; read once; A/B runs).
+    /// 7% faster, H200, session 16), d = 128 with 176-key tiles without a mask from 8k keys
+    /// (+8% at 16k; 128 x 128 was as fast or faster up to 4k) and 128 with one, d = 256 with
+    /// 80-key tiles (+0-5%; causal up to 1k 64-key tiles, 2-8% faster, H200, session 16).
+    /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled variants
+    /// where it exists (read once; A/B runs).
     ///
     /// With a softcap or ALiBi slopes (`mods` = `_mods`), or a block mask (`_sparse`), the one
-    /// shape per head dim compiled with that code: d = 64 192 x 128, d = 128 128 x 128,
-    /// d = 256 128 x 80.
+    /// variant per head dim compiled with that code: `_mods` d = 64 `g3`, d = 256 `n80`,
+    /// the rest `base`.
     pub fn choose(
         d: usize,
         seqlen_q: usize,
@@ -161,42 +188,28 @@ impl WsShape {
         if forced.is_empty() && d == 64 && causal && seqlen_q <= 512 {
             return None;
         }
-        let (consumers, bn, stages, suffix) = match (forced.as_str(), d) {
-            _ if !mods.is_empty() => match (d, mods) {
-                (64, "_mods") => (3, 128, 3, "_g3_mods"),
-                (64, _) => (2, 128, 3, "_sparse"),
-                (128, _) => (2, 128, 2, mods),
-                (256, "_mods") => (2, 80, 2, "_n80_mods"),
-                (256, _) => (2, 64, 2, "_sparse"),
-                _ => return None,
-            },
-            ("g3", 64) => (3, 128, 3, "_g3"),
-            ("n192", 64) => (2, 192, 2, "_n192"),
-            ("n176", 128) => (2, 176, 2, "_n176"),
-            ("n80", 256) => (2, 80, 2, "_n80"),
-            ("base", 64) => (2, 128, 3, ""),
-            ("base", 128) => (2, 128, 2, ""),
-            ("base", 256) => (2, 64, 2, ""),
+        if !mods.is_empty() {
+            let variant = match (d, mods) {
+                (64, "_mods") => "g3",
+                (256, "_mods") => "n80",
+                _ => "base",
+            };
+            return Self::compiled(d, variant, mods);
+        }
+        let variant = match d {
             // Causal at 1k: 128 x 128 (0.269 against 0.288 ms; a 192-row tile leaves 1024
             // rows with a partial sixth tile); from 2k the three warpgroups again (0.87-0.94x
             // the time, session 16).
-            (_, 64) if causal && seqlen_q <= 1024 => (2, 128, 3, ""),
-            (_, 64) => (3, 128, 3, "_g3"),
-            (_, 128) if !causal && seqlen_k >= 8192 => (2, 176, 2, "_n176"),
-            (_, 128) => (2, 128, 2, ""),
+            64 if causal && seqlen_q <= 1024 => "base",
+            64 => "g3",
+            128 if !causal && seqlen_k >= 8192 => "n176",
             // Causal up to 1k: 64-key tiles, which never straddle a 64-row diagonal (0.136
             // against 0.148 ms at 512, 0.201 against 0.205 at 1k; from 2k 80 keys, +1.5%).
-            (_, 256) if causal && seqlen_q <= 1024 => (2, 64, 2, ""),
-            (_, 256) => (2, 80, 2, "_n80"),
-            _ => return None,
+            256 if causal && seqlen_q <= 1024 => "base",
+            256 => "n80",
+            _ => "base",
         };
-        Some(Self {
-            d,
-            consumers,
-            bn,
-            stages,
-            suffix,
-        })
+        Self::compiled(d, forced, "").or_else(|| Self::compiled(d, variant, ""))
     }
 
     pub fn bm(&self) -> usize {
@@ -207,27 +220,31 @@ impl WsShape {
         128 * (self.consumers as u32 + 1)
     }
 
-    /// `flash_fwd_ws_<dtype>_d<D><suffix>` (the entry points of cuda/fwd_ws_sm90.cu).
+    /// `flash_fwd_ws_<dtype>_d<D><suffix><mods>` (the entry points of cuda/fwd_ws_sm90.cu).
     pub fn kernel(&self, dtype: &str) -> String {
-        format!("flash_fwd_ws_{dtype}_d{}{}", self.d, self.suffix)
+        format!(
+            "flash_fwd_ws_{dtype}_d{}{}{}",
+            self.d, self.suffix, self.mods
+        )
     }
 
-    /// `WsTraits::SMEM_BYTES`: the Q slots, the K and V slots, the mbarriers, 16 bytes per Q
-    /// slot for its tile's index, 16 for the key tiles' `KeyInfo`, 1 KB of alignment.
+    /// `WsTraits::SMEM_BYTES`.
     pub fn smem_bytes(&self) -> u32 {
-        let q = self.q_stages();
+        self.smem_for(self.q_stages())
+    }
+
+    /// `WsTraits::smem_for`: with `q` Q slots, the Q tiles, the K and V slots, the mbarriers,
+    /// 16 bytes per Q slot for its tile's index, 16 for the key tiles' `KeyInfo`, 1 KB of
+    /// alignment.
+    fn smem_for(&self, q: usize) -> u32 {
         let tiles = (q * self.bm() + 2 * self.stages * self.bn) * self.d * 2;
         ((tiles + (2 * q + 4 * self.stages) * 8).next_multiple_of(16) + 16 * q + 16 + 1024) as u32
     }
 
-    /// `WsTraits::Q_STAGES`: two Q slots where they fit beside the K and V slots in the 227 KB
-    /// a block may have, so that the next work tile's Q loads under the last one's key tiles.
+    /// `WsTraits::Q_STAGES`: two Q slots where they fit in the 227 KB a block may have, so
+    /// that the next work tile's Q loads under the last one's key tiles.
     pub fn q_stages(&self) -> usize {
-        let two = (2 * self.bm() + 2 * self.stages * self.bn) * self.d * 2
-            + (4 + 4 * self.stages) * 8
-            + 48
-            + 1024;
-        if two <= 232_448 {
+        if self.smem_for(2) <= 232_448 {
             2
         } else {
             1
