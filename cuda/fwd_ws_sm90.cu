@@ -159,6 +159,8 @@ template <class K> struct WsTile {
     SeqInfo seq;
     Mask mask;
 
+    WsTile() = default;
+
     // Tile t in the order of the grid's walk: the query blocks of one (sequence, head) one
     // after another, from the last (the heaviest under a causal mask) down, so that the
     // blocks in flight together read the K and V of few heads (they stay in L2).
@@ -265,6 +267,12 @@ constexpr int WS_WAIT_S = 1;
 template <class K> struct WsConsumer {
     using T = typename K::T;
     static constexpr int D = K::D, BM = K::BM, BN = K::BN, NT = K::NT, DT = K::DT;
+    // Work tiles in one stream of key tiles (work()) where that compiles without spilling:
+    // the plain d = 64 kernel with two consumers, whose second Q slot lets the next tile's Q
+    // land early (docs/PERF.md session 17: d 128 spilled 12 bytes into the key-tile loop and
+    // ran 3-7% slower at every length, the three-warpgroup d 64 one 136 bytes, 5-8%).
+    static constexpr bool CARRY =
+        K::Q_STAGES > 1 && D == 64 && K::CONSUMERS == 2 && K::MODS == MODS_NONE;
 
     const AttnParams& p;
     const WsSmem<K> sm;
@@ -343,71 +351,129 @@ template <class K> struct WsConsumer {
             w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, false);
     }
 
-    // The key tiles of work tile w, last first: the first alone, then per tile S(j) and
-    // P(j-1) V(j-1) in flight together, the softmax of S(j) under the second, and at the end
-    // the last P V. `it` counts the block's key tiles (ring slots); Q has landed.
-    __device__ __forceinline__ void run(const WsTile<K>& w, int& it) {
-        bool more;  // a key tile after this one
-        {
-            const Slot<K> s0(it);
-            const TileMask m = tile_mask(w, w.nb_end - 1, w.last_state);
-            float s[1][NT][4];
-            tma::wait(sm.full_k(s0.st), s0.phase);
-            if constexpr (K::KEYS_FROM_PRODUCER) more = !KeyInfo::unpack(ld_shared(sm.key(s0.st))).last;
-            take_turn();
-            sm90::fence();
-            issue_s(s, s0.st);
-            pass_turn();
-            sm90::wait<0>();
-            sm90::fence_operand(s[0]);
-            release(sm.empty_k(s0.st));
-            scores(s, w, w.nb_end - 1, m);
-            softmax.update(s, o, p.scale_log2);
-            pack_a<T, 1, NT>(s, pa);
+    // Where a work tile's O goes: kept from its last S to its store, which comes after the
+    // next work tile's first S.
+    struct OutTile {
+        T* out;      // the (sequence, head)'s row 0
+        float* lse;  // likewise
+        int row0;    // this warp's first row
+        int seqlen_q;
+    };
+    __device__ __forceinline__ OutTile out_tile(const WsTile<K>& w) const {
+        return {static_cast<T*>(p.o) + w.seq.q_offset(p.o_batch_stride, p.o_row_stride,
+                                                      p.o_head_stride, w.bidb, w.bidh),
+                p.lse + w.seq.lse_offset(p, w.bidb, w.bidh), w.m0 + warp_row0, w.seq.seqlen_q};
+    }
+
+    // The block's next work tile with keys into w and its index into t (the last one's
+    // before), its Q slot waited for; those without keys are written on the way (zeros, LSE
+    // -inf). False past the last.
+    __device__ __forceinline__ bool next_tile(WsTile<K>& w, int& q_uses, int& t, int tiles,
+                                              bool dynamic) {
+        for (;;) {
+            t += gridDim.x;
+            if (!dynamic && t >= tiles) return false;
+            const QSlot<K> q(q_uses++);
+            qs = q.st;
+            tma::wait(sm.full_q(q.st), q.phase);
+            if (dynamic) t = ld_shared(sm.tile(q.st));
+            if (t >= tiles) return false;
+            w = WsTile<K>(p, t);
+            if (w.key_tiles() > 0) return true;
+            release_q();
+            store(out_tile(w), true);
         }
-        int nb = w.nb_end - 1;
-        if constexpr (!K::KEYS_FROM_PRODUCER) more = w.next(nb) >= 0;
-        while (more) {
-            const Slot<K> prev(it), cur(it + 1);
-            ++it;
-            int state;  // of tile nb
-            if constexpr (K::KEYS_FROM_PRODUCER) {
-                tma::wait(sm.full_k(cur.st), cur.phase);
-                const KeyInfo key = KeyInfo::unpack(ld_shared(sm.key(cur.st)));
-                nb = key.nb;
-                state = key.state;
-                more = !key.last;
+    }
+
+    // Key tile (nb, state) of w that comes in slot `cur`, and whether another follows in w;
+    // `first`: w's first (they go last first).
+    __device__ __forceinline__ void key_tile(const WsTile<K>& w, const Slot<K>& cur, bool first,
+                                             int& nb, int& state, bool& more) const {
+        if constexpr (K::KEYS_FROM_PRODUCER) {
+            tma::wait(sm.full_k(cur.st), cur.phase);
+            const KeyInfo key = KeyInfo::unpack(ld_shared(sm.key(cur.st)));
+            nb = key.nb;
+            state = key.state;
+            more = !key.last;
+        } else {
+            if (first) {
+                nb = w.nb_end - 1;
+                state = w.last_state;
             } else {
                 nb = w.next(nb, &state);
-                more = w.next(nb) >= 0;
             }
-            const TileMask m = tile_mask(w, nb, state);
-            float s[1][NT][4];
-            if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(cur.st), cur.phase);
-            // V(j-1) came before K(j); waiting for it here keeps the two issues back to back
-            // (ptxas fences between them if a wait loop separates them).
-            tma::wait(sm.full_v(prev.st), prev.phase);
-            take_turn();
+            more = w.next(nb) >= 0;
+        }
+    }
+
+    // The first key tile of w, in slot `it`: its S alone, then its softmax.
+    __device__ __forceinline__ void first_s(const WsTile<K>& w, int it, int& nb, int& state,
+                                            bool& more) {
+        const Slot<K> s0(it);
+        key_tile(w, s0, true, nb, state, more);
+        const TileMask m = tile_mask(w, nb, state);
+        float s[1][NT][4];
+        if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(s0.st), s0.phase);
+        take_turn();
+        sm90::fence();
+        issue_s(s, s0.st);
+        pass_turn();
+        sm90::wait<0>();
+        sm90::fence_operand(s[0]);
+        release(sm.empty_k(s0.st));
+        scores(s, w, nb, m);
+        softmax.update(s, o, p.scale_log2);
+        pack_a<T, 1, NT>(s, pa);
+    }
+
+    // The next key tile of w (with `boundary`, its first: the last one was another work
+    // tile's, whose O goes to `done` once its P V lands): its S and the last P V in flight
+    // together, the softmax of S under the second.
+    __device__ __forceinline__ void step(const WsTile<K>& w, int& it, int& nb, int& state,
+                                         bool& more, bool boundary, const OutTile& done) {
+        const Slot<K> prev(it), cur(it + 1);
+        ++it;
+        key_tile(w, cur, boundary, nb, state, more);
+        const TileMask m = tile_mask(w, nb, state);
+        float s[1][NT][4];
+        if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(cur.st), cur.phase);
+        // V(j-1) came before K(j); waiting for it here keeps the two issues back to back
+        // (ptxas fences between them if a wait loop separates them).
+        tma::wait(sm.full_v(prev.st), prev.phase);
+        take_turn();
+        sm90::fence_operand(o[0]);
+        sm90::fence();
+        issue_s(s, cur.st);
+        issue_pv(prev.st);
+        pass_turn();
+        sm90::wait<WS_WAIT_S>();
+        sm90::fence_operand(s[0]);
+        release(sm.empty_k(cur.st));
+        scores(s, w, nb, m);
+        if (boundary) {
+            OnlineSoftmax<1> next;
+            float alpha[1][2];  // O starts over
+            next.exp_and_factors(s, alpha, p.scale_log2);
+            sm90::wait<0>();
             sm90::fence_operand(o[0]);
-            sm90::fence();
-            issue_s(s, cur.st);
-            issue_pv(prev.st);
-            pass_turn();
-            sm90::wait<WS_WAIT_S>();
-            sm90::fence_operand(s[0]);
-            release(sm.empty_k(cur.st));
-            scores(s, w, nb, m);
+            release(sm.empty_v(prev.st));
+            store(done);
+            zero(o);
+            softmax = next;
+        } else {
             float alpha[1][2];
             const bool rescale = softmax.exp_and_factors(s, alpha, p.scale_log2);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
             release(sm.empty_v(prev.st));
             if (rescale) softmax.rescale(o, alpha);
-            pack_a<T, 1, NT>(s, pa);
         }
-        release_q();  // every S of this tile is done
+        pack_a<T, 1, NT>(s, pa);
+    }
+
+    // The last P V, alone, from slot `it`.
+    __device__ __forceinline__ void last_pv(int it) {
         const Slot<K> last(it);
-        ++it;
         tma::wait(sm.full_v(last.st), last.phase);
         take_turn();
         sm90::fence_operand(o[0]);
@@ -419,25 +485,64 @@ template <class K> struct WsConsumer {
         release(sm.empty_v(last.st));
     }
 
-    // O / l and the LSE, straight from registers (4-byte stores).
-    __device__ __forceinline__ void store(const WsTile<K>& w) const {
-        T* out = static_cast<T*>(p.o) +
-                 w.seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, w.bidb, w.bidh);
-        float* lse = p.lse + w.seq.lse_offset(p, w.bidb, w.bidh);
+    // Every work tile of the block (CARRY), their key tiles last first, in one stream: a work
+    // tile's last P V goes out with the next one's first S (one pingpong turn, not two half
+    // ones) and its O is stored once that lands, before the new tile's P is packed.
+    __device__ __forceinline__ void work(int tiles, bool dynamic) {
+        int it = 0, q_uses = 0, t = int(blockIdx.x - gridDim.x);  // key tiles, Q slots, tile
+        int nb, state;
+        bool more;  // a key tile of w after nb
+        WsTile<K> w;
+        if (!next_tile(w, q_uses, t, tiles, dynamic)) return;
+        if (K::PINGPONG && group == K::CONSUMERS - 1)
+            tma::named_arrive(1, 128 * 2);  // warpgroup 0 goes first
+        zero(o);
+        first_s(w, it, nb, state, more);
+        OutTile done;  // the work tile whose last P is in pa
+        for (;;) {
+            if (!more) {
+                release_q();  // every S of this tile is done
+                done = out_tile(w);
+                if (!next_tile(w, q_uses, t, tiles, dynamic)) break;
+                step(w, it, nb, state, more, true, done);
+            } else {
+                step(w, it, nb, state, more, false, done);
+            }
+        }
+        last_pv(it);
+        store(done);
+        if (K::PINGPONG && group == 0) tma::named_sync(1, 128 * 2);  // the last arrival back
+    }
+
+    // One work tile on its own: its first S alone, its last P V alone.
+    __device__ __forceinline__ void run(const WsTile<K>& w, int& it) {
+        int nb, state;
+        bool more;
+        first_s(w, it, nb, state, more);
+        while (more) step(w, it, nb, state, more, false, {});
+        release_q();  // every S of this tile is done
+        last_pv(it++);
+    }
+
+    // O / l and the LSE, straight from registers (4-byte stores); `empty`: a work tile whose
+    // rows see no key (zeros and LSE -inf, whatever O holds).
+    __device__ __forceinline__ void store(const OutTile& to, bool empty = false) const {
         const int g = lane / 4, t = lane % 4;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float inv_sum, row_lse;
-            softmax.finalize(0, r, p.scale, &inv_sum, &row_lse);
-            const int row = w.m0 + warp_row0 + g + 8 * r;
-            if (row >= w.seq.seqlen_q) continue;
-            if (t == 0) lse[row] = row_lse;
+            float inv_sum = 0.f, row_lse = -INFINITY;
+            if (!empty) softmax.finalize(0, r, p.scale, &inv_sum, &row_lse);
+            const int row = to.row0 + g + 8 * r;
+            if (row >= to.seqlen_q) continue;
+            if (t == 0) to.lse[row] = row_lse;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 const int col = dt * 8 + 2 * t;
                 if (col < p.d)
-                    *reinterpret_cast<uint32_t*>(out + int64_t(row) * p.o_row_stride + col) =
-                        MmaOp<T>::pack(o[0][dt][2 * r] * inv_sum, o[0][dt][2 * r + 1] * inv_sum);
+                    *reinterpret_cast<uint32_t*>(to.out + int64_t(row) * p.o_row_stride + col) =
+                        empty ? 0u
+                              : MmaOp<T>::pack(o[0][dt][2 * r] * inv_sum,
+                                               o[0][dt][2 * r + 1] * inv_sum);
             }
         }
     }
@@ -473,8 +578,12 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     tma::regs_alloc<K::CONSUMER_REGS>();
     const int group = warpgroup - 1;
     WsConsumer<K> c{p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, 0, {}, {}, {}};
-    bool started = false;  // took a pingpong turn yet
     const bool dynamic = P.tile_counter != nullptr;
+    if constexpr (WsConsumer<K>::CARRY) {
+        c.work(tiles, dynamic);
+        return;
+    }
+    bool started = false;  // took a pingpong turn yet
     for (int it = 0, q_uses = 0, t = blockIdx.x;; ++q_uses, t += gridDim.x) {
         if (!dynamic && t >= tiles) break;
         const QSlot<K> qs(q_uses);
@@ -493,7 +602,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         } else {
             c.release_q();
         }
-        c.store(w);
+        c.store(c.out_tile(w));
     }
     if (K::PINGPONG && started && group == 0) tma::named_sync(1, 128 * 2);
 }

@@ -30,6 +30,7 @@ struct Mask {
     // without a block mask (sm_80 forward d = 128: 0 -> 124 bytes of spill).
     const AttnParams* prm;
 
+    Mask() = default;
     // Sequence b, query head h. Kernels compiled for a lower `mods` level (a compile-time
     // constant: the host sends them no other problems) drop the code above it entirely.
     __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq, int b, int h,

@@ -8,6 +8,7 @@ struct SeqInfo {
     int q_start, k_start;    // first row of the sequence in the packed tensors (0 if fixed)
     int seqlen_q, seqlen_k;
 
+    SeqInfo() = default;
     __device__ __forceinline__ SeqInfo(const AttnParams& p, int b) {
         if (p.cu_seqlens_q != nullptr) {
             q_start = p.cu_seqlens_q[b];

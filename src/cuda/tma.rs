@@ -162,8 +162,8 @@ impl WsShape {
     /// The kernel for padded head dim `d`, if there is one (`None`: the older kernels run).
     /// Measured on the H100 (bf16, docs/PERF.md session 11, same-run A/B of every compiled
     /// shape): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128 from
-    /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal at 1k 128 x 128 is
-    /// 7% faster, H200, session 16), d = 128 with 176-key tiles without a mask from 8k keys
+    /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal up to 1k 128 x 128,
+    /// with its work tiles in one stream, is 13-15% faster, H200, session 17), d = 128 with 176-key tiles without a mask from 8k keys
     /// (+8% at 16k; 128 x 128 was as fast or faster up to 4k) and 128 with one, d = 256 with
     /// 80-key tiles (+0-5%; causal up to 1k 64-key tiles, 2-8% faster, H200, session 16).
     /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled variants
@@ -183,9 +183,10 @@ impl WsShape {
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
         let d = ws_head_dim(d)?;
-        // d = 64 causal at 512: the one-warpgroup kernel of fwd_sm90.cu, four blocks per SM
-        // (190 against 165 TFLOP/s).
-        if forced.is_empty() && d == 64 && causal && seqlen_q <= 512 {
+        // d = 64 causal below 512 rows: the one-warpgroup kernel of fwd_sm90.cu, four blocks
+        // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
+        // tiles as one stream: 0.158 against 0.171 ms since, session 17; shorter not measured).
+        if forced.is_empty() && d == 64 && causal && seqlen_q < 512 {
             return None;
         }
         if !mods.is_empty() {
@@ -197,9 +198,10 @@ impl WsShape {
             return Self::compiled(d, variant, mods);
         }
         let variant = match d {
-            // Causal at 1k: 128 x 128 (0.269 against 0.288 ms; a 192-row tile leaves 1024
-            // rows with a partial sixth tile); from 2k the three warpgroups again (0.87-0.94x
-            // the time, session 16).
+            // Causal up to 1k: 128 x 128, whose kernel runs its work tiles as one stream of
+            // key tiles (fwd_ws_sm90.cu: CARRY; 1k 0.244 against 0.280 ms for 192 x 128,
+            // session 17; a 192-row tile leaves 1024 rows with a partial sixth tile); from 2k
+            // the three warpgroups (0.406 against 0.418 ms at 2k).
             64 if causal && seqlen_q <= 1024 => "base",
             64 => "g3",
             128 if !causal && seqlen_k >= 8192 => "n176",
