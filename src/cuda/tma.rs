@@ -163,9 +163,10 @@ impl WsShape {
     /// Measured on the H100 (bf16, docs/PERF.md session 11, same-run A/B of every compiled
     /// shape): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128 from
     /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal up to 1k 128 x 128,
-    /// with its work tiles in one stream, is 13-15% faster, H200, session 17), d = 128 with 176-key tiles without a mask from 8k keys
-    /// (+8% at 16k; 128 x 128 was as fast or faster up to 4k) and 128 with one, d = 256 with
-    /// 80-key tiles (+0-5%; causal up to 1k 64-key tiles, 2-8% faster, H200, session 16).
+    /// with its work tiles in one stream, is 13-15% faster, H200, session 17), d = 128 with
+    /// 176-key tiles without a mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster
+    /// up to 4k) and 128 with one, d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key
+    /// tiles, 2-8% faster, H200, session 16).
     /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled variants
     /// where it exists (read once; A/B runs).
     ///
