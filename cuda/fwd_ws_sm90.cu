@@ -14,6 +14,11 @@
 //   work differs); the producer loads the next tile's Q and keys while the consumers finish
 //   the last one and write its output. A grid of one block per tile is the non-persistent
 //   kernel.
+// - O goes out through shared memory: each consumer warpgroup writes its rows there
+//   (stmatrix) and one of its threads issues the TMA store, which runs while the warpgroup
+//   goes on to its next tile; a tile of its own where shared memory has room (d = 64, d = 128
+//   with 128-key tiles), at d = 256 the warpgroup's rows of the Q slot. At 512 keys a build
+//   that skipped the stores from registers ran 1.2-1.35x faster (docs/PERF.md session 18).
 // Key tiles are visited last first, as in fwd_sm90.cu (under a causal mask only the first
 // need the mask). Fixed-length batches without dropout; src/cuda/mod.rs sends the rest to
 // fwd_sm90.cu and fwd.cu. Entry points flash_fwd_ws_<dtype>_d<D>[_<shape>].
@@ -25,11 +30,11 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-// The kernel's parameter: tensor maps of q, k and v over (d, rows, heads, batch) with boxes
-// of 64 columns x BM (q) or BN (k, v) rows, then the usual parameters (the same struct as in
-// src/cuda/tma.rs).
+// The kernel's parameter: tensor maps of q, k, v and o over (d, rows, heads, batch) with boxes
+// of 64 columns x BM (q), BN (k, v) or 64 (o) rows, then the usual parameters (the same struct
+// as in src/cuda/tma.rs).
 struct FwdTmaParams {
-    TmaDesc q, k, v;
+    TmaDesc q, k, v, o;
     AttnParams a;
     // Dynamic schedule: blocks take their tiles after the first from tile_counter[0], zero at
     // launch and left zero (the last fetch resets it); the producer passes each tile's index to
@@ -40,16 +45,16 @@ struct FwdTmaParams {
 };
 
 // Shared memory with q Q slots (src/cuda/tma.rs: WsShape::smem_for): q Q tiles, STAGES K
-// tiles, STAGES V tiles, then the barriers (full and empty per Q, K and V slot); per Q slot
-// its work tile's index, written by the producer before it fills Q; under a block mask per K
-// slot its key tile (KeyInfo), written by the producer; 1 KB to align the tiles to a swizzle
-// atom.
+// tiles, STAGES V tiles, the O tile staged for its store (o_bytes, or none), then the barriers
+// (full and empty per Q, K and V slot); per Q slot its work tile's index, written by the
+// producer before it fills Q; under a block mask per K slot its key tile (KeyInfo), written by
+// the producer; 1 KB to align the tiles to a swizzle atom.
 struct WsLayout {
-    int bar, tile, key, bytes;
-    static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages) {
-        const int bar = q * q_bytes + 2 * stages * kv_bytes;
+    int o, bar, tile, key, bytes;
+    static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages, int o_bytes) {
+        const int o = q * q_bytes + 2 * stages * kv_bytes, bar = o + o_bytes;
         const int tile = (bar + (2 * q + 4 * stages) * 8 + 15) / 16 * 16;
-        return {bar, tile, tile + 16 * q, tile + 16 * q + 16 + 1024};
+        return {o, bar, tile, tile + 16 * q, tile + 16 * q + 16 + 1024};
     }
 };
 
@@ -70,9 +75,21 @@ struct WsTraits {
     // producer then loads the next work tile's Q while the consumers still run the last one's
     // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
     // for it once per tile).
-    static constexpr int Q_STAGES = WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES).bytes <= 232448 ? 2 : 1;
-    static constexpr WsLayout LAYOUT = WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES);
-    static constexpr int BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
+    static constexpr int Q_STAGES =
+        WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0).bytes <= 232448 ? 2 : 1;
+    // O through shared memory and a TMA store (WsConsumer::store_staged) where the tile fits
+    // beside the Q slots, else straight from registers.
+    static constexpr bool O_STAGED =
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
+    static constexpr WsLayout LAYOUT =
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_STAGED ? Q_BYTES : 0);
+    // d = 256, one Q slot and no room for O: each warpgroup stages its O in its own 64 rows of
+    // the Q tile, free after its last S, and hands the slot back once the store has read them
+    // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
+    // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers).
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256;
+    static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
+    static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
     static constexpr int KEY_OFFSET = LAYOUT.key, SMEM_BYTES = LAYOUT.bytes;
     static_assert(SMEM_BYTES <= 232448, "shared memory per block");
     // The consumers take their key tiles from the producer (KEY_OFFSET) rather than walk
@@ -122,6 +139,10 @@ template <class K> struct WsSmem {
         return base + K::TILE_OFFSET + 16 * qs;
     }
     __device__ __forceinline__ uint32_t key(int st) const { return base + K::KEY_OFFSET + 4 * st; }
+    // Consumer warpgroup g's 64 rows of the staged O tile (panels of 64 rows).
+    __device__ __forceinline__ uint32_t o(int g) const {
+        return base + K::O_OFFSET + g * 64 * K::D * 2;
+    }
 };
 
 // A key tile as the producer hands it over (K::KEYS_FROM_PRODUCER): its index, its
@@ -274,7 +295,12 @@ template <class K> struct WsConsumer {
     static constexpr bool CARRY =
         K::Q_STAGES > 1 && D == 64 && K::CONSUMERS == 2 && K::MODS == MODS_NONE;
 
+    // Named barriers 1 .. CONSUMERS pass the pingpong turns; EPILOGUE_BAR + g orders
+    // warpgroup g's writes of the staged O tile around its TMA stores.
+    static constexpr int EPILOGUE_BAR = 4;
+
     const AttnParams& p;
+    const TmaDesc& o_map;  // O's tensor map (store_staged)
     const WsSmem<K> sm;
     const int group, warp_row0, lane;
     int qs;  // the Q slot of the work tile being run
@@ -358,11 +384,16 @@ template <class K> struct WsConsumer {
         float* lse;  // likewise
         int row0;    // this warp's first row
         int seqlen_q;
+        int bidh, bidb;  // O's coordinates for the TMA store (with row0)
     };
     __device__ __forceinline__ OutTile out_tile(const WsTile<K>& w) const {
         return {static_cast<T*>(p.o) + w.seq.q_offset(p.o_batch_stride, p.o_row_stride,
                                                       p.o_head_stride, w.bidb, w.bidh),
-                p.lse + w.seq.lse_offset(p, w.bidb, w.bidh), w.m0 + warp_row0, w.seq.seqlen_q};
+                p.lse + w.seq.lse_offset(p, w.bidb, w.bidh),
+                w.m0 + warp_row0,
+                w.seq.seqlen_q,
+                w.bidh,
+                w.bidb};
     }
 
     // The block's next work tile with keys into w and its index into t (the last one's
@@ -511,6 +542,7 @@ template <class K> struct WsConsumer {
         }
         last_pv(it);
         store(done);
+        finish();
         if (K::PINGPONG && group == 0) tma::named_sync(1, 128 * 2);  // the last arrival back
     }
 
@@ -520,13 +552,20 @@ template <class K> struct WsConsumer {
         bool more;
         first_s(w, it, nb, state, more);
         while (more) step(w, it, nb, state, more, false, {});
-        release_q();  // every S of this tile is done
+        if constexpr (!K::O_IN_Q) release_q();  // every S of this tile is done
         last_pv(it++);
     }
 
-    // O / l and the LSE, straight from registers (4-byte stores); `empty`: a work tile whose
-    // rows see no key (zeros and LSE -inf, whatever O holds).
+    // O / l and the LSE; `empty`: a work tile whose rows see no key (zeros and LSE -inf,
+    // whatever O holds). Through shared memory where the kernel has room for it, else (and for
+    // empty tiles, which are rare) straight from registers (4-byte stores).
     __device__ __forceinline__ void store(const OutTile& to, bool empty = false) const {
+        if constexpr (K::O_STAGED || K::O_IN_Q) {
+            if (!empty) {
+                store_staged(to);
+                return;
+            }
+        }
         const int g = lane / 4, t = lane % 4;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -545,6 +584,58 @@ template <class K> struct WsConsumer {
                                                o[0][dt][2 * r + 1] * inv_sum);
             }
         }
+    }
+
+    // O / l into this warpgroup's panels of the staged tile (stmatrix, 16 bytes per
+    // instruction and lane, no bank conflict), then one TMA store per panel, issued by the
+    // warpgroup's first thread. With a tile of its own the warpgroup does not wait for it: the
+    // next store's first barrier does, after that tile's key tiles. In the Q slot (O_IN_Q) it
+    // waits until the store has read the rows, then hands the slot back. TMA clips rows past
+    // seqlen_q and columns past the head dim (O's tensor map has the true extents). The LSE
+    // from registers.
+    __device__ __forceinline__ void store_staged(const OutTile& to) const {
+        const bool leader = threadIdx.x % 128 == 0;
+        const uint32_t stage = K::O_IN_Q ? sm.q(qs) + group * 64 * 128 : sm.o(group);
+        constexpr int PANEL_ROWS = K::O_PANEL_ROWS;
+        if (leader) tma::bulk_wait_read<0>();  // the last store has read the tile
+        tma::named_sync(EPILOGUE_BAR + group, 128);
+        float inv[2], row_lse[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) softmax.finalize(0, r, p.scale, &inv[r], &row_lse[r]);
+        // Lane l addresses row l % 8 of matrix l / 8: rows +8 for odd matrices, the next 8
+        // columns for the last two.
+        const int m = lane / 8, row = warp_row0 - group * 64 + (m % 2) * 8 + lane % 8;
+#pragma unroll
+        for (int dt = 0; dt < DT; dt += 2)
+            sm90::stmatrix_x4(stage + sm90::panel_offset<PANEL_ROWS>(row, dt + m / 2),
+                              MmaOp<T>::pack(o[0][dt][0] * inv[0], o[0][dt][1] * inv[0]),
+                              MmaOp<T>::pack(o[0][dt][2] * inv[1], o[0][dt][3] * inv[1]),
+                              MmaOp<T>::pack(o[0][dt + 1][0] * inv[0], o[0][dt + 1][1] * inv[0]),
+                              MmaOp<T>::pack(o[0][dt + 1][2] * inv[1], o[0][dt + 1][3] * inv[1]));
+        sm90::fence_proxy_async();
+        tma::named_sync(EPILOGUE_BAR + group, 128);
+        if (leader) {
+            tma::store_tile<PANEL_ROWS, D / 64>(o_map, stage, to.row0 - (warp_row0 - group * 64),
+                                                to.bidh, to.bidb);
+            tma::bulk_commit();
+        }
+        if constexpr (K::O_IN_Q) {
+            if (leader) tma::bulk_wait_read<0>();
+            tma::named_sync(EPILOGUE_BAR + group, 128);
+            release_q();
+        }
+        if (lane % 4 == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q_row = to.row0 + lane / 4 + 8 * r;
+                if (q_row < to.seqlen_q) to.lse[q_row] = row_lse[r];
+            }
+        }
+    }
+
+    // Before the block exits: its last TMA store done.
+    __device__ __forceinline__ void finish() const {
+        if ((K::O_STAGED || K::O_IN_Q) && threadIdx.x % 128 == 0) tma::bulk_wait_all();
     }
 };
 
@@ -577,7 +668,8 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     }
     tma::regs_alloc<K::CONSUMER_REGS>();
     const int group = warpgroup - 1;
-    WsConsumer<K> c{p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, 0, {}, {}, {}};
+    WsConsumer<K> c{p,   P.o, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, 0, {},
+                    {}, {}};
     const bool dynamic = P.tile_counter != nullptr;
     if constexpr (WsConsumer<K>::CARRY) {
         c.work(tiles, dynamic);
@@ -594,7 +686,10 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         const WsTile<K> w(p, t);
         zero(c.o);
         c.softmax = OnlineSoftmax<1>();
-        if (w.key_tiles() > 0) {
+        // A tile without keys: zeros and LSE -inf from registers, its Q slot released here
+        // (store_staged releases it with O_IN_Q).
+        const bool empty = w.key_tiles() == 0;
+        if (!empty) {
             if (K::PINGPONG && !started && group == K::CONSUMERS - 1)
                 tma::named_arrive(1, 128 * 2);  // warpgroup 0 goes first
             started = true;
@@ -602,8 +697,9 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         } else {
             c.release_q();
         }
-        c.store(c.out_tile(w));
+        c.store(c.out_tile(w), empty);
     }
+    c.finish();
     if (K::PINGPONG && started && group == 0) tma::named_sync(1, 128 * 2);
 }
 

@@ -60,6 +60,20 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const TmaDesc& desc, uint3
         : "memory");
 }
 
+// Copies the box at `src` (shared memory, the layout load_4d writes) to element coordinates
+// (c0, c1, c2, c3) of `desc`'s tensor; coordinates past the tensor's extent are not written.
+// Part of this thread's current bulk group (bulk_commit, then bulk_wait_read before `src` is
+// written again). Shared-memory writes of other threads need fence_proxy_async (wgmma.cuh)
+// and a barrier first.
+__device__ __forceinline__ void store_4d(const TmaDesc& desc, uint32_t src, int c0, int c1, int c2,
+                                         int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+            reinterpret_cast<uint64_t>(&desc)),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
 // Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared
 // memory like a tensor copy, completing on `bar`. A value the issuing thread wrote to `src`
 // needs fence_proxy_global() first.
@@ -108,6 +122,16 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const TmaDesc& desc, uin
 #pragma unroll
     for (int panel = 0; panel < PANELS; ++panel)
         load_4d(dst + panel * ROWS * 128, desc, bar, panel * 64, row, head, batch);
+}
+
+// The inverse of load_tile: one box per 64-column panel, the panels PANEL_ROWS rows apart
+// from `src`, to (row, head, batch) (the box's rows are the tensor map's).
+template <int PANEL_ROWS, int PANELS>
+__device__ __forceinline__ void store_tile(const TmaDesc& desc, uint32_t src, int row, int head,
+                                           int batch) {
+#pragma unroll
+    for (int panel = 0; panel < PANELS; ++panel)
+        store_4d(desc, src + panel * PANEL_ROWS * 128, panel * 64, row, head, batch);
 }
 
 // Named barriers 1..15 (0 is __syncthreads): `threads` arrivals complete one; `sync` waits

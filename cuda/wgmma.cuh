@@ -178,4 +178,14 @@ __device__ __forceinline__ void store_key_major(uint32_t tile, const uint32_t (&
         }
 }
 
+// Four 8 x 8 matrices of 16-bit values to shared memory (stmatrix, sm_90): lane l gives the
+// address of row l % 8 of matrix l / 8, and register i holds this lane's pair of matrix i in
+// the mma.sync C layout (row lane / 4, columns 2 (lane % 4) and the next).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 }  // namespace sm90

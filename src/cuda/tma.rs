@@ -22,6 +22,8 @@ pub(super) struct FwdTmaParams {
     pub q: TmaDesc,
     pub k: TmaDesc,
     pub v: TmaDesc,
+    /// O, stored by TMA from shared memory where the kernel stages it (`WsShape::o_staged`).
+    pub o: TmaDesc,
     pub a: AttnParams,
     /// Dynamic schedule: the tile counter (zero, kept zero by the kernel) followed by 16 bytes
     /// per block that carry the next tile's index to shared memory; null for the static walk.
@@ -233,25 +235,32 @@ impl WsShape {
 
     /// `WsTraits::SMEM_BYTES`.
     pub fn smem_bytes(&self) -> u32 {
-        self.smem_for(self.q_stages())
+        self.smem_for(self.q_stages(), self.o_staged())
     }
 
-    /// `WsTraits::smem_for`: with `q` Q slots, the Q tiles, the K and V slots, the mbarriers,
-    /// 16 bytes per Q slot for its tile's index, 16 for the key tiles' `KeyInfo`, 1 KB of
-    /// alignment.
-    fn smem_for(&self, q: usize) -> u32 {
-        let tiles = (q * self.bm() + 2 * self.stages * self.bn) * self.d * 2;
+    /// `WsLayout::of`: with `q` Q slots, the Q tiles, the K and V slots, the O tile where it
+    /// is staged (`o`), the mbarriers, 16 bytes per Q slot for its tile's index, 16 for the key
+    /// tiles' `KeyInfo`, 1 KB of alignment.
+    fn smem_for(&self, q: usize, o: bool) -> u32 {
+        let tiles =
+            (q * self.bm() + 2 * self.stages * self.bn + usize::from(o) * self.bm()) * self.d * 2;
         ((tiles + (2 * q + 4 * self.stages) * 8).next_multiple_of(16) + 16 * q + 16 + 1024) as u32
     }
 
     /// `WsTraits::Q_STAGES`: two Q slots where they fit in the 227 KB a block may have, so
     /// that the next work tile's Q loads under the last one's key tiles.
     pub fn q_stages(&self) -> usize {
-        if self.smem_for(2) <= 232_448 {
+        if self.smem_for(2, false) <= 232_448 {
             2
         } else {
             1
         }
+    }
+
+    /// `WsTraits::O_STAGED`: O leaves through shared memory and a TMA store where its tile
+    /// fits beside the Q slots.
+    pub fn o_staged(&self) -> bool {
+        self.smem_for(self.q_stages(), true) <= 232_448
     }
 
     /// Blocks to launch for `tiles` work tiles (query blocks x heads x batch): one per SM,
@@ -287,10 +296,13 @@ pub(super) fn fwd_params(a: &AttnParams, dtype: DType, shape: &WsShape) -> Optio
     let q = [a.q_batch_stride, a.q_row_stride, a.q_head_stride];
     let k = [a.k_batch_stride, a.k_row_stride, a.k_head_stride];
     let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
+    let o = [a.o_batch_stride, a.o_row_stride, a.o_head_stride];
     Some(FwdTmaParams {
         q: source(a.q, a.seqlen_q, a.h, q).encode(shape.bm())?,
         k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn)?,
         v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn)?,
+        // Each consumer warpgroup stores its own 64 rows.
+        o: source(a.o, a.seqlen_q, a.h, o).encode(64)?,
         a: *a,
         tile_counter: 0,
     })
