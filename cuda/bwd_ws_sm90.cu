@@ -36,10 +36,12 @@
 #include "wgmma.cuh"
 
 // The kernels' parameter (mirror: `BwdTmaParams` in src/cuda/bwd_ws.rs): tensor maps of q,
-// k, v and dout over (d, rows, heads, batch), boxes of 64 columns x BM (q, dout) or BN (k, v)
-// rows; the backward's parameters (`b.dq_accum` is the tiled buffer described above).
+// k, v, dout, dk and dv over (d, rows, heads, batch), boxes of 64 columns x BM (q, dout), BN
+// (k, v) or 64 (dk, dv) rows; the backward's parameters (`b.dq_accum` is the tiled buffer
+// described above).
 struct BwdTmaParams {
     TmaDesc q, k, v, dout;
+    TmaDesc dk, dv;  // boxes of 64 rows: each consumer warpgroup stores its own (store_dkdv)
     BwdParams b;
     // Per (sequence, head, query tile): BM LSEs in log2 units, then BM rowsum(dO O).
     float* stats;
@@ -336,33 +338,47 @@ __device__ __forceinline__ void grads_t(float (&dpt)[1][NQ][4], const float (&s)
 }
 
 // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV of a warpgroup's
-// fragments: keys from key0 (of the block), head-dim columns from col0.
+// fragments (keys from key0 of the block, head-dim columns from col0) out through the K and V
+// tiles' shared memory, which no matmul reads once both consumer warpgroups are past their
+// last query tile: stmatrix into the tiles' own panel layout, then one TMA store per 64-column
+// panel of each, issued by the warpgroup's first thread (TMA clips rows past seqlen_k and
+// columns past the head dim). From registers, 4-byte stores over 8 rows per warp instruction,
+// the stores cost 11-16% of the backward at 512-1k (docs/PERF.md session 18).
 template <class K, int DT>
-__device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
-                                           const float (&dk)[DT][4], const float (&dv)[DT][4],
-                                           int key0, int col0, int tid, int lane) {
+__device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
+                                           const BwdWsBlock<K>& blk, const float (&dk)[DT][4],
+                                           const float (&dv)[DT][4], int key0, int col0,
+                                           int group, int tid, int lane) {
     using T = typename K::T;
-    const BwdParams& bp = P.b;
-    const AttnParams& p = bp.a;
-    const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
-    const int64_t off = blk.seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride,
-                                         bp.dk_head_stride, blk.bidb, blk.bidh_k);
-    T* dk_out = static_cast<T*>(bp.dk) + off;
-    T* dv_out = static_cast<T*>(bp.dv) + off;
+    const float scale = P.b.a.grad_scale;
+    tma::named_sync(3, 128 * K::CONSUMERS);  // neither warpgroup reads K or V any more
+    // Lane l addresses row l % 8 of matrix l / 8: rows +8 for odd matrices, the next 8
+    // columns for the last two.
+    const int m = lane / 8, row = key0 + tid / 32 * 16 + (m % 2) * 8 + lane % 8;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = blk.n0 + key0 + wrow + g + 8 * r;
-        if (row >= blk.seq.seqlen_k) continue;
+    for (int i = 0; i < DT; i += 2) {
+        const uint32_t off = sm90::panel_offset<K::BN>(row, col0 / 8 + i + m / 2);
+        sm90::stmatrix_x4(sm.k() + off, MmaOp<T>::pack(dk[i][0] * scale, dk[i][1] * scale),
+                          MmaOp<T>::pack(dk[i][2] * scale, dk[i][3] * scale),
+                          MmaOp<T>::pack(dk[i + 1][0] * scale, dk[i + 1][1] * scale),
+                          MmaOp<T>::pack(dk[i + 1][2] * scale, dk[i + 1][3] * scale));
+        sm90::stmatrix_x4(sm.v() + off, MmaOp<T>::pack(dv[i][0], dv[i][1]),
+                          MmaOp<T>::pack(dv[i][2], dv[i][3]),
+                          MmaOp<T>::pack(dv[i + 1][0], dv[i + 1][1]),
+                          MmaOp<T>::pack(dv[i + 1][2], dv[i + 1][3]));
+    }
+    sm90::fence_proxy_async();
+    tma::named_sync(4 + group, 128);
+    if (tid == 0) {
 #pragma unroll
-        for (int i = 0; i < DT; ++i) {
-            const int col = col0 + i * 8 + 2 * t;
-            if (col >= p.d) continue;
-            const int64_t o = int64_t(row) * bp.dk_row_stride + col;
-            *reinterpret_cast<uint32_t*>(dk_out + o) =
-                MmaOp<T>::pack(dk[i][2 * r] * p.grad_scale, dk[i][2 * r + 1] * p.grad_scale);
-            *reinterpret_cast<uint32_t*>(dv_out + o) =
-                MmaOp<T>::pack(dv[i][2 * r], dv[i][2 * r + 1]);
+        for (int i = 0; i < DT / 8; ++i) {
+            const int panel = col0 / 64 + i;
+            const uint32_t off = panel * K::BN * 128 + key0 * 128;
+            tma::store_4d(P.dk, sm.k() + off, panel * 64, blk.n0 + key0, blk.bidh_k, blk.bidb);
+            tma::store_4d(P.dv, sm.v() + off, panel * 64, blk.n0 + key0, blk.bidh_k, blk.bidb);
         }
+        tma::bulk_commit();
+        tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }
 }
 
@@ -507,7 +523,7 @@ template <class K> struct BwdWsConsumer {
 
     // dK and dV of this warpgroup's 64 keys.
     __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
-        store_dkdv<K, DT>(P, blk, dk, dv, group * 64, 0, tid, lane);
+        store_dkdv<K, DT>(P, sm, blk, dk, dv, group * 64, 0, group, tid, lane);
     }
 };
 
@@ -631,7 +647,7 @@ template <class K> struct BwdWsSplitConsumer {
 
     // dK and dV: all 64 keys, this warpgroup's columns.
     __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
-        store_dkdv<K, DT>(P, blk, dk, dv, 0, group * DQ_N, tid, lane);
+        store_dkdv<K, DT>(P, sm, blk, dk, dv, 0, group * DQ_N, group, tid, lane);
     }
 };
 

@@ -16,6 +16,9 @@ pub(super) struct BwdTmaParams {
     k: TmaDesc,
     v: TmaDesc,
     dout: TmaDesc,
+    /// dK and dV, stored by TMA from the K and V tiles' shared memory, 64 rows a box.
+    dk: TmaDesc,
+    dv: TmaDesc,
     b: BwdParams,
     stats: CUdeviceptr,
     m_blocks: i32,
@@ -109,7 +112,7 @@ impl BwdWsBuffers {
 }
 
 /// The parameter block for `b` (pointers set, `b.dq_accum` aside), or `None` where TMA
-/// cannot address q, k, v or dO.
+/// cannot address q, k, v, dO, dK or dV.
 fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParams> {
     let a: &AttnParams = &b.a;
     let source = |ptr, rows: i32, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
@@ -125,11 +128,14 @@ fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParam
     let k = [a.k_batch_stride, a.k_row_stride, a.k_head_stride];
     let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
     let o = [a.o_batch_stride, a.o_row_stride, a.o_head_stride];
+    let dkv = [b.dk_batch_stride, b.dk_row_stride, b.dk_head_stride];
     Some(BwdTmaParams {
         q: source(a.q, a.seqlen_q, a.h, q).encode(BM)?,
         k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn())?,
         v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn())?,
         dout: source(b.dout, a.seqlen_q, a.h, o).encode(BM)?,
+        dk: source(b.dk, a.seqlen_k, a.h_k, dkv).encode(64)?,
+        dv: source(b.dv, a.seqlen_k, a.h_k, dkv).encode(64)?,
         b: *b,
         stats: 0,
         m_blocks: 0,
