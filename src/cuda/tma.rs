@@ -168,7 +168,7 @@ impl WsShape {
     /// with its work tiles in one stream, is 13-15% faster, H200, session 17), d = 128 with
     /// 176-key tiles without a mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster
     /// up to 4k) and 128 with one, d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key
-    /// tiles, 2-8% faster, H200, session 16).
+    /// tiles, 2-8% faster, H200, session 16; since session 18 only up to 512).
     /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled variants
     /// where it exists (read once; A/B runs).
     ///
@@ -208,9 +208,10 @@ impl WsShape {
             64 if causal && seqlen_q <= 1024 => "base",
             64 => "g3",
             128 if !causal && seqlen_k >= 8192 => "n176",
-            // Causal up to 1k: 64-key tiles, which never straddle a 64-row diagonal (0.136
-            // against 0.148 ms at 512, 0.201 against 0.205 at 1k; from 2k 80 keys, +1.5%).
-            256 if causal && seqlen_q <= 1024 => "base",
+            // Causal up to 512: 64-key tiles, which never straddle a 64-row diagonal (0.116-0.117
+            // against 0.119-0.120 ms; at 1k 80 keys since O leaves through shared memory,
+            // 0.177-0.178 against 0.181-0.183, session 18).
+            256 if causal && seqlen_q <= 512 => "base",
             256 => "n80",
             _ => "base",
         };
