@@ -1006,9 +1006,42 @@ mod cuda_suite {
         suite.record("backward api vs autograd", backward_api(dev));
     }
 
+    /// Shapes with more work tiles than the GPU has SMs, so that the warp-specialized
+    /// forward's persistent blocks take several tiles each (under a causal mask from the
+    /// dynamic counter) and the backward runs hundreds of key blocks: the grid above stays
+    /// under one tile per block. The first is the fine-tuning example's attention (16 x 2048,
+    /// 4 query heads over 2, head_dim 64).
+    fn persistent_grid() -> Vec<Case> {
+        let mut cases = vec![];
+        for (b, s, h, hk, d) in [
+            (16, 2048, 4, 2, 64),
+            (8, 2048, 8, 2, 128),
+            (4, 2048, 4, 4, 256),
+        ] {
+            for causal in [true, false] {
+                cases.push(Case {
+                    dtype: DType::BF16,
+                    b,
+                    sq: s,
+                    sk: s,
+                    h,
+                    hk,
+                    d,
+                    causal,
+                });
+            }
+        }
+        cases
+    }
+
     fn bwd_section(dev: &Device, quick: bool, suite: &mut Suite) {
         for c in bwd_grid(quick) {
             suite.record(&format!("bwd {c}"), bwd_case(dev, c));
+        }
+        if !quick {
+            for c in persistent_grid() {
+                suite.record(&format!("bwd persistent {c}"), bwd_case(dev, c));
+            }
         }
         suite.record(
             "repeatable backward",
