@@ -11,7 +11,8 @@
 //   P^T (line 13), dV += P^T dO (issued before dS^T is computed, so it runs under that),
 //   dS^T (line 19), dK += dS^T Q, then dQ = dS K with dS^T shared through shared memory, the
 //   warpgroups splitting dQ's columns. The producer warpgroup keeps 24 registers per thread
-//   (setmaxnreg) and the consumers take 240.
+//   (setmaxnreg) and the consumers take 240. dK and dV leave at the end through the K and V
+//   tiles' shared memory and TMA stores (store_dkdv).
 // Scores are computed transposed (S^T, keys as rows) so that P^T and dS^T are register A
 // operands (as in bwd_sm90.cu). The row statistics are precomputed per query tile
 // (flash_bwd_ws_prep_<dtype>: the LSE in log2 units, +inf on rows past the sequence, and
