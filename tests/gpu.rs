@@ -1009,8 +1009,9 @@ mod cuda_suite {
     /// Shapes with more work tiles than the GPU has SMs, so that the warp-specialized
     /// forward's persistent blocks take several tiles each (under a causal mask from the
     /// dynamic counter) and the backward runs hundreds of key blocks: the grid above stays
-    /// under one tile per block. The first is the fine-tuning example's attention (16 x 2048,
-    /// 4 query heads over 2, head_dim 64).
+    /// under one tile per block. The first has the fine-tuning example's attention shape (16 x
+    /// 2048, 4 query heads over 2, head_dim 64), though the example trains on packed batches,
+    /// which run other kernels.
     fn persistent_grid() -> Vec<Case> {
         let mut cases = vec![];
         for (b, s, h, hk, d) in [
