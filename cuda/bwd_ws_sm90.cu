@@ -19,8 +19,9 @@
 // rowsum(dO O)), so that each tile's pair is one 512-byte bulk copy. dq_accum is laid out per
 // (sequence, head, query tile) in the consumers' fragment order (each thread's float4s
 // interleaved with its warpgroup's), written without bank conflicts and read back by
-// flash_bwd_ws_convert_<dtype>_d<D>, which scales and stores dq. The prep kernel also zeroes
-// dq_accum.
+// flash_bwd_ws_convert_<dtype>_d<D>, which scales and stores dq. The first key block to reach
+// a dq_accum tile stores into it, the others add (dq_tile_state.cuh): nothing zeroes dq_accum
+// but for d = 256.
 // d = 256 (head dims 193-256, columns past the head dim zero) splits the head dim between the
 // consumers instead of the keys: see BwdWsSplitConsumer.
 // Fixed-length batches without dropout, head dims 33-128 (65-96 on the d = 128 kernel) and
@@ -28,24 +29,30 @@
 // Entry points flash_bwd_ws_*.
 #include "bwd_dq_accum.cuh"
 #include "bwd_tiles.cuh"
+#include "dq_tile_state.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "pdl.cuh"
 #include "seq_info.cuh"
 #include "softmax.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 // The kernels' parameter (mirror: `BwdTmaParams` in src/cuda/bwd_ws.rs): tensor maps of q,
-// k, v, dout, dk and dv over (d, rows, heads, batch), boxes of 64 columns x BM (q, dout), BN
-// (k, v) or 64 (dk, dv) rows; the backward's parameters (`b.dq_accum` is the tiled buffer
-// described above).
+// k, v, dout, dk, dv and dq over (d, rows, heads, batch), boxes of 64 columns x BM (q, dout,
+// dq), BN (k, v) or 64 (dk, dv) rows; the backward's parameters (`b.dq_accum` is the tiled
+// buffer described above).
 struct BwdTmaParams {
     TmaDesc q, k, v, dout;
     TmaDesc dk, dv;  // boxes of 64 rows: each consumer warpgroup stores its own (store_dkdv)
+    TmaDesc dq;      // stored by the convert kernel
     BwdParams b;
     // Per (sequence, head, query tile): BM LSEs in log2 units, then BM rowsum(dO O).
     float* stats;
+    // Per (sequence, head, query tile): its dq_accum tile's state word (dq_tile_state.cuh), for
+    // the kernels whose dQ warp adds dQ; null with K::SPLIT, whose dq_accum the prep zeroes.
+    int* dq_state;
     int m_blocks;  // query tiles of BM rows per (sequence, head)
 };
 
@@ -266,7 +273,8 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
 }
 
 // Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
-// as that warpgroup wrote it.
+// as that warpgroup wrote it; the first block to reach a tile stores instead
+// (dq_tile_state.cuh).
 template <class K>
 __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                               const BwdWsBlock<K>& blk) {
@@ -274,10 +282,19 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
     int phase = 0;
     bwd_ws_walk<K>(P, blk, [&](int, int, int64_t tile) {
         float* dst = P.b.dq_accum + tile * K::BM * K::D;
+        int* state = P.dq_state + tile;
+        // Claimed once this block has something to write, so that a block that waits for the
+        // first one never waits for that one's matmuls.
+        tma::wait(sm.full_dq(0), phase);
+        const bool first = dq_tile_claim(state);
+        if (!first) dq_tile_wait_written(state);
 #pragma unroll
         for (int group = 0; group < K::CONSUMERS; ++group) {
             tma::wait(sm.full_dq(group), phase);
-            tma::reduce_add_bulk(dst + group * HALF / 4, sm.dq() + group * HALF, HALF);
+            if (first)
+                tma::store_bulk(dst + group * HALF / 4, sm.dq() + group * HALF, HALF);
+            else
+                tma::reduce_add_bulk(dst + group * HALF / 4, sm.dq() + group * HALF, HALF);
             tma::bulk_commit();
         }
         phase ^= 1;
@@ -286,6 +303,10 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
             // Half `group` was committed CONSUMERS - 1 - group groups before the last.
             if (group == 0) tma::bulk_wait_read<K::CONSUMERS - 1>(); else tma::bulk_wait_read<0>();
             tma::arrive(sm.empty_dq(group));
+        }
+        if (first) {
+            tma::bulk_wait_all();
+            dq_tile_publish(state);
         }
     });
     tma::bulk_wait_all();
@@ -353,21 +374,9 @@ __device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsSme
     using T = typename K::T;
     const float scale = P.b.a.grad_scale;
     tma::named_sync(3, 128 * K::CONSUMERS);  // neither warpgroup reads K or V any more
-    // Lane l addresses row l % 8 of matrix l / 8: rows +8 for odd matrices, the next 8
-    // columns for the last two.
-    const int m = lane / 8, row = key0 + tid / 32 * 16 + (m % 2) * 8 + lane % 8;
-#pragma unroll
-    for (int i = 0; i < DT; i += 2) {
-        const uint32_t off = sm90::panel_offset<K::BN>(row, col0 / 8 + i + m / 2);
-        sm90::stmatrix_x4(sm.k() + off, MmaOp<T>::pack(dk[i][0] * scale, dk[i][1] * scale),
-                          MmaOp<T>::pack(dk[i][2] * scale, dk[i][3] * scale),
-                          MmaOp<T>::pack(dk[i + 1][0] * scale, dk[i + 1][1] * scale),
-                          MmaOp<T>::pack(dk[i + 1][2] * scale, dk[i + 1][3] * scale));
-        sm90::stmatrix_x4(sm.v() + off, MmaOp<T>::pack(dv[i][0], dv[i][1]),
-                          MmaOp<T>::pack(dv[i][2], dv[i][3]),
-                          MmaOp<T>::pack(dv[i + 1][0], dv[i + 1][1]),
-                          MmaOp<T>::pack(dv[i + 1][2], dv[i + 1][3]));
-    }
+    const int row0 = key0 + tid / 32 * 16;
+    sm90::stage_fragments<T, K::BN, DT>(sm.k(), dk, row0, col0 / 8, scale, scale, lane);
+    sm90::stage_fragments<T, K::BN, DT>(sm.v(), dv, row0, col0 / 8, 1.f, 1.f, lane);
     sm90::fence_proxy_async();
     tma::named_sync(4 + group, 128);
     if (tid == 0) {
@@ -680,6 +689,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
         }
         tma::fence_barrier_init();
     }
+    // Launched programmatically after the prep kernel (src/cuda/bwd_ws.rs): the statistics,
+    // the dq_accum state words (with K::SPLIT, dq_accum's zeros) are its output.
+    pdl_wait();
     __syncthreads();
     // No query sees these keys: dK = dV = 0.
     int first_head = 0, first_m0 = blk.tiles.m0_begin;
@@ -725,7 +737,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     c.store(P, blk);
 }
 
-// The row statistics per query tile (see the top of this file) and dq_accum's zeros: D / 8
+// The row statistics per query tile (see the top of this file) and the tile's dq_accum
+// state word (with K::SPLIT, whose consumers add into dq_accum directly, its zeros): D / 8
 // lanes per row (16 bytes of O and of dO each), 256 / D rows per warp (one warp per row left
 // three quarters of the lanes idle at d = 64, and too few loads in flight to reach DRAM's
 // bandwidth), rows up to m_blocks x BM. Grid (ceil(m_blocks x BM / (8 x 256 / D)), h, b).
@@ -762,54 +775,54 @@ template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_w
             row < seq.seqlen_q ? lse_log2(p.lse[seq.lse_offset(p, bidb, bidh) + row]) : INFINITY;
         P.stats[tile * 2 * BM + BM + row % BM] = sum;
     }
+    if (P.dq_state != nullptr) {
+        if (row % BM == 0 && l == 0) P.dq_state[tile] = 0;
+        return;
+    }
     // D floats per row: the tile's BM x D floats in whatever order.
     float4* zero = reinterpret_cast<float4*>(bp.dq_accum + (tile * BM + row % BM) * D);
 #pragma unroll
     for (int i = l; i < D / 4; i += LANES) zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// dq = scale x dq_accum, undoing the consumers' fragment order. A thread takes the two
-// neighbouring n8 fragments (i, i + 1) of one row pair (g, g + 8) of one warp: 8 float4 that
-// are 4 consecutive float4 per fragment, and 16 columns (32 bytes, a whole sector) per row.
-// Grid (m_blocks, h, b).
+// dq = scale x dq_accum for one query tile, undoing the consumers' fragment order: the
+// block's 256 threads stand for the main kernel's two consumer warpgroups, thread (group,
+// tid) loading the float4s that consumer thread wrote (each warp load 512 consecutive bytes),
+// then, as the forward stores O, stmatrix into a panel tile and one TMA store per 64 columns
+// (TMA clips rows past seqlen_q and columns past the head dim). Launched programmatically
+// after the main kernel. Grid (m_blocks, h, b), 256 threads.
 template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const BwdTmaParams& P) {
     using T = typename K::T;
-    constexpr int BM = K::BM, D = K::D, DQ_N = K::DQ_N;
-    constexpr int ITEMS = K::CONSUMERS * (DQ_N / 16) * 4 * 8;  // (group, pair, warp, g)
+    constexpr int BM = K::BM, D = K::D, DQ_N = K::DQ_N, DT = DQ_N / 8;
+    static_assert(K::CONSUMERS == 2 && DT % 2 == 0, "two warpgroups, stmatrix x4 pairs");
+    __shared__ __align__(1024) unsigned char stage_raw[BM * D * sizeof(T)];
     const AttnParams& p = P.b.a;
     const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+    const int group = threadIdx.x / 128, tid = threadIdx.x % 128, lane = tid % 32;
     const int64_t tile = (int64_t(bidb) * p.h + bidh) * P.m_blocks + m_block;
+    pdl_wait();
+    // A tile no key block reached holds no dQ (dq_tile_state.cuh).
+    const bool written = P.dq_state == nullptr || P.dq_state[tile] != 0;
     const float4* src = reinterpret_cast<const float4*>(P.b.dq_accum + tile * BM * D);
-    // dq is contiguous (b, seqlen_q, h, d).
-    const int64_t row_stride = int64_t(p.h) * p.d;
-    T* dq = static_cast<T*>(P.b.dq) + int64_t(bidb) * p.seqlen_q * row_stride +
-            int64_t(bidh) * p.d;
-    for (int item = threadIdx.x; item < ITEMS; item += blockDim.x) {
-        const int g = item % 8, warp = item / 8 % 4, pair = item / 32 % (DQ_N / 16);
-        const int group = item / 32 / (DQ_N / 16);
-        uint32_t lo[8], hi[8];  // rows g and g + 8, 16 columns as pairs
+    float x[DT][4];
 #pragma unroll
-        for (int f = 0; f < 2; ++f)
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                const int i = 2 * pair + f;
-                const float4 x = src[(group * (DQ_N / 8) + i) * 128 + warp * 32 + g * 4 + t];
-                lo[4 * f + t] = MmaOp<T>::pack(x.x * p.grad_scale, x.y * p.grad_scale);
-                hi[4 * f + t] = MmaOp<T>::pack(x.z * p.grad_scale, x.w * p.grad_scale);
-            }
-        const int row = m_block * BM + warp * 16 + g;
-        const int col = group * DQ_N + pair * 16;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (row + 8 * r >= p.seqlen_q) continue;
-            const uint32_t* v = r == 0 ? lo : hi;
-            T* out = dq + (row + 8 * r) * row_stride + col;
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                if (col + 8 * half < p.d)
-                    *reinterpret_cast<uint4*>(out + 8 * half) =
-                        make_uint4(v[4 * half], v[4 * half + 1], v[4 * half + 2], v[4 * half + 3]);
-        }
+    for (int i = 0; i < DT; ++i) {
+        const float4 v =
+            written ? src[(group * DT + i) * 128 + tid] : make_float4(0.f, 0.f, 0.f, 0.f);
+        x[i][0] = v.x;
+        x[i][1] = v.y;
+        x[i][2] = v.z;
+        x[i][3] = v.w;
+    }
+    const uint32_t stage = smem_addr(stage_raw);
+    sm90::stage_fragments<T, BM, DT>(stage, x, tid / 32 * 16, group * DT, p.grad_scale,
+                                     p.grad_scale, lane);
+    sm90::fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        tma::store_tile<BM, D / 64>(P.dq, stage, m_block * BM, bidh, bidb);
+        tma::bulk_commit();
+        tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }
 }
 

@@ -139,9 +139,10 @@ template <class K> struct WsSmem {
         return base + K::TILE_OFFSET + 16 * qs;
     }
     __device__ __forceinline__ uint32_t key(int st) const { return base + K::KEY_OFFSET + 4 * st; }
-    // Consumer warpgroup g's 64 rows of the staged O tile (panels of 64 rows).
-    __device__ __forceinline__ uint32_t o(int g) const {
-        return base + K::O_OFFSET + g * 64 * K::D * 2;
+    // Where consumer warpgroup g stages its 64 rows of O (store_staged): a tile of its own
+    // (panels of 64 rows), or with K::O_IN_Q its own rows of Q slot qs (panels of BM rows).
+    __device__ __forceinline__ uint32_t o(int g, int qs) const {
+        return K::O_IN_Q ? q(qs) + g * 64 * 128 : base + K::O_OFFSET + g * 64 * K::D * 2;
     }
 };
 
@@ -595,23 +596,15 @@ template <class K> struct WsConsumer {
     // from registers.
     __device__ __forceinline__ void store_staged(const OutTile& to) const {
         const bool leader = threadIdx.x % 128 == 0;
-        const uint32_t stage = K::O_IN_Q ? sm.q(qs) + group * 64 * 128 : sm.o(group);
+        const uint32_t stage = sm.o(group, qs);
         constexpr int PANEL_ROWS = K::O_PANEL_ROWS;
         if (leader) tma::bulk_wait_read<0>();  // the last store has read the tile
         tma::named_sync(EPILOGUE_BAR + group, 128);
         float inv[2], row_lse[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) softmax.finalize(0, r, p.scale, &inv[r], &row_lse[r]);
-        // Lane l addresses row l % 8 of matrix l / 8: rows +8 for odd matrices, the next 8
-        // columns for the last two.
-        const int m = lane / 8, row = warp_row0 - group * 64 + (m % 2) * 8 + lane % 8;
-#pragma unroll
-        for (int dt = 0; dt < DT; dt += 2)
-            sm90::stmatrix_x4(stage + sm90::panel_offset<PANEL_ROWS>(row, dt + m / 2),
-                              MmaOp<T>::pack(o[0][dt][0] * inv[0], o[0][dt][1] * inv[0]),
-                              MmaOp<T>::pack(o[0][dt][2] * inv[1], o[0][dt][3] * inv[1]),
-                              MmaOp<T>::pack(o[0][dt + 1][0] * inv[0], o[0][dt + 1][1] * inv[0]),
-                              MmaOp<T>::pack(o[0][dt + 1][2] * inv[1], o[0][dt + 1][3] * inv[1]));
+        sm90::stage_fragments<T, PANEL_ROWS, DT>(stage, o[0], warp_row0 - group * 64, 0, inv[0],
+                                                 inv[1], lane);
         sm90::fence_proxy_async();
         tma::named_sync(EPILOGUE_BAR + group, 128);
         if (leader) {

@@ -102,6 +102,13 @@ __device__ __forceinline__ void reduce_add_bulk(float* dst, uint32_t src, uint32
         "r"(src), "r"(bytes)
         : "memory");
 }
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared to global
+// memory; a bulk group like reduce_add_bulk.
+__device__ __forceinline__ void store_bulk(void* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(src), "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }

@@ -188,4 +188,25 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                  : "memory");
 }
 
+// A warp's accumulator fragments (the wgmma m64 layout: its 16 rows from row0, DT n8 tiles of
+// columns from 16-byte chunk chunk0) as T into a PANEL_ROWS-row panel tile, rows g scaled by
+// s0 and rows g + 8 by s1: one stmatrix per two n8 tiles, 16 bytes per lane (4-byte
+// st.shared from the fragments would take four times the instructions). The epilogues of
+// the warp-specialized kernels stage their outputs this way for a TMA store.
+template <typename T, int PANEL_ROWS, int DT>
+__device__ __forceinline__ void stage_fragments(uint32_t tile, const float (&f)[DT][4], int row0,
+                                                int chunk0, float s0, float s1, int lane) {
+    static_assert(DT % 2 == 0, "stmatrix x4 takes two n8 tiles");
+    // Lane l addresses row l % 8 of matrix l / 8: rows +8 for odd matrices, the next 8
+    // columns for the last two.
+    const int m = lane / 8, row = row0 + (m % 2) * 8 + lane % 8;
+#pragma unroll
+    for (int i = 0; i < DT; i += 2)
+        stmatrix_x4(tile + panel_offset<PANEL_ROWS>(row, chunk0 + i + m / 2),
+                    MmaOp<T>::pack(f[i][0] * s0, f[i][1] * s0),
+                    MmaOp<T>::pack(f[i][2] * s1, f[i][3] * s1),
+                    MmaOp<T>::pack(f[i + 1][0] * s0, f[i + 1][1] * s0),
+                    MmaOp<T>::pack(f[i + 1][2] * s1, f[i + 1][3] * s1));
+}
+
 }  // namespace sm90

@@ -1,12 +1,12 @@
 //! The warp-specialized Hopper backward (`cuda/bwd_ws_sm90.cu`): its parameter block, its
-//! buffers and its three launches (row statistics + zeroed dq_accum, dK/dV/dQ, dq).
+//! buffers and its three launches (row statistics + dq_accum's tile states, dK/dV/dQ, dq).
 
 use candle::cuda_backend::cudarc::driver::sys::CUdeviceptr;
 use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr};
 use candle::{DType, Result};
 
 use super::tma::{TileSource, TmaDesc};
-use super::{launch, AttnParams, BwdParams};
+use super::{launch, launch_programmatic, AttnParams, BwdParams};
 
 /// Mirror of `struct BwdTmaParams` in `cuda/bwd_ws_sm90.cu`.
 #[repr(C)]
@@ -19,8 +19,13 @@ pub(super) struct BwdTmaParams {
     /// dK and dV, stored by TMA from the K and V tiles' shared memory, 64 rows a box.
     dk: TmaDesc,
     dv: TmaDesc,
+    /// dq, stored by the convert kernel, BM rows a box.
+    dq: TmaDesc,
     b: BwdParams,
     stats: CUdeviceptr,
+    /// Per query tile, the state word of its dq_accum tile (`cuda/dq_tile_state.cuh`); 0
+    /// (null) for the split kernel, whose dq_accum the prep kernel zeroes instead.
+    dq_state: CUdeviceptr,
     m_blocks: i32,
 }
 
@@ -82,10 +87,12 @@ impl BwdWsShape {
 }
 
 /// The backward's buffers of this path: per (sequence, head, query tile) the row statistics
-/// (2 x 64 f32) and the f32 dQ tile (64 x d), both written before they are read.
+/// (2 x 64 f32), the f32 dQ tile (64 x d) and, but for the split kernel, the dQ tile's state
+/// word.
 pub(super) struct BwdWsBuffers {
     stats: CudaSlice<f32>,
     dq_accum: CudaSlice<f32>,
+    dq_state: Option<CudaSlice<i32>>,
     m_blocks: usize,
 }
 
@@ -99,13 +106,21 @@ impl BwdWsBuffers {
     ) -> Result<Self> {
         let m_blocks = sq.div_ceil(BM);
         let tiles = b * h * m_blocks;
-        // SAFETY: flash_bwd_ws_prep writes every element of both before any other kernel
-        // reads them.
+        // SAFETY: flash_bwd_ws_prep writes every element of the statistics and of the state
+        // words (with `split`, of dq_accum) before any other kernel reads them; without
+        // `split` a dq_accum tile is read only after the main kernel stored all of it, which
+        // its state word records (cuda/dq_tile_state.cuh).
         let stats = unsafe { dev.alloc::<f32>(tiles * 2 * BM)? };
         let dq_accum = unsafe { dev.alloc::<f32>(tiles * BM * shape.d)? };
+        let dq_state = if shape.split() {
+            None
+        } else {
+            Some(unsafe { dev.alloc::<i32>(tiles)? })
+        };
         Ok(Self {
             stats,
             dq_accum,
+            dq_state,
             m_blocks,
         })
     }
@@ -129,6 +144,9 @@ fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParam
     let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
     let o = [a.o_batch_stride, a.o_row_stride, a.o_head_stride];
     let dkv = [b.dk_batch_stride, b.dk_row_stride, b.dk_head_stride];
+    // dq is contiguous (b, seqlen_q, h, d).
+    let row = i64::from(a.h) * i64::from(a.d);
+    let dq = [i64::from(a.seqlen_q) * row, row, i64::from(a.d)];
     Some(BwdTmaParams {
         q: source(a.q, a.seqlen_q, a.h, q).encode(BM)?,
         k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn())?,
@@ -136,8 +154,10 @@ fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParam
         dout: source(b.dout, a.seqlen_q, a.h, o).encode(BM)?,
         dk: source(b.dk, a.seqlen_k, a.h_k, dkv).encode(64)?,
         dv: source(b.dv, a.seqlen_k, a.h_k, dkv).encode(64)?,
+        dq: source(b.dq, a.seqlen_q, a.h, dq).encode(BM)?,
         b: *b,
         stats: 0,
+        dq_state: 0,
         m_blocks: 0,
     })
 }
@@ -162,8 +182,10 @@ pub(super) fn run(
     let stream = dev.cuda_stream();
     let (stats_ptr, _stats_sync) = buffers.stats.device_ptr_mut(&stream);
     let (dq_accum_ptr, _dq_accum_sync) = buffers.dq_accum.device_ptr_mut(&stream);
+    let dq_state = buffers.dq_state.as_mut().map(|s| s.device_ptr_mut(&stream));
     p.stats = stats_ptr;
     p.b.dq_accum = dq_accum_ptr;
+    p.dq_state = dq_state.as_ref().map_or(0, |(ptr, _)| *ptr);
     p.m_blocks = buffers.m_blocks as i32;
     let (bsz, h, hk) = (b.a.b as usize, b.a.h as usize, b.a.h_k as usize);
     let d = shape.d;
@@ -177,7 +199,9 @@ pub(super) fn run(
         0,
         &p,
     )?;
-    launch(
+    // The main and convert kernels are launched programmatically: each waits in `pdl_wait`
+    // for the kernel before it, its launch overlapping that kernel's last blocks.
+    launch_programmatic(
         dev,
         &format!("flash_bwd_ws_{dtype_name}_d{d}{}", b.a.mods_suffix()),
         ((b.a.seqlen_k as usize).div_ceil(shape.bn()), hk, bsz),
@@ -185,13 +209,12 @@ pub(super) fn run(
         shape.smem_bytes(),
         &p,
     )?;
-    // One thread per item of the convert kernel (2 d of them; 256 threads at most): at
-    // d = 64, 256 threads left half of every block idle.
-    launch(
+    // 256 threads: the main kernel's two consumer warpgroups, thread for thread.
+    launch_programmatic(
         dev,
         &format!("flash_bwd_ws_convert_{dtype_name}_d{d}"),
         (buffers.m_blocks, h, bsz),
-        (2 * d as u32).min(256),
+        256,
         0,
         &p,
     )

@@ -1,0 +1,39 @@
+// Who writes a dq_accum tile first (the warp-specialized backward, cuda/bwd_ws_sm90.cu).
+// Every key block adds its dQ into the query tiles it sees, in no fixed order. Rather than
+// zero the whole f32 buffer beforehand (a pass over 2x the size of dq), the first block to
+// reach a tile stores into it and the others add once that store is complete. Each tile has
+// one state word, zeroed by the prep kernel: the number of blocks that have claimed the tile,
+// with bit 31 set once the first one's store is complete. A tile whose word is still 0 after
+// the kernel was never written (no key reached it) and reads as zero in the convert kernel.
+//
+// The first block waits only for its own store, never for another block, so no block waits
+// in a cycle; the others wait for one store (~1-2 us), and with the staggered walk of
+// bwd_ws_walk they seldom arrive while it runs.
+#pragma once
+
+constexpr unsigned DQ_TILE_WRITTEN = 0x80000000u;
+
+// Claims the tile: true for the first block to arrive, which must store, then publish.
+__device__ __forceinline__ bool dq_tile_claim(int* state) { return atomicAdd(state, 1) == 0; }
+
+// After the first block's bulk store has completed (bulk_wait_all): its writes, made by the
+// async proxy, become visible to the blocks that acquire the state word.
+__device__ __forceinline__ void dq_tile_publish(int* state) {
+    asm volatile(
+        "fence.proxy.async.global;\n"
+        "red.release.gpu.global.or.b32 [%0], %1;\n" ::"l"(state),
+        "r"(DQ_TILE_WRITTEN)
+        : "memory");
+}
+
+// Before a later block's bulk reduce-add into the tile: waits until the first one published.
+__device__ __forceinline__ void dq_tile_wait_written(const int* state) {
+    unsigned s;
+#pragma unroll 1
+    while (true) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(s) : "l"(state) : "memory");
+        if (s & DQ_TILE_WRITTEN) break;
+        __nanosleep(64);
+    }
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
