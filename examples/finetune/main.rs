@@ -59,8 +59,8 @@ enum Shape {
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum TaskKind {
     /// a random block then the same block again, the loss on the second copy: needs an
-    /// induction head over the whole context (on the H100, --context 2048 passes 99% in
-    /// ~250 steps of 16 sequences)
+    /// induction head over the whole context (on the H200, --context 2048 passes 99% in
+    /// ~200 steps of 32 sequences)
     Copy,
     /// associative recall (key-value pairs among filler, then queries; loss on the queried
     /// values): from scratch it stays at chance (ln 128) for 1000+ steps, its targets too few
@@ -104,9 +104,12 @@ struct Args {
     /// Data: longest packed document (longer ones are cut).
     #[arg(long, default_value_t = 512)]
     seq_len: usize,
-    /// Sequences per micro-batch (task), or --batch * --seq-len tokens (data).
-    #[arg(long, default_value_t = 16)]
-    batch: usize,
+    /// Sequences per micro-batch (task; default 32 on CUDA, 16 on the CPU), or --batch *
+    /// --seq-len tokens (data; default 16). The copy task at --context 2048 learned in 15 of
+    /// 15 runs with 32 sequences a step (its drop by step 150) and in 20 of 25 with 16 (H200,
+    /// docs/PERF.md session 19).
+    #[arg(long)]
+    batch: Option<usize>,
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
     /// Optimiser steps (default: 400 on CUDA, 60 on the CPU, where a step of the built-in
@@ -244,6 +247,13 @@ fn main() -> Result<()> {
     let flash = matches!(args.attention, Attention::Flash);
     let dtype = generate::choose_dtype(args.dtype.as_deref(), &dev, flash)?;
     let steps = args.steps.unwrap_or(if dev.is_cuda() { 400 } else { 60 });
+    let batch = args
+        .batch
+        .unwrap_or(if dev.is_cuda() && args.data.is_empty() {
+            32
+        } else {
+            16
+        });
     let attn = match args.attention {
         Attention::Flash => AttnImpl::Flash,
         Attention::Naive => AttnImpl::Naive,
@@ -303,7 +313,7 @@ fn main() -> Result<()> {
             bail!("--data: need at least two documents (one is held out for evaluation)")
         }
         let eval_docs = docs.split_off(docs.len() - held);
-        let max_tokens = args.batch * args.seq_len;
+        let max_tokens = batch * args.seq_len;
         Source::Data {
             train: data::batches(&docs, max_tokens),
             eval: data::batches(&eval_docs, max_tokens),
@@ -339,7 +349,7 @@ fn main() -> Result<()> {
             trainer.opt.step
         );
     }
-    let eval_set = source.eval(args.eval_batches, args.batch, args.seed);
+    let eval_set = source.eval(args.eval_batches, batch, args.seed);
     let (loss0, acc0) = trainer.evaluate(&eval_set)?;
     eprintln!(
         "eval before training: loss {loss0:.4}, accuracy {:.1}%",
@@ -362,7 +372,7 @@ fn main() -> Result<()> {
     while trainer.opt.step < steps {
         let step = trainer.opt.step;
         let micro: Vec<Batch> = (0..args.grad_accum)
-            .map(|k| source.micro(step, k, args.batch, args.seed))
+            .map(|k| source.micro(step, k, batch, args.seed))
             .collect();
         let lr = optim::learning_rate(step, args.warmup, steps, args.lr, args.min_lr);
         let t0 = Instant::now();
@@ -419,7 +429,7 @@ fn main() -> Result<()> {
         let json = serde_json::json!({
             "attention": format!("{:?}", args.attention).to_lowercase(),
             "config": format!("{:?}", args.config), "dtype": format!("{dtype:?}"),
-            "batch": args.batch, "grad_accum": args.grad_accum,
+            "batch": batch, "grad_accum": args.grad_accum,
             "context": max_pos, "steps": steps,
             "tokens_per_s": tok_s, "peak_mem_mib": peak.map(|p| p as f64 / 1048576.0),
             "eval_loss_start": loss0, "eval_loss_end": last_eval,
