@@ -674,7 +674,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     const BwdWsSmem<K> sm{(smem_addr(smem_raw) + 1023) & ~1023u};  // swizzle atoms: 1 KB
     const BwdWsBlock<K> blk(p);
     if (blk.n0 >= blk.seq.seqlen_k) return;
-    const int tid = threadIdx.x, warpgroup = tid / 128;
+    // Warp-uniform as far as the compiler can tell (a shuffle from lane 0): the descriptors
+    // built from a warpgroup's tile addresses then stay on the uniform datapath.
+    const int tid = threadIdx.x, warpgroup = __shfl_sync(0xffffffff, tid / 128, 0);
 
     if (tid == 0) {
         tma::mbar_init(sm.full_kv(), 1);
