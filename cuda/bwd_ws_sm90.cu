@@ -408,7 +408,7 @@ template <class K> struct BwdWsConsumer {
     // the softmax, dV under dS^T, dK under dQ's trip through shared memory.
     __device__ __forceinline__ void tile(const BwdWsBlock<K>& blk, int it, int bidh, int m0) {
         const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
-        const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
+        const int t = lane % 4, wrow = tid / 32 * 16;
         const uint32_t sK_mine = sm.k() + group * 64 * 128, sV_mine = sm.v() + group * 64 * 128;
         const uint32_t sQ = sm.q(slot), sdO = sm.dout(slot), sdS = sm.ds(it & 1);
         const uint32_t sLse = sm.stats(slot), sDsum = sLse + BM * 4;
@@ -474,19 +474,10 @@ template <class K> struct BwdWsConsumer {
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
 
-        // dS^T (line 19), into the key-major panel tile for dQ (written here rather than by
-        // store_key_major: through it, d = 128 spilled 8 bytes).
+        // dS^T (line 19), into the key-major panel tile for dQ.
         uint32_t a_ds[1][NQ / 2][4];
         grads_t<T, NQ>(dpt, s, dsum, a_ds);
-#pragma unroll
-        for (int kk = 0; kk < NQ / 2; ++kk)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int row = group * 64 + wrow + g + (j % 2) * 8;
-                const int col = kk * 16 + (j / 2) * 8 + 2 * t;
-                const uint32_t addr = sdS + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a_ds[0][kk][j]));
-            }
+        sm90::store_key_major<BN, NQ>(sdS, a_ds, group * 64, 0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of dS^T are written
 

@@ -169,23 +169,6 @@ SM90_WGMMA(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69)
 SM90_WGMMA(__nv_bfloat16, "bf16", 176, 88, 89, 90, 91, 92, 93)
 SM90_WGMMA(__nv_bfloat16, "bf16", 192, 96, 97, 98, 99, 100, 101)
 
-// A warpgroup's A fragments of a transposed tile (keys as rows from key0, queries as columns
-// from col0) into a key-major panel tile of BN rows (row = key, 64 query columns).
-template <int BN, int NQ>
-__device__ __forceinline__ void store_key_major(uint32_t tile, const uint32_t (&a)[1][NQ / 2][4],
-                                                int key0, int col0, int tid, int lane) {
-    const int g = lane / 4, t = lane % 4, wrow = tid / 32 * 16;
-#pragma unroll
-    for (int kk = 0; kk < NQ / 2; ++kk)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int row = key0 + wrow + g + (j % 2) * 8;
-            const int col = col0 + kk * 16 + (j / 2) * 8 + 2 * t;
-            const uint32_t addr = tile + sm90::panel_offset<BN>(row, col / 8) + (col % 8) * 2;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a[0][kk][j]));
-        }
-}
-
 // Four 8 x 8 matrices of 16-bit values to shared memory (stmatrix, sm_90): lane l gives the
 // address of row l % 8 of matrix l / 8, and register i holds this lane's pair of matrix i in
 // the mma.sync C layout (row lane / 4, columns 2 (lane % 4) and the next).
@@ -194,6 +177,23 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
                  "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                  : "memory");
+}
+
+// A warpgroup's A fragments of a transposed tile (keys as rows from key0, queries as columns
+// from col0, a multiple of 8) into a key-major panel tile of BN rows (row = key, 64 query
+// columns): each k16 step's four registers are the four 8 x 8 matrices of one stmatrix, 16
+// bytes per lane (as 4-byte st.shared, each with its own swizzled address, the d 64 backward
+// spent ~70 instructions per query tile on the stores' addresses).
+template <int BN, int NQ>
+__device__ __forceinline__ void store_key_major(uint32_t tile, const uint32_t (&a)[1][NQ / 2][4],
+                                                int key0, int col0, int tid, int lane) {
+    // Lane l addresses row l % 8 of matrix l / 8: rows +8 for odd matrices, the next 8
+    // columns for the last two (the A fragment's register order).
+    const int m = lane / 8, row = key0 + tid / 32 * 16 + (m % 2) * 8 + lane % 8;
+#pragma unroll
+    for (int kk = 0; kk < NQ / 2; ++kk)
+        stmatrix_x4(tile + panel_offset<BN>(row, col0 / 8 + kk * 2 + m / 2), a[0][kk][0],
+                    a[0][kk][1], a[0][kk][2], a[0][kk][3]);
 }
 
 // A warp's accumulator fragments (the wgmma m64 layout: its 16 rows from row0, DT n8 tiles of
