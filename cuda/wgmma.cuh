@@ -50,10 +50,10 @@ __device__ __forceinline__ void load_panels(uint32_t smem, const T* gmem, int64_
 // byte offsets (all >> 4), 128B swizzle (mode 1 in bits 62-63).
 // `offset` (a multiple of 16, usually a compile-time k-step) is added to the address field
 // after the tile's own part is built: shared addresses are below 2^18, so the 14-bit field
-// never carries into LBO. Written as (tile + offset) >> 4 inside the masked field, each of a
-// kernel's ~40 descriptors per tile cost 6-7 integer instructions and two register moves to
-// the uniform datapath (ncu, d 64 backward: half of all instructions were integer ones); this
-// way the tile's part is shared by its k-steps and each step adds one constant.
+// never carries into LBO. Written as (tile + offset) >> 4 inside a masked field, an HGMMA's
+// two descriptors cost ~12 integer instructions, two of them moves to the uniform datapath
+// (ncu, d 64 backward: half of all executed instructions were integer ones); this way the
+// tile's part is shared by its k-steps and each step adds one constant.
 __device__ __forceinline__ uint64_t descriptor(uint32_t tile, uint32_t offset, uint32_t lbo,
                                                uint32_t sbo) {
     const uint32_t lo = ((tile >> 4) | ((lbo >> 4) << 16)) + (offset >> 4);
