@@ -106,6 +106,14 @@ template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE> struct BwdWsT
     static_assert(SMEM_BYTES <= 227 * 1024, "a Hopper block's shared memory");
 };
 
+// Named barrier ids (0 is __syncthreads), one table so that no two uses collide.
+enum BwdWsBarrier : int {
+    BAR_TILE_A = 1,   // both consumer warpgroups wrote their half of dS^T (K::SPLIT: of P^T)
+    BAR_TILE_B = 2,   // K::SPLIT: both halves of dS^T written
+    BAR_KV_FREE = 3,  // neither warpgroup reads K or V any more (store_dkdv)
+    BAR_STORE = 4,    // + group: the warpgroup's dK/dV staging written (store_dkdv)
+};
+
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
@@ -373,12 +381,12 @@ __device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsSme
                                            int group, int tid, int lane) {
     using T = typename K::T;
     const float scale = P.b.a.grad_scale;
-    tma::named_sync(3, 128 * K::CONSUMERS);  // neither warpgroup reads K or V any more
+    tma::named_sync(BAR_KV_FREE, 128 * K::CONSUMERS);
     const int row0 = key0 + tid / 32 * 16;
     sm90::stage_fragments<T, K::BN, DT>(sm.k(), dk, row0, col0 / 8, scale, scale, lane);
     sm90::stage_fragments<T, K::BN, DT>(sm.v(), dv, row0, col0 / 8, 1.f, 1.f, lane);
     sm90::fence_proxy_async();
-    tma::named_sync(4 + group, 128);
+    tma::named_sync(BAR_STORE + group, 128);
     if (tid == 0) {
 #pragma unroll
         for (int i = 0; i < DT / 8; ++i) {
@@ -479,7 +487,7 @@ template <class K> struct BwdWsConsumer {
         grads_t<T, NQ>(dpt, s, dsum, a_ds);
         sm90::store_key_major<BN, NQ>(sdS, a_ds, group * 64, 0, tid, lane);
         sm90::fence_proxy_async();
-        tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of dS^T are written
+        tma::named_sync(BAR_TILE_A, 128 * K::CONSUMERS);  // both halves of dS^T are written
 
         // dQ[:, group's columns] = dS K (line 20), then dK += dS^T Q (line 21). This
         // warpgroup's dQ columns [group DQ_N, +DQ_N): whole panels at D = 128, half a panel
@@ -596,7 +604,7 @@ template <class K> struct BwdWsSplitConsumer {
         probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0 + c0, lane, p.scale_log2);
         sm90::store_key_major<BN, NQ>(sP, a_p, 0, c0, tid, lane);
         sm90::fence_proxy_async();
-        tma::named_sync(1, 128 * K::CONSUMERS);  // both halves of P^T are written
+        tma::named_sync(BAR_TILE_A, 128 * K::CONSUMERS);  // both halves of P^T are written
 
         // dV[:, mine] += P^T dO[:, mine], running while dS^T is computed.
         sm90::fence_operand(dv);
@@ -615,7 +623,7 @@ template <class K> struct BwdWsSplitConsumer {
         grads_t<T, NQ>(dpt, s, dsum, a_ds);
         sm90::store_key_major<BN, NQ>(sdS, a_ds, 0, c0, tid, lane);
         sm90::fence_proxy_async();
-        tma::named_sync(2, 128 * K::CONSUMERS);  // both halves of dS^T are written
+        tma::named_sync(BAR_TILE_B, 128 * K::CONSUMERS);  // both halves of dS^T are written
 
         // dQ[:, mine] = dS K[:, mine], then dK[:, mine] += dS^T Q[:, mine].
         float dq[DQ_N / 8][4];
