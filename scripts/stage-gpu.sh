@@ -83,7 +83,8 @@ if [ "$BUILD" = 1 ]; then
     case $kind in
       test) [ "$name" = gpu ] || continue; out=gpu ;;
       bench) out=bench-$name ;;
-      example) out=example-$name ;;
+      # `cargo test --no-run` builds the examples too: staged only when asked for.
+      example) [ "$EXAMPLES" = 1 ] || continue; out=example-$name ;;
       *) continue ;;
     esac
     [ -z "${staged[$out]:-}" ] || continue
