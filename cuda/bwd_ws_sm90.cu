@@ -298,7 +298,7 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
         if (!first) dq_tile_wait_written(state);
 #pragma unroll
         for (int group = 0; group < K::CONSUMERS; ++group) {
-            tma::wait(sm.full_dq(group), phase);
+            if (group > 0) tma::wait(sm.full_dq(group), phase);  // half 0: waited for above
             if (first)
                 tma::store_bulk(dst + group * HALF / 4, sm.dq() + group * HALF, HALF);
             else
@@ -388,13 +388,12 @@ __device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsSme
     sm90::fence_proxy_async();
     tma::named_sync(BAR_STORE + group, 128);
     if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < DT / 8; ++i) {
-            const int panel = col0 / 64 + i;
-            const uint32_t off = panel * K::BN * 128 + key0 * 128;
-            tma::store_4d(P.dk, sm.k() + off, panel * 64, blk.n0 + key0, blk.bidh_k, blk.bidb);
-            tma::store_4d(P.dv, sm.v() + off, panel * 64, blk.n0 + key0, blk.bidh_k, blk.bidb);
-        }
+        // This warpgroup's DT / 8 panels: from panel col0 / 64, rows from key0.
+        const uint32_t off = col0 / 64 * K::BN * 128 + key0 * 128;
+        tma::store_tile<K::BN, DT / 8>(P.dk, sm.k() + off, col0, blk.n0 + key0, blk.bidh_k,
+                                       blk.bidb);
+        tma::store_tile<K::BN, DT / 8>(P.dv, sm.v() + off, col0, blk.n0 + key0, blk.bidh_k,
+                                       blk.bidb);
         tma::bulk_commit();
         tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }
@@ -821,7 +820,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     sm90::fence_proxy_async();
     __syncthreads();
     if (threadIdx.x == 0) {
-        tma::store_tile<BM, D / 64>(P.dq, stage, m_block * BM, bidh, bidb);
+        tma::store_tile<BM, D / 64>(P.dq, stage, 0, m_block * BM, bidh, bidb);
         tma::bulk_commit();
         tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }

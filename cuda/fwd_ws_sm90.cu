@@ -608,8 +608,8 @@ template <class K> struct WsConsumer {
         sm90::fence_proxy_async();
         tma::named_sync(EPILOGUE_BAR + group, 128);
         if (leader) {
-            tma::store_tile<PANEL_ROWS, D / 64>(o_map, stage, to.row0 - (warp_row0 - group * 64),
-                                                to.bidh, to.bidb);
+            const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
+            tma::store_tile<PANEL_ROWS, D / 64>(o_map, stage, 0, row0, to.bidh, to.bidb);
             tma::bulk_commit();
         }
         if constexpr (K::O_IN_Q) {

@@ -131,14 +131,15 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const TmaDesc& desc, uin
         load_4d(dst + panel * ROWS * 128, desc, bar, panel * 64, row, head, batch);
 }
 
-// The inverse of load_tile: one box per 64-column panel, the panels PANEL_ROWS rows apart
-// from `src`, to (row, head, batch) (the box's rows are the tensor map's).
+// The inverse of load_tile: PANELS boxes of 64 columns, the panels PANEL_ROWS rows apart from
+// `src`, to columns from col0 (a multiple of 64) of (row, head, batch) (the box's rows are
+// the tensor map's).
 template <int PANEL_ROWS, int PANELS>
-__device__ __forceinline__ void store_tile(const TmaDesc& desc, uint32_t src, int row, int head,
-                                           int batch) {
+__device__ __forceinline__ void store_tile(const TmaDesc& desc, uint32_t src, int col0, int row,
+                                           int head, int batch) {
 #pragma unroll
     for (int panel = 0; panel < PANELS; ++panel)
-        store_4d(desc, src + panel * PANEL_ROWS * 128, panel * 64, row, head, batch);
+        store_4d(desc, src + panel * PANEL_ROWS * 128, col0 + panel * 64, row, head, batch);
 }
 
 // Named barriers 1..15 (0 is __syncthreads): `threads` arrivals complete one; `sync` waits
