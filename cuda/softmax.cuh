@@ -5,6 +5,9 @@
 #include <cmath>
 
 constexpr float LOG2E = 1.4426950408889634f;
+// How far (log2 units) a row's max may rise above the one its P, l and O are kept relative
+// to before they are rescaled (OnlineSoftmax::exp_and_factors).
+constexpr float RESCALE_SLACK = 8.f;
 
 // A row's LSE as the backward reads it: in log2 units, so P = exp2(scale_log2 s - lse2). A row
 // that saw no key has LSE -inf; +inf makes its P = exp2(s - inf) = 0 instead of NaN.
@@ -28,9 +31,13 @@ template <int MT> struct OnlineSoftmax {
 
     // m_new = max(m, rowmax(S)); O *= exp(m - m_new); P = exp(S - m_new); l = l e^(m - m_new) + rowsum(P).
     // S becomes P in place. exp(scale x) is computed as exp2(scale_log2 x - scale_log2 m): one FFMA.
-    // Once the running maxima settle (most tiles past the first few), every factor is exactly 1
-    // and the warp skips the O rescale (MT x DT x 4 multiplies per thread, about a tenth of the
-    // d = 128 loop's instructions); skipping a multiply by 1 leaves O bit for bit the same.
+    // The running max need not be the true max, only one that P, l and O are all relative to
+    // (the LSE and the normalisation by l are exact for any m). So a row keeps its max until a
+    // tile's beats it by more than RESCALE_SLACK (log2 units), as FlashAttention-4 does: P then
+    // stays below 2^RESCALE_SLACK = 256 (finite in f16 too), and while no row of the warp moves,
+    // O goes untouched (MT x DT x 4 multiplies per thread skipped: a tenth of the d = 128 loop's
+    // instructions, half of d = 256's). Past the first key tile a row seldom gains that much,
+    // so almost every tile skips the rescale.
     template <int NT, int DT>
     __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&o)[MT][DT][4],
                                            float scale_log2) {
@@ -40,8 +47,8 @@ template <int MT> struct OnlineSoftmax {
 
     // update() without touching O, for kernels whose O is still being accumulated by an
     // asynchronous matmul of the previous tile: S becomes P, the running max and sum move on,
-    // and alpha holds the factors O must be multiplied by once that matmul is done. Returns
-    // whether any factor of the warp differs from 1 (the same for every lane).
+    // and alpha holds the factors O must be multiplied by once that matmul is done (1 for a
+    // row that kept its max). Returns whether O needs them (the same for every lane).
     template <int NT>
     __device__ __forceinline__ bool exp_and_factors(float (&s)[MT][NT][4], float (&alpha)[MT][2],
                                                     float scale_log2) {
@@ -57,13 +64,17 @@ template <int MT> struct OnlineSoftmax {
                     m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
                 m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
                 m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
-                // A row with no visible key yet keeps m = -inf; subtracting 0 keeps exp2(-inf) = 0
-                // instead of exp2(-inf + inf) = NaN.
-                m_scaled[mt][r] = m == -INFINITY ? 0.f : m * scale_log2;
-                alpha[mt][r] = exp2f(row_max[mt][r] * scale_log2 - m_scaled[mt][r]);
-                any |= alpha[mt][r] != 1.f;
-                row_max[mt][r] = m;
+                // From -inf (no key seen yet) any finite max grows; -inf to -inf: NaN, no.
+                const float m_old = row_max[mt][r];
+                const bool grows = (m - m_old) * scale_log2 > RESCALE_SLACK;
+                const float m_new = grows ? m : m_old;
+                // A row with no visible key yet keeps m = -inf; subtracting 0 keeps
+                // exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
+                m_scaled[mt][r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+                alpha[mt][r] = grows ? exp2f(m_old * scale_log2 - m_scaled[mt][r]) : 1.f;
+                row_max[mt][r] = m_new;
                 row_sum[mt][r] *= alpha[mt][r];
+                any |= grows;
             }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
