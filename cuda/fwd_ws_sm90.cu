@@ -22,6 +22,8 @@
 // Key tiles are visited last first, as in fwd_sm90.cu (under a causal mask only the first
 // need the mask). Fixed-length batches without dropout; src/cuda/mod.rs sends the rest to
 // fwd_sm90.cu and fwd.cu. Entry points flash_fwd_ws_<dtype>_d<D>[_<shape>].
+#include <type_traits>
+
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -344,6 +346,15 @@ template <class K> struct WsConsumer {
         sm90::commit();
     }
 
+    // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
+    // the last P V is done. A softcap's bound replaces the running max where P's type holds
+    // the range that leaves (bf16; AttnParams::softcap_max_log2): no max, no rescale.
+    __device__ __forceinline__ bool exp_scores(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
+                                               float (&alpha)[1][2]) const {
+        constexpr bool FIXED = (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16>;
+        return st.template exp_and_factors<FIXED>(s, alpha, p.scale_log2, p.softcap_max_log2);
+    }
+
     // Each consumer warp arrives once its reads of the slot (its wgmmas) completed.
     __device__ __forceinline__ void release(uint32_t bar) const {
         if (lane == 0) tma::arrive(bar);
@@ -454,7 +465,8 @@ template <class K> struct WsConsumer {
         sm90::fence_operand(s[0]);
         release(sm.empty_k(s0.st));
         scores(s, w, nb, m);
-        softmax.update(s, o, p.scale_log2);
+        float alpha[1][2];
+        if (exp_scores(softmax, s, alpha)) softmax.rescale(o, alpha);
         pack_a<T, 1, NT>(s, pa);
     }
 
@@ -485,7 +497,7 @@ template <class K> struct WsConsumer {
         if (boundary) {
             OnlineSoftmax<1> next;
             float alpha[1][2];  // O starts over
-            next.exp_and_factors(s, alpha, p.scale_log2);
+            exp_scores(next, s, alpha);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
             release(sm.empty_v(prev.st));
@@ -494,7 +506,7 @@ template <class K> struct WsConsumer {
             softmax = next;
         } else {
             float alpha[1][2];
-            const bool rescale = softmax.exp_and_factors(s, alpha, p.scale_log2);
+            const bool rescale = exp_scores(softmax, s, alpha);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
             release(sm.empty_v(prev.st));

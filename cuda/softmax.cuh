@@ -49,33 +49,47 @@ template <int MT> struct OnlineSoftmax {
     // asynchronous matmul of the previous tile: S becomes P, the running max and sum move on,
     // and alpha holds the factors O must be multiplied by once that matmul is done (1 for a
     // row that kept its max). Returns whether O needs them (the same for every lane).
-    template <int NT>
+    // FIXED (a compile-time option) with fixed_log2 != 0: a row max (log2 units) known to bound
+    // every score well enough (a softcap's, src/cuda/mod.rs: softcap_max_log2) is taken
+    // instead: no max to find, O never rescaled.
+    template <bool FIXED = false, int NT>
     __device__ __forceinline__ bool exp_and_factors(float (&s)[MT][NT][4], float (&alpha)[MT][2],
-                                                    float scale_log2) {
+                                                    float scale_log2, float fixed_log2 = 0.f) {
         float m_scaled[MT][2];
         bool any = false;
+        if (FIXED && fixed_log2 != 0.f) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float m = row_max[mt][r];
+                for (int r = 0; r < 2; ++r) {
+                    row_max[mt][r] = fixed_log2 / scale_log2;  // raw score units, for the LSE
+                    m_scaled[mt][r] = fixed_log2;
+                    alpha[mt][r] = 1.f;
+                }
+        } else {
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
-                // From -inf (no key seen yet) any finite max grows; -inf to -inf: NaN, no.
-                const float m_old = row_max[mt][r];
-                const bool grows = (m - m_old) * scale_log2 > RESCALE_SLACK;
-                const float m_new = grows ? m : m_old;
-                // A row with no visible key yet keeps m = -inf; subtracting 0 keeps
-                // exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
-                m_scaled[mt][r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
-                alpha[mt][r] = grows ? exp2f(m_old * scale_log2 - m_scaled[mt][r]) : 1.f;
-                row_max[mt][r] = m_new;
-                row_sum[mt][r] *= alpha[mt][r];
-                any |= grows;
-            }
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float m = row_max[mt][r];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+                    // From -inf (no key seen yet) any finite max grows; -inf to -inf: NaN, no.
+                    const float m_old = row_max[mt][r];
+                    const bool grows = (m - m_old) * scale_log2 > RESCALE_SLACK;
+                    const float m_new = grows ? m : m_old;
+                    // A row with no visible key yet keeps m = -inf; subtracting 0 keeps
+                    // exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
+                    m_scaled[mt][r] = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+                    alpha[mt][r] = grows ? exp2f(m_old * scale_log2 - m_scaled[mt][r]) : 1.f;
+                    row_max[mt][r] = m_new;
+                    row_sum[mt][r] *= alpha[mt][r];
+                    any |= grows;
+                }
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

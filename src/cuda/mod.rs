@@ -67,6 +67,7 @@ struct AttnParams {
     window_left: i32,
     window_right: i32,
     softcap_pre: f32,
+    softcap_max_log2: f32,
     grad_scale: f32,
     alibi_slopes: CUdeviceptr,
     alibi_batch_stride: i32,
@@ -229,6 +230,9 @@ impl AttnParams {
             None => scale,
         };
         self.scale_log2 = self.scale * std::f32::consts::LOG2_E;
+        if mods.softcap.is_some() && mods.alibi.is_none() {
+            self.softcap_max_log2 = softcap_max_log2(self.scale_log2);
+        }
         if let Some(a) = &mods.alibi {
             self.alibi_scale = 1.0 / self.scale;
             self.alibi_batch_stride = if a.per_batch { self.h } else { 0 };
@@ -249,6 +253,23 @@ impl AttnParams {
                 self.dense_head_stride = if heads == 1 { 0 } else { (dq * dk) as i64 };
             }
         }
+    }
+}
+
+/// The fixed row max (log2 units) for scores capped at `cap_log2` = cap x log2(e), or 0 where
+/// there is none: P = exp2(x - m) for x in [-cap_log2, cap_log2] must stay within
+/// [2^-100, 2^64], normal in bf16 and f32 with room below (products with V stay normal) and
+/// above (sums over 2^20 keys of P V stay finite for |V| < 2^44). m = cap_log2 (P <= 1) for
+/// caps up to 50 log2 units, else 100 - cap_log2, up to 82 (a cap of 56.8; Gemma 2's 50 is
+/// 72.1). ALiBi's bias is not capped, so it has none.
+fn softcap_max_log2(cap_log2: f32) -> f32 {
+    const LOWEST: f32 = -100.0;
+    const HIGHEST: f32 = 64.0;
+    let m = cap_log2.min(-LOWEST - cap_log2);
+    if cap_log2 - m <= HIGHEST {
+        m
+    } else {
+        0.0
     }
 }
 

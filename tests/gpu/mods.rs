@@ -106,6 +106,29 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
     })
 }
 
+/// Every score of every row far below -cap (q and k near opposite directions), under a cap
+/// of 50 (Gemma 2's): capped scores in (-50, -49.5). The bf16 warp-specialized forward then
+/// exponentiates against a fixed row max (AttnParams::softcap_max_log2, 27.9 log2 units
+/// here), not the cap's 72.1, which would leave P = 2^-144 = 0 and an output of zeros.
+fn saturated_softcap_case(dev: &Device, d: usize, causal: bool) -> Result<()> {
+    let (b, sq, sk, h, hk) = (2, 203, 203, 4, 2);
+    let near = |shape: (usize, usize, usize, usize), sign: f64| -> Result<Tensor> {
+        (randn(shape, DType::F32, dev)? * 0.3)?
+            .affine(sign, sign)?
+            .to_dtype(DType::BF16)
+    };
+    let q = near((b, sq, h, d), -15.0)?;
+    let k = near((b, sk, hk, d), 1.0)?;
+    let v = randn((b, sk, hk, d), DType::BF16, dev)?;
+    let w = randn((b, sq, h, d), DType::BF16, dev)?;
+    let opts = FlashAttn::new().causal(causal).softcap(50.0);
+    let out = opts.forward(&q, &k, &v)?;
+    let ours = grads_of(&q, &k, &v, &w, |q, k, v| opts.forward(q, k, v))?;
+    check_against_slow(&out, &ours, [&q, &k, &v, &w], |q, k, v| {
+        attention_slow_with(q, k, v, &opts)
+    })
+}
+
 /// A packed batch through `forward_varlen` against each sequence on its own (the slopes row
 /// of sequence `b` for per-batch ALiBi), output and gradients.
 fn varlen_case(dev: &Device, d: usize, m: &Mods) -> Result<()> {
@@ -349,6 +372,14 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                 deterministic: true,
             };
             suite.record(&format!("mods {c}"), case(dev, &c));
+        }
+    }
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            suite.record(
+                &format!("mods saturated softcap 50 d={d} causal={causal}"),
+                saturated_softcap_case(dev, d, causal),
+            );
         }
     }
     for d in [64, 128] {
