@@ -348,10 +348,13 @@ template <class K> struct WsConsumer {
 
     // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
     // the last P V is done. A softcap's bound replaces the running max where P's type holds
-    // the range that leaves (bf16; AttnParams::softcap_max_log2): no max, no rescale.
+    // the range that leaves (bf16; AttnParams::softcap_max_log2): no max, no rescale. Not in
+    // the three-warpgroup d = 64 kernel, whose 160 registers it cost a spill (12 -> 16 bytes)
+    // and ALiBi there 2-4% (H100, docs/PERF.md session 20), with no gain for the cap.
     __device__ __forceinline__ bool exp_scores(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
                                                float (&alpha)[1][2]) const {
-        constexpr bool FIXED = (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16>;
+        constexpr bool FIXED =
+            (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16> && K::CONSUMERS == 2;
         return st.template exp_and_factors<FIXED>(s, alpha, p.scale_log2, p.softcap_max_log2);
     }
 

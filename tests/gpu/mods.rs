@@ -107,9 +107,10 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
 }
 
 /// Every score of every row far below -cap (q and k near opposite directions), under a cap
-/// of 50 (Gemma 2's): capped scores in (-50, -49.5). The bf16 warp-specialized forward then
-/// exponentiates against a fixed row max (AttnParams::softcap_max_log2, 27.9 log2 units
-/// here), not the cap's 72.1, which would leave P = 2^-144 = 0 and an output of zeros.
+/// of 50 (Gemma 2's): capped scores in (-50, -49.5). The bf16 warp-specialized forward at
+/// d 128 and 256 then exponentiates against a fixed row max (AttnParams::softcap_max_log2,
+/// 27.9 log2 units here), not the cap's 72.1, which would leave P = 2^-144 = 0 and an output
+/// of zeros; d 64 keeps the running max.
 fn saturated_softcap_case(dev: &Device, d: usize, causal: bool) -> Result<()> {
     let (b, sq, sk, h, hk) = (2, 203, 203, 4, 2);
     let near = |shape: (usize, usize, usize, usize), sign: f64| -> Result<Tensor> {
