@@ -48,9 +48,9 @@ struct AttnParams {
     // and `scale` is then the cap; 0 turns it off. (FlashAttention 2 folds it the same way.)
     float softcap_pre;
     // Under a softcap every score is at most the cap, so the bf16 warp-specialized forward
-    // (two consumer warpgroups) takes this fixed row max (log2 units, set by the host: P stays within [2^-100, 2^64],
-    // which bf16 holds) and never computes one; 0 (no cap, ALiBi, or a cap too large for that
-    // range): the running max.
+    // (two consumer warpgroups) takes this fixed row max (log2 units, set by the host: P
+    // stays within [2^-100, 2^64], which bf16 holds) and never computes one; 0 (no cap,
+    // ALiBi, or a cap too large for that range): the running max.
     float softcap_max_log2;
     // What dS K and dS^T Q are multiplied by: the softmax scale (`scale` is the cap under a
     // softcap).
