@@ -58,11 +58,12 @@ template <int MT> struct OnlineSoftmax {
         float m_scaled[MT][2];
         bool any = false;
         if (FIXED && fixed_log2 != 0.f) {
+            const float m = fixed_log2 / scale_log2;  // raw score units, for the LSE
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    row_max[mt][r] = fixed_log2 / scale_log2;  // raw score units, for the LSE
+                    row_max[mt][r] = m;
                     m_scaled[mt][r] = fixed_log2;
                     alpha[mt][r] = 1.f;
                 }

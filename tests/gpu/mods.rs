@@ -98,11 +98,18 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
     let v = randn((c.b, c.sk, c.hk, c.d), dtype, dev)?;
     let w = randn((c.b, c.sq, c.h, c.d), dtype, dev)?;
     let ours_opts = options(&c.mods, c.b, c.h, dev)?.deterministic(c.deterministic);
-    let out = ours_opts.forward(&q, &k, &v)?;
-    let ours = grads_of(&q, &k, &v, &w, |q, k, v| ours_opts.forward(q, k, v))?;
     let ref_opts = options(&c.mods, c.b, c.h, &reference_device(dev))?;
-    check_against_slow(&out, &ours, [&q, &k, &v, &w], |q, k, v| {
-        attention_slow_with(q, k, v, &ref_opts)
+    check_inputs([&q, &k, &v, &w], &ours_opts, &ref_opts)
+}
+
+/// Output and gradients of `sum(out * w)` with `ours` against `attention_slow_with` and
+/// `reference` (the same options, with their tensors on the reference device).
+fn check_inputs(qkvw: [&Tensor; 4], ours: &FlashAttn, reference: &FlashAttn) -> Result<()> {
+    let [q, k, v, w] = qkvw;
+    let out = ours.forward(q, k, v)?;
+    let grads = grads_of(q, k, v, w, |q, k, v| ours.forward(q, k, v))?;
+    check_against_slow(&out, &grads, qkvw, |q, k, v| {
+        attention_slow_with(q, k, v, reference)
     })
 }
 
@@ -123,11 +130,7 @@ fn saturated_softcap_case(dev: &Device, d: usize, causal: bool) -> Result<()> {
     let v = randn((b, sk, hk, d), DType::BF16, dev)?;
     let w = randn((b, sq, h, d), DType::BF16, dev)?;
     let opts = FlashAttn::new().causal(causal).softcap(50.0);
-    let out = opts.forward(&q, &k, &v)?;
-    let ours = grads_of(&q, &k, &v, &w, |q, k, v| opts.forward(q, k, v))?;
-    check_against_slow(&out, &ours, [&q, &k, &v, &w], |q, k, v| {
-        attention_slow_with(q, k, v, &opts)
-    })
+    check_inputs([&q, &k, &v, &w], &opts, &opts)
 }
 
 /// A packed batch through `forward_varlen` against each sequence on its own (the slopes row
