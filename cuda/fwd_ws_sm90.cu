@@ -452,11 +452,56 @@ template <class K> struct WsConsumer {
         }
     }
 
-    // The first key tile of w, in slot `it`: its S alone, then its softmax.
-    __device__ __forceinline__ void first_s(const WsTile<K>& w, int it, int& nb, int& state,
+    // Whether this warpgroup passes over the key tiles its rows cannot see at the start of a
+    // work tile (skip_masked). Not in the one-stream kernel (CARRY), whose 128 x 128 tiles
+    // never have them with seqlen_q = seqlen_k, nor where the producer picks the tiles; nor
+    // where it spilled (ptxas -v): the 80-key d = 256 kernels (0 -> 140 bytes, 11-18% slower,
+    // H100) and the three-warpgroup `_mods` one (12 -> 140 bytes).
+    static constexpr bool SKIP = !CARRY && !K::KEYS_FROM_PRODUCER && BN != 80 &&
+                                 !(K::CONSUMERS == 3 && K::MODS != MODS_NONE);
+
+    // The last key tile any of this warpgroup's 64 rows can see (the causal mask or a window's
+    // right side), at least w's lowest. A work tile's key tiles reach its last row's; above
+    // this warpgroup's, they are masked for all of its rows (the d = 64 three-warpgroup
+    // kernel's 192 x 128 tiles, d = 256's 128 x 64).
+    __device__ __forceinline__ int last_visible(const WsTile<K>& w) const {
+        if (w.mask.right < 0) return w.nb_end - 1;
+        const int key =
+            min(w.m0 + group * 64 + 63, w.seq.seqlen_q - 1) + w.mask.offset + w.mask.right;
+        return max(key < 0 ? -1 : key / BN, w.nb_begin);
+    }
+
+    // Key tile nb of slot `it`, entirely masked for this warpgroup: no S, no softmax, no P V.
+    // It still waits for both tiles (every consumer keeps every slot's phase) and takes its
+    // pingpong turn empty (the turns alternate strictly).
+    __device__ __forceinline__ void skip_masked(int it) const {
+        const Slot<K> s(it);
+        tma::wait(sm.full_k(s.st), s.phase);
+        take_turn();
+        pass_turn();
+        release(sm.empty_k(s.st));
+        tma::wait(sm.full_v(s.st), s.phase);
+        release(sm.empty_v(s.st));
+    }
+
+    // The first key tile of w that this warpgroup sees, from slot `it` (the tiles before it
+    // passed over, `it` past them): its S alone, then its softmax.
+    __device__ __forceinline__ void first_s(const WsTile<K>& w, int& it, int& nb, int& state,
                                             bool& more) {
+        key_tile(w, Slot<K>(it), true, nb, state, more);
+        if constexpr (SKIP) {
+            // Without a block mask the key tiles go one by one, each of state 1.
+            // A warpgroup's last row is at most BM - 64 rows before the work tile's.
+            constexpr int MAX_SKIPPED = (BM - 64 + BN - 1) / BN;
+            const int last = last_visible(w);
+#pragma unroll
+            for (int i = 0; i < MAX_SKIPPED; ++i)
+                if (nb > last) {
+                    skip_masked(it++);
+                    more = --nb > w.nb_begin;
+                }
+        }
         const Slot<K> s0(it);
-        key_tile(w, s0, true, nb, state, more);
         const TileMask m = tile_mask(w, nb, state);
         float s[1][NT][4];
         if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(s0.st), s0.phase);

@@ -208,10 +208,11 @@ impl WsShape {
             64 if causal && seqlen_q <= 1024 => "base",
             64 => "g3",
             128 if !causal && seqlen_k >= 8192 => "n176",
-            // Causal up to 512: 64-key tiles, which never straddle a 64-row diagonal (0.116-0.117
-            // against 0.119-0.120 ms; at 1k 80 keys since O leaves through shared memory,
-            // 0.177-0.178 against 0.181-0.183, session 18).
-            256 if causal && seqlen_q <= 512 => "base",
+            // Causal up to 1k: 64-key tiles, which never straddle a 64-row diagonal, so that
+            // the upper warpgroup passes over the tile its rows cannot see (fwd_ws_sm90.cu:
+            // SKIP, which the 80-key kernel spilled with). 1k 0.164 against 0.170 ms, 2k 0.296
+            // against 0.286 (H100, session 21).
+            256 if causal && seqlen_q <= 1024 => "base",
             256 => "n80",
             _ => "base",
         };
