@@ -141,8 +141,11 @@ impl WsShape {
     /// warpgroups), `n192` 128 x 192, `n176` 128 x 176, `n80` 128 x 80; `mods` selects the
     /// variant's `_mods` / `_sparse` entry point, compiled for one variant per head dim.
     fn compiled(d: usize, variant: &str, mods: &'static str) -> Option<Self> {
+        // d = 64 128 x 128 has 4 K/V slots (causal 512-1k, its use, 1.015-1.028x over 3, H100
+        // session 21); its `_sparse` kernel keeps 3 (FLASH_FWD_WS_MODS_BOTH).
+        let base64_stages = if mods.is_empty() { 4 } else { 3 };
         let (consumers, bn, stages, suffix) = match (variant, d) {
-            ("base", 64) => (2, 128, 3, ""),
+            ("base", 64) => (2, 128, base64_stages, ""),
             ("base", 128) => (2, 128, 2, ""),
             ("base", 256) => (2, 64, 2, ""),
             ("g3", 64) => (3, 128, 3, "_g3"),
