@@ -471,7 +471,7 @@ template <class K> struct WsConsumer {
         return max(key < 0 ? -1 : key / BN, w.nb_begin);
     }
 
-    // Key tile nb of slot `it`, entirely masked for this warpgroup: no S, no softmax, no P V.
+    // The key tile of slot `it`, entirely masked for this warpgroup: no S, softmax or P V.
     // It still waits for both tiles (every consumer keeps every slot's phase) and takes its
     // pingpong turn empty (the turns alternate strictly).
     __device__ __forceinline__ void skip_masked(int it) const {

@@ -171,7 +171,8 @@ impl WsShape {
     /// with its work tiles in one stream, is 13-15% faster, H200, session 17), d = 128 with
     /// 176-key tiles without a mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster
     /// up to 4k) and 128 with one, d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key
-    /// tiles, 2-8% faster, H200, session 16; since session 18 only up to 512).
+    /// tiles, 2-8% faster, H200, session 16; session 18 only up to 512, session 21 up to 1k
+    /// again, where its warpgroups pass over the tiles masked for them).
     /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled variants
     /// where it exists (read once; A/B runs).
     ///
