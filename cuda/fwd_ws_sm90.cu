@@ -460,15 +460,15 @@ template <class K> struct WsConsumer {
     static constexpr bool SKIP = !CARRY && !K::KEYS_FROM_PRODUCER && BN != 80 &&
                                  !(K::CONSUMERS == 3 && K::MODS != MODS_NONE);
 
-    // The last key tile any of this warpgroup's 64 rows can see (the causal mask or a window's
-    // right side), at least w's lowest. A work tile's key tiles reach its last row's; above
-    // this warpgroup's, they are masked for all of its rows (the d = 64 three-warpgroup
-    // kernel's 192 x 128 tiles, d = 256's 128 x 64).
+    // The last key tile any of this warpgroup's 64 rows can see (Mask::key_blocks over its
+    // rows), at least w's lowest. A work tile's key tiles reach its last row's; above this
+    // warpgroup's, they are masked for all of its rows (the causal mask or a window's right
+    // side, with the d = 64 three-warpgroup kernel's 192 x 128 tiles, d = 256's 128 x 64).
     __device__ __forceinline__ int last_visible(const WsTile<K>& w) const {
-        if (w.mask.right < 0) return w.nb_end - 1;
-        const int key =
-            min(w.m0 + group * 64 + 63, w.seq.seqlen_q - 1) + w.mask.offset + w.mask.right;
-        return max(key < 0 ? -1 : key / BN, w.nb_begin);
+        const int first = w.m0 + group * 64;
+        int begin, end;
+        w.mask.template key_blocks<BN>(first, min(first + 63, w.q_last), &begin, &end);
+        return max(end - 1, w.nb_begin);
     }
 
     // The key tile of slot `it`, entirely masked for this warpgroup: no S, softmax or P V.
