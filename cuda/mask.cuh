@@ -15,6 +15,13 @@
 // level, as each level's code cost the plain kernels registers (spills).
 constexpr int MODS_NONE = 0, MODS_SCORES = 1, MODS_BLOCKS = 2, MODS_SPARSE = 3, MODS_ANY = 7;
 
+// 1 - t^2 at a capped score t, t^2 clamped to 1: 0 rather than -inf at masked entries
+// (t = -inf there, and P = 0, so that P (1 - t^2) is 0, not NaN), one FMNMX where a test of
+// P and a select took two instructions per score.
+__device__ __forceinline__ float cap_grad(float t) {
+    return 1.f - fminf(t * t, 1.f);
+}
+
 struct Mask {
     int seqlen_k;
     int offset;  // seqlen_k - seqlen_q: query i's diagonal is key i + offset
@@ -378,7 +385,8 @@ struct Mask {
     // x *= 1 - t^2 under a softcap (the tanh's derivative; the scale is applied with dQ/dK),
     // t the capped score behind the probability pr = exp2(scale_log2 S - lse2), recovered
     // from it with one lg2 instead of keeping S in registers beside P. x = 0 where pr is
-    // (masked entries, rows that saw no key). lse2(mt, nt, e) is the entry's row LSE.
+    // (masked entries, rows that saw no key: t = -inf or NaN, cap_grad 0). lse2(mt, nt, e)
+    // is the entry's row LSE.
     template <int MT, int NT, bool TRANSPOSED, class Lse2>
     __device__ __forceinline__ void times_cap_grad(float (&x)[MT][NT][4],
                                                    const float (&pr)[MT][NT][4], int row0,
@@ -394,15 +402,10 @@ struct Mask {
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + mt * 16 + g + (e / 2) * 8;
                     const int col = col0 + nt * 8 + 2 * t + (e % 2);
-                    const float prob = pr[mt][nt][e];
                     const float c = capped<TRANSPOSED>(
-                        (__log2f(prob) + lse2(mt, nt, e)) * inv, row, col);
-                    x[mt][nt][e] = prob > 0.f ? x[mt][nt][e] * (1.f - c * c) : 0.f;
+                        (__log2f(pr[mt][nt][e]) + lse2(mt, nt, e)) * inv, row, col);
+                    x[mt][nt][e] *= cap_grad(c);
                 }
     }
 };
 
-// 1 - t^2 at a capped score t with probability prob: 0 where prob is (t may be -inf there).
-__device__ __forceinline__ float cap_grad(float prob, float t) {
-    return prob > 0.f ? 1.f - t * t : 0.f;
-}
