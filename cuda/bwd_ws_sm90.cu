@@ -343,7 +343,9 @@ __device__ __forceinline__ void probs_capped_t(float (&s)[1][NQ][4],
                                                                     col0 + nt * 8 + 2 * t + c)
                                        : x;
                 prob[c] = exp2f(fmaf(x, scale_log2, -(c ? lse[nt].y : lse[nt].x)));
-                x = prob[c] * cap_grad(tc);
+                // P (1 - min(t^2, 1)) (cap_grad) as P - P min(t^2, 1): one FFMA for the
+                // subtraction and the product.
+                x = fmaf(-prob[c], fminf(tc * tc, 1.f), prob[c]);
             }
             a_p[0][nt / 2][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
         }

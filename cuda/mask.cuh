@@ -363,13 +363,16 @@ struct Mask {
                     diag = row / rows_per_query + offset;
                     if (rows_per_query > 1) m = slope_of(head + row % rows_per_query);
                 }
+                // The distance to column col0 + 2 t + k is |near - k|, k a constant of the
+                // unrolled loop: per score an FADD and an FFMA (the |.| an operand modifier)
+                // instead of integer subtract, abs and I2FP conversion. Exact while
+                // distances stay below 2^24.
+                const float near = float(diag - col0 - 2 * t);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        const int col = col0 + nt * 8 + 2 * t + (e % 2);
-                        s[mt][nt][e] -= m * float(abs(diag - col));
-                    }
+                    for (int e = 2 * r; e < 2 * r + 2; ++e)
+                        s[mt][nt][e] = fmaf(-m, fabsf(near - float(nt * 8 + e % 2)), s[mt][nt][e]);
             }
     }
 
