@@ -39,6 +39,8 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+#include <type_traits>
+
 // The kernels' parameter (mirror: `BwdTmaParams` in src/cuda/bwd_ws.rs): tensor maps of q,
 // k, v, dout, dk, dv and dq over (d, rows, heads, batch), boxes of 64 columns x BM (q, dout,
 // dq), BN (k, v) or 64 (dk, dv) rows; the backward's parameters (`b.dq_accum` is the tiled
@@ -320,58 +322,65 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
     tma::bulk_wait_all();
 }
 
-// probs_t under a softcap: S^T (the tanh t of each score, ALiBi's bias subtracted) becomes
-// P^T (1 - t^2), and P^T goes into a_p. ALIBI is a template argument so that the bias's
-// per-score column arithmetic (capped: 6-7 integer and float instructions, if-converted
-// onto every score) is compiled only where there is a bias: with the run-time test inside
-// the loop, the d 128 `_mods` kernel executed 2.1x the plain kernel's instructions.
-template <typename T, int NQ, bool ALIBI>
-__device__ __forceinline__ void probs_capped_t(float (&s)[1][NQ][4],
-                                               uint32_t (&a_p)[1][NQ / 2][4],
-                                               const float2 (&lse)[NQ], const Mask& mask,
-                                               int row0, int col0, int lane, float scale_log2) {
+// How P^T comes from S^T: exp2 only (PROBS_PLAIN); under a softcap S^T holds the tanh t of
+// each score and becomes P^T (1 - t^2) for dS^T (PROBS_CAPPED), with ALiBi's bias added back
+// to t first (PROBS_CAPPED_ALIBI). A template argument, so that the bias's per-score column
+// arithmetic (Mask::capped: 6-7 integer and float instructions, if-converted onto every
+// score) is compiled only where there is a bias: with the run-time test inside the loop, the
+// d 128 `_mods` kernel executed 2.1x the plain kernel's instructions (docs/PERF.md session 22).
+enum ProbsMode { PROBS_PLAIN, PROBS_CAPPED, PROBS_CAPPED_ALIBI };
+
+template <class Mask_> __device__ __forceinline__ ProbsMode probs_mode(const Mask_& mask) {
+    if (mask.softcap_pre == 0.f) return PROBS_PLAIN;
+    return mask.slopes != nullptr ? PROBS_CAPPED_ALIBI : PROBS_CAPPED;
+}
+
+// P^T for the k16 step kk of dV (S^T's n8 tiles 2 kk and 2 kk + 1, keys as rows from row0,
+// queries as columns from col0) from this thread's query columns' LSE, into A fragment
+// a_p[0][kk]; S^T becomes P^T, or under a softcap P^T (1 - t^2), one pair at a time, so
+// that no second array of t is live. Rows that saw no key have LSE +inf: P = 0.
+template <ProbsMode MODE, typename T, int NQ>
+__device__ __forceinline__ void probs_step(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
+                                           int kk, const float2 (&lse)[NQ], const Mask& mask,
+                                           int row0, int col0, int lane, float scale_log2) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int nt = 0; nt < NQ; ++nt)
+    for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float prob[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 float& x = s[0][nt][2 * half + c];
-                const float tc = ALIBI ? mask.template capped<true>(x, row0 + g + 8 * half,
-                                                                    col0 + nt * 8 + 2 * t + c)
-                                       : x;
+                const float tc = MODE == PROBS_CAPPED_ALIBI
+                                     ? mask.template capped<true>(x, row0 + g + 8 * half,
+                                                                  col0 + nt * 8 + 2 * t + c)
+                                     : x;
                 prob[c] = exp2f(fmaf(x, scale_log2, -(c ? lse[nt].y : lse[nt].x)));
                 // P (1 - min(t^2, 1)) (cap_grad) as P - P min(t^2, 1): one FFMA for the
                 // subtraction and the product.
-                x = fmaf(-prob[c], fminf(tc * tc, 1.f), prob[c]);
+                x = MODE == PROBS_PLAIN ? prob[c] : fmaf(-prob[c], fminf(tc * tc, 1.f), prob[c]);
             }
-            a_p[0][nt / 2][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
+            a_p[0][kk][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
         }
 }
 
-// P^T (Algorithm 2, line 13) from S^T (keys as rows from row0, queries as columns from col0)
-// and this thread's query columns' LSE, into A fragments for dV. S^T becomes P^T, or under a
-// softcap P^T (1 - t^2) for dS^T (the tanh's derivative, t the capped score behind S), one
-// pair of P at a time, so that no second array of t is live.
+// P^T (Algorithm 2, line 13) for every k16 step, into A fragments (probs_step).
 template <typename T, int NQ>
 __device__ __forceinline__ void probs_t(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
                                         const float2 (&lse)[NQ], const Mask& mask, int row0,
                                         int col0, int lane, float scale_log2) {
-    if (mask.softcap_pre != 0.f) {
-        if (mask.slopes != nullptr)
-            probs_capped_t<T, NQ, true>(s, a_p, lse, mask, row0, col0, lane, scale_log2);
-        else
-            probs_capped_t<T, NQ, false>(s, a_p, lse, mask, row0, col0, lane, scale_log2);
-        return;
+    const auto all = [&](auto mode) {
+#pragma unroll
+        for (int kk = 0; kk < NQ / 2; ++kk)
+            probs_step<decltype(mode)::value, T, NQ>(s, a_p, kk, lse, mask, row0, col0, lane,
+                                                     scale_log2);
+    };
+    switch (probs_mode(mask)) {
+    case PROBS_PLAIN: all(std::integral_constant<ProbsMode, PROBS_PLAIN>()); break;
+    case PROBS_CAPPED: all(std::integral_constant<ProbsMode, PROBS_CAPPED>()); break;
+    default: all(std::integral_constant<ProbsMode, PROBS_CAPPED_ALIBI>()); break;
     }
-#pragma unroll
-    for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            s[0][nt][e] = exp2f(fmaf(s[0][nt][e], scale_log2, -(e % 2 ? lse[nt].y : lse[nt].x)));
-    pack_a<T, 1, NQ>(s, a_p);
 }
 
 // dS^T = P^T o (dP^T - rowsum(dO O)) (line 19) in dpt, and as A fragments.
@@ -483,15 +492,22 @@ template <class K> struct BwdWsConsumer {
         else
             head_mask.template apply<1, NQ, true>(
                 s, row0, m0, lane, head_mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0));
+        // P^T (line 13) and dV += P^T dO (line 16), which runs while dS^T is computed. The
+        // plain kernels issue dV a k16 step at a time, as soon as that step's P^T is packed,
+        // so that the tensor cores start it while the rest of P^T is computed (d 64 2.5-3.5%
+        // faster, d 128 1-2.5%); in the `_mods` kernels, with a copy of the loop per
+        // ProbsMode, that cost 15-20% at d 128 (docs/PERF.md session 22).
         uint32_t a_p[1][NQ / 2][4];
-        probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
-
-        // dV += P^T dO (line 16), running while dS^T is computed.
         sm90::fence_operand(dv);
-        sm90::fence();
+        if constexpr (K::MODS == MODS_NONE) {
+            probs_dv(s, a_p, lse, head_mask, row0, m0, sdO);
+        } else {
+            probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
+            sm90::fence();
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+            for (int kk = 0; kk < BM / 16; ++kk)
+                sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+        }
         sm90::commit();
         sm90::wait<1>();  // dP^T
         sm90::fence_operand(dpt[0]);
@@ -546,6 +562,20 @@ template <class K> struct BwdWsConsumer {
         // the __syncwarp racecheck saw the next tile's statistics copy race this one's loads).
         __syncwarp();
         if (lane == 0) tma::arrive(sm.empty(slot));
+    }
+
+    // P^T (no softcap) one k16 step at a time, each step's dV wgmma issued as soon as its A
+    // fragment is packed.
+    __device__ __forceinline__ void probs_dv(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
+                                             const float2 (&lse)[NQ], const Mask& mask, int row0,
+                                             int col0, uint32_t sdO) {
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            probs_step<PROBS_PLAIN, T, NQ>(s, a_p, kk, lse, mask, row0, col0, lane,
+                                           p.scale_log2);
+            sm90::fence();
+            sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+        }
     }
 
     // dK and dV of this warpgroup's 64 keys.
