@@ -330,7 +330,7 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
 // d 128 `_mods` kernel executed 2.1x the plain kernel's instructions (docs/PERF.md session 22).
 enum ProbsMode { PROBS_PLAIN, PROBS_CAPPED, PROBS_CAPPED_ALIBI };
 
-template <class Mask_> __device__ __forceinline__ ProbsMode probs_mode(const Mask_& mask) {
+__device__ __forceinline__ ProbsMode probs_mode(const Mask& mask) {
     if (mask.softcap_pre == 0.f) return PROBS_PLAIN;
     return mask.slopes != nullptr ? PROBS_CAPPED_ALIBI : PROBS_CAPPED;
 }

@@ -364,9 +364,9 @@ struct Mask {
                     if (rows_per_query > 1) m = slope_of(head + row % rows_per_query);
                 }
                 // The distance to column col0 + 2 t + k is |near - k|, k a constant of the
-                // unrolled loop: per score an FADD and an FFMA (the |.| an operand modifier)
-                // instead of integer subtract, abs and I2FP conversion. Exact while
-                // distances stay below 2^24.
+                // unrolled loop: per score a float subtract, its absolute value and an FFMA,
+                // where an integer subtract, abs and I2FP conversion preceded the FFMA (d 64
+                // ALiBi forward 1.11x faster). Exact while distances stay below 2^24.
                 const float near = float(diag - col0 - 2 * t);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
