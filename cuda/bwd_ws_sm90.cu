@@ -495,12 +495,16 @@ template <class K> struct BwdWsConsumer {
         // P^T (line 13) and dV += P^T dO (line 16), which runs while dS^T is computed. The
         // plain kernels issue dV a k16 step at a time, as soon as that step's P^T is packed,
         // so that the tensor cores start it while the rest of P^T is computed (d 64 2.5-3.5%
-        // faster, d 128 1-2.5%); in the `_mods` kernels, with a copy of the loop per
-        // ProbsMode, that cost 15-20% at d 128 (docs/PERF.md session 22).
+        // faster, d 128 1-2.5%), and so does the d 64 `_mods` kernel under a softcap alone
+        // (0.7-3.5%). In the d 128 `_mods` kernel any such path, even one its case did not
+        // take, cost 12-21%, and the d 64 `_sparse` kernel spilled 80 bytes instead of 36
+        // (docs/PERF.md session 22): they keep one probs_t pass and the wgmmas after it.
         uint32_t a_p[1][NQ / 2][4];
         sm90::fence_operand(dv);
         if constexpr (K::MODS == MODS_NONE) {
-            probs_dv(s, a_p, lse, head_mask, row0, m0, sdO);
+            probs_dv<PROBS_PLAIN>(s, a_p, lse, head_mask, row0, m0, sdO);
+        } else if (K::MODS == MODS_SCORES && D == 64 && probs_mode(head_mask) == PROBS_CAPPED) {
+            probs_dv<PROBS_CAPPED>(s, a_p, lse, head_mask, row0, m0, sdO);
         } else {
             probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
             sm90::fence();
@@ -566,13 +570,13 @@ template <class K> struct BwdWsConsumer {
 
     // P^T (no softcap) one k16 step at a time, each step's dV wgmma issued as soon as its A
     // fragment is packed.
+    template <ProbsMode MODE>
     __device__ __forceinline__ void probs_dv(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
                                              const float2 (&lse)[NQ], const Mask& mask, int row0,
                                              int col0, uint32_t sdO) {
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
-            probs_step<PROBS_PLAIN, T, NQ>(s, a_p, kk, lse, mask, row0, col0, lane,
-                                           p.scale_log2);
+            probs_step<MODE, T, NQ>(s, a_p, kk, lse, mask, row0, col0, lane, p.scale_log2);
             sm90::fence();
             sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
         }
