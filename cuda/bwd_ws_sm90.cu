@@ -497,8 +497,9 @@ template <class K> struct BwdWsConsumer {
         // so that the tensor cores start it while the rest of P^T is computed (d 64 2.5-3.5%
         // faster, d 128 1-2.5%), and so does the d 64 `_mods` kernel under a softcap alone
         // (0.7-3.5%). In the d 128 `_mods` kernel any such path, even one its case did not
-        // take, cost 12-21%, and the d 64 `_sparse` kernel spilled 80 bytes instead of 36
-        // (docs/PERF.md session 22): they keep one probs_t pass and the wgmmas after it.
+        // take, made ptxas serialize the wgmmas (C7512: too few registers; 12-21% slower),
+        // and the d 64 `_sparse` kernel spilled 80 bytes instead of 36 (docs/PERF.md session
+        // 22): they keep one probs_t pass and the wgmmas after it.
         uint32_t a_p[1][NQ / 2][4];
         sm90::fence_operand(dv);
         if constexpr (K::MODS == MODS_NONE) {
