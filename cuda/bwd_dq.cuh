@@ -104,7 +104,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
                         if (dropout.active()) dpe = ((keep >> c) & 1) ? dpe * p.rp_keep : 0.f;
                         float ds = prob * (dpe - dsum[mt][r]);
                         if (mask.softcap_pre != 0.f)  // the tanh's factor 1 - t^2
-                            ds *= cap_grad(mask.template capped<false>(
+                            ds = cap_grad_times(ds, mask.template capped<false>(
                                 s[mt][nt][e], m0 + warp_row0 + mt * 16 + g + 8 * r,
                                 n0 + nt * 8 + 2 * t + c));
                         dp[mt][nt][e] = ds;

@@ -357,9 +357,7 @@ __device__ __forceinline__ void probs_step(float (&s)[1][NQ][4], uint32_t (&a_p)
                                                                   col0 + nt * 8 + 2 * t + c)
                                      : x;
                 prob[c] = exp2f(fmaf(x, scale_log2, -(c ? lse[nt].y : lse[nt].x)));
-                // P (1 - min(t^2, 1)) (cap_grad) as P - P min(t^2, 1): one FFMA for the
-                // subtraction and the product.
-                x = MODE == PROBS_PLAIN ? prob[c] : fmaf(-prob[c], fminf(tc * tc, 1.f), prob[c]);
+                x = MODE == PROBS_PLAIN ? prob[c] : cap_grad_times(prob[c], tc);
             }
             a_p[0][kk][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
         }
@@ -510,8 +508,7 @@ template <class K> struct BwdWsConsumer {
             probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
             sm90::fence();
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-                sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+            for (int kk = 0; kk < BM / 16; ++kk) issue_dv(a_p, kk, sdO);
         }
         sm90::commit();
         sm90::wait<1>();  // dP^T
@@ -579,8 +576,14 @@ template <class K> struct BwdWsConsumer {
         for (int kk = 0; kk < BM / 16; ++kk) {
             probs_step<MODE, T, NQ>(s, a_p, kk, lse, mask, row0, col0, lane, p.scale_log2);
             sm90::fence();
-            sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+            issue_dv(a_p, kk, sdO);
         }
+    }
+
+    // dV += P^T dO for the k16 step kk (line 16).
+    __device__ __forceinline__ void issue_dv(const uint32_t (&a_p)[1][NQ / 2][4], int kk,
+                                             uint32_t sdO) {
+        sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
     }
 
     // dK and dV of this warpgroup's 64 keys.

@@ -15,11 +15,11 @@
 // level, as each level's code cost the plain kernels registers (spills).
 constexpr int MODS_NONE = 0, MODS_SCORES = 1, MODS_BLOCKS = 2, MODS_SPARSE = 3, MODS_ANY = 7;
 
-// 1 - t^2 at a capped score t, t^2 clamped to 1: 0 rather than -inf at masked entries
-// (t = -inf there, and P = 0, so that P (1 - t^2) is 0, not NaN), one FMNMX where a test of
-// P and a select took two instructions per score.
-__device__ __forceinline__ float cap_grad(float t) {
-    return 1.f - fminf(t * t, 1.f);
+// x (1 - t^2), the softcap's tanh derivative at a capped score t applied to x, with t^2
+// clamped to 1: 0 rather than NaN at masked entries (t = -inf there, and x = 0), with no test
+// of P and select; written x - x min(t^2, 1), one FFMA for the subtraction and the product.
+__device__ __forceinline__ float cap_grad_times(float x, float t) {
+    return fmaf(-x, fminf(t * t, 1.f), x);
 }
 
 struct Mask {
@@ -388,7 +388,7 @@ struct Mask {
     // x *= 1 - t^2 under a softcap (the tanh's derivative; the scale is applied with dQ/dK),
     // t the capped score behind the probability pr = exp2(scale_log2 S - lse2), recovered
     // from it with one lg2 instead of keeping S in registers beside P. x = 0 where pr is
-    // (masked entries, rows that saw no key: t = -inf or NaN, cap_grad 0). lse2(mt, nt, e)
+    // (masked entries, rows that saw no key: t = -inf or NaN, its factor 0). lse2(mt, nt, e)
     // is the entry's row LSE.
     template <int MT, int NT, bool TRANSPOSED, class Lse2>
     __device__ __forceinline__ void times_cap_grad(float (&x)[MT][NT][4],
@@ -407,7 +407,7 @@ struct Mask {
                     const int col = col0 + nt * 8 + 2 * t + (e % 2);
                     const float c = capped<TRANSPOSED>(
                         (__log2f(pr[mt][nt][e]) + lse2(mt, nt, e)) * inv, row, col);
-                    x[mt][nt][e] *= cap_grad(c);
+                    x[mt][nt][e] = cap_grad_times(x[mt][nt][e], c);
                 }
     }
 };
