@@ -102,6 +102,12 @@ template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE> struct BwdWsT
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+    // S^T and dP^T of query tile it + 1 issued before dK of tile it is waited for
+    // (BwdWsConsumer::tile), so that the tensor cores go from one tile's dK to the next
+    // tile's S^T without the warpgroups' turn around the loop in between: d = 64 1.2-4.2%
+    // faster (plain), 1-4.5% with mods or a block mask; d = 128 level or up to 3.7% slower
+    // (H100, docs/PERF.md session 23).
+    static constexpr bool PIPE_SDP = !SPLIT && D == 64;
     static_assert(D % 64 == 0 && BM == 64, "panel tiles; dS^T is one 64-column panel");
     static_assert(DQ_N % 32 == 0, "dQ halves of whole wgmma n32 tiles");
     static_assert(CONSUMERS == 2, "the dQ warp's bulk groups are counted for two halves");
@@ -435,6 +441,51 @@ template <class K> struct BwdWsConsumer {
     const BwdWsSmem<K> sm;
     const int group, tid, lane;  // tid: thread within the warpgroup
     float dk[DT][4], dv[DT][4];
+    // K::PIPE_SDP: the ring slot whose dK wgmma is still in flight (-1: none), and that
+    // wgmma's A operand, kept live until it is waited for.
+    int pending = -1;
+    uint32_t a_ds_pending[1][NQ / 2][4];
+
+    // S^T = K Q^T (line 11) once Q has landed, dP^T = V dO^T (line 17) once dO has: two
+    // commit groups.
+    __device__ __forceinline__ void issue_sdp(float (&s)[1][NQ][4], float (&dpt)[1][NQ][4],
+                                              int it) const {
+        const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+        const uint32_t sK_mine = sm.k() + group * 64 * 128, sV_mine = sm.v() + group * 64 * 128;
+        tma::wait(sm.full_q(slot), phase);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
+                                   sm90::kmajor_desc(sm.q(slot), BM, kk), kk > 0);
+        sm90::commit();
+        tma::wait(sm.full_do(slot), phase);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BM>::ss(dpt[0], sm90::kmajor_desc(sV_mine, BN, kk),
+                                   sm90::kmajor_desc(sm.dout(slot), BM, kk), kk > 0);
+        sm90::commit();
+    }
+
+    // The last tile's dK waited for and its slot released (K::PIPE_SDP), `groups` commit
+    // groups issued after it left in flight.
+    // The wait is unconditional (nothing is pending before the first tile, and it returns at
+    // once): ptxas must see every path from a dK wgmma to the next use of dk pass a wait, or
+    // it serializes the wgmmas (C7514).
+    template <int GROUPS> __device__ __forceinline__ void retire() {
+        if constexpr (!K::PIPE_SDP) return;
+        sm90::wait<GROUPS>();
+        sm90::fence_operand(dk);
+#pragma unroll
+        for (int kk = 0; kk < NQ / 2; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a_ds_pending[0][kk][e])::"memory");
+        if (pending < 0) return;
+        __syncwarp();
+        if (lane == 0) tma::arrive(sm.empty(pending));
+        pending = -1;
+    }
 
     // Query tile `it` of the block (head bidh, rows m0..), from its ring slot. The matmuls are queued
     // so that the tensor cores have the next one while this warpgroup computes: dP^T under
@@ -462,24 +513,31 @@ template <class K> struct BwdWsConsumer {
 
         // S^T = K Q^T (line 11) once Q has landed, dP^T = V dO^T (line 17) once dO has.
         float s[1][NQ][4], dpt[1][NQ][4];
-        tma::wait(sm.full_q(slot), phase);
-        sm90::fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
-                                   sm90::kmajor_desc(sQ, BM, kk), kk > 0);
-        sm90::commit();
-        // This thread's query columns' LSE, while S^T runs.
         float2 lse[NQ];
+        if constexpr (K::PIPE_SDP) {
+            issue_sdp(s, dpt, it);
+            retire<2>();  // the last tile's dK, queued before this S^T
 #pragma unroll
-        for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
-        tma::wait(sm.full_do(slot), phase);
-        sm90::fence();
+            for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
+        } else {
+            tma::wait(sm.full_q(slot), phase);
+            sm90::fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            sm90::Wgmma<T, BM>::ss(dpt[0], sm90::kmajor_desc(sV_mine, BN, kk),
-                                   sm90::kmajor_desc(sdO, BM, kk), kk > 0);
-        sm90::commit();
+            for (int kk = 0; kk < D / 16; ++kk)
+                sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
+                                       sm90::kmajor_desc(sQ, BM, kk), kk > 0);
+            sm90::commit();
+            // This thread's query columns' LSE, while S^T runs.
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
+            tma::wait(sm.full_do(slot), phase);
+            sm90::fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                sm90::Wgmma<T, BM>::ss(dpt[0], sm90::kmajor_desc(sV_mine, BN, kk),
+                                       sm90::kmajor_desc(sdO, BM, kk), kk > 0);
+            sm90::commit();
+        }
         sm90::wait<1>();
         sm90::fence_operand(s[0]);
 
@@ -518,8 +576,10 @@ template <class K> struct BwdWsConsumer {
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
 
-        // dS^T (line 19), into the key-major panel tile for dQ.
-        uint32_t a_ds[1][NQ / 2][4];
+        // dS^T (line 19), into the key-major panel tile for dQ. With K::PIPE_SDP in a member,
+        // the A operand of a dK wgmma that outlives this call.
+        uint32_t a_ds_local[1][NQ / 2][4];
+        uint32_t(&a_ds)[1][NQ / 2][4] = K::PIPE_SDP ? a_ds_pending : a_ds_local;
         grads_t<T, NQ>(dpt, s, dsum, a_ds);
         sm90::store_key_major<BN, NQ>(sdS, a_ds, group * 64, 0, tid, lane);
         sm90::fence_proxy_async();
@@ -558,6 +618,11 @@ template <class K> struct BwdWsConsumer {
         }
         sm90::fence_proxy_async();
         tma::arrive(sm.full_dq(group));
+        if constexpr (K::PIPE_SDP) {
+            // dK stays in flight under the next tile's S^T and dP^T (retire).
+            pending = slot;
+            return;
+        }
         sm90::wait<0>();  // dK
         sm90::fence_operand(dk);
         // This warp's reads of the slot are done: every lane's, not just lane 0's (without
@@ -587,7 +652,8 @@ template <class K> struct BwdWsConsumer {
     }
 
     // dK and dV of this warpgroup's 64 keys.
-    __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
+    __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) {
+        retire<0>();
         store_dkdv<K, DT>(P, sm, blk, dk, dv, group * 64, 0, group, tid, lane);
     }
 };
