@@ -10,7 +10,8 @@
 //   matmuls of each query tile on wgmma: S^T = K Q^T and dP^T = V dO^T (issued together),
 //   P^T (line 13), dV += P^T dO (issued before dS^T is computed, so it runs under that),
 //   dS^T (line 19), dK += dS^T Q, then dQ = dS K with dS^T shared through shared memory, the
-//   warpgroups splitting dQ's columns. The producer warpgroup keeps 24 registers per thread
+//   warpgroups splitting dQ's columns; at d = 64 the next query tile's S^T and dP^T are
+//   issued before this tile's dK is waited for. The producer warpgroup keeps 24 registers per thread
 //   (setmaxnreg) and the consumers take 240. dK and dV leave at the end through the K and V
 //   tiles' shared memory and TMA stores (store_dkdv).
 // Scores are computed transposed (S^T, keys as rows) so that P^T and dS^T are register A
@@ -446,10 +447,11 @@ template <class K> struct BwdWsConsumer {
     int pending = -1;
     uint32_t a_ds_pending[1][NQ / 2][4];
 
-    // S^T = K Q^T (line 11) once Q has landed, dP^T = V dO^T (line 17) once dO has: two
-    // commit groups.
-    __device__ __forceinline__ void issue_sdp(float (&s)[1][NQ][4], float (&dpt)[1][NQ][4],
-                                              int it) const {
+    // S^T = K Q^T (line 11) once Q has landed, then `between` (while S^T runs), then dP^T =
+    // V dO^T (line 17) once dO has: two commit groups.
+    template <typename F>
+    __device__ __forceinline__ void issue_sdp(float (&s)[1][NQ][4], float (&dpt)[1][NQ][4], int it,
+                                              F&& between) const {
         const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
         const uint32_t sK_mine = sm.k() + group * 64 * 128, sV_mine = sm.v() + group * 64 * 128;
         tma::wait(sm.full_q(slot), phase);
@@ -459,6 +461,7 @@ template <class K> struct BwdWsConsumer {
             sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
                                    sm90::kmajor_desc(sm.q(slot), BM, kk), kk > 0);
         sm90::commit();
+        between();
         tma::wait(sm.full_do(slot), phase);
         sm90::fence();
 #pragma unroll
@@ -468,11 +471,10 @@ template <class K> struct BwdWsConsumer {
         sm90::commit();
     }
 
-    // The last tile's dK waited for and its slot released (K::PIPE_SDP), `groups` commit
-    // groups issued after it left in flight.
-    // The wait is unconditional (nothing is pending before the first tile, and it returns at
-    // once): ptxas must see every path from a dK wgmma to the next use of dk pass a wait, or
-    // it serializes the wgmmas (C7514).
+    // The last tile's dK waited for and its slot released (K::PIPE_SDP), the GROUPS commit
+    // groups issued after it left in flight. The wait is unconditional (before the first
+    // tile nothing is pending and it returns at once): ptxas must see a wait on every path
+    // from a dK wgmma to the next use of dk, or it serializes the wgmmas (C7514).
     template <int GROUPS> __device__ __forceinline__ void retire() {
         if constexpr (!K::PIPE_SDP) return;
         sm90::wait<GROUPS>();
@@ -489,11 +491,11 @@ template <class K> struct BwdWsConsumer {
 
     // Query tile `it` of the block (head bidh, rows m0..), from its ring slot. The matmuls are queued
     // so that the tensor cores have the next one while this warpgroup computes: dP^T under
-    // the softmax, dV under dS^T, dK under dQ's trip through shared memory.
+    // the softmax, dV under dS^T, dK under dQ's trip through shared memory, and with
+    // K::PIPE_SDP the next tile's S^T and dP^T behind dK.
     __device__ __forceinline__ void tile(const BwdWsBlock<K>& blk, int it, int bidh, int m0) {
-        const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+        const int slot = it % K::STAGES;
         const int t = lane % 4, wrow = tid / 32 * 16;
-        const uint32_t sK_mine = sm.k() + group * 64 * 128, sV_mine = sm.v() + group * 64 * 128;
         const uint32_t sQ = sm.q(slot), sdO = sm.dout(slot), sdS = sm.ds(it & 1);
         const uint32_t sLse = sm.stats(slot), sDsum = sLse + BM * 4;
 
@@ -511,32 +513,20 @@ template <class K> struct BwdWsConsumer {
                 head_mask.template sparse_bits<1, NQ, true>(bits, row0, m0, lane);
         }
 
-        // S^T = K Q^T (line 11) once Q has landed, dP^T = V dO^T (line 17) once dO has.
+        // S^T and dP^T; this thread's query columns' LSE while S^T runs, or with
+        // K::PIPE_SDP once the last tile's dK (queued before this S^T) is done.
         float s[1][NQ][4], dpt[1][NQ][4];
         float2 lse[NQ];
+        const auto load_lse = [&] {
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
+        };
         if constexpr (K::PIPE_SDP) {
-            issue_sdp(s, dpt, it);
-            retire<2>();  // the last tile's dK, queued before this S^T
-#pragma unroll
-            for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
+            issue_sdp(s, dpt, it, [] {});
+            retire<2>();
+            load_lse();
         } else {
-            tma::wait(sm.full_q(slot), phase);
-            sm90::fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
-                                       sm90::kmajor_desc(sQ, BM, kk), kk > 0);
-            sm90::commit();
-            // This thread's query columns' LSE, while S^T runs.
-#pragma unroll
-            for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
-            tma::wait(sm.full_do(slot), phase);
-            sm90::fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                sm90::Wgmma<T, BM>::ss(dpt[0], sm90::kmajor_desc(sV_mine, BN, kk),
-                                       sm90::kmajor_desc(sdO, BM, kk), kk > 0);
-            sm90::commit();
+            issue_sdp(s, dpt, it, load_lse);
         }
         sm90::wait<1>();
         sm90::fence_operand(s[0]);
