@@ -442,10 +442,20 @@ template <class K> struct BwdWsConsumer {
     const BwdWsSmem<K> sm;
     const int group, tid, lane;  // tid: thread within the warpgroup
     float dk[DT][4], dv[DT][4];
-    // K::PIPE_SDP: the ring slot whose dK wgmma is still in flight (-1: none), and that
-    // wgmma's A operand, kept live until it is waited for.
-    int pending = -1;
-    uint32_t a_ds_pending[1][NQ / 2][4];
+    // dS^T as A fragments: the operand of dK += dS^T Q, which with K::PIPE_SDP is still in
+    // flight after tile() returns (retire keeps it live until the wait).
+    uint32_t a_ds[1][NQ / 2][4];
+
+    // acc = A B^T over the head dim, A (BN keys) and B (BM queries) K-major in shared memory:
+    // one commit group.
+    __device__ __forceinline__ void issue_ss(float (&acc)[1][NQ][4], uint32_t a,
+                                             uint32_t b) const {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BM>::ss(acc[0], sm90::kmajor_desc(a, BN, kk),
+                                   sm90::kmajor_desc(b, BM, kk), kk > 0);
+        sm90::commit();
+    }
 
     // S^T = K Q^T (line 11) once Q has landed, then `between` (while S^T runs), then dP^T =
     // V dO^T (line 17) once dO has: two commit groups.
@@ -453,40 +463,36 @@ template <class K> struct BwdWsConsumer {
     __device__ __forceinline__ void issue_sdp(float (&s)[1][NQ][4], float (&dpt)[1][NQ][4], int it,
                                               F&& between) const {
         const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
-        const uint32_t sK_mine = sm.k() + group * 64 * 128, sV_mine = sm.v() + group * 64 * 128;
         tma::wait(sm.full_q(slot), phase);
         sm90::fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            sm90::Wgmma<T, BM>::ss(s[0], sm90::kmajor_desc(sK_mine, BN, kk),
-                                   sm90::kmajor_desc(sm.q(slot), BM, kk), kk > 0);
-        sm90::commit();
+        issue_ss(s, sm.k() + group * 64 * 128, sm.q(slot));
         between();
         tma::wait(sm.full_do(slot), phase);
         sm90::fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            sm90::Wgmma<T, BM>::ss(dpt[0], sm90::kmajor_desc(sV_mine, BN, kk),
-                                   sm90::kmajor_desc(sm.dout(slot), BM, kk), kk > 0);
-        sm90::commit();
+        issue_ss(dpt, sm.v() + group * 64 * 128, sm.dout(slot));
     }
 
-    // The last tile's dK waited for and its slot released (K::PIPE_SDP), the GROUPS commit
-    // groups issued after it left in flight. The wait is unconditional (before the first
-    // tile nothing is pending and it returns at once): ptxas must see a wait on every path
-    // from a dK wgmma to the next use of dk, or it serializes the wgmmas (C7514).
-    template <int GROUPS> __device__ __forceinline__ void retire() {
-        if constexpr (!K::PIPE_SDP) return;
+    // This warp's reads of ring slot `slot` are done: every lane's, not just lane 0's
+    // (without the __syncwarp racecheck saw the next tile's statistics copy race this one's
+    // loads).
+    __device__ __forceinline__ void release(int slot) const {
+        __syncwarp();
+        if (lane == 0) tma::arrive(sm.empty(slot));
+    }
+
+    // K::PIPE_SDP: dK of query tile `done` (-1: none yet) waited for and its slot released,
+    // the GROUPS commit groups issued after it left in flight. The wait is unconditional
+    // (before the first tile it returns at once): ptxas must see a wait on every path from a
+    // dK wgmma to the next use of dk, or it serializes the wgmmas (C7514).
+    template <int GROUPS> __device__ __forceinline__ void retire(int done) {
+        static_assert(K::PIPE_SDP, "only the pipelined consumer leaves dK in flight");
         sm90::wait<GROUPS>();
         sm90::fence_operand(dk);
 #pragma unroll
         for (int kk = 0; kk < NQ / 2; ++kk)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a_ds_pending[0][kk][e])::"memory");
-        if (pending < 0) return;
-        __syncwarp();
-        if (lane == 0) tma::arrive(sm.empty(pending));
-        pending = -1;
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a_ds[0][kk][e])::"memory");
+        if (done >= 0) release(done % K::STAGES);
     }
 
     // Query tile `it` of the block (head bidh, rows m0..), from its ring slot. The matmuls are queued
@@ -523,7 +529,7 @@ template <class K> struct BwdWsConsumer {
         };
         if constexpr (K::PIPE_SDP) {
             issue_sdp(s, dpt, it, [] {});
-            retire<2>();
+            retire<2>(it - 1);
             load_lse();
         } else {
             issue_sdp(s, dpt, it, load_lse);
@@ -566,10 +572,7 @@ template <class K> struct BwdWsConsumer {
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
 
-        // dS^T (line 19), into the key-major panel tile for dQ. With K::PIPE_SDP in a member,
-        // the A operand of a dK wgmma that outlives this call.
-        uint32_t a_ds_local[1][NQ / 2][4];
-        uint32_t(&a_ds)[1][NQ / 2][4] = K::PIPE_SDP ? a_ds_pending : a_ds_local;
+        // dS^T (line 19), into the key-major panel tile for dQ.
         grads_t<T, NQ>(dpt, s, dsum, a_ds);
         sm90::store_key_major<BN, NQ>(sdS, a_ds, group * 64, 0, tid, lane);
         sm90::fence_proxy_async();
@@ -608,21 +611,14 @@ template <class K> struct BwdWsConsumer {
         }
         sm90::fence_proxy_async();
         tma::arrive(sm.full_dq(group));
-        if constexpr (K::PIPE_SDP) {
-            // dK stays in flight under the next tile's S^T and dP^T (retire).
-            pending = slot;
-            return;
-        }
+        if constexpr (K::PIPE_SDP) return;  // dK stays in flight (retire)
         sm90::wait<0>();  // dK
         sm90::fence_operand(dk);
-        // This warp's reads of the slot are done: every lane's, not just lane 0's (without
-        // the __syncwarp racecheck saw the next tile's statistics copy race this one's loads).
-        __syncwarp();
-        if (lane == 0) tma::arrive(sm.empty(slot));
+        release(slot);
     }
 
-    // P^T (no softcap) one k16 step at a time, each step's dV wgmma issued as soon as its A
-    // fragment is packed.
+    // P^T one k16 step at a time, each step's dV wgmma issued as soon as its A fragment is
+    // packed.
     template <ProbsMode MODE>
     __device__ __forceinline__ void probs_dv(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
                                              const float2 (&lse)[NQ], const Mask& mask, int row0,
@@ -642,8 +638,7 @@ template <class K> struct BwdWsConsumer {
     }
 
     // dK and dV of this warpgroup's 64 keys.
-    __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) {
-        retire<0>();
+    __device__ __forceinline__ void store(const BwdTmaParams& P, const BwdWsBlock<K>& blk) const {
         store_dkdv<K, DT>(P, sm, blk, dk, dv, group * 64, 0, group, tid, lane);
     }
 };
@@ -830,23 +825,25 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
         else
             c.tile(blk, it, bidh, m0);
     };
+    int tiles = 0;  // query tiles run
     if (any) {
         tma::wait(sm.full_kv(), 0);
         if constexpr (K::TILES_FROM_PRODUCER) {
 #pragma unroll 1
-            for (int it = 0;; ++it) {
-                const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+            for (bool last = false; !last; ++tiles) {
+                const int slot = tiles % K::STAGES, phase = (tiles / K::STAGES) & 1;
                 tma::wait(sm.full_q(slot), phase);  // its TileInfo was written before
                 const TileInfo t = ld_tile_info(sm.info(slot));
-                run_tile(it, t.bidh, t.m0, blk.tile_index(P, t.bidh, t.m0));
-                if (t.last) break;
+                run_tile(tiles, t.bidh, t.m0, blk.tile_index(P, t.bidh, t.m0));
+                last = t.last;
             }
         } else {
-            int it = 0;
-            bwd_ws_walk<K>(P, blk,
-                           [&](int bidh, int m0, int64_t tile) { run_tile(it++, bidh, m0, tile); });
+            bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t tile) {
+                run_tile(tiles++, bidh, m0, tile);
+            });
         }
     }
+    if constexpr (K::PIPE_SDP) c.template retire<0>(tiles - 1);  // the last tile's dK
     c.store(P, blk);
 }
 

@@ -88,13 +88,14 @@ pub fn nan_max(xs: impl IntoIterator<Item = f32>) -> f32 {
     })
 }
 
-/// `max |a - b|`, computed in f32 (0 for empty tensors); NaN if any difference is NaN, inf if
-/// one side is infinite where the other is finite.
+/// `max |a - b|`, the difference taken in f64 so that an f64 reference (tests/common/train.rs)
+/// keeps its digits (0 for empty tensors); NaN if any difference is NaN, inf if one side is
+/// infinite where the other is finite.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(DType::F32)?.flatten_all()?;
-    let b = b.to_dtype(DType::F32)?.flatten_all()?;
-    let diffs = (a - b)?.abs()?.to_vec1::<f32>()?;
+    let a = a.to_dtype(DType::F64)?.flatten_all()?;
+    let b = b.to_dtype(DType::F64)?.flatten_all()?;
+    let diffs = (a - b)?.abs()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     Ok(nan_max(diffs))
 }
 

@@ -11,25 +11,16 @@
 use candle::{DType, Device, Result, Tensor, Var, D};
 use candle_flash::train;
 
-use super::{max_abs, max_abs_diff, nan_max, randn};
+use super::{max_abs, max_abs_diff, randn};
 
 /// Reports each named check's outcome.
 pub type Report<'a> = &'a mut dyn FnMut(String, Result<()>);
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
-/// `max |a - b|`, the difference taken in f64 (the exact side is f64).
-fn max_abs_diff64(a: &Tensor, b: &Tensor) -> Result<f32> {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let a = a.to_dtype(DType::F64)?.flatten_all()?;
-    let b = b.to_dtype(DType::F64)?.flatten_all()?;
-    let diffs = (a - b)?.abs()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    Ok(nan_max(diffs))
-}
-
 fn within(what: &str, ours: &Tensor, base: &Tensor, exact: &Tensor, factor: f32) -> Result<()> {
-    let ours_err = max_abs_diff64(&ours.to_device(&Device::Cpu)?, exact)?;
-    let base_err = max_abs_diff64(base, exact)?;
+    let ours_err = max_abs_diff(&ours.to_device(&Device::Cpu)?, exact)?;
+    let base_err = max_abs_diff(base, exact)?;
     let bound = factor * base_err + 1e-5 * max_abs(exact)?.max(1.0);
     if ours_err <= bound {
         Ok(())
