@@ -44,6 +44,9 @@ struct FwdTmaParams {
     // a bulk copy into shared memory beside Q. Null: the static walk, which every warp follows
     // by itself.
     unsigned int* tile_counter;
+    // Under the dynamic schedule, how many (sequence, head) pairs at the end of the walk
+    // hand out their query blocks heaviest first across all of them (lpt_tail); 0: none.
+    int tail_heads;
 };
 
 // Shared memory with q Q slots (src/cuda/tma.rs: WsShape::smem_for): q Q tiles, STAGES K
@@ -215,6 +218,27 @@ template <class K> struct WsTile {
     }
 };
 
+// Walk index t -> WsTile's index (the query blocks of one (sequence, head) after another,
+// heaviest first). Under a mask the tiles differ in work (causal: 1 to m_blocks key tiles),
+// and head by head the last ones handed out include heavy tiles, which finish late while
+// the other SMs idle. So the last tail_heads pairs go query block by query block (all their
+// last blocks, then all their second-to-last, ...), the longest-processing-time order: the
+// work left at the end is the lightest tiles. The walk before keeps a head's blocks
+// together (its K and V stay in L2); tail_heads is about two waves of tiles.
+__device__ __forceinline__ int lpt_tail(int t, int tiles, int m_blocks, int tail_heads) {
+    const int start = tiles - tail_heads * m_blocks;
+    if (tail_heads <= 1 || t < start) return t;
+    const int u = t - start;
+    return start + (u % tail_heads) * m_blocks + u / tail_heads;
+}
+
+// The work tile at walk index t.
+template <class K>
+__device__ __forceinline__ WsTile<K> tile_of_walk(const AttnParams& p, int t, int tiles,
+                                                  int tail_heads) {
+    return WsTile<K>(p, lpt_tail(t, tiles, (p.seqlen_q + K::BM - 1) / K::BM, tail_heads));
+}
+
 // The producer thread hands the consumers their work tiles one at a time through the Q slots:
 // once they are done with the slot's last Q, it copies the next tile's Q, and under the
 // dynamic schedule the tile's index (an index past the last tile tells them to stop) beside
@@ -233,7 +257,7 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         if (last && slots == nullptr) return;  // the consumers walk the same tiles and stop
         const QSlot<K> qs(q_uses);
         tma::wait(sm.empty_q(qs.st), qs.phase ^ 1);
-        const WsTile<K> w(P.a, last ? 0 : t);
+        const WsTile<K> w = tile_of_walk<K>(P.a, last ? 0 : t, tiles, P.tail_heads);
         // No keys: no Q either; the consumers write zeros and move on.
         const bool q = !last && w.key_tiles() > 0;
         unsigned int* slot = slots == nullptr ? nullptr : slots + 4 * qs.st;
@@ -310,6 +334,7 @@ template <class K> struct WsConsumer {
     const TmaDesc& o_map;  // O's tensor map (store_staged)
     const WsSmem<K> sm;
     const int group, warp_row0, lane;
+    const int tail_heads;  // FwdTmaParams::tail_heads (lpt_tail)
     int qs;  // the Q slot of the work tile being run
     float o[1][DT][4];
     uint32_t pa[1][NT / 2][4];  // P of the previous tile, the A operand of P V
@@ -428,7 +453,7 @@ template <class K> struct WsConsumer {
             tma::wait(sm.full_q(q.st), q.phase);
             if (dynamic) t = ld_shared(sm.tile(q.st));
             if (t >= tiles) return false;
-            w = WsTile<K>(p, t);
+            w = tile_of_walk<K>(p, t, tiles, tail_heads);
             if (w.key_tiles() > 0) return true;
             release_q();
             store(out_tile(w), true);
@@ -728,8 +753,8 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     }
     tma::regs_alloc<K::CONSUMER_REGS>();
     const int group = warpgroup - 1;
-    WsConsumer<K> c{p,   P.o, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, 0, {},
-                    {}, {}};
+    WsConsumer<K> c{p,  P.o,          sm, group, group * 64 + (tid % 128) / 32 * 16,
+                    tid % 32, P.tail_heads, 0, {}, {}, {}};
     const bool dynamic = P.tile_counter != nullptr;
     if constexpr (WsConsumer<K>::CARRY) {
         c.work(tiles, dynamic);
@@ -743,7 +768,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         tma::wait(sm.full_q(qs.st), qs.phase);
         if (dynamic) t = ld_shared(sm.tile(qs.st));
         if (t >= tiles) break;
-        const WsTile<K> w(p, t);
+        const WsTile<K> w = tile_of_walk<K>(p, t, tiles, P.tail_heads);
         zero(c.o);
         c.softmax = OnlineSoftmax<1>();
         // A tile without keys: zeros and LSE -inf from registers, its Q slot released here

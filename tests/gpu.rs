@@ -988,6 +988,37 @@ mod cuda_suite {
         for c in fwd_grid(quick) {
             suite.record(&format!("fwd {c}"), fwd_case(dev, c));
         }
+        for c in many_tile_cases() {
+            suite.record(&format!("fwd many tiles {c}"), fwd_case(dev, c));
+        }
+    }
+
+    /// Causal shapes with more work tiles than the H100's and H200's 132 SMs: the Hopper
+    /// forward's dynamic walk, whose last heads go query block by query block, heaviest
+    /// first (fwd_ws_sm90.cu `lpt_tail`); a partial last query block, GQA.
+    fn many_tile_cases() -> Vec<Case> {
+        let shapes = [
+            // (b, sq, sk, h, hk, d): 128-row tiles
+            (4, 1024, 1024, 16, 4, 64),  // 512
+            (2, 1000, 1000, 16, 4, 128), // 256
+            (2, 1000, 1100, 16, 8, 256), // 256
+        ];
+        let mut cases = vec![];
+        for dtype in [DType::F16, DType::BF16] {
+            for (b, sq, sk, h, hk, d) in shapes {
+                cases.push(Case {
+                    dtype,
+                    b,
+                    sq,
+                    sk,
+                    h,
+                    hk,
+                    d,
+                    causal: true,
+                });
+            }
+        }
+        cases
     }
 
     /// Training, memory, strided inputs, repeatability, CPU vs CUDA, input errors.

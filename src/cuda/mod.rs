@@ -1071,6 +1071,10 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                 ws_params.tile_counter = ptr;
                 sync
             });
+            if dynamic {
+                ws_params.tail_heads =
+                    tma::WsShape::tail_heads(s.h * s.b, s.sq.div_ceil(shape.bm()), blocks);
+            }
             launch(
                 &dev,
                 &shape.kernel(dtype),

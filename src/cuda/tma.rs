@@ -28,6 +28,9 @@ pub(super) struct FwdTmaParams {
     /// Dynamic schedule: the tile counter (zero, kept zero by the kernel) followed by 16 bytes
     /// per block that carry the next tile's index to shared memory; null for the static walk.
     pub tile_counter: sys::CUdeviceptr,
+    /// Under the dynamic schedule, the (sequence, head) pairs at the end of the walk whose
+    /// query blocks go heaviest first across all of them (`lpt_tail`); 0: none.
+    pub tail_heads: i32,
 }
 
 // SAFETY: plain-old-data with the C layout of `FwdTmaParams`, passed by value as a kernel
@@ -223,6 +226,24 @@ impl WsShape {
         Self::compiled(d, forced, "").or_else(|| Self::compiled(d, variant, ""))
     }
 
+    /// `FwdTmaParams::tail_heads` for a dynamic walk over `heads` (sequence, head) pairs of
+    /// `m_blocks` query blocks each on `blocks` blocks: about two waves of tiles at the end in
+    /// longest-first order. `CANDLE_FLASH_WS_LPT=N` takes N waves instead, 0 none (read
+    /// once; A/B runs).
+    pub fn tail_heads(heads: usize, m_blocks: usize, blocks: usize) -> i32 {
+        static WAVES: OnceLock<usize> = OnceLock::new();
+        let waves = *WAVES.get_or_init(|| {
+            std::env::var("CANDLE_FLASH_WS_LPT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(2)
+        });
+        if waves == 0 || m_blocks < 2 {
+            return 0;
+        }
+        (waves * blocks).div_ceil(m_blocks).min(heads) as i32
+    }
+
     pub fn bm(&self) -> usize {
         64 * self.consumers
     }
@@ -311,5 +332,6 @@ pub(super) fn fwd_params(a: &AttnParams, dtype: DType, shape: &WsShape) -> Optio
         o: source(a.o, a.seqlen_q, a.h, o).encode(64)?,
         a: *a,
         tile_counter: 0,
+        tail_heads: 0,
     })
 }
