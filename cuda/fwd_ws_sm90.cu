@@ -45,7 +45,7 @@ struct FwdTmaParams {
     // by itself.
     unsigned int* tile_counter;
     // Under the dynamic schedule, how many (sequence, head) pairs at the end of the walk
-    // hand out their query blocks heaviest first across all of them (lpt_tail); 0: none.
+    // hand out their query blocks heaviest first across all of them (WsTile); 0: none.
     int tail_heads;
 };
 
@@ -192,14 +192,43 @@ template <class K> struct WsTile {
 
     WsTile() = default;
 
-    // Tile t in the order of the grid's walk: the query blocks of one (sequence, head) one
-    // after another, from the last (the heaviest under a causal mask) down, so that the
-    // blocks in flight together read the K and V of few heads (they stay in L2).
-    __device__ __forceinline__ WsTile(const AttnParams& p, int t)
-        : seq(p, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h),
-          mask(p, seq, t / ((p.seqlen_q + K::BM - 1) / K::BM) / p.h,
-               t / ((p.seqlen_q + K::BM - 1) / K::BM) % p.h, K::MODS) {
-        const int m_blocks = (p.seqlen_q + K::BM - 1) / K::BM;
+    // The work tile at index t of the grid's walk over its `tiles` tiles. The walk runs the
+    // query blocks of one (sequence, head) after another, from the last (the heaviest under a
+    // causal mask) down, so that the blocks in flight together read the K and V of few heads
+    // (they stay in L2).
+    //
+    // Under a mask the tiles differ in work (causal: 1 to m_blocks key tiles), and head by
+    // head the last ones handed out include heavy tiles, which finish late while the other
+    // SMs idle. So the last tail_heads pairs go query block by query block (all their last
+    // blocks, then all their second-to-last, ...), the longest-processing-time order: the
+    // work left at the end is the lightest tiles. tail_heads is about two waves of tiles; 0
+    // or 1: no such tail.
+    __device__ __forceinline__ WsTile(const AttnParams& p, int t, int tiles, int tail_heads)
+        : WsTile(p, t, tiles, tail_heads, (p.seqlen_q + K::BM - 1) / K::BM) {}
+
+    __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
+    // The key tile after nb (they go last first), -1 after the last, and its sparse_state:
+    // under a block mask, the producer skips absent blocks with it (and hands its consumers
+    // the tiles it kept: KeyInfo).
+    __device__ __forceinline__ int next(int nb, int* state = nullptr) const {
+        return mask.template next_key_block<K::BN>(m0, q_last, nb, nb_begin, state);
+    }
+
+  private:
+    __device__ __forceinline__ WsTile(const AttnParams& p, int t, int tiles, int tail_heads,
+                                      int m_blocks)
+        : WsTile(p, longest_first_tail(t, tiles, tail_heads, m_blocks), m_blocks) {}
+
+    // Walk index t -> the index of the tile in (sequence, head, rank) order.
+    static __device__ __forceinline__ int longest_first_tail(int t, int tiles, int tail_heads,
+                                                             int m_blocks) {
+        const int start = tiles - tail_heads * m_blocks, u = t - start;
+        return tail_heads > 1 && u >= 0 ? start + u % tail_heads * m_blocks + u / tail_heads : t;
+    }
+
+    __device__ __forceinline__ WsTile(const AttnParams& p, int t, int m_blocks)
+        : seq(p, t / m_blocks / p.h),
+          mask(p, seq, t / m_blocks / p.h, t / m_blocks % p.h, K::MODS) {
         m_block = m_blocks - 1 - t % m_blocks;
         bidh = t / m_blocks % p.h;
         bidb = t / m_blocks / p.h;
@@ -209,35 +238,7 @@ template <class K> struct WsTile {
         mask.template key_blocks<K::BN>(m0, q_last, &nb_begin, &nb_end);
         nb_end = mask.template next_key_block<K::BN>(m0, q_last, nb_end, nb_begin, &last_state) + 1;
     }
-    __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
-    // The key tile after nb (they go last first), -1 after the last, and its sparse_state:
-    // under a block mask, the producer skips absent blocks with it (and hands its consumers
-    // the tiles it kept: KeyInfo).
-    __device__ __forceinline__ int next(int nb, int* state = nullptr) const {
-        return mask.template next_key_block<K::BN>(m0, q_last, nb, nb_begin, state);
-    }
 };
-
-// Walk index t -> WsTile's index (the query blocks of one (sequence, head) after another,
-// heaviest first). Under a mask the tiles differ in work (causal: 1 to m_blocks key tiles),
-// and head by head the last ones handed out include heavy tiles, which finish late while
-// the other SMs idle. So the last tail_heads pairs go query block by query block (all their
-// last blocks, then all their second-to-last, ...), the longest-processing-time order: the
-// work left at the end is the lightest tiles. The walk before keeps a head's blocks
-// together (its K and V stay in L2); tail_heads is about two waves of tiles.
-__device__ __forceinline__ int lpt_tail(int t, int tiles, int m_blocks, int tail_heads) {
-    const int start = tiles - tail_heads * m_blocks;
-    if (tail_heads <= 1 || t < start) return t;
-    const int u = t - start;
-    return start + (u % tail_heads) * m_blocks + u / tail_heads;
-}
-
-// The work tile at walk index t.
-template <class K>
-__device__ __forceinline__ WsTile<K> tile_of_walk(const AttnParams& p, int t, int tiles,
-                                                  int tail_heads) {
-    return WsTile<K>(p, lpt_tail(t, tiles, (p.seqlen_q + K::BM - 1) / K::BM, tail_heads));
-}
 
 // The producer thread hands the consumers their work tiles one at a time through the Q slots:
 // once they are done with the slot's last Q, it copies the next tile's Q, and under the
@@ -257,7 +258,7 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         if (last && slots == nullptr) return;  // the consumers walk the same tiles and stop
         const QSlot<K> qs(q_uses);
         tma::wait(sm.empty_q(qs.st), qs.phase ^ 1);
-        const WsTile<K> w = tile_of_walk<K>(P.a, last ? 0 : t, tiles, P.tail_heads);
+        const WsTile<K> w(P.a, last ? 0 : t, tiles, P.tail_heads);
         // No keys: no Q either; the consumers write zeros and move on.
         const bool q = !last && w.key_tiles() > 0;
         unsigned int* slot = slots == nullptr ? nullptr : slots + 4 * qs.st;
@@ -330,11 +331,10 @@ template <class K> struct WsConsumer {
     // warpgroup g's writes of the staged O tile around its TMA stores.
     static constexpr int EPILOGUE_BAR = 4;
 
-    const AttnParams& p;
-    const TmaDesc& o_map;  // O's tensor map (store_staged)
+    const FwdTmaParams& P;
+    const AttnParams& p;  // P.a
     const WsSmem<K> sm;
     const int group, warp_row0, lane;
-    const int tail_heads;  // FwdTmaParams::tail_heads (lpt_tail)
     int qs;  // the Q slot of the work tile being run
     float o[1][DT][4];
     uint32_t pa[1][NT / 2][4];  // P of the previous tile, the A operand of P V
@@ -453,7 +453,7 @@ template <class K> struct WsConsumer {
             tma::wait(sm.full_q(q.st), q.phase);
             if (dynamic) t = ld_shared(sm.tile(q.st));
             if (t >= tiles) return false;
-            w = tile_of_walk<K>(p, t, tiles, tail_heads);
+            w = WsTile<K>(p, t, tiles, P.tail_heads);
             if (w.key_tiles() > 0) return true;
             release_q();
             store(out_tile(w), true);
@@ -698,7 +698,7 @@ template <class K> struct WsConsumer {
         tma::named_sync(EPILOGUE_BAR + group, 128);
         if (leader) {
             const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
-            tma::store_tile<PANEL_ROWS, D / 64>(o_map, stage, 0, row0, to.bidh, to.bidb);
+            tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, row0, to.bidh, to.bidb);
             tma::bulk_commit();
         }
         if constexpr (K::O_IN_Q) {
@@ -753,8 +753,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     }
     tma::regs_alloc<K::CONSUMER_REGS>();
     const int group = warpgroup - 1;
-    WsConsumer<K> c{p,  P.o,          sm, group, group * 64 + (tid % 128) / 32 * 16,
-                    tid % 32, P.tail_heads, 0, {}, {}, {}};
+    WsConsumer<K> c{P, p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, 0, {}, {}, {}};
     const bool dynamic = P.tile_counter != nullptr;
     if constexpr (WsConsumer<K>::CARRY) {
         c.work(tiles, dynamic);
@@ -768,7 +767,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         tma::wait(sm.full_q(qs.st), qs.phase);
         if (dynamic) t = ld_shared(sm.tile(qs.st));
         if (t >= tiles) break;
-        const WsTile<K> w = tile_of_walk<K>(p, t, tiles, P.tail_heads);
+        const WsTile<K> w(p, t, tiles, P.tail_heads);
         zero(c.o);
         c.softmax = OnlineSoftmax<1>();
         // A tile without keys: zeros and LSE -inf from registers, its Q slot released here

@@ -995,7 +995,7 @@ mod cuda_suite {
 
     /// Causal shapes with more work tiles than the H100's and H200's 132 SMs: the Hopper
     /// forward's dynamic walk, whose last heads go query block by query block, heaviest
-    /// first (fwd_ws_sm90.cu `lpt_tail`); a partial last query block, GQA.
+    /// first (fwd_ws_sm90.cu `WsTile`); a partial last query block, GQA.
     fn many_tile_cases() -> Vec<Case> {
         let shapes = [
             // (b, sq, sk, h, hk, d): 128-row tiles
