@@ -32,6 +32,7 @@
 #include "bwd_tiles.cuh"
 #include "dq_tile_state.cuh"
 #include "gemm.cuh"
+#include "lpt_tail.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "pdl.cuh"
@@ -57,6 +58,9 @@ struct BwdTmaParams {
     // the kernels whose dQ warp adds dQ; null with K::SPLIT, whose dq_accum the prep zeroes.
     int* dq_state;
     int m_blocks;  // query tiles of BM rows per (sequence, head)
+    // Under a mask, how many (sequence, KV head) pairs at the end of the grid take their key
+    // blocks heaviest first across all of them (longest_first_tail); 0: none.
+    int tail_heads;
 };
 
 // MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
@@ -193,20 +197,39 @@ template <class K> struct BwdWsBlock {
     Mask mask;
     QueryTiles<K::BM, K::BN> tiles;
 
-    __device__ __forceinline__ explicit BwdWsBlock(const AttnParams& p)
-        : n0(blockIdx.x * K::BN), bidh_k(blockIdx.y), bidb(blockIdx.z), seq(p, bidb),
-          mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS),
-          tiles(mask, p, n0, seq.seqlen_q, false) {}
+    // The grid is (key blocks, KV heads, sequences), and the blocks start in the order of
+    // their linear index: key block 0 (the heaviest under a causal mask, it sees every query)
+    // first within each head, but for the last tail_heads pairs (longest_first_tail).
+    __device__ __forceinline__ explicit BwdWsBlock(const BwdTmaParams& P)
+        : BwdWsBlock(P.b.a, launch_order(P.tail_heads)) {}
+
+    __device__ __forceinline__ int key_block() const { return n0 / K::BN; }
 
     // Index of query tile (bidh, m0) in the tiled statistics and dq_accum.
     __device__ __forceinline__ int64_t tile_index(const BwdTmaParams& P, int bidh, int m0) const {
         return (int64_t(bidb) * P.b.a.h + bidh) * P.m_blocks + m0 / K::BM;
     }
+
+  private:
+    // Block i in (sequence, KV head, key block) order.
+    __device__ __forceinline__ BwdWsBlock(const AttnParams& p, int i)
+        : n0(i % gridDim.x * K::BN), bidh_k(i / gridDim.x % gridDim.y),
+          bidb(i / gridDim.x / gridDim.y), seq(p, bidb),
+          mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS),
+          tiles(mask, p, n0, seq.seqlen_q, false) {}
+
+    // The block's index in (sequence, KV head, key block) order after the longest-first tail
+    // (src/cuda/bwd_ws.rs runs this kernel only on grids of fewer than 2^31 blocks).
+    static __device__ __forceinline__ int launch_order(int tail_heads) {
+        const int blocks = gridDim.x * gridDim.y * gridDim.z;
+        const int i = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        return longest_first_tail(i, blocks, tail_heads, gridDim.x);
+    }
 };
 
 // Every role walks the block's query tiles in the same order through this: `f(bidh, m0,
 // tile)` per tile, with its query head, first row and index in the statistics and dq_accum.
-// The walk starts at tile blockIdx.x (mod the count) and wraps around: without a mask every
+// The walk starts at tile key_block() (mod the count) and wraps around: without a mask every
 // key block of a head sees the same tiles, and walking them in step made all of them add
 // their dQ to the same tile at once (d 64, seqlen 1k: 146 against 229 TFLOP/s for the
 // atomics of bwd_sm90.cu).
@@ -215,7 +238,7 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
                                             F&& f) {
     const int per_head = (blk.tiles.m0_end - blk.tiles.m0_begin) / K::BM;
     const int h0 = blk.bidh_k * P.b.a.h_h_k_ratio, total = blk.tiles.total;
-    const int start = total > 0 ? blockIdx.x % total : 0;
+    const int start = total > 0 ? blk.key_block() % total : 0;
     if (!blk.mask.sparse) {
         int j = start;
 #pragma unroll 1
@@ -778,7 +801,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     const AttnParams& p = P.b.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const BwdWsSmem<K> sm{(smem_addr(smem_raw) + 1023) & ~1023u};  // swizzle atoms: 1 KB
-    const BwdWsBlock<K> blk(p);
+    const BwdWsBlock<K> blk(P);
     if (blk.n0 >= blk.seq.seqlen_k) return;
     // Warp-uniform as far as the compiler can tell (a shuffle from lane 0): the descriptors
     // built from a warpgroup's tile addresses then stay on the uniform datapath.

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "gemm.cuh"
+#include "lpt_tail.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "seq_info.cuh"
@@ -45,7 +46,7 @@ struct FwdTmaParams {
     // by itself.
     unsigned int* tile_counter;
     // Under the dynamic schedule, how many (sequence, head) pairs at the end of the walk
-    // hand out their query blocks heaviest first across all of them (WsTile); 0: none.
+    // hand out their query blocks heaviest first across all of them (longest_first_tail); 0: none.
     int tail_heads;
 };
 
@@ -195,14 +196,7 @@ template <class K> struct WsTile {
     // The work tile at index t of the grid's walk over its `tiles` tiles. The walk runs the
     // query blocks of one (sequence, head) after another, from the last (the heaviest under a
     // causal mask) down, so that the blocks in flight together read the K and V of few heads
-    // (they stay in L2).
-    //
-    // Under a mask the tiles differ in work (causal: 1 to m_blocks key tiles), and head by
-    // head the last ones handed out include heavy tiles, which finish late while the other
-    // SMs idle. So the last tail_heads pairs go query block by query block (all their last
-    // blocks, then all their second-to-last, ...), the longest-processing-time order: the
-    // work left at the end is the lightest tiles. tail_heads is about two waves of tiles; 0
-    // or 1: no such tail.
+    // (they stay in L2), but for its last tail_heads pairs (longest_first_tail).
     __device__ __forceinline__ WsTile(const AttnParams& p, int t, int tiles, int tail_heads)
         : WsTile(p, t, tiles, tail_heads, (p.seqlen_q + K::BM - 1) / K::BM) {}
 
@@ -219,13 +213,7 @@ template <class K> struct WsTile {
                                       int m_blocks)
         : WsTile(p, longest_first_tail(t, tiles, tail_heads, m_blocks), m_blocks) {}
 
-    // Walk index t -> the index of the tile in (sequence, head, rank) order.
-    static __device__ __forceinline__ int longest_first_tail(int t, int tiles, int tail_heads,
-                                                             int m_blocks) {
-        const int start = tiles - tail_heads * m_blocks, u = t - start;
-        return tail_heads > 1 && u >= 0 ? start + u % tail_heads * m_blocks + u / tail_heads : t;
-    }
-
+    // Tile t in pair-major order: rank t % m_blocks of pair t / m_blocks, rank 0 the last block.
     __device__ __forceinline__ WsTile(const AttnParams& p, int t, int m_blocks)
         : seq(p, t / m_blocks / p.h),
           mask(p, seq, t / m_blocks / p.h, t / m_blocks % p.h, K::MODS) {

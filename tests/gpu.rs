@@ -1021,6 +1021,35 @@ mod cuda_suite {
         cases
     }
 
+    /// Causal shapes with more than two waves of key blocks on 132 SMs: the Hopper backward's
+    /// grid, whose last heads go key block by key block, heaviest first
+    /// (bwd_ws_sm90.cu `BwdWsBlock::launch_order`), after heads in launch order; a partial last
+    /// key block, seqlen_q != seqlen_k, GQA.
+    fn many_key_block_cases() -> Vec<Case> {
+        let shapes = [
+            // (b, sq, sk, h, hk, d): blocks of 128 keys (64 at d 256)
+            (4, 2048, 2048, 16, 8, 64),   // 512 blocks
+            (2, 2000, 2000, 16, 16, 128), // 512
+            (2, 1000, 1100, 32, 16, 256), // 576
+        ];
+        let mut cases = vec![];
+        for dtype in [DType::F16, DType::BF16] {
+            for (b, sq, sk, h, hk, d) in shapes {
+                cases.push(Case {
+                    dtype,
+                    b,
+                    sq,
+                    sk,
+                    h,
+                    hk,
+                    d,
+                    causal: true,
+                });
+            }
+        }
+        cases
+    }
+
     /// Training, memory, strided inputs, repeatability, CPU vs CUDA, input errors.
     fn misc_section(dev: &Device, quick: bool, suite: &mut Suite) {
         suite.record("training step", training_step(dev));
@@ -1074,6 +1103,9 @@ mod cuda_suite {
             for c in persistent_grid() {
                 suite.record(&format!("bwd persistent {c}"), bwd_case(dev, c));
             }
+        }
+        for c in many_key_block_cases() {
+            suite.record(&format!("bwd many key blocks {c}"), bwd_case(dev, c));
         }
         suite.record(
             "repeatable backward",

@@ -389,7 +389,15 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         match path {
             BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, &shape, q.dtype()) => {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
-                bwd_ws::run(&dev, &shape, q.dtype(), dtype, &params, &mut buffers)?;
+                bwd_ws::run(
+                    &dev,
+                    facts.sms,
+                    &shape,
+                    q.dtype(),
+                    dtype,
+                    &params,
+                    &mut buffers,
+                )?;
             }
             // Packed batches, or tensors TMA cannot address: what runs there without the
             // warp-specialized kernels.

@@ -5,6 +5,7 @@ use candle::cuda_backend::cudarc::driver::sys::CUdeviceptr;
 use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr};
 use candle::{DType, Result};
 
+use super::lpt_tail::Tail;
 use super::tma::{TileSource, TmaDesc};
 use super::{launch, launch_programmatic, AttnParams, BwdParams};
 
@@ -27,6 +28,9 @@ pub(super) struct BwdTmaParams {
     /// (null) for the split kernel, whose dq_accum the prep kernel zeroes instead.
     dq_state: CUdeviceptr,
     m_blocks: i32,
+    /// Under a mask, how many (sequence, KV head) pairs end the grid in longest-first order
+    /// (`cuda/lpt_tail.cuh`); 0 none.
+    tail_heads: i32,
 }
 
 // SAFETY: plain-old-data with the C layout of `BwdTmaParams`, passed by value as a kernel
@@ -159,17 +163,29 @@ fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParam
         stats: 0,
         dq_state: 0,
         m_blocks: 0,
+        tail_heads: 0,
     })
 }
 
-/// Whether this path can run `b` (TMA can address its tensors).
-pub(super) fn supported(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> bool {
-    params(b, shape, dtype).is_some()
+/// The main kernel's grid: (key blocks, KV heads, sequences).
+fn grid(b: &BwdParams, shape: &BwdWsShape) -> (usize, usize, usize) {
+    let a = &b.a;
+    let key_blocks = (a.seqlen_k as usize).div_ceil(shape.bn());
+    (key_blocks, a.h_k as usize, a.b as usize)
 }
 
-/// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv.
+/// Whether this path can run `b`: TMA can address its tensors, and the kernel's linear block
+/// index (`BwdWsBlock::launch_order`) fits an int.
+pub(super) fn supported(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> bool {
+    let (x, y, z) = grid(b, shape);
+    x * y * z <= i32::MAX as usize && params(b, shape, dtype).is_some()
+}
+
+/// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
+/// a device of `sms` multiprocessors.
 pub(super) fn run(
     dev: &candle::CudaDevice,
+    sms: usize,
     shape: &BwdWsShape,
     dtype: DType,
     dtype_name: &str,
@@ -187,7 +203,14 @@ pub(super) fn run(
     p.b.dq_accum = dq_accum_ptr;
     p.dq_state = dq_state.as_ref().map_or(0, |(ptr, _)| *ptr);
     p.m_blocks = buffers.m_blocks as i32;
-    let (bsz, h, hk) = (b.a.b as usize, b.a.h as usize, b.a.h_k as usize);
+    let grid = grid(b, shape);
+    // Under a mask the key blocks differ in work (causal: key block 0 sees every query), so
+    // the grid ends heaviest first across its last heads; one block per SM.
+    let a = &b.a;
+    if a.window_left >= 0 || a.window_right >= 0 || a.block_q != 0 {
+        p.tail_heads = Tail::Backward.pairs(grid.1 * grid.2, grid.0, sms);
+    }
+    let (bsz, h) = (b.a.b as usize, b.a.h as usize);
     let d = shape.d;
     // 256 threads: 8 warps of 256 / d rows (d / 8 lanes per row).
     let rows_per_block = 8 * (256 / d);
@@ -204,7 +227,7 @@ pub(super) fn run(
     launch_programmatic(
         dev,
         &format!("flash_bwd_ws_{dtype_name}_d{d}{}", b.a.mods_suffix()),
-        ((b.a.seqlen_k as usize).div_ceil(shape.bn()), hk, bsz),
+        grid,
         384,
         shape.smem_bytes(),
         &p,

@@ -5,6 +5,7 @@
 mod bwd;
 mod bwd_ws;
 mod decode;
+mod lpt_tail;
 mod tma;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::{append, decode};
@@ -25,6 +26,7 @@ use candle::cuda_backend::cudarc::nvrtc::Ptx;
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
+use lpt_tail::Tail;
 
 use crate::params::Problem;
 use crate::score_mod::ScoreMods;
@@ -1073,7 +1075,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             });
             if dynamic {
                 ws_params.tail_heads =
-                    tma::WsShape::tail_heads(s.h * s.b, s.sq.div_ceil(shape.bm()), blocks);
+                    Tail::Forward.pairs(s.h * s.b, s.sq.div_ceil(shape.bm()), blocks);
             }
             launch(
                 &dev,

@@ -226,24 +226,6 @@ impl WsShape {
         Self::compiled(d, forced, "").or_else(|| Self::compiled(d, variant, ""))
     }
 
-    /// `FwdTmaParams::tail_heads` for a dynamic walk over `heads` (sequence, head) pairs of
-    /// `m_blocks` query blocks each on `blocks` blocks: about two waves of tiles at the end in
-    /// longest-first order. `CANDLE_FLASH_WS_LPT=N` takes N waves instead, 0 none (read
-    /// once; A/B runs).
-    pub fn tail_heads(heads: usize, m_blocks: usize, blocks: usize) -> i32 {
-        static WAVES: OnceLock<usize> = OnceLock::new();
-        let waves = *WAVES.get_or_init(|| {
-            std::env::var("CANDLE_FLASH_WS_LPT")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(2)
-        });
-        if waves == 0 || m_blocks < 2 {
-            return 0;
-        }
-        (waves * blocks).div_ceil(m_blocks).min(heads) as i32
-    }
-
     pub fn bm(&self) -> usize {
         64 * self.consumers
     }
