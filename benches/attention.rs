@@ -18,7 +18,7 @@
 //! Candle's own attention has `fwd` and `fwd+bwd` (through autograd).
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -121,7 +121,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -157,6 +157,7 @@ struct Args {
     bwd_only: bool,
     mods_only: bool,
     sparse_only: bool,
+    varlen_only: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -172,6 +173,7 @@ impl Args {
             bwd_only: false,
             mods_only: false,
             sparse_only: false,
+            varlen_only: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -185,6 +187,7 @@ impl Args {
                 "--bwd-only" => args.bwd_only = true,
                 "--mods-only" => args.mods_only = true,
                 "--sparse-only" => args.sparse_only = true,
+                "--varlen-only" => args.varlen_only = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
@@ -394,6 +397,10 @@ fn run(args: &Args, dev: &Device) {
     };
     if args.mods_only {
         bench.mods_section();
+        return;
+    }
+    if args.varlen_only {
+        bench.varlen_section();
         return;
     }
     if args.sparse_only {
@@ -612,6 +619,89 @@ impl Bench {
     /// `--sparse-only`: block-sparse attention (128 x 128 blocks) against dense attention of
     /// the same shape, in the same run; `ideal` is the share of blocks kept, the time a
     /// block-sparse pass would take if its cost followed the blocks exactly.
+    /// Packed (variable-length) batches against fixed-length ones of the same tokens: 16k
+    /// tokens in sequences of random lengths (a fixed LCG, uniform in [mean / 2, 3 mean / 2),
+    /// the last one cut to fill 16k), seqlen_q = seqlen_k, forward only. TFLOP/s counts each
+    /// sequence's 4·h·s²·d (halved for causal), as the grid does; "vs fixed" is the ratio of
+    /// TFLOP/s to the fixed-length batch's. `CANDLE_FLASH_FWD=sm90` in a
+    /// second run times the kernels packed batches had before the warp-specialized ones.
+    fn varlen_section(&mut self) {
+        println!(
+            "{:<14} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8} {:>9}",
+            "layout", "hd", "mean", "seqs", "heads", "causal", "ms", "TFLOP/s", "vs fixed"
+        );
+        let dev = self.dev.clone();
+        let dtype = self.dtype;
+        for (hd, heads) in [(64, 32), (128, 16), (256, 8)] {
+            for mean in [512usize, 2048] {
+                let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (hd * mean) as u64;
+                let mut lens = vec![];
+                let mut left = TOKENS;
+                while left > 0 {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let len = (mean / 2 + (x >> 33) as usize % mean).min(left);
+                    lens.push(len);
+                    left -= len;
+                }
+                let run = || -> Result<Vec<(String, bool, f64, f64)>> {
+                    let varlen = candle_flash::VarLen::from_seqlens(&lens, &lens)?;
+                    let qkv = |rows: usize| {
+                        Tensor::randn(0f32, 1.0, (rows, heads, hd), &dev)?.to_dtype(dtype)
+                    };
+                    let (q, k, v) = (qkv(TOKENS)?, qkv(TOKENS)?, qkv(TOKENS)?);
+                    let fixed = |t: &Tensor| t.reshape((TOKENS / mean, mean, heads, hd));
+                    let (qf, kf, vf) = (fixed(&q)?, fixed(&k)?, fixed(&v)?);
+                    let mut rows = vec![];
+                    for causal in [false, true] {
+                        let attn = FlashAttn::new().causal(causal);
+                        let packed =
+                            time_ms(&dev, |_| attn.forward_varlen(&q, &k, &v, &varlen).map(drop))?;
+                        let fixed_ms = time_ms(&dev, |_| attn.forward(&qf, &kf, &vf).map(drop))?;
+                        let half = if causal { 0.5 } else { 1.0 };
+                        let flops = |lens: &mut dyn Iterator<Item = usize>| {
+                            lens.map(|l| 4.0 * (heads * hd) as f64 * (l * l) as f64 * half)
+                                .sum::<f64>()
+                        };
+                        rows.push((
+                            "packed".into(),
+                            causal,
+                            packed,
+                            flops(&mut lens.iter().copied()),
+                        ));
+                        rows.push((
+                            "fixed".into(),
+                            causal,
+                            fixed_ms,
+                            flops(&mut std::iter::repeat_n(mean, TOKENS / mean)),
+                        ));
+                    }
+                    Ok(rows)
+                };
+                match run() {
+                    Ok(rows) => {
+                        for pair in rows.chunks(2) {
+                            for (layout, causal, ms, flops) in pair {
+                                let seqs = if layout == "packed" {
+                                    lens.len()
+                                } else {
+                                    TOKENS / mean
+                                };
+                                let tflops = flops / ms / 1e9;
+                                println!(
+                                    "{layout:<14} {hd:>4} {mean:>6} {seqs:>5} {heads:>6} {causal:>6} {ms:>9.3} {tflops:>8.1} {:>9.3}",
+                                    tflops / (pair[1].3 / pair[1].2 / 1e9),
+                                );
+                            }
+                        }
+                    }
+                    Err(e) => println!("varlen hd {hd} mean {mean}: failed: {}", first_line(&e)),
+                }
+            }
+        }
+    }
+
     fn sparse_section(&mut self) {
         println!(
             "{:<24} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>6}",

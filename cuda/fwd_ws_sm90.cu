@@ -20,8 +20,12 @@
 //   with 128-key tiles), at d = 256 the warpgroup's rows of the Q slot. At 512 keys a build
 //   that skipped the stores from registers ran 1.2-1.35x faster (docs/PERF.md session 18).
 // Key tiles are visited last first, as in fwd_sm90.cu (under a causal mask only the first
-// need the mask). Fixed-length batches without dropout; src/cuda/mod.rs sends the rest to
-// fwd_sm90.cu and fwd.cu. Entry points flash_fwd_ws_<dtype>_d<D>[_<shape>].
+// need the mask). No dropout; packed (variable-length) batches in the `_packed` kernels, without
+// a softcap, ALiBi or block mask: src/cuda/mod.rs sends the rest to fwd_sm90.cu and fwd.cu.
+// Packed batches are one tensor of every sequence's rows to TMA; a tile's rows past its
+// sequence's end read the next sequence's Q, K and V (its keys masked, its rows never stored:
+// O from registers where a warpgroup's rows cross the end). Entry points
+// flash_fwd_ws_<dtype>_d<D>[_<shape>][_mods|_sparse|_packed].
 #include <type_traits>
 
 #include "gemm.cuh"
@@ -68,12 +72,15 @@ struct WsLayout {
 // block mask's (`..._sparse`); the others are never given such a problem (src/cuda/tma.rs)
 // and keep their registers.
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
-          int MODS_ = MODS_NONE>
+          int MODS_ = MODS_NONE, bool PACKED_ = false>
 struct WsTraits {
     using T = T_;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int MODS = MODS_;
+    // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'
+    // offsets in the addressing cost the fixed-length kernels 16-216 bytes of spills.
+    static constexpr bool PACKED = PACKED_;
     static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -200,6 +207,15 @@ template <class K> struct WsTile {
     __device__ __forceinline__ WsTile(const AttnParams& p, int t, int tiles, int tail_heads)
         : WsTile(p, t, tiles, tail_heads, (p.seqlen_q + K::BM - 1) / K::BM) {}
 
+    // Packed batches: whether the tile at walk index t has rows (its sequence reaches m0).
+    static __device__ __forceinline__ bool has_rows(const AttnParams& p, int t, int tiles,
+                                                    int tail_heads) {
+        const int m_blocks = (p.seqlen_q + K::BM - 1) / K::BM;
+        t = longest_first_tail(t, tiles, tail_heads, m_blocks);
+        const int b = t / m_blocks / p.h, m0 = (m_blocks - 1 - t % m_blocks) * K::BM;
+        return m0 < p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    }
+
     __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
     // The key tile after nb (they go last first), -1 after the last, and its sparse_state:
     // under a block mask, the producer skips absent blocks with it (and hands its consumers
@@ -225,6 +241,8 @@ template <class K> struct WsTile {
         q_last = min(m0 + K::BM, seq.seqlen_q) - 1;
         mask.template key_blocks<K::BN>(m0, q_last, &nb_begin, &nb_end);
         nb_end = mask.template next_key_block<K::BN>(m0, q_last, nb_end, nb_begin, &last_state) + 1;
+        // Packed batches: the query blocks past a shorter sequence's end have no rows.
+        if (K::PACKED && m0 >= seq.seqlen_q) nb_end = nb_begin;
     }
 };
 
@@ -240,8 +258,23 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
     // producer may write the next index before the last one's bulk copy has landed.
     unsigned int* slots =
         P.tile_counter == nullptr ? nullptr : P.tile_counter + 4 + 8 * blockIdx.x;
+    // The next tile's index under the grid's stride, or from the counter: every block fetches
+    // until it fails once, `tiles` fetches in all (the grid is at most `tiles` blocks), so the
+    // one that gets tiles - 1 is the last and resets.
+    const auto fetch = [&](int t) {
+        if (slots == nullptr) return t + int(gridDim.x);
+        const unsigned int i = atomicAdd(P.tile_counter, 1u);
+        if (i == unsigned(tiles) - 1) atomicExch(P.tile_counter, 0u);
+        return int(gridDim.x) + int(i);
+    };
     int it = 0;
     for (int t = blockIdx.x, q_uses = 0;; ++q_uses) {
+        // Packed batches: the tiles past a shorter sequence's end (no rows, nothing to write)
+        // are passed over here under the counter, so the consumers never wait for them.
+        if constexpr (K::PACKED) {
+            while (slots != nullptr && t < tiles && !WsTile<K>::has_rows(P.a, t, tiles, P.tail_heads))
+                t = fetch(t);
+        }
         const bool last = t >= tiles;
         if (last && slots == nullptr) return;  // the consumers walk the same tiles and stop
         const QSlot<K> qs(q_uses);
@@ -262,9 +295,11 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         }
         if (slot != nullptr) tma::load_bulk(sm.tile(qs.st), slot, 16, sm.full_q(qs.st));
         if (last) return;
+        // Packed batches: one tensor of every sequence's rows (batch coordinate 0).
+        const int tb = K::PACKED ? 0 : w.bidb, k0 = K::PACKED ? w.seq.k_start : 0;
         if (q)
-            tma::load_tile<K::BM, K::D / 64>(sm.q(qs.st), P.q, sm.full_q(qs.st), w.m0, w.bidh,
-                                             w.bidb);
+            tma::load_tile<K::BM, K::D / 64>(sm.q(qs.st), P.q, sm.full_q(qs.st),
+                                             (K::PACKED ? w.seq.q_start : 0) + w.m0, w.bidh, tb);
         int state = w.last_state;
         for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next, next_state; nb >= 0;
              nb = next, state = next_state, ++it) {
@@ -277,22 +312,14 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
             if constexpr (K::KEYS_FROM_PRODUCER)
                 st_shared(sm.key(s.st), KeyInfo{nb, state, next < 0}.pack());
             tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
-            tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st), nb * K::BN,
-                                             w.bidh_k, w.bidb);
+            tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st),
+                                             k0 + nb * K::BN, w.bidh_k, tb);
             tma::wait(sm.empty_v(s.st), s.phase ^ 1);
             tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
-            tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st), nb * K::BN,
-                                             w.bidh_k, w.bidb);
+            tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st),
+                                             k0 + nb * K::BN, w.bidh_k, tb);
         }
-        if (slots == nullptr) {
-            t += gridDim.x;
-        } else {
-            // Every block fetches until it fails once: `tiles` fetches in all (the grid is at
-            // most `tiles` blocks), so the one that gets tiles - 1 is the last and resets.
-            const unsigned int i = atomicAdd(P.tile_counter, 1u);
-            if (i == unsigned(tiles) - 1) atomicExch(P.tile_counter, 0u);
-            t = gridDim.x + int(i);
-        }
+        t = fetch(t);
     }
 }
 
@@ -416,7 +443,10 @@ template <class K> struct WsConsumer {
         float* lse;  // likewise
         int row0;    // this warp's first row
         int seqlen_q;
-        int bidh, bidb;  // O's coordinates for the TMA store (with row0)
+        // O's head and third coordinate for the TMA store: the batch, or in packed batches
+        // (batch 0) the sequence's first row, -1 where this warpgroup's rows cross the
+        // sequence's end (a TMA store would write the next sequence's rows): O from registers.
+        int bidh, tma_c;
     };
     __device__ __forceinline__ OutTile out_tile(const WsTile<K>& w) const {
         return {static_cast<T*>(p.o) + w.seq.q_offset(p.o_batch_stride, p.o_row_stride,
@@ -425,7 +455,9 @@ template <class K> struct WsConsumer {
                 w.m0 + warp_row0,
                 w.seq.seqlen_q,
                 w.bidh,
-                w.bidb};
+                !K::PACKED                                  ? w.bidb
+                : w.m0 + group * 64 + 64 <= w.seq.seqlen_q ? w.seq.q_start
+                                                           : -1};
     }
 
     // The block's next work tile with keys into w and its index into t (the last one's
@@ -684,9 +716,14 @@ template <class K> struct WsConsumer {
                                                  inv[1], lane);
         sm90::fence_proxy_async();
         tma::named_sync(EPILOGUE_BAR + group, 128);
-        if (leader) {
-            const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
-            tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, row0, to.bidh, to.bidb);
+        const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
+        if (K::PACKED && to.tma_c < 0) {
+            copy_rows(to, stage, row0);
+        } else if (leader) {
+            if constexpr (K::PACKED)
+                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, to.tma_c + row0, to.bidh, 0);
+            else
+                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, row0, to.bidh, to.tma_c);
             tma::bulk_commit();
         }
         if constexpr (K::O_IN_Q) {
@@ -700,6 +737,24 @@ template <class K> struct WsConsumer {
                 const int q_row = to.row0 + lane / 4 + 8 * r;
                 if (q_row < to.seqlen_q) to.lse[q_row] = row_lse[r];
             }
+        }
+    }
+
+    // Packed batches, this warpgroup's rows crossing the sequence's end: its rows before the
+    // end from the staged panels (128-byte rows, 16-byte chunks swizzled) to O, 16 bytes a
+    // thread at a time; the head dim is a multiple of 8 wherever O has a tensor map.
+    __device__ __forceinline__ void copy_rows(const OutTile& to, uint32_t stage, int row0) const {
+        constexpr int CHUNKS = D / 8;
+        const int rows = min(64, to.seqlen_q - row0), chunks = p.d / 8;
+        T* out = to.out + int64_t(row0) * p.o_row_stride;
+        for (int i = threadIdx.x % 128; i < rows * CHUNKS; i += 128) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            if (c >= chunks) continue;
+            uint32_t x, y, z, w;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(x), "=r"(y), "=r"(z), "=r"(w)
+                         : "r"(stage + sm90::panel_offset<K::O_PANEL_ROWS>(r, c)));
+            *reinterpret_cast<uint4*>(out + int64_t(r) * p.o_row_stride + c * 8) = {x, y, z, w};
         }
     }
 
@@ -817,3 +872,17 @@ FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SPARSE, _sparse)
 // d = 256 with 64-key tiles, which block sizes (multiples of 64) never straddle: the 80 keys
 // of _n80 touched 1.6 tiles per block kept, some of them masked entry by entry.
 FLASH_FWD_WS_MODS_BOTH(256, , 64, 2, 2, MODS_SPARSE, _sparse)
+// Packed batches: the shapes WsShape::choose takes for them.
+#define FLASH_FWD_WS_PACKED(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS)                         \
+    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX##_packed(const __grid_constant__ FwdTmaParams p) {  \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_NONE, true>>(p);        \
+    }
+#define FLASH_FWD_WS_PACKED_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS)                             \
+    FLASH_FWD_WS_PACKED(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS)                         \
+    FLASH_FWD_WS_PACKED(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS)
+FLASH_FWD_WS_PACKED_BOTH(64, , 128, 4, 2)
+FLASH_FWD_WS_PACKED_BOTH(64, _g3, 128, 3, 3)
+FLASH_FWD_WS_PACKED_BOTH(128, , 128, 2, 2)
+FLASH_FWD_WS_PACKED_BOTH(256, , 64, 2, 2)
+FLASH_FWD_WS_PACKED_BOTH(256, _n80, 80, 2, 2)

@@ -1039,21 +1039,32 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
         // Its tile index is a 32-bit int.
-        let ws =
-            match tma::WsShape::choose(tile.d, s.sq, s.sk, problem.causal, params.mods_suffix()) {
-                Some(shape)
-                    if !dropout
-                        && problem.varlen.is_none()
-                        && s.sq.div_ceil(shape.bm()) * s.h * s.b <= i32::MAX as usize
-                        && use_ws(&dev)? =>
-                {
-                    tma::fwd_params(&params, q.dtype(), &shape).map(|p| (shape, p))
-                }
-                _ => None,
-            };
+        let ws = match tma::WsShape::choose(
+            tile.d,
+            s.sq,
+            s.sk,
+            problem.causal,
+            params.mods_suffix(),
+            problem.varlen.is_some(),
+        ) {
+            Some(shape)
+                if !dropout
+                    && s.sq.div_ceil(shape.bm()) * s.h * s.b <= i32::MAX as usize
+                    && use_ws(&dev)? =>
+            {
+                let packed = problem.varlen.as_ref().map(|_| (s.total_q, s.total_k));
+                tma::fwd_params(&params, q.dtype(), &shape, packed).map(|p| (shape, p))
+            }
+            _ => None,
+        };
         if let Some((shape, mut ws_params)) = ws {
             let tiles = s.sq.div_ceil(shape.bm()) * s.h * s.b;
-            let masked = params.window_left >= 0 || params.window_right >= 0 || params.block_q != 0;
+            // Tiles of unequal work (a mask, or packed sequences of different lengths) are
+            // handed out from a counter.
+            let masked = params.window_left >= 0
+                || params.window_right >= 0
+                || params.block_q != 0
+                || problem.varlen.is_some();
             let (blocks, dynamic) = tma::WsShape::grid(tiles, device_facts(&dev)?.sms, masked);
             // Locked (only for the dynamic schedule) until the launch is queued: see
             // StreamCounters. The counter, then 16 bytes per block and Q slot

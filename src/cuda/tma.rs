@@ -134,7 +134,8 @@ pub(super) struct WsShape {
     /// The variant's part of the entry point's name after the head dim.
     pub suffix: &'static str,
     /// `_mods` or `_sparse` where the kernel is compiled with the softcap and ALiBi code or
-    /// the block mask too (`AttnParams::mods_suffix`), else empty.
+    /// the block mask too (`AttnParams::mods_suffix`), `_packed` for packed batches, else
+    /// empty.
     pub mods: &'static str,
 }
 
@@ -146,7 +147,7 @@ impl WsShape {
     fn compiled(d: usize, variant: &str, mods: &'static str) -> Option<Self> {
         // d = 64 128 x 128 has 4 K/V slots (causal 512-1k, its use, 1.015-1.028x over 3, H100
         // session 21); its `_sparse` kernel keeps 3 (FLASH_FWD_WS_MODS_BOTH).
-        let base64_stages = if mods.is_empty() { 4 } else { 3 };
+        let base64_stages = if matches!(mods, "" | "_packed") { 4 } else { 3 };
         let (consumers, bn, stages, suffix) = match (variant, d) {
             ("base", 64) => (2, 128, base64_stages, ""),
             ("base", 128) => (2, 128, 2, ""),
@@ -181,13 +182,15 @@ impl WsShape {
     ///
     /// With a softcap or ALiBi slopes (`mods` = `_mods`), or a block mask (`_sparse`), the one
     /// variant per head dim compiled with that code: `_mods` d = 64 `g3`, d = 256 `n80`,
-    /// the rest `base`.
+    /// the rest `base`. Packed batches (`packed`; `seqlen_q`, `seqlen_k` the longest): the
+    /// same choice among the `_packed` kernels (base, d = 64 g3, d = 256 n80), none with mods.
     pub fn choose(
         d: usize,
         seqlen_q: usize,
         seqlen_k: usize,
         causal: bool,
         mods: &'static str,
+        packed: bool,
     ) -> Option<Self> {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
@@ -197,6 +200,9 @@ impl WsShape {
         // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
         // tiles as one stream: 0.158 against 0.171 ms since, session 17; shorter not measured).
         if forced.is_empty() && d == 64 && causal && seqlen_q < 512 {
+            return None;
+        }
+        if packed && !mods.is_empty() {
             return None;
         }
         if !mods.is_empty() {
@@ -223,6 +229,15 @@ impl WsShape {
             256 => "n80",
             _ => "base",
         };
+        if packed {
+            // Compiled for packed batches: base, d = 64 g3, d = 256 n80.
+            let variant = if matches!(variant, "g3" | "n80") {
+                variant
+            } else {
+                "base"
+            };
+            return Self::compiled(d, variant, "_packed");
+        }
         Self::compiled(d, forced, "").or_else(|| Self::compiled(d, variant, ""))
     }
 
@@ -292,12 +307,23 @@ impl WsShape {
 
 /// The parameter block of the warp-specialized forward for `a` (pointers and strides set),
 /// or `None` where TMA cannot address q, k or v.
-pub(super) fn fwd_params(a: &AttnParams, dtype: DType, shape: &WsShape) -> Option<FwdTmaParams> {
-    let source = |ptr, rows: i32, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
+pub(super) fn fwd_params(
+    a: &AttnParams,
+    dtype: DType,
+    shape: &WsShape,
+    packed: Option<(usize, usize)>,
+) -> Option<FwdTmaParams> {
+    // Packed batches (`packed`: total query and key rows): one tensor of every sequence's
+    // rows, batch 1; the kernel adds each sequence's first row.
+    let (b, rows_q, rows_k) = match packed {
+        Some((total_q, total_k)) => (1, total_q, total_k),
+        None => (a.b as usize, a.seqlen_q as usize, a.seqlen_k as usize),
+    };
+    let source = |ptr, rows: usize, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
         ptr,
         dtype,
-        b: a.b as usize,
-        rows: rows as usize,
+        b,
+        rows,
         heads: heads as usize,
         d: a.d as usize,
         strides: [row, head, batch],
@@ -307,11 +333,11 @@ pub(super) fn fwd_params(a: &AttnParams, dtype: DType, shape: &WsShape) -> Optio
     let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
     let o = [a.o_batch_stride, a.o_row_stride, a.o_head_stride];
     Some(FwdTmaParams {
-        q: source(a.q, a.seqlen_q, a.h, q).encode(shape.bm())?,
-        k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn)?,
-        v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn)?,
+        q: source(a.q, rows_q, a.h, q).encode(shape.bm())?,
+        k: source(a.k, rows_k, a.h_k, k).encode(shape.bn)?,
+        v: source(a.v, rows_k, a.h_k, v).encode(shape.bn)?,
         // Each consumer warpgroup stores its own 64 rows.
-        o: source(a.o, a.seqlen_q, a.h, o).encode(64)?,
+        o: source(a.o, rows_q, a.h, o).encode(64)?,
         a: *a,
         tile_counter: 0,
         tail_heads: 0,

@@ -300,13 +300,26 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     let lens_sets: Vec<Vec<(usize, usize)>> = vec![
         vec![(1, 1), (17, 113), (255, 255), (64, 63)],
         vec![(113, 7), (1, 1023), (300, 301), (0, 5), (77, 0)],
+        // Sequences of several 128-row tiles, ends inside either 64-row half of a tile, more
+        // work tiles than SMs at 16 heads (the Hopper forward's `_packed` kernels and their
+        // dynamic walk); no queries, no keys.
+        vec![
+            (700, 700),
+            (129, 1000),
+            (1000, 129),
+            (64, 64),
+            (65, 200),
+            (0, 50),
+            (513, 513),
+            (128, 0),
+        ],
     ];
     let dims: &[usize] = if quick { &[64] } else { &[40, 64, 128, 256] };
     for dtype in [DType::F16, DType::BF16] {
         for &d in dims {
             for causal in [false, true] {
                 for (i, lens) in lens_sets.iter().enumerate() {
-                    let (h, hk) = if i == 0 { (4, 4) } else { (8, 2) };
+                    let (h, hk) = [(4, 4), (8, 2), (16, 4)][i];
                     let name =
                         format!("varlen {dtype:?} d={d} causal={causal} h={h}/{hk} lens={lens:?}");
                     suite.record(&name, varlen_case(dev, dtype, lens, h, hk, d, causal));
