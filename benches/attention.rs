@@ -621,14 +621,18 @@ impl Bench {
     /// block-sparse pass would take if its cost followed the blocks exactly.
     /// Packed (variable-length) batches against fixed-length ones of the same tokens: 16k
     /// tokens in sequences of random lengths (a fixed LCG, uniform in [mean / 2, 3 mean / 2),
-    /// the last one cut to fill 16k), seqlen_q = seqlen_k, forward only. TFLOP/s counts each
-    /// sequence's 4·h·s²·d (halved for causal), as the grid does; "vs fixed" is the ratio of
-    /// TFLOP/s to the fixed-length batch's. `CANDLE_FLASH_FWD=sm90` in a
-    /// second run times the kernels packed batches had before the warp-specialized ones.
+    /// the last one cut to fill 16k), seqlen_q = seqlen_k. `fwd` is the forward alone, `bwd`
+    /// `loss.backward()` on a kept graph (so Candle's per-gradient bookkeeping too, the same
+    /// bytes for both layouts). TFLOP/s counts each sequence's 4·h·s²·d (halved for causal,
+    /// x2.5 for bwd), as the grid does; "vs fixed" is the ratio of TFLOP/s to the fixed-length
+    /// batch's. `CANDLE_FLASH_WS_PACKED=0` in a second run times the kernels packed batches
+    /// had before the warp-specialized ones.
     fn varlen_section(&mut self) {
+        /// (layout, pass, causal, ms, TFLOP)
+        type VarlenRow = (&'static str, &'static str, bool, f64, f64);
         println!(
-            "{:<14} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8} {:>9}",
-            "layout", "hd", "mean", "seqs", "heads", "causal", "ms", "TFLOP/s", "vs fixed"
+            "{:<8} {:<4} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8} {:>9}",
+            "layout", "pass", "hd", "mean", "seqs", "heads", "causal", "ms", "TFLOP/s", "vs fixed"
         );
         let dev = self.dev.clone();
         let dtype = self.dtype;
@@ -645,55 +649,69 @@ impl Bench {
                     lens.push(len);
                     left -= len;
                 }
-                let run = || -> Result<Vec<(String, bool, f64, f64)>> {
+                let fixed_lens = vec![mean; TOKENS / mean];
+                let run = || -> Result<Vec<VarlenRow>> {
                     let varlen = candle_flash::VarLen::from_seqlens(&lens, &lens)?;
-                    let qkv = |rows: usize| {
-                        Tensor::randn(0f32, 1.0, (rows, heads, hd), &dev)?.to_dtype(dtype)
+                    let qkv = || -> Result<Var> {
+                        Var::from_tensor(
+                            &Tensor::randn(0f32, 1.0, (TOKENS, heads, hd), &dev)?
+                                .to_dtype(dtype)?,
+                        )
                     };
-                    let (q, k, v) = (qkv(TOKENS)?, qkv(TOKENS)?, qkv(TOKENS)?);
+                    let (q, k, v) = (qkv()?, qkv()?, qkv()?);
+                    let dout =
+                        Tensor::randn(0f32, 1.0, (TOKENS, heads, hd), &dev)?.to_dtype(dtype)?;
                     let fixed = |t: &Tensor| t.reshape((TOKENS / mean, mean, heads, hd));
-                    let (qf, kf, vf) = (fixed(&q)?, fixed(&k)?, fixed(&v)?);
                     let mut rows = vec![];
                     for causal in [false, true] {
                         let attn = FlashAttn::new().causal(causal);
-                        let packed =
-                            time_ms(&dev, |_| attn.forward_varlen(&q, &k, &v, &varlen).map(drop))?;
-                        let fixed_ms = time_ms(&dev, |_| attn.forward(&qf, &kf, &vf).map(drop))?;
                         let half = if causal { 0.5 } else { 1.0 };
-                        let flops = |lens: &mut dyn Iterator<Item = usize>| {
-                            lens.map(|l| 4.0 * (heads * hd) as f64 * (l * l) as f64 * half)
+                        for (layout, lens) in [("packed", &lens), ("fixed", &fixed_lens)] {
+                            let packed = layout == "packed";
+                            let fwd = |q: &Tensor, k: &Tensor, v: &Tensor| {
+                                if packed {
+                                    attn.forward_varlen(q, k, v, &varlen)
+                                } else {
+                                    attn.forward(&fixed(q)?, &fixed(k)?, &fixed(v)?)?
+                                        .reshape((TOKENS, heads, hd))
+                                }
+                            };
+                            let tflop = lens
+                                .iter()
+                                .map(|&l| 4.0 * (heads * hd) as f64 * (l * l) as f64 * half)
                                 .sum::<f64>()
-                        };
-                        rows.push((
-                            "packed".into(),
-                            causal,
-                            packed,
-                            flops(&mut lens.iter().copied()),
-                        ));
-                        rows.push((
-                            "fixed".into(),
-                            causal,
-                            fixed_ms,
-                            flops(&mut std::iter::repeat_n(mean, TOKENS / mean)),
-                        ));
+                                / 1e12;
+                            let (qd, kd, vd) = (
+                                q.as_detached_tensor(),
+                                k.as_detached_tensor(),
+                                v.as_detached_tensor(),
+                            );
+                            let ms = time_ms(&dev, |_| fwd(&qd, &kd, &vd).map(drop))?;
+                            rows.push((layout, "fwd", causal, ms, tflop));
+                            let loss = grad_loss(&fwd(&q, &k, &v)?, &dout)?;
+                            let ms = time_ms(&dev, |_| loss.backward().map(drop))?;
+                            rows.push((layout, "bwd", causal, ms, 2.5 * tflop));
+                        }
                     }
                     Ok(rows)
                 };
                 match run() {
                     Ok(rows) => {
-                        for pair in rows.chunks(2) {
-                            for (layout, causal, ms, flops) in pair {
-                                let seqs = if layout == "packed" {
-                                    lens.len()
-                                } else {
-                                    TOKENS / mean
-                                };
-                                let tflops = flops / ms / 1e9;
-                                println!(
-                                    "{layout:<14} {hd:>4} {mean:>6} {seqs:>5} {heads:>6} {causal:>6} {ms:>9.3} {tflops:>8.1} {:>9.3}",
-                                    tflops / (pair[1].3 / pair[1].2 / 1e9),
-                                );
-                            }
+                        for (layout, pass, causal, ms, tflop) in &rows {
+                            let tflops = tflop / ms * 1e3;
+                            let (_, _, _, fixed_ms, fixed_tflop) = rows
+                                .iter()
+                                .find(|r| r.0 == "fixed" && r.1 == *pass && r.2 == *causal)
+                                .expect("a fixed row per pass and mask");
+                            let seqs = if *layout == "packed" {
+                                lens.len()
+                            } else {
+                                fixed_lens.len()
+                            };
+                            println!(
+                                "{layout:<8} {pass:<4} {hd:>4} {mean:>6} {seqs:>5} {heads:>6} {causal:>6} {ms:>9.3} {tflops:>8.1} {:>9.3}",
+                                tflops / (fixed_tflop / fixed_ms * 1e3),
+                            );
                         }
                     }
                     Err(e) => println!("varlen hd {hd} mean {mean}: failed: {}", first_line(&e)),

@@ -25,8 +25,11 @@
 // but for d = 256.
 // d = 256 (head dims 193-256, columns past the head dim zero) splits the head dim between the
 // consumers instead of the keys: see BwdWsSplitConsumer.
-// Fixed-length batches without dropout, head dims 33-128 (65-96 on the d = 128 kernel) and
-// 193-256, TMA-addressable tensors; src/cuda/bwd.rs runs the older kernels for the rest.
+// Without dropout, head dims 33-128 (65-96 on the d = 128 kernel) and 193-256,
+// TMA-addressable tensors; packed (variable-length) batches in the `_packed` kernels, without a
+// softcap, ALiBi or block mask: one tensor of every sequence's rows to TMA, the rows crossing a
+// sequence's end written from shared memory by the threads (copy_dkdv, the convert kernel).
+// src/cuda/bwd.rs runs the older kernels for the rest.
 // Entry points flash_bwd_ws_*.
 #include "bwd_dq_accum.cuh"
 #include "bwd_tiles.cuh"
@@ -68,10 +71,14 @@ struct BwdTmaParams {
 // SPLIT (d = 256): 64 keys per block, and the consumer warpgroups split the head dim instead
 // of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
-template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE> struct BwdWsTraits {
+template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false>
+struct BwdWsTraits {
     using T = T_;
     static constexpr int D = D_, STAGES = STAGES_;
     static constexpr int MODS = MODS_;
+    // Packed (variable-length) batches, in kernels of their own (`_packed`), as in the
+    // forward: one tensor of every sequence's rows to TMA, batch coordinate 0.
+    static constexpr bool PACKED = PACKED_;
     static constexpr bool SPLIT = D > 128;
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
     static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
@@ -276,20 +283,25 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
 template <class K>
 __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                                const BwdWsBlock<K>& blk) {
+    // Packed batches: rows from the sequence's first, batch coordinate 0. A block's rows past
+    // its sequence's end read the next sequence's (masked keys, query rows whose statistics
+    // the prep kernel set to +inf LSE: P = 0 there).
+    const int tb = K::PACKED ? 0 : blk.bidb, q0 = K::PACKED ? blk.seq.q_start : 0;
+    const int k0 = K::PACKED ? blk.seq.k_start : 0;
     tma::arrive_expect_tx(sm.full_kv(), 2 * K::KV_BYTES);
-    tma::load_tile<K::BN, K::D / 64>(sm.k(), P.k, sm.full_kv(), blk.n0, blk.bidh_k, blk.bidb);
-    tma::load_tile<K::BN, K::D / 64>(sm.v(), P.v, sm.full_kv(), blk.n0, blk.bidh_k, blk.bidb);
+    tma::load_tile<K::BN, K::D / 64>(sm.k(), P.k, sm.full_kv(), k0 + blk.n0, blk.bidh_k, tb);
+    tma::load_tile<K::BN, K::D / 64>(sm.v(), P.v, sm.full_kv(), k0 + blk.n0, blk.bidh_k, tb);
     int slot = 0, phase = 0;
     const auto issue = [&](int bidh, int m0, int64_t tile, bool last) {
         tma::wait(sm.empty(slot), phase ^ 1);
         if constexpr (K::TILES_FROM_PRODUCER) st_tile_info(sm.info(slot), {bidh, m0, last});
         tma::arrive_expect_tx(sm.full_q(slot), K::Q_BYTES + K::STATS_BYTES);
-        tma::load_tile<K::BM, K::D / 64>(sm.q(slot), P.q, sm.full_q(slot), m0, bidh, blk.bidb);
+        tma::load_tile<K::BM, K::D / 64>(sm.q(slot), P.q, sm.full_q(slot), q0 + m0, bidh, tb);
         tma::load_bulk(sm.stats(slot), P.stats + tile * 2 * K::BM, K::STATS_BYTES,
                        sm.full_q(slot));
         tma::arrive_expect_tx(sm.full_do(slot), K::Q_BYTES);
-        tma::load_tile<K::BM, K::D / 64>(sm.dout(slot), P.dout, sm.full_do(slot), m0, bidh,
-                                         blk.bidb);
+        tma::load_tile<K::BM, K::D / 64>(sm.dout(slot), P.dout, sm.full_do(slot), q0 + m0, bidh,
+                                         tb);
         if (++slot == K::STAGES) {
             slot = 0;
             phase ^= 1;
@@ -423,6 +435,40 @@ __device__ __forceinline__ void grads_t(float (&dpt)[1][NQ][4], const float (&s)
     pack_a<T, 1, NQ>(dpt, a_ds);
 }
 
+// 16 bytes of shared memory at addr.
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+    uint4 x;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(addr));
+    return x;
+}
+
+// Packed batches, a warpgroup's 64 keys from key0 crossing the sequence's end: its staged dK
+// and dV rows before the end (chunks of 8 columns from col0, DT of them, within the head dim,
+// a multiple of 8 wherever dK has a tensor map) to global memory, 16 bytes a thread.
+template <class K, int DT>
+__device__ __forceinline__ void copy_dkdv(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
+                                          const BwdWsBlock<K>& blk, int key0, int col0,
+                                          int tid) {
+    using T = typename K::T;
+    const BwdParams& b = P.b;
+    const int64_t base = blk.seq.k_offset(b.dk_batch_stride, b.dk_row_stride, b.dk_head_stride,
+                                          blk.bidb, blk.bidh_k);
+    T* dk = static_cast<T*>(b.dk) + base;
+    T* dv = static_cast<T*>(b.dv) + base;
+    const int rows = min(64, blk.seq.seqlen_k - blk.n0 - key0);
+    const int chunks = min(DT, b.a.d / 8 - col0 / 8);
+    for (int i = tid; i < rows * DT; i += 128) {
+        const int r = i / DT, c = i % DT;
+        if (c >= chunks) continue;
+        const uint32_t off = sm90::panel_offset<K::BN>(key0 + r, col0 / 8 + c);
+        const int64_t at = int64_t(blk.n0 + key0 + r) * b.dk_row_stride + col0 + c * 8;
+        *reinterpret_cast<uint4*>(dk + at) = ld_shared_v4(sm.k() + off);
+        *reinterpret_cast<uint4*>(dv + at) = ld_shared_v4(sm.v() + off);
+    }
+}
+
 // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV of a warpgroup's
 // fragments (keys from key0 of the block, head-dim columns from col0) out through the K and V
 // tiles' shared memory, which no matmul reads once both consumer warpgroups are past their
@@ -443,13 +489,19 @@ __device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsSme
     sm90::stage_fragments<T, K::BN, DT>(sm.v(), dv, row0, col0 / 8, 1.f, 1.f, lane);
     sm90::fence_proxy_async();
     tma::named_sync(BAR_STORE + group, 128);
+    // Packed batches: rows crossing the sequence's end would be written into the next
+    // sequence's by TMA; copied from the panels instead.
+    if (K::PACKED && blk.n0 + key0 + 64 > blk.seq.seqlen_k) {
+        copy_dkdv<K, DT>(P, sm, blk, key0, col0, tid);
+        return;
+    }
     if (tid == 0) {
         // This warpgroup's DT / 8 panels: from panel col0 / 64, rows from key0.
         const uint32_t off = col0 / 64 * K::BN * 128 + key0 * 128;
-        tma::store_tile<K::BN, DT / 8>(P.dk, sm.k() + off, col0, blk.n0 + key0, blk.bidh_k,
-                                       blk.bidb);
-        tma::store_tile<K::BN, DT / 8>(P.dv, sm.v() + off, col0, blk.n0 + key0, blk.bidh_k,
-                                       blk.bidb);
+        const int row = (K::PACKED ? blk.seq.k_start : 0) + blk.n0 + key0;
+        const int tb = K::PACKED ? 0 : blk.bidb;
+        tma::store_tile<K::BN, DT / 8>(P.dk, sm.k() + off, col0, row, blk.bidh_k, tb);
+        tma::store_tile<K::BN, DT / 8>(P.dv, sm.v() + off, col0, row, blk.bidh_k, tb);
         tma::bulk_commit();
         tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }
@@ -933,6 +985,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     const int m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
     const int group = threadIdx.x / 128, tid = threadIdx.x % 128, lane = tid % 32;
     const int64_t tile = (int64_t(bidb) * p.h + bidh) * P.m_blocks + m_block;
+    // Packed batches: tiles past a shorter sequence's end have no rows.
+    const SeqInfo seq(p, bidb);
+    const int m0 = m_block * BM;
+    if (m0 >= seq.seqlen_q) return;
     pdl_wait();
     // A tile no key block reached holds no dQ (dq_tile_state.cuh).
     const bool written = P.dq_state == nullptr || P.dq_state[tile] != 0;
@@ -952,8 +1008,24 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
                                      p.grad_scale, lane);
     sm90::fence_proxy_async();
     __syncthreads();
+    const bool packed = p.cu_seqlens_q != nullptr;
+    if (packed && m0 + BM > seq.seqlen_q) {
+        // Rows crossing the sequence's end: a TMA store would write the next sequence's,
+        // so the rows before the end from the panels, 16 bytes a thread. dq is contiguous.
+        T* dq = static_cast<T*>(P.b.dq) + (int64_t(seq.q_start + m0) * p.h + bidh) * p.d;
+        const int rows = seq.seqlen_q - m0, chunks = p.d / 8;
+        for (int i = threadIdx.x; i < rows * (D / 8); i += 256) {
+            const int r = i / (D / 8), c = i % (D / 8);
+            if (c < chunks)
+                *reinterpret_cast<uint4*>(dq + int64_t(r) * p.h * p.d + c * 8) =
+                    ld_shared_v4(stage + sm90::panel_offset<BM>(r, c));
+        }
+        return;
+    }
     if (threadIdx.x == 0) {
-        tma::store_tile<BM, D / 64>(P.dq, stage, 0, m_block * BM, bidh, bidb);
+        // Packed batches: one tensor of every sequence's rows, batch coordinate 0.
+        tma::store_tile<BM, D / 64>(P.dq, stage, 0, (packed ? seq.q_start : 0) + m0, bidh,
+                                    packed ? 0 : bidb);
         tma::bulk_commit();
         tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }
@@ -971,6 +1043,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
         flash_bwd_ws_##NAME##_d##D##_sparse(const __grid_constant__ BwdTmaParams p) {         \
         flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SPARSE>>(p);                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D##_packed(const __grid_constant__ BwdTmaParams p) {         \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_NONE, true>>(p);                          \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         flash_bwd_ws_prep_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {             \

@@ -3,9 +3,10 @@
 //! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
 //!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
 //!
-//! On Hopper at d 64 and 128 without dropout, for fixed-length batches whose tensors TMA can
-//! address, the fused kernel is the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by
-//! [`super::bwd_ws`]); packed batches there take the first wgmma kernel (`cuda/bwd_sm90.cu`).
+//! On Hopper at d 64 and 128 without dropout, for batches whose tensors TMA can address, the
+//! fused kernel is the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by
+//! [`super::bwd_ws`]; packed batches in its `_packed` kernels); packed batches with a softcap,
+//! ALiBi or block mask there take the first wgmma kernel (`cuda/bwd_sm90.cu`).
 //! At head dims 65-96 its d = 128 kernel and at 193-256 its d = 256 kernel also run (the
 //! columns past the head dim zero), under the same conditions and when non-determinism is
 //! allowed (65-96: without a block mask or a `CANDLE_FLASH_BWD` override).
@@ -342,6 +343,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
     poison(&stream, &mut grads)?;
 
     let packed = problem.varlen.is_some();
+    let totals = packed.then_some((s.total_q, s.total_k));
     let mut params = BwdParams {
         a: AttnParams::new(problem, ql, kl, vl)?,
         dk_batch_stride: if packed {
@@ -387,7 +389,11 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         let sparse = lock_sparse(&problem.mods);
         let _sparse_syncs = sparse_ptrs(&mut params.a, &sparse, &stream)?;
         match path {
-            BwdPath::Ws(shape) if !packed && bwd_ws::supported(&params, &shape, q.dtype()) => {
+            // Packed batches without a softcap, ALiBi or block mask (the `_packed` kernels).
+            BwdPath::Ws(shape)
+                if (!packed || (params.a.mods_suffix().is_empty() && tma::packed_kernels()))
+                    && bwd_ws::supported(&params, &shape, q.dtype(), totals) =>
+            {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
                 bwd_ws::run(
                     &dev,
@@ -396,11 +402,12 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                     q.dtype(),
                     dtype,
                     &params,
+                    totals,
                     &mut buffers,
                 )?;
             }
-            // Packed batches, or tensors TMA cannot address: what runs there without the
-            // warp-specialized kernels.
+            // Packed batches with a softcap, ALiBi or block mask, or tensors TMA cannot
+            // address: what runs there without the warp-specialized kernels.
             BwdPath::Ws(_) => {
                 let path = BwdPath::without_ws(&choice);
                 run_path(&dev, path, &tile, problem, dtype, &mut params)?

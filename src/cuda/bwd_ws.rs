@@ -131,17 +131,27 @@ impl BwdWsBuffers {
 }
 
 /// The parameter block for `b` (pointers set, `b.dq_accum` aside), or `None` where TMA
-/// cannot address q, k, v, dO, dK or dV.
-fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParams> {
+/// cannot address q, k, v, dO, dK or dV. Packed batches (`packed`: total query and key rows):
+/// one tensor of every sequence's rows, batch 1; the kernels add each sequence's first row.
+fn params(
+    b: &BwdParams,
+    shape: &BwdWsShape,
+    dtype: DType,
+    packed: Option<(usize, usize)>,
+) -> Option<BwdTmaParams> {
     let a: &AttnParams = &b.a;
-    let source = |ptr, rows: i32, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
+    let (batch, rows_q, rows_k) = match packed {
+        Some((total_q, total_k)) => (1, total_q, total_k),
+        None => (a.b as usize, a.seqlen_q as usize, a.seqlen_k as usize),
+    };
+    let source = |ptr, rows: usize, heads: i32, [batch_stride, row, head]: [i64; 3]| TileSource {
         ptr,
         dtype,
-        b: a.b as usize,
-        rows: rows as usize,
+        b: batch,
+        rows,
         heads: heads as usize,
         d: a.d as usize,
-        strides: [row, head, batch],
+        strides: [row, head, batch_stride],
     };
     let q = [a.q_batch_stride, a.q_row_stride, a.q_head_stride];
     let k = [a.k_batch_stride, a.k_row_stride, a.k_head_stride];
@@ -152,13 +162,13 @@ fn params(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> Option<BwdTmaParam
     let row = i64::from(a.h) * i64::from(a.d);
     let dq = [i64::from(a.seqlen_q) * row, row, i64::from(a.d)];
     Some(BwdTmaParams {
-        q: source(a.q, a.seqlen_q, a.h, q).encode(BM)?,
-        k: source(a.k, a.seqlen_k, a.h_k, k).encode(shape.bn())?,
-        v: source(a.v, a.seqlen_k, a.h_k, v).encode(shape.bn())?,
-        dout: source(b.dout, a.seqlen_q, a.h, o).encode(BM)?,
-        dk: source(b.dk, a.seqlen_k, a.h_k, dkv).encode(64)?,
-        dv: source(b.dv, a.seqlen_k, a.h_k, dkv).encode(64)?,
-        dq: source(b.dq, a.seqlen_q, a.h, dq).encode(BM)?,
+        q: source(a.q, rows_q, a.h, q).encode(BM)?,
+        k: source(a.k, rows_k, a.h_k, k).encode(shape.bn())?,
+        v: source(a.v, rows_k, a.h_k, v).encode(shape.bn())?,
+        dout: source(b.dout, rows_q, a.h, o).encode(BM)?,
+        dk: source(b.dk, rows_k, a.h_k, dkv).encode(64)?,
+        dv: source(b.dv, rows_k, a.h_k, dkv).encode(64)?,
+        dq: source(b.dq, rows_q, a.h, dq).encode(BM)?,
         b: *b,
         stats: 0,
         dq_state: 0,
@@ -176,13 +186,20 @@ fn grid(b: &BwdParams, shape: &BwdWsShape) -> (usize, usize, usize) {
 
 /// Whether this path can run `b`: TMA can address its tensors, and the kernel's linear block
 /// index (`BwdWsBlock::launch_order`) fits an int.
-pub(super) fn supported(b: &BwdParams, shape: &BwdWsShape, dtype: DType) -> bool {
+pub(super) fn supported(
+    b: &BwdParams,
+    shape: &BwdWsShape,
+    dtype: DType,
+    packed: Option<(usize, usize)>,
+) -> bool {
     let (x, y, z) = grid(b, shape);
-    x * y * z <= i32::MAX as usize && params(b, shape, dtype).is_some()
+    x * y * z <= i32::MAX as usize && params(b, shape, dtype, packed).is_some()
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
-/// a device of `sms` multiprocessors.
+/// a device of `sms` multiprocessors; `packed` as for [`supported`] (the `_packed` kernel,
+/// which has no softcap, ALiBi or block mask).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     dev: &candle::CudaDevice,
     sms: usize,
@@ -190,9 +207,10 @@ pub(super) fn run(
     dtype: DType,
     dtype_name: &str,
     b: &BwdParams,
+    packed: Option<(usize, usize)>,
     buffers: &mut BwdWsBuffers,
 ) -> Result<()> {
-    let Some(mut p) = params(b, shape, dtype) else {
+    let Some(mut p) = params(b, shape, dtype, packed) else {
         candle::bail!("flash-attn backward: TMA cannot address q, k, v or grad_out")
     };
     let stream = dev.cuda_stream();
@@ -226,7 +244,14 @@ pub(super) fn run(
     // for the kernel before it, its launch overlapping that kernel's last blocks.
     launch_programmatic(
         dev,
-        &format!("flash_bwd_ws_{dtype_name}_d{d}{}", b.a.mods_suffix()),
+        &format!(
+            "flash_bwd_ws_{dtype_name}_d{d}{}",
+            if packed.is_some() {
+                "_packed"
+            } else {
+                b.a.mods_suffix()
+            }
+        ),
         grid,
         384,
         shape.smem_bytes(),

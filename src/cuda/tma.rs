@@ -123,6 +123,14 @@ pub(super) fn ws_head_dim(d: usize) -> Option<usize> {
     }
 }
 
+/// Whether packed batches may take the `_packed` warp-specialized kernels (forward and
+/// backward): `CANDLE_FLASH_WS_PACKED=0` sends them to the older kernels, as before session 25
+/// (read once; A/B runs).
+pub(super) fn packed_kernels() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("CANDLE_FLASH_WS_PACKED").is_ok_and(|v| v == "0"))
+}
+
 /// One warp-specialized forward kernel (mirror of `WsTraits`): 64 query rows per consumer
 /// warpgroup, `bn` keys per tile, `stages` slots of K and V.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,7 +210,7 @@ impl WsShape {
         if forced.is_empty() && d == 64 && causal && seqlen_q < 512 {
             return None;
         }
-        if packed && !mods.is_empty() {
+        if packed && (!mods.is_empty() || !packed_kernels()) {
             return None;
         }
         if !mods.is_empty() {
