@@ -3,7 +3,9 @@
 # (scripts/stage-gpu.sh; carry .gpu): the built-in copy task at context 2048 (the default run),
 # then training tokens/s and peak memory for flash, naive and PyTorch (scripts/finetune_torch.py)
 # at 16k tokens per step.
-# Usage: bash scripts/finetune-gpu.sh [learn] [speed] [CONFIGS...]   (configs: 150m 1b)
+# Usage: bash scripts/finetune-gpu.sh [learn] [speed] [packed-ab] [no-naive] [CONFIGS...]
+#   (configs: 150m 1b; packed-ab: flash also with CANDLE_FLASH_WS_PACKED=0, the older kernels
+#   for packed batches, its JSON line prefixed "packed_ws=0 "; no-naive: skip naive attention)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-./out}
@@ -13,10 +15,16 @@ export PYTHONUNBUFFERED=1
 source scripts/staged-bin.sh
 staged_bin example-finetune || exit 1
 FT=$BIN/example-finetune
-what=() configs=()
+what=() configs=() attns=(flash naive)
 for a in "$@"; do
-  case $a in learn | speed) what+=("$a") ;; *) configs+=("$a") ;; esac
+  case $a in
+    learn | speed) what+=("$a") ;;
+    packed-ab) attns=("${attns[@]/flash/flash flash-old}") ;;
+    no-naive) attns=("${attns[@]/naive/}") ;;
+    *) configs+=("$a") ;;
+  esac
 done
+read -r -a attns <<< "${attns[*]}"
 [ ${#what[@]} -gt 0 ] || what=(learn speed)
 [ ${#configs[@]} -gt 0 ] || configs=(150m)
 for w in "${what[@]}"; do
@@ -27,10 +35,13 @@ for w in "${what[@]}"; do
     for cfg in "${configs[@]}"; do
       for cb in 512:32 2048:8 8192:2; do
         ctx=${cb%:*} b=${cb#*:}
-        for attn in flash naive; do
-          "$FT" --config "$cfg" --task random --context "$ctx" --batch "$b" --steps 8 --warmup 2 \
-            --eval-every 1000 --eval-batches 1 --attention "$attn" --no-progress --no-save \
-            --stats-json --out /tmp/ft-speed 2> /tmp/ft-err.log | tail -n 1 ||
+        for attn in "${attns[@]}"; do
+          packed=1 prefix=
+          if [ "$attn" = flash-old ]; then attn=flash packed=0 prefix="packed_ws=0 "; fi
+          CANDLE_FLASH_WS_PACKED=$packed "$FT" --config "$cfg" --task random --context "$ctx" \
+            --batch "$b" --steps 8 --warmup 2 --eval-every 1000 --eval-batches 1 \
+            --attention "$attn" --no-progress --no-save --stats-json --out /tmp/ft-speed \
+            2> /tmp/ft-err.log | tail -n 1 | sed "s/^/$prefix/" ||
             echo "{\"attention\": \"$attn\", \"config\": \"$cfg\", \"context\": $ctx, \"error\": \"$(grep -m1 -E '^Error' /tmp/ft-err.log | cut -c1-150 | tr -d '"')\"}"
         done
         python3 scripts/finetune_torch.py --config "$cfg" --seq-len "$ctx" --batch "$b" --steps 8
