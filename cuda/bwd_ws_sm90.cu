@@ -435,15 +435,6 @@ __device__ __forceinline__ void grads_t(float (&dpt)[1][NQ][4], const float (&s)
     pack_a<T, 1, NQ>(dpt, a_ds);
 }
 
-// 16 bytes of shared memory at addr.
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-    uint4 x;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                 : "r"(addr));
-    return x;
-}
-
 // Packed batches, a warpgroup's 64 keys from key0 crossing the sequence's end: its staged dK
 // and dV rows before the end (chunks of 8 columns from col0, DT of them, within the head dim,
 // a multiple of 8 wherever dK has a tensor map) to global memory, 16 bytes a thread.
@@ -455,18 +446,13 @@ __device__ __forceinline__ void copy_dkdv(const BwdTmaParams& P, const BwdWsSmem
     const BwdParams& b = P.b;
     const int64_t base = blk.seq.k_offset(b.dk_batch_stride, b.dk_row_stride, b.dk_head_stride,
                                           blk.bidb, blk.bidh_k);
-    T* dk = static_cast<T*>(b.dk) + base;
-    T* dv = static_cast<T*>(b.dv) + base;
     const int rows = min(64, blk.seq.seqlen_k - blk.n0 - key0);
-    const int chunks = min(DT, b.a.d / 8 - col0 / 8);
-    for (int i = tid; i < rows * DT; i += 128) {
-        const int r = i / DT, c = i % DT;
-        if (c >= chunks) continue;
-        const uint32_t off = sm90::panel_offset<K::BN>(key0 + r, col0 / 8 + c);
-        const int64_t at = int64_t(blk.n0 + key0 + r) * b.dk_row_stride + col0 + c * 8;
-        *reinterpret_cast<uint4*>(dk + at) = ld_shared_v4(sm.k() + off);
-        *reinterpret_cast<uint4*>(dv + at) = ld_shared_v4(sm.v() + off);
-    }
+    const int valid = min(DT, b.a.d / 8 - col0 / 8);
+    const int64_t at = base + int64_t(blk.n0 + key0) * b.dk_row_stride + col0;
+    sm90::copy_panel_rows<T, K::BN, DT>(sm.k(), key0, col0 / 8, rows, valid,
+                                        static_cast<T*>(b.dk) + at, b.dk_row_stride, tid, 128);
+    sm90::copy_panel_rows<T, K::BN, DT>(sm.v(), key0, col0 / 8, rows, valid,
+                                        static_cast<T*>(b.dv) + at, b.dk_row_stride, tid, 128);
 }
 
 // dK (with the softmax scale of S = scale Q K^T, applied once here) and dV of a warpgroup's
@@ -1013,13 +999,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
         // Rows crossing the sequence's end: a TMA store would write the next sequence's,
         // so the rows before the end from the panels, 16 bytes a thread. dq is contiguous.
         T* dq = static_cast<T*>(P.b.dq) + (int64_t(seq.q_start + m0) * p.h + bidh) * p.d;
-        const int rows = seq.seqlen_q - m0, chunks = p.d / 8;
-        for (int i = threadIdx.x; i < rows * (D / 8); i += 256) {
-            const int r = i / (D / 8), c = i % (D / 8);
-            if (c < chunks)
-                *reinterpret_cast<uint4*>(dq + int64_t(r) * p.h * p.d + c * 8) =
-                    ld_shared_v4(stage + sm90::panel_offset<BM>(r, c));
-        }
+        sm90::copy_panel_rows<T, BM, D / 8>(stage, 0, 0, seq.seqlen_q - m0, p.d / 8, dq,
+                                            int64_t(p.h) * p.d, threadIdx.x, 256);
         return;
     }
     if (threadIdx.x == 0) {

@@ -24,7 +24,8 @@
 // a softcap, ALiBi or block mask: src/cuda/mod.rs sends the rest to fwd_sm90.cu and fwd.cu.
 // Packed batches are one tensor of every sequence's rows to TMA; a tile's rows past its
 // sequence's end read the next sequence's Q, K and V (its keys masked, its rows never stored:
-// O from registers where a warpgroup's rows cross the end). Entry points
+// where a warpgroup's rows cross the end, its threads copy the rows before it from the staged
+// panels instead of a TMA store). Entry points
 // flash_fwd_ws_<dtype>_d<D>[_<shape>][_mods|_sparse|_packed].
 #include <type_traits>
 
@@ -50,7 +51,8 @@ struct FwdTmaParams {
     // by itself.
     unsigned int* tile_counter;
     // Under the dynamic schedule, how many (sequence, head) pairs at the end of the walk
-    // hand out their query blocks heaviest first across all of them (longest_first_tail); 0: none.
+    // hand out their query blocks heaviest first across all of them (longest_first_tail);
+    // 0: none.
     int tail_heads;
 };
 
@@ -272,7 +274,8 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         // Packed batches: the tiles past a shorter sequence's end (no rows, nothing to write)
         // are passed over here under the counter, so the consumers never wait for them.
         if constexpr (K::PACKED) {
-            while (slots != nullptr && t < tiles && !WsTile<K>::has_rows(P.a, t, tiles, P.tail_heads))
+            while (slots != nullptr && t < tiles &&
+                   !WsTile<K>::has_rows(P.a, t, tiles, P.tail_heads))
                 t = fetch(t);
         }
         const bool last = t >= tiles;
@@ -445,7 +448,8 @@ template <class K> struct WsConsumer {
         int seqlen_q;
         // O's head and third coordinate for the TMA store: the batch, or in packed batches
         // (batch 0) the sequence's first row, -1 where this warpgroup's rows cross the
-        // sequence's end (a TMA store would write the next sequence's rows): O from registers.
+        // sequence's end (a TMA store would write the next sequence's rows; store_staged copies
+        // its rows instead).
         int bidh, tma_c;
     };
     __device__ __forceinline__ OutTile out_tile(const WsTile<K>& w) const {
@@ -718,7 +722,11 @@ template <class K> struct WsConsumer {
         tma::named_sync(EPILOGUE_BAR + group, 128);
         const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
         if (K::PACKED && to.tma_c < 0) {
-            copy_rows(to, stage, row0);
+            // Packed batches, this warpgroup's rows crossing the sequence's end: the rows
+            // before it (the head dim is a multiple of 8 wherever O has a tensor map).
+            sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
+                stage, 0, 0, min(64, to.seqlen_q - row0), p.d / 8,
+                to.out + int64_t(row0) * p.o_row_stride, p.o_row_stride, threadIdx.x % 128, 128);
         } else if (leader) {
             if constexpr (K::PACKED)
                 tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, to.tma_c + row0, to.bidh, 0);
@@ -737,24 +745,6 @@ template <class K> struct WsConsumer {
                 const int q_row = to.row0 + lane / 4 + 8 * r;
                 if (q_row < to.seqlen_q) to.lse[q_row] = row_lse[r];
             }
-        }
-    }
-
-    // Packed batches, this warpgroup's rows crossing the sequence's end: its rows before the
-    // end from the staged panels (128-byte rows, 16-byte chunks swizzled) to O, 16 bytes a
-    // thread at a time; the head dim is a multiple of 8 wherever O has a tensor map.
-    __device__ __forceinline__ void copy_rows(const OutTile& to, uint32_t stage, int row0) const {
-        constexpr int CHUNKS = D / 8;
-        const int rows = min(64, to.seqlen_q - row0), chunks = p.d / 8;
-        T* out = to.out + int64_t(row0) * p.o_row_stride;
-        for (int i = threadIdx.x % 128; i < rows * CHUNKS; i += 128) {
-            const int r = i / CHUNKS, c = i % CHUNKS;
-            if (c >= chunks) continue;
-            uint32_t x, y, z, w;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(x), "=r"(y), "=r"(z), "=r"(w)
-                         : "r"(stage + sm90::panel_offset<K::O_PANEL_ROWS>(r, c)));
-            *reinterpret_cast<uint4*>(out + int64_t(r) * p.o_row_stride + c * 8) = {x, y, z, w};
         }
     }
 

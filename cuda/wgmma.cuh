@@ -217,4 +217,24 @@ __device__ __forceinline__ void stage_fragments(uint32_t tile, const float (&f)[
                     MmaOp<T>::pack(f[i + 1][2] * s1, f[i + 1][3] * s1));
 }
 
+// Rows [row0, row0 + rows) x 16-byte chunks [chunk0, chunk0 + valid) of a PANEL_ROWS-row panel
+// tile (stage_fragments' output, CHUNKS chunks per row taken), to global memory: row r of the
+// range at dst + r * row_stride, chunk c at dst + 8 c; 16 bytes per thread and step, `thread`
+// of `threads`. Where a TMA store of the whole box would write rows the caller does not own
+// (a packed sequence's end).
+template <typename T, int PANEL_ROWS, int CHUNKS>
+__device__ __forceinline__ void copy_panel_rows(uint32_t tile, int row0, int chunk0, int rows,
+                                                int valid, T* dst, int64_t row_stride,
+                                                int thread, int threads) {
+    for (int i = thread; i < rows * CHUNKS; i += threads) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        if (c >= valid) continue;
+        uint4 x;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                     : "r"(tile + panel_offset<PANEL_ROWS>(row0 + r, chunk0 + c)));
+        *reinterpret_cast<uint4*>(dst + r * row_stride + c * 8) = x;
+    }
+}
+
 }  // namespace sm90
