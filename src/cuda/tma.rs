@@ -29,7 +29,7 @@ pub(super) struct FwdTmaParams {
     /// per block that carry the next tile's index to shared memory; null for the static walk.
     pub tile_counter: sys::CUdeviceptr,
     /// Under the dynamic schedule, the (sequence, head) pairs at the end of the walk whose
-    /// query blocks go heaviest first across all of them (`WsTile`); 0: none.
+    /// query blocks go heaviest first across all of them (`longest_first_tail`); 0: none.
     pub tail_heads: i32,
 }
 
