@@ -385,6 +385,10 @@ impl FlashAttn {
     /// [`FlashAttn::forward`]. Dropout: see [`crate::dropout_mask`] for the mask of each
     /// sequence.
     ///
+    /// Inputs must be finite in every sequence: on Hopper the warp-specialized kernels read a
+    /// tile's rows past its sequence's end from the next sequence and weight them by zero, so
+    /// a NaN or infinity there (0 x NaN) can reach a neighbour's output or gradients.
+    ///
     /// Errors: the errors of [`FlashAttn::forward`] (with rank 3 instead of 4), and a last
     /// offset of `cu_seqlens_q` (`cu_seqlens_k`) that differs from q's (k's) rows.
     pub fn forward_varlen(
