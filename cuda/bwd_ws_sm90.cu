@@ -283,25 +283,26 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
 template <class K>
 __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                                const BwdWsBlock<K>& blk) {
-    // Packed batches: rows from the sequence's first, batch coordinate 0. A block's rows past
-    // its sequence's end read the next sequence's (masked keys, query rows whose statistics
-    // the prep kernel set to +inf LSE: P = 0 there).
-    const int tb = K::PACKED ? 0 : blk.bidb, q0 = K::PACKED ? blk.seq.q_start : 0;
-    const int k0 = K::PACKED ? blk.seq.k_start : 0;
+    // Packed batches: a block's rows past its sequence's end read the next sequence's
+    // (masked keys, query rows whose statistics the prep kernel set to +inf LSE: P = 0 there).
+    const TmaSeq ts = tma_seq<K::PACKED>(blk.seq, blk.bidb);
     tma::arrive_expect_tx(sm.full_kv(), 2 * K::KV_BYTES);
-    tma::load_tile<K::BN, K::D / 64>(sm.k(), P.k, sm.full_kv(), k0 + blk.n0, blk.bidh_k, tb);
-    tma::load_tile<K::BN, K::D / 64>(sm.v(), P.v, sm.full_kv(), k0 + blk.n0, blk.bidh_k, tb);
+    tma::load_tile<K::BN, K::D / 64>(sm.k(), P.k, sm.full_kv(), ts.k0 + blk.n0, blk.bidh_k,
+                                     ts.batch);
+    tma::load_tile<K::BN, K::D / 64>(sm.v(), P.v, sm.full_kv(), ts.k0 + blk.n0, blk.bidh_k,
+                                     ts.batch);
     int slot = 0, phase = 0;
     const auto issue = [&](int bidh, int m0, int64_t tile, bool last) {
         tma::wait(sm.empty(slot), phase ^ 1);
         if constexpr (K::TILES_FROM_PRODUCER) st_tile_info(sm.info(slot), {bidh, m0, last});
         tma::arrive_expect_tx(sm.full_q(slot), K::Q_BYTES + K::STATS_BYTES);
-        tma::load_tile<K::BM, K::D / 64>(sm.q(slot), P.q, sm.full_q(slot), q0 + m0, bidh, tb);
+        tma::load_tile<K::BM, K::D / 64>(sm.q(slot), P.q, sm.full_q(slot), ts.q0 + m0, bidh,
+                                         ts.batch);
         tma::load_bulk(sm.stats(slot), P.stats + tile * 2 * K::BM, K::STATS_BYTES,
                        sm.full_q(slot));
         tma::arrive_expect_tx(sm.full_do(slot), K::Q_BYTES);
-        tma::load_tile<K::BM, K::D / 64>(sm.dout(slot), P.dout, sm.full_do(slot), q0 + m0, bidh,
-                                         tb);
+        tma::load_tile<K::BM, K::D / 64>(sm.dout(slot), P.dout, sm.full_do(slot), ts.q0 + m0,
+                                         bidh, ts.batch);
         if (++slot == K::STAGES) {
             slot = 0;
             phase ^= 1;
@@ -484,10 +485,10 @@ __device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsSme
     if (tid == 0) {
         // This warpgroup's DT / 8 panels: from panel col0 / 64, rows from key0.
         const uint32_t off = col0 / 64 * K::BN * 128 + key0 * 128;
-        const int row = (K::PACKED ? blk.seq.k_start : 0) + blk.n0 + key0;
-        const int tb = K::PACKED ? 0 : blk.bidb;
-        tma::store_tile<K::BN, DT / 8>(P.dk, sm.k() + off, col0, row, blk.bidh_k, tb);
-        tma::store_tile<K::BN, DT / 8>(P.dv, sm.v() + off, col0, row, blk.bidh_k, tb);
+        const TmaSeq ts = tma_seq<K::PACKED>(blk.seq, blk.bidb);
+        const int row = ts.k0 + blk.n0 + key0;
+        tma::store_tile<K::BN, DT / 8>(P.dk, sm.k() + off, col0, row, blk.bidh_k, ts.batch);
+        tma::store_tile<K::BN, DT / 8>(P.dv, sm.v() + off, col0, row, blk.bidh_k, ts.batch);
         tma::bulk_commit();
         tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }
@@ -1004,9 +1005,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
         return;
     }
     if (threadIdx.x == 0) {
-        // Packed batches: one tensor of every sequence's rows, batch coordinate 0.
-        tma::store_tile<BM, D / 64>(P.dq, stage, 0, (packed ? seq.q_start : 0) + m0, bidh,
-                                    packed ? 0 : bidb);
+        // Packed batches: one tensor of every sequence's rows, batch 0 (q_start is 0 for
+        // fixed length).
+        tma::store_tile<BM, D / 64>(P.dq, stage, 0, seq.q_start + m0, bidh, packed ? 0 : bidb);
         tma::bulk_commit();
         tma::bulk_wait_all();  // the block's shared memory outlives the copies
     }

@@ -298,11 +298,10 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
         }
         if (slot != nullptr) tma::load_bulk(sm.tile(qs.st), slot, 16, sm.full_q(qs.st));
         if (last) return;
-        // Packed batches: one tensor of every sequence's rows (batch coordinate 0).
-        const int tb = K::PACKED ? 0 : w.bidb, k0 = K::PACKED ? w.seq.k_start : 0;
+        const TmaSeq ts = tma_seq<K::PACKED>(w.seq, w.bidb);
         if (q)
-            tma::load_tile<K::BM, K::D / 64>(sm.q(qs.st), P.q, sm.full_q(qs.st),
-                                             (K::PACKED ? w.seq.q_start : 0) + w.m0, w.bidh, tb);
+            tma::load_tile<K::BM, K::D / 64>(sm.q(qs.st), P.q, sm.full_q(qs.st), ts.q0 + w.m0,
+                                             w.bidh, ts.batch);
         int state = w.last_state;
         for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next, next_state; nb >= 0;
              nb = next, state = next_state, ++it) {
@@ -316,11 +315,11 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
                 st_shared(sm.key(s.st), KeyInfo{nb, state, next < 0}.pack());
             tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
             tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st),
-                                             k0 + nb * K::BN, w.bidh_k, tb);
+                                             ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
             tma::wait(sm.empty_v(s.st), s.phase ^ 1);
             tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
             tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st),
-                                             k0 + nb * K::BN, w.bidh_k, tb);
+                                             ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
         }
         t = fetch(t);
     }

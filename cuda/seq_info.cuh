@@ -36,3 +36,14 @@ struct SeqInfo {
         return b * p.lse_batch_stride + h * p.lse_head_stride + q_start;
     }
 };
+
+// Where the Hopper kernels' tensor maps (tma.cuh, over (d, rows, heads, batch)) find sequence b:
+// fixed-length batches at batch b from row 0; packed ones in one tensor of every sequence's
+// rows, batch 0, from the sequence's first rows q0 and k0. PACKED is the kernel's, known at
+// compile time, so that the fixed-length kernels carry no offsets (registers).
+struct TmaSeq {
+    int q0, k0, batch;
+};
+template <bool PACKED> __device__ __forceinline__ TmaSeq tma_seq(const SeqInfo& seq, int b) {
+    return PACKED ? TmaSeq{seq.q_start, seq.k_start, 0} : TmaSeq{0, 0, b};
+}

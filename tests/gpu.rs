@@ -997,28 +997,12 @@ mod cuda_suite {
     /// forward's dynamic walk, whose last heads go query block by query block, heaviest
     /// first (fwd_ws_sm90.cu `WsTile`); a partial last query block, GQA.
     fn many_tile_cases() -> Vec<Case> {
-        let shapes = [
+        causal_cases(&[
             // (b, sq, sk, h, hk, d): 128-row tiles
             (4, 1024, 1024, 16, 4, 64),  // 512
             (2, 1000, 1000, 16, 4, 128), // 256
             (2, 1000, 1100, 16, 8, 256), // 256
-        ];
-        let mut cases = vec![];
-        for dtype in [DType::F16, DType::BF16] {
-            for (b, sq, sk, h, hk, d) in shapes {
-                cases.push(Case {
-                    dtype,
-                    b,
-                    sq,
-                    sk,
-                    h,
-                    hk,
-                    d,
-                    causal: true,
-                });
-            }
-        }
-        cases
+        ])
     }
 
     /// Causal shapes with more than two waves of key blocks on 132 SMs: the Hopper backward's
@@ -1026,16 +1010,20 @@ mod cuda_suite {
     /// (bwd_ws_sm90.cu `BwdWsBlock::launch_order`), after heads in launch order; a partial last
     /// key block, seqlen_q != seqlen_k, GQA.
     fn many_key_block_cases() -> Vec<Case> {
-        let shapes = [
+        causal_cases(&[
             // (b, sq, sk, h, hk, d): blocks of 128 keys (64 at d 256)
             (4, 2048, 2048, 16, 8, 64),   // 512 blocks
             (2, 2000, 2000, 16, 16, 128), // 512
             (2, 1000, 1100, 32, 16, 256), // 576
-        ];
-        let mut cases = vec![];
-        for dtype in [DType::F16, DType::BF16] {
-            for (b, sq, sk, h, hk, d) in shapes {
-                cases.push(Case {
+        ])
+    }
+
+    /// Causal cases of the (b, sq, sk, h, hk, d) shapes, in f16 and bf16.
+    fn causal_cases(shapes: &[(usize, usize, usize, usize, usize, usize)]) -> Vec<Case> {
+        [DType::F16, DType::BF16]
+            .into_iter()
+            .flat_map(|dtype| {
+                shapes.iter().map(move |&(b, sq, sk, h, hk, d)| Case {
                     dtype,
                     b,
                     sq,
@@ -1044,10 +1032,9 @@ mod cuda_suite {
                     hk,
                     d,
                     causal: true,
-                });
-            }
-        }
-        cases
+                })
+            })
+            .collect()
     }
 
     /// Training, memory, strided inputs, repeatability, CPU vs CUDA, input errors.

@@ -389,11 +389,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         let sparse = lock_sparse(&problem.mods);
         let _sparse_syncs = sparse_ptrs(&mut params.a, &sparse, &stream)?;
         match path {
-            // Packed batches without a softcap, ALiBi or block mask (the `_packed` kernels).
-            BwdPath::Ws(shape)
-                if (!packed || (params.a.mods_suffix().is_empty() && tma::packed_kernels()))
-                    && bwd_ws::supported(&params, &shape, q.dtype(), totals) =>
-            {
+            BwdPath::Ws(shape) if bwd_ws::supported(&params, &shape, q.dtype(), totals) => {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
                 bwd_ws::run(
                     &dev,

@@ -6,7 +6,7 @@ use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr};
 use candle::{DType, Result};
 
 use super::lpt_tail::Tail;
-use super::tma::{TileSource, TmaDesc};
+use super::tma::{self, TileSource, TmaDesc};
 use super::{launch, launch_programmatic, AttnParams, BwdParams};
 
 /// Mirror of `struct BwdTmaParams` in `cuda/bwd_ws_sm90.cu`.
@@ -131,8 +131,7 @@ impl BwdWsBuffers {
 }
 
 /// The parameter block for `b` (pointers set, `b.dq_accum` aside), or `None` where TMA
-/// cannot address q, k, v, dO, dK or dV. Packed batches (`packed`: total query and key rows):
-/// one tensor of every sequence's rows, batch 1; the kernels add each sequence's first row.
+/// cannot address q, k, v, dO, dK or dV; `packed` as in `tma::extents`.
 fn params(
     b: &BwdParams,
     shape: &BwdWsShape,
@@ -140,10 +139,7 @@ fn params(
     packed: Option<(usize, usize)>,
 ) -> Option<BwdTmaParams> {
     let a: &AttnParams = &b.a;
-    let (batch, rows_q, rows_k) = match packed {
-        Some((total_q, total_k)) => (1, total_q, total_k),
-        None => (a.b as usize, a.seqlen_q as usize, a.seqlen_k as usize),
-    };
+    let (batch, rows_q, rows_k) = tma::extents(a, packed);
     let source = |ptr, rows: usize, heads: i32, [batch_stride, row, head]: [i64; 3]| TileSource {
         ptr,
         dtype,
@@ -184,8 +180,10 @@ fn grid(b: &BwdParams, shape: &BwdWsShape) -> (usize, usize, usize) {
     (key_blocks, a.h_k as usize, a.b as usize)
 }
 
-/// Whether this path can run `b`: TMA can address its tensors, and the kernel's linear block
-/// index (`BwdWsBlock::launch_order`) fits an int.
+/// Whether this path can run `b`: TMA can address its tensors, the kernel's linear block
+/// index (`BwdWsBlock::launch_order`) fits an int, and packed batches (`packed`: total query
+/// and key rows) have no softcap, ALiBi or block mask (the `_packed` kernels have none) and
+/// are not sent to the older kernels (`tma::packed_kernels`).
 pub(super) fn supported(
     b: &BwdParams,
     shape: &BwdWsShape,
@@ -193,7 +191,8 @@ pub(super) fn supported(
     packed: Option<(usize, usize)>,
 ) -> bool {
     let (x, y, z) = grid(b, shape);
-    x * y * z <= i32::MAX as usize && params(b, shape, dtype, packed).is_some()
+    let packed_ok = packed.is_none() || (b.a.mods_suffix().is_empty() && tma::packed_kernels());
+    packed_ok && x * y * z <= i32::MAX as usize && params(b, shape, dtype, packed).is_some()
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on

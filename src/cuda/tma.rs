@@ -313,20 +313,26 @@ impl WsShape {
     }
 }
 
+/// The batches and rows the Hopper kernels' tensor maps span, `(batch, rows of q, rows of k)`:
+/// fixed length `(b, seqlen_q, seqlen_k)`; packed batches (`packed`: total query and key rows)
+/// one tensor of every sequence's rows, batch 1 (the kernels add each sequence's first row:
+/// `tma_seq` in cuda/seq_info.cuh).
+pub(super) fn extents(a: &AttnParams, packed: Option<(usize, usize)>) -> (usize, usize, usize) {
+    match packed {
+        Some((total_q, total_k)) => (1, total_q, total_k),
+        None => (a.b as usize, a.seqlen_q as usize, a.seqlen_k as usize),
+    }
+}
+
 /// The parameter block of the warp-specialized forward for `a` (pointers and strides set),
-/// or `None` where TMA cannot address q, k or v.
+/// or `None` where TMA cannot address q, k or v; `packed` as in [`extents`].
 pub(super) fn fwd_params(
     a: &AttnParams,
     dtype: DType,
     shape: &WsShape,
     packed: Option<(usize, usize)>,
 ) -> Option<FwdTmaParams> {
-    // Packed batches (`packed`: total query and key rows): one tensor of every sequence's
-    // rows, batch 1; the kernel adds each sequence's first row.
-    let (b, rows_q, rows_k) = match packed {
-        Some((total_q, total_k)) => (1, total_q, total_k),
-        None => (a.b as usize, a.seqlen_q as usize, a.seqlen_k as usize),
-    };
+    let (b, rows_q, rows_k) = extents(a, packed);
     let source = |ptr, rows: usize, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
         ptr,
         dtype,
