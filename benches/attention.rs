@@ -17,8 +17,13 @@
 //!
 //! Candle's own attention has `fwd` and `fwd+bwd` (through autograd).
 //!
+//! `--dropout P`: the grid's passes of candle-flash with dropout `P` (one fixed RNG offset),
+//! without Candle's attention; `scripts/torch_bench.py --dropout P` times SDPA likewise, and
+//! `CANDLE_FLASH_WS_DROPOUT=0` in a second run times the kernels dropout had before the
+//! warp-specialized ones.
+//!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -121,7 +126,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -158,6 +163,7 @@ struct Args {
     mods_only: bool,
     sparse_only: bool,
     varlen_only: bool,
+    dropout: f32,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -174,6 +180,7 @@ impl Args {
             mods_only: false,
             sparse_only: false,
             varlen_only: false,
+            dropout: 0.0,
             dtype: DType::BF16,
             json: None,
         };
@@ -189,6 +196,17 @@ impl Args {
                 "--sparse-only" => args.sparse_only = true,
                 "--varlen-only" => args.varlen_only = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
+                "--dropout" => {
+                    let p = it.next().ok_or("--dropout needs a probability")?;
+                    args.dropout = match p.parse::<f32>() {
+                        Ok(p) if (0.0..1.0).contains(&p) => p,
+                        _ => {
+                            return Err(format!(
+                                "--dropout: expected a number in [0, 1), got {p:?}"
+                            ))
+                        }
+                    };
+                }
                 "--dtype" => {
                     args.dtype = match it.next().as_deref() {
                         Some("bf16") => DType::BF16,
@@ -394,7 +412,11 @@ fn run(args: &Args, dev: &Device) {
         no_naive: args.no_naive,
         fwd_only: args.fwd_only,
         bwd_only: args.bwd_only,
+        dropout: args.dropout,
     };
+    if args.dropout > 0.0 {
+        println!("# dropout p = {}", args.dropout);
+    }
     if args.mods_only {
         bench.mods_section();
         return;
@@ -442,6 +464,10 @@ struct Bench {
     fwd_only: bool,
     /// `--bwd-only`: only the `bwd` pass (A/B runs of backward kernels).
     bwd_only: bool,
+    /// `--dropout P`: our kernels with dropout (a fixed RNG offset, so that the direct
+    /// backward may run), no naive rows (Candle's attention has no dropout here);
+    /// scripts/torch_bench.py takes the same flag.
+    dropout: f32,
 }
 
 impl Bench {
@@ -450,7 +476,7 @@ impl Bench {
         match sets.collect::<Result<Vec<_>>>() {
             Ok(sets) => {
                 self.flash(case, &sets);
-                if !self.no_naive {
+                if !self.no_naive && self.dropout == 0.0 {
                     self.naive(case, &sets);
                 }
             }
@@ -460,7 +486,10 @@ impl Bench {
 
     fn flash(&mut self, case: &Case, sets: &[Inputs]) {
         let dev = self.dev.clone();
-        let opts = FlashAttn::new().causal(case.causal);
+        let mut opts = FlashAttn::new().causal(case.causal);
+        if self.dropout > 0.0 {
+            opts = opts.dropout(self.dropout).rng_offset(0);
+        }
         let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
         if self.bwd_only {
             let bwd = try_time(|| time_bwd_direct(&dev, sets, &opts));

@@ -25,9 +25,9 @@
 // but for d = 256.
 // d = 256 (head dims 193-256, columns past the head dim zero) splits the head dim between the
 // consumers instead of the keys: see BwdWsSplitConsumer.
-// Without dropout, head dims 33-128 (65-96 on the d = 128 kernel) and 193-256,
-// TMA-addressable tensors; packed (variable-length) batches in the `_packed` kernels, without a
-// softcap, ALiBi or block mask: one tensor of every sequence's rows to TMA, the rows crossing a
+// Head dims 33-128 (65-96 on the d = 128 kernel) and 193-256, TMA-addressable tensors; dropout
+// in the `_dropout` kernels and packed (variable-length) batches in the `_packed` ones (both:
+// `_packed_dropout`), without a softcap, ALiBi or block mask: one tensor of every sequence's rows to TMA, the rows crossing a
 // sequence's end written from shared memory by the threads (copy_dkdv, the convert kernel).
 // src/cuda/bwd.rs runs the older kernels for the rest.
 // Entry points flash_bwd_ws_*.
@@ -39,6 +39,7 @@
 #include "mask.cuh"
 #include "params.cuh"
 #include "pdl.cuh"
+#include "philox.cuh"
 #include "seq_info.cuh"
 #include "softmax.cuh"
 #include "tma.cuh"
@@ -71,7 +72,8 @@ struct BwdTmaParams {
 // SPLIT (d = 256): 64 keys per block, and the consumer warpgroups split the head dim instead
 // of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
-template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false>
+template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false,
+          bool DROPOUT_ = false>
 struct BwdWsTraits {
     using T = T_;
     static constexpr int D = D_, STAGES = STAGES_;
@@ -79,6 +81,9 @@ struct BwdWsTraits {
     // Packed (variable-length) batches, in kernels of their own (`_packed`), as in the
     // forward: one tensor of every sequence's rows to TMA, batch coordinate 0.
     static constexpr bool PACKED = PACKED_;
+    // Dropout, in kernels of their own (`_dropout`, `_packed_dropout`), without mods.
+    static constexpr bool DROPOUT = DROPOUT_;
+    static_assert(!DROPOUT || MODS == MODS_NONE, "dropout kernels have no mods");
     static constexpr bool SPLIT = D > 128;
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
     static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
@@ -378,14 +383,39 @@ __device__ __forceinline__ ProbsMode probs_mode(const Mask& mask) {
     return mask.slopes != nullptr ? PROBS_CAPPED_ALIBI : PROBS_CAPPED;
 }
 
+// Dropout's keep bits of a consumer's S^T fragment (Dropout::keep_fragment with keys as rows)
+// and 1 / (1 - p). Both of P's uses in the backward see the
+// forward's dropped and scaled entries: dV += (P o Z / (1 - p))^T dO, and dS = P o (dP o Z /
+// (1 - p) - rowsum(dO O)) (FlashAttention-2 Algorithm 2 with dropout). Where a kernel has no
+// dropout (DROP = false), nothing of it is compiled.
+struct DropBits {
+    uint32_t keep[2];
+    float rp_keep;
+    __device__ __forceinline__ float apply(float x, int r, int nt, int e) const {
+        return Dropout::kept(keep, r, nt, e) ? x * rp_keep : 0.f;
+    }
+    // The keep bits of the fragment of 16 keys from row0 and NQ n8 tiles of queries from col0,
+    // for query head bidh of sequence bidb.
+    template <int NQ>
+    static __device__ __forceinline__ DropBits draw(const AttnParams& p, int bidb, int bidh,
+                                                    int row0, int col0, int lane) {
+        DropBits d;
+        Dropout(p, bidb, bidh).template keep_fragment<NQ, true>(d.keep, row0, col0, lane);
+        d.rp_keep = p.rp_keep;
+        return d;
+    }
+};
+
 // P^T for the k16 step kk of dV (S^T's n8 tiles 2 kk and 2 kk + 1, keys as rows from row0,
 // queries as columns from col0) from this thread's query columns' LSE, into A fragment
 // a_p[0][kk]; S^T becomes P^T, or under a softcap P^T (1 - t^2), one pair at a time, so
 // that no second array of t is live. Rows that saw no key have LSE +inf: P = 0.
-template <ProbsMode MODE, typename T, int NQ>
+// With DROP, the A fragment holds the dropped and scaled P^T (DropBits), S^T the whole one.
+template <ProbsMode MODE, typename T, int NQ, bool DROP = false>
 __device__ __forceinline__ void probs_step(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
                                            int kk, const float2 (&lse)[NQ], const Mask& mask,
-                                           int row0, int col0, int lane, float scale_log2) {
+                                           int row0, int col0, int lane, float scale_log2,
+                                           const DropBits& drop = {}) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int nt = 2 * kk; nt < 2 * kk + 2; ++nt)
@@ -401,21 +431,23 @@ __device__ __forceinline__ void probs_step(float (&s)[1][NQ][4], uint32_t (&a_p)
                                      : x;
                 prob[c] = exp2f(fmaf(x, scale_log2, -(c ? lse[nt].y : lse[nt].x)));
                 x = MODE == PROBS_PLAIN ? prob[c] : cap_grad_times(prob[c], tc);
+                if (DROP) prob[c] = drop.apply(prob[c], half, nt, c);
             }
             a_p[0][kk][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
         }
 }
 
 // P^T (Algorithm 2, line 13) for every k16 step, into A fragments (probs_step).
-template <typename T, int NQ>
+template <typename T, int NQ, bool DROP = false>
 __device__ __forceinline__ void probs_t(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
                                         const float2 (&lse)[NQ], const Mask& mask, int row0,
-                                        int col0, int lane, float scale_log2) {
+                                        int col0, int lane, float scale_log2,
+                                        const DropBits& drop = {}) {
     const auto all = [&](auto mode) {
 #pragma unroll
         for (int kk = 0; kk < NQ / 2; ++kk)
-            probs_step<decltype(mode)::value, T, NQ>(s, a_p, kk, lse, mask, row0, col0, lane,
-                                                     scale_log2);
+            probs_step<decltype(mode)::value, T, NQ, DROP>(s, a_p, kk, lse, mask, row0, col0,
+                                                           lane, scale_log2, drop);
     };
     switch (probs_mode(mask)) {
     case PROBS_PLAIN: all(std::integral_constant<ProbsMode, PROBS_PLAIN>()); break;
@@ -424,15 +456,19 @@ __device__ __forceinline__ void probs_t(float (&s)[1][NQ][4], uint32_t (&a_p)[1]
     }
 }
 
-// dS^T = P^T o (dP^T - rowsum(dO O)) (line 19) in dpt, and as A fragments.
-template <typename T, int NQ>
+// dS^T = P^T o (dP^T - rowsum(dO O)) (line 19) in dpt, and as A fragments; with DROP, dP^T's
+// entries dropped and scaled first (DropBits).
+template <typename T, int NQ, bool DROP = false>
 __device__ __forceinline__ void grads_t(float (&dpt)[1][NQ][4], const float (&s)[1][NQ][4],
-                                        const float2 (&dsum)[NQ], uint32_t (&a_ds)[1][NQ / 2][4]) {
+                                        const float2 (&dsum)[NQ], uint32_t (&a_ds)[1][NQ / 2][4],
+                                        const DropBits& drop = {}) {
 #pragma unroll
     for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            dpt[0][nt][e] = s[0][nt][e] * (dpt[0][nt][e] - (e % 2 ? dsum[nt].y : dsum[nt].x));
+        for (int e = 0; e < 4; ++e) {
+            const float dp = DROP ? drop.apply(dpt[0][nt][e], e / 2, nt, e % 2) : dpt[0][nt][e];
+            dpt[0][nt][e] = s[0][nt][e] * (dp - (e % 2 ? dsum[nt].y : dsum[nt].x));
+        }
     pack_a<T, 1, NQ>(dpt, a_ds);
 }
 
@@ -589,12 +625,23 @@ template <class K> struct BwdWsConsumer {
 #pragma unroll
             for (int nt = 0; nt < NQ; ++nt) lse[nt] = ld_shared_f2(sLse + (nt * 8 + 2 * t) * 4);
         };
+        // Dropout's keep bits while S^T runs (and dP^T: with both in flight the d = 128
+        // kernel spilled 12 bytes).
+        DropBits drop;
+        const auto draw = [&] {
+            if constexpr (K::DROPOUT)
+                drop = DropBits::draw<NQ>(p, blk.bidb, bidh, row0, m0, lane);
+        };
         if constexpr (K::PIPE_SDP) {
             issue_sdp(s, dpt, it, [] {});
             retire<2>(it - 1);
             load_lse();
+            draw();
         } else {
-            issue_sdp(s, dpt, it, load_lse);
+            issue_sdp(s, dpt, it, [&] {
+                load_lse();
+                draw();
+            });
         }
         sm90::wait<1>();
         sm90::fence_operand(s[0]);
@@ -617,7 +664,7 @@ template <class K> struct BwdWsConsumer {
         uint32_t a_p[1][NQ / 2][4];
         sm90::fence_operand(dv);
         if constexpr (K::MODS == MODS_NONE) {
-            probs_dv<PROBS_PLAIN>(s, a_p, lse, head_mask, row0, m0, sdO);
+            probs_dv<PROBS_PLAIN>(s, a_p, lse, head_mask, row0, m0, sdO, drop);
         } else if (K::MODS == MODS_SCORES && D == 64 && probs_mode(head_mask) == PROBS_CAPPED) {
             probs_dv<PROBS_CAPPED>(s, a_p, lse, head_mask, row0, m0, sdO);
         } else {
@@ -635,7 +682,7 @@ template <class K> struct BwdWsConsumer {
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
 
         // dS^T (line 19), into the key-major panel tile for dQ.
-        grads_t<T, NQ>(dpt, s, dsum, a_ds);
+        grads_t<T, NQ, K::DROPOUT>(dpt, s, dsum, a_ds, drop);
         sm90::store_key_major<BN, NQ>(sdS, a_ds, group * 64, 0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(BAR_TILE_A, 128 * K::CONSUMERS);  // both halves of dS^T are written
@@ -684,10 +731,11 @@ template <class K> struct BwdWsConsumer {
     template <ProbsMode MODE>
     __device__ __forceinline__ void probs_dv(float (&s)[1][NQ][4], uint32_t (&a_p)[1][NQ / 2][4],
                                              const float2 (&lse)[NQ], const Mask& mask, int row0,
-                                             int col0, uint32_t sdO) {
+                                             int col0, uint32_t sdO, const DropBits& drop = {}) {
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
-            probs_step<MODE, T, NQ>(s, a_p, kk, lse, mask, row0, col0, lane, p.scale_log2);
+            probs_step<MODE, T, NQ, K::DROPOUT>(s, a_p, kk, lse, mask, row0, col0, lane,
+                                                p.scale_log2, drop);
             sm90::fence();
             issue_dv(a_p, kk, sdO);
         }
@@ -763,6 +811,9 @@ template <class K> struct BwdWsSplitConsumer {
             sm90::Wgmma<T, BM / 2>::ss(dpt[0], sm90::kmajor_desc(sm.v(), BN, kk),
                                        sm90::kmajor_desc(sdO + c0 * 128, BM, kk), kk > 0);
         sm90::commit();
+        DropBits drop;  // dropout's keep bits while S^T and dP^T run
+        if constexpr (K::DROPOUT)
+            drop = DropBits::draw<NQ>(p, blk.bidb, bidh, row0, m0 + c0, lane);
         sm90::wait<1>();
         sm90::fence_operand(s[0]);
 
@@ -770,7 +821,8 @@ template <class K> struct BwdWsSplitConsumer {
         head_mask.template apply<1, NQ, true>(s, row0, m0 + c0, lane, masked, 1,
                                               EARLY ? bits : nullptr);
         uint32_t a_p[1][NQ / 2][4];
-        probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0 + c0, lane, p.scale_log2);
+        probs_t<T, NQ, K::DROPOUT>(s, a_p, lse, head_mask, row0, m0 + c0, lane, p.scale_log2,
+                                   drop);
         sm90::store_key_major<BN, NQ>(sP, a_p, 0, c0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(BAR_TILE_A, 128 * K::CONSUMERS);  // both halves of P^T are written
@@ -789,7 +841,7 @@ template <class K> struct BwdWsSplitConsumer {
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt) dsum[nt] = ld_shared_f2(sDsum + (nt * 8 + 2 * t) * 4);
         uint32_t a_ds[1][NQ / 2][4];
-        grads_t<T, NQ>(dpt, s, dsum, a_ds);
+        grads_t<T, NQ, K::DROPOUT>(dpt, s, dsum, a_ds, drop);
         sm90::store_key_major<BN, NQ>(sdS, a_ds, 0, c0, tid, lane);
         sm90::fence_proxy_async();
         tma::named_sync(BAR_TILE_B, 128 * K::CONSUMERS);  // both halves of dS^T are written
@@ -1029,6 +1081,14 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
         flash_bwd_ws_##NAME##_d##D##_packed(const __grid_constant__ BwdTmaParams p) {         \
         flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_NONE, true>>(p);                          \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D##_dropout(const __grid_constant__ BwdTmaParams p) {        \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_NONE, false, true>>(p);                   \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D##_packed_dropout(const __grid_constant__ BwdTmaParams p) { \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_NONE, true, true>>(p);                    \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         flash_bwd_ws_prep_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {             \

@@ -20,19 +20,21 @@
 //   with 128-key tiles), at d = 256 the warpgroup's rows of the Q slot. At 512 keys a build
 //   that skipped the stores from registers ran 1.2-1.35x faster (docs/PERF.md session 18).
 // Key tiles are visited last first, as in fwd_sm90.cu (under a causal mask only the first
-// need the mask). No dropout; packed (variable-length) batches in the `_packed` kernels, without
-// a softcap, ALiBi or block mask: src/cuda/mod.rs sends the rest to fwd_sm90.cu and fwd.cu.
+// need the mask). Packed (variable-length) batches in the `_packed` kernels and dropout in the
+// `_dropout` ones (both: `_packed_dropout`), none with a softcap, ALiBi or block mask:
+// src/cuda/mod.rs sends the rest to fwd_sm90.cu and fwd.cu.
 // Packed batches are one tensor of every sequence's rows to TMA; a tile's rows past its
 // sequence's end read the next sequence's Q, K and V (its keys masked, its rows never stored:
 // where a warpgroup's rows cross the end, its threads copy the rows before it from the staged
 // panels instead of a TMA store). Entry points
-// flash_fwd_ws_<dtype>_d<D>[_<shape>][_mods|_sparse|_packed].
+// flash_fwd_ws_<dtype>_d<D>[_<shape>][_mods|_sparse|_packed|_dropout|_packed_dropout].
 #include <type_traits>
 
 #include "gemm.cuh"
 #include "lpt_tail.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "philox.cuh"
 #include "seq_info.cuh"
 #include "softmax.cuh"
 #include "tma.cuh"
@@ -74,7 +76,7 @@ struct WsLayout {
 // block mask's (`..._sparse`); the others are never given such a problem (src/cuda/tma.rs)
 // and keep their registers.
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
-          int MODS_ = MODS_NONE, bool PACKED_ = false>
+          int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false>
 struct WsTraits {
     using T = T_;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
@@ -83,6 +85,9 @@ struct WsTraits {
     // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'
     // offsets in the addressing cost the fixed-length kernels 16-216 bytes of spills.
     static constexpr bool PACKED = PACKED_;
+    // Dropout, in kernels of their own (`_dropout`): its Philox rounds and keep bits cost
+    // registers the others keep.
+    static constexpr bool DROPOUT = DROPOUT_;
     static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
@@ -404,6 +409,30 @@ template <class K> struct WsConsumer {
         return st.template exp_and_factors<FIXED>(s, alpha, p.scale_log2, p.softcap_max_log2);
     }
 
+    // Dropout (K::DROPOUT): the keep bits of this warp's entries of key tile nb, drawn while
+    // its S runs (Philox is integer work, the tensor cores are busy), and P's dropped entries
+    // zeroed after the row sums have counted them (FlashAttention-2 Algorithm 1 with dropout;
+    // the 1 / (1 - p) goes with 1 / l when O is stored).
+    __device__ __forceinline__ void draw_keep(uint32_t (&keep)[2], const WsTile<K>& w,
+                                              int nb) const {
+        if constexpr (K::DROPOUT)
+            Dropout(p, w.bidb, w.bidh)
+                .template keep_fragment<NT, false>(keep, w.m0 + warp_row0, nb * BN, lane);
+    }
+    __device__ __forceinline__ void drop(float (&s)[1][NT][4], const uint32_t (&keep)[2]) const {
+        if constexpr (K::DROPOUT)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!Dropout::kept(keep, e / 2, nt, e % 2)) s[0][nt][e] = 0.f;
+    }
+    // 1 / l, times 1 / (1 - p) with dropout.
+    __device__ __forceinline__ void finalize(int r, float* inv_sum, float* row_lse) const {
+        softmax.finalize(0, r, p.scale, inv_sum, row_lse);
+        if constexpr (K::DROPOUT) *inv_sum *= p.rp_keep;
+    }
+
     // Each consumer warp arrives once its reads of the slot (its wgmmas) completed.
     __device__ __forceinline__ void release(uint32_t bar) const {
         if (lane == 0) tma::arrive(bar);
@@ -561,12 +590,15 @@ template <class K> struct WsConsumer {
         sm90::fence();
         issue_s(s, s0.st);
         pass_turn();
+        uint32_t keep[2];
+        draw_keep(keep, w, nb);
         sm90::wait<0>();
         sm90::fence_operand(s[0]);
         release(sm.empty_k(s0.st));
         scores(s, w, nb, m);
         float alpha[1][2];
         if (exp_scores(softmax, s, alpha)) softmax.rescale(o, alpha);
+        drop(s, keep);
         pack_a<T, 1, NT>(s, pa);
     }
 
@@ -590,6 +622,8 @@ template <class K> struct WsConsumer {
         issue_s(s, cur.st);
         issue_pv(prev.st);
         pass_turn();
+        uint32_t keep[2];
+        draw_keep(keep, w, nb);
         sm90::wait<WS_WAIT_S>();
         sm90::fence_operand(s[0]);
         release(sm.empty_k(cur.st));
@@ -612,6 +646,7 @@ template <class K> struct WsConsumer {
             release(sm.empty_v(prev.st));
             if (rescale) softmax.rescale(o, alpha);
         }
+        drop(s, keep);
         pack_a<T, 1, NT>(s, pa);
     }
 
@@ -683,7 +718,7 @@ template <class K> struct WsConsumer {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float inv_sum = 0.f, row_lse = -INFINITY;
-            if (!empty) softmax.finalize(0, r, p.scale, &inv_sum, &row_lse);
+            if (!empty) finalize(r, &inv_sum, &row_lse);
             const int row = to.row0 + g + 8 * r;
             if (row >= to.seqlen_q) continue;
             if (t == 0) to.lse[row] = row_lse;
@@ -714,7 +749,7 @@ template <class K> struct WsConsumer {
         tma::named_sync(EPILOGUE_BAR + group, 128);
         float inv[2], row_lse[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) softmax.finalize(0, r, p.scale, &inv[r], &row_lse[r]);
+        for (int r = 0; r < 2; ++r) finalize(r, &inv[r], &row_lse[r]);
         sm90::stage_fragments<T, PANEL_ROWS, DT>(stage, o[0], warp_row0 - group * 64, 0, inv[0],
                                                  inv[1], lane);
         sm90::fence_proxy_async();
@@ -861,17 +896,27 @@ FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SPARSE, _sparse)
 // d = 256 with 64-key tiles, which block sizes (multiples of 64) never straddle: the 80 keys
 // of _n80 touched 1.6 tiles per block kept, some of them masked entry by entry.
 FLASH_FWD_WS_MODS_BOTH(256, , 64, 2, 2, MODS_SPARSE, _sparse)
-// Packed batches: the shapes WsShape::choose takes for them.
-#define FLASH_FWD_WS_PACKED(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS)                         \
+// Packed batches (`_packed`) and dropout (`_dropout`, `_packed_dropout`): the shapes
+// WsShape::choose takes for them.
+#define FLASH_FWD_WS_VAR(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)       \
     extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
-        flash_fwd_ws_##NAME##_d##D##SUFFIX##_packed(const __grid_constant__ FwdTmaParams p) {  \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_NONE, true>>(p);        \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX##VAR(const __grid_constant__ FwdTmaParams p) {      \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_NONE, PACKED, DROPOUT>>( \
+            p);                                                                                \
     }
-#define FLASH_FWD_WS_PACKED_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS)                             \
-    FLASH_FWD_WS_PACKED(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS)                         \
-    FLASH_FWD_WS_PACKED(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS)
-FLASH_FWD_WS_PACKED_BOTH(64, , 128, 4, 2)
-FLASH_FWD_WS_PACKED_BOTH(64, _g3, 128, 3, 3)
-FLASH_FWD_WS_PACKED_BOTH(128, , 128, 2, 2)
-FLASH_FWD_WS_PACKED_BOTH(256, , 64, 2, 2)
-FLASH_FWD_WS_PACKED_BOTH(256, _n80, 80, 2, 2)
+#define FLASH_FWD_WS_VAR_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)           \
+    FLASH_FWD_WS_VAR(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)       \
+    FLASH_FWD_WS_VAR(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)
+FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(64, _g3, 128, 3, 3, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(256, , 64, 2, 2, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, true, false, _packed)
+// Dropout: one shape per head dim, two consumer warpgroups (the three of _g3 have 160
+// registers each).
+FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, false, true, _dropout)
+FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, false, true, _dropout)
+FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, false, true, _dropout)
+FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, true, true, _packed_dropout)
+FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, true, true, _packed_dropout)
+FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, true, true, _packed_dropout)

@@ -26,8 +26,11 @@ A form whose output differs from a float32 reference by more than 3% of its larg
 reported and not recorded. The device copy bandwidth (bytes read + written by a 2 GiB bf16
 copy_) is recorded as impl "torch-copy", pass "copy".
 
+--dropout P times the grid with dropout_p = P (benches/attention.rs takes the same flag).
+
 Usage: python3 scripts/torch_bench.py [--quick] [--decode-only | --no-decode] [--no-graph]
-                                      [--passes fwd,bwd,fwd+bwd] [--dtype bf16|fp16] [--json PATH]
+                                      [--passes fwd,bwd,fwd+bwd] [--dropout P] [--dtype bf16|fp16]
+                                      [--json PATH]
 """
 import argparse
 import json
@@ -112,7 +115,7 @@ def time_ms(fn, n_sets, calib=1, max_iters=100, repeats=REPEATS, warmup=None):
     return statistics.median(samples)
 
 
-def bench_config(hd, s, h, hk, causal, dtype, backend, passes=tuple(PASS_FLOP_FACTOR)):
+def bench_config(hd, s, h, hk, causal, dtype, backend, passes=tuple(PASS_FLOP_FACTOR), dropout=0.0):
     """Yields (pass, ms) for one shape and backend, for the passes named; raises if the backend
     cannot run it."""
     b = TOKENS // s
@@ -125,7 +128,7 @@ def bench_config(hd, s, h, hk, causal, dtype, backend, passes=tuple(PASS_FLOP_FA
         return q, k, v, torch.randn(b, h, s, hd, device="cuda", dtype=dtype)
 
     def attn(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, dropout_p=dropout)
 
     with sdpa_kernel(backend):
         sets = [make() for _ in range(N_SETS)]
@@ -299,6 +302,7 @@ def main():
                     help="comma-separated grid passes to time (default: all three)")
     ap.add_argument("--no-graph", action="store_true", help="decode: skip the CUDA-graph timings")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--dropout", type=float, default=0.0, help="the grid with this dropout_p")
     ap.add_argument("--json", metavar="PATH", help="write the records as a JSON list")
     args = ap.parse_args()
     args.passes = tuple(p for p in args.passes.split(",") if p)
@@ -308,7 +312,8 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("torch_bench: no CUDA device")
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"cuDNN {torch.backends.cudnn.version()}  {args.dtype}")
+          f"cuDNN {torch.backends.cudnn.version()}  {args.dtype}"
+          + (f"  dropout_p {args.dropout}" if args.dropout else ""))
     records, t_start = [], time.time()
     if not args.decode_only:
         run_grid(args, dtype, records)
@@ -325,7 +330,7 @@ def run_grid(args, dtype, records):
         fwd_flop = 4 * b * h * s * s * hd / (2 if causal else 1)
         for name, backend in BACKENDS.items():
             try:
-                for pas, ms in bench_config(hd, s, h, hk, causal, dtype, backend, args.passes):
+                for pas, ms in bench_config(hd, s, h, hk, causal, dtype, backend, args.passes, args.dropout):
                     tflops = PASS_FLOP_FACTOR[pas] * fwd_flop / (ms * 1e-3) / 1e12
                     records.append({"impl": name, "pass": pas, "hd": hd, "seqlen": s, "batch": b, "heads": h,
                                     "heads_k": hk, "causal": causal, "ms": ms, "tflops": tflops})

@@ -136,8 +136,8 @@ enum BwdPath {
     /// Hopper, no dropout.
     Sm90,
     /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
-    /// dims 65-96 and 193-256 on Hopper without dropout or determinism, for fixed-length
-    /// batches whose tensors TMA can address.
+    /// dims 65-96 and 193-256 on Hopper without determinism, for batches whose tensors TMA
+    /// can address (`bwd_ws::supported`), with dropout too.
     Ws(BwdWsShape),
 }
 
@@ -211,8 +211,8 @@ impl BwdPath {
         Self::ws(c).map_or_else(|| Self::without_ws(c), Self::Ws)
     }
 
-    /// The warp-specialized kernel of the head dim's class, on Hopper, without dropout, not
-    /// deterministic. `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere;
+    /// The warp-specialized kernel of the head dim's class, on Hopper, not deterministic, with
+    /// dropout unless `CANDLE_FLASH_WS_DROPOUT=0` (`tma::dropout_kernels`). `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere;
     /// `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
     /// block mask at 64/128 still runs it (the fused mma.sync kernels have no `_sparse`
     /// variant). Head dims 65-96 under a block mask keep the mma.sync kernels (measured only
@@ -226,7 +226,7 @@ impl BwdPath {
             Some("sm90") => c.tile.d > 192,
             Some(_) => c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide()),
         };
-        if !c.hopper || c.dropout || c.deterministic || !allowed {
+        if !c.hopper || (c.dropout && !tma::dropout_kernels()) || c.deterministic || !allowed {
             return None;
         }
         BwdWsShape::for_head_dim(d)

@@ -182,8 +182,9 @@ fn grid(b: &BwdParams, shape: &BwdWsShape) -> (usize, usize, usize) {
 
 /// Whether this path can run `b`: TMA can address its tensors, the kernel's linear block
 /// index (`BwdWsBlock::launch_order`) fits an int, and packed batches (`packed`: total query
-/// and key rows) have no softcap, ALiBi or block mask (the `_packed` kernels have none) and
-/// are not sent to the older kernels (`tma::packed_kernels`).
+/// and key rows) and dropout come without a softcap, ALiBi or block mask (the `_packed` and
+/// `_dropout` kernels have none), packed batches where they are not sent to the older kernels
+/// (`tma::packed_kernels`).
 pub(super) fn supported(
     b: &BwdParams,
     shape: &BwdWsShape,
@@ -191,13 +192,18 @@ pub(super) fn supported(
     packed: Option<(usize, usize)>,
 ) -> bool {
     let (x, y, z) = grid(b, shape);
-    let packed_ok = packed.is_none() || (b.a.mods_suffix().is_empty() && tma::packed_kernels());
-    packed_ok && x * y * z <= i32::MAX as usize && params(b, shape, dtype, packed).is_some()
+    let plain = b.a.mods_suffix().is_empty();
+    let packed_ok = packed.is_none() || (plain && tma::packed_kernels());
+    let dropout_ok = b.a.drop_threshold == 0 || plain;
+    packed_ok
+        && dropout_ok
+        && x * y * z <= i32::MAX as usize
+        && params(b, shape, dtype, packed).is_some()
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
 /// a device of `sms` multiprocessors; `packed` as for [`supported`] (the `_packed` kernel,
-/// which has no softcap, ALiBi or block mask).
+/// which has no softcap, ALiBi or block mask; with dropout `_dropout` or `_packed_dropout`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     dev: &candle::CudaDevice,
@@ -245,10 +251,11 @@ pub(super) fn run(
         dev,
         &format!(
             "flash_bwd_ws_{dtype_name}_d{d}{}",
-            if packed.is_some() {
-                "_packed"
-            } else {
-                b.a.mods_suffix()
+            match (packed.is_some(), b.a.drop_threshold != 0) {
+                (true, false) => "_packed",
+                (true, true) => "_packed_dropout",
+                (false, true) => "_dropout",
+                (false, false) => b.a.mods_suffix(),
             }
         ),
         grid,

@@ -1018,7 +1018,8 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
     poison(&stream, &mut lse)?;
 
     let mut params = AttnParams::new(problem, ql, kl, vl)?;
-    // Dropout has kernels of its own (its Philox code costs registers in the loop).
+    // Dropout has kernels of its own (its Philox code costs registers in the loop): `_dropout`
+    // among the warp-specialized ones, the mma.sync ones otherwise.
     let dropout = params.drop_threshold != 0;
     let tile = FwdTile::for_head_dim(s.d).fit(device_facts(&dev)?.smem);
     let offsets = seq_offsets(problem, &dev)?;
@@ -1046,11 +1047,10 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             problem.causal,
             params.mods_suffix(),
             problem.varlen.is_some(),
+            dropout,
         ) {
             Some(shape)
-                if !dropout
-                    && s.sq.div_ceil(shape.bm()) * s.h * s.b <= i32::MAX as usize
-                    && use_ws(&dev)? =>
+                if s.sq.div_ceil(shape.bm()) * s.h * s.b <= i32::MAX as usize && use_ws(&dev)? =>
             {
                 let packed = problem.varlen.as_ref().map(|_| (s.total_q, s.total_k));
                 tma::fwd_params(&params, q.dtype(), &shape, packed).map(|p| (shape, p))

@@ -131,6 +131,14 @@ pub(super) fn packed_kernels() -> bool {
     !*OFF.get_or_init(|| std::env::var("CANDLE_FLASH_WS_PACKED").is_ok_and(|v| v == "0"))
 }
 
+/// Whether dropout may take the `_dropout` warp-specialized kernels (forward and backward):
+/// `CANDLE_FLASH_WS_DROPOUT=0` sends it to the older kernels, as before session 26 (read
+/// once; A/B runs).
+pub(super) fn dropout_kernels() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("CANDLE_FLASH_WS_DROPOUT").is_ok_and(|v| v == "0"))
+}
+
 /// One warp-specialized forward kernel (mirror of `WsTraits`): 64 query rows per consumer
 /// warpgroup, `bn` keys per tile, `stages` slots of K and V.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,8 +150,8 @@ pub(super) struct WsShape {
     /// The variant's part of the entry point's name after the head dim.
     pub suffix: &'static str,
     /// `_mods` or `_sparse` where the kernel is compiled with the softcap and ALiBi code or
-    /// the block mask too (`AttnParams::mods_suffix`), `_packed` for packed batches, else
-    /// empty.
+    /// the block mask too (`AttnParams::mods_suffix`), `_packed` for packed batches,
+    /// `_dropout` or `_packed_dropout` with dropout, else empty.
     pub mods: &'static str,
 }
 
@@ -155,7 +163,11 @@ impl WsShape {
     fn compiled(d: usize, variant: &str, mods: &'static str) -> Option<Self> {
         // d = 64 128 x 128 has 4 K/V slots (causal 512-1k, its use, 1.015-1.028x over 3, H100
         // session 21); its `_sparse` kernel keeps 3 (FLASH_FWD_WS_MODS_BOTH).
-        let base64_stages = if matches!(mods, "" | "_packed") { 4 } else { 3 };
+        let base64_stages = if matches!(mods, "" | "_packed" | "_dropout" | "_packed_dropout") {
+            4
+        } else {
+            3
+        };
         let (consumers, bn, stages, suffix) = match (variant, d) {
             ("base", 64) => (2, 128, base64_stages, ""),
             ("base", 128) => (2, 128, 2, ""),
@@ -192,6 +204,9 @@ impl WsShape {
     /// variant per head dim compiled with that code: `_mods` d = 64 `g3`, d = 256 `n80`,
     /// the rest `base`. Packed batches (`packed`; `seqlen_q`, `seqlen_k` the longest): the
     /// same choice among the `_packed` kernels (base, d = 64 g3, d = 256 n80), none with mods.
+    /// With dropout (`dropout`), fixed-length or packed, without mods: the one variant per head
+    /// dim compiled with it (`_dropout`, `_packed_dropout`): base, d = 256 n80, two consumer
+    /// warpgroups (the third's 160 registers per thread have no room for the Philox rounds).
     pub fn choose(
         d: usize,
         seqlen_q: usize,
@@ -199,11 +214,24 @@ impl WsShape {
         causal: bool,
         mods: &'static str,
         packed: bool,
+        dropout: bool,
     ) -> Option<Self> {
         static FORCED: OnceLock<String> = OnceLock::new();
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
         let d = ws_head_dim(d)?;
+        if dropout {
+            if !mods.is_empty() || !dropout_kernels() || (packed && !packed_kernels()) {
+                return None;
+            }
+            let variant = if d == 256 { "n80" } else { "base" };
+            let suffix = if packed {
+                "_packed_dropout"
+            } else {
+                "_dropout"
+            };
+            return Self::compiled(d, variant, suffix);
+        }
         // d = 64 causal below 512 rows: the one-warpgroup kernel of fwd_sm90.cu, four blocks
         // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
         // tiles as one stream: 0.158 against 0.171 ms since, session 17; shorter not measured).

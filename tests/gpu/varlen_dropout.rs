@@ -15,8 +15,13 @@ fn cat_rows(parts: &[Tensor]) -> Result<Tensor> {
     Tensor::cat(parts, 0)
 }
 
-/// Packed attention (and its gradients) equals a loop over sequences with `attention_slow`:
+/// Dropout's probability, seed and RNG offset.
+type DropoutOpts = (f32, u64, u64);
+
+/// Packed attention (and its gradients) equals a loop over sequences with `attention_slow`
+/// (with `dropout`, `attention_slow_dropout` given each sequence's part of `dropout_mask`):
 /// 2x rule for outputs, 3x for gradients, against the f32 loop.
+#[allow(clippy::too_many_arguments)]
 fn varlen_case(
     dev: &Device,
     dtype: DType,
@@ -25,6 +30,7 @@ fn varlen_case(
     hk: usize,
     d: usize,
     causal: bool,
+    dropout: Option<DropoutOpts>,
 ) -> Result<()> {
     let lens_q: Vec<usize> = lens.iter().map(|l| l.0).collect();
     let lens_k: Vec<usize> = lens.iter().map(|l| l.1).collect();
@@ -35,7 +41,17 @@ fn varlen_case(
     let v = randn(&[tk, hk, d], dtype, dev)?;
     let w = randn(&[tq, h, d], dtype, dev)?;
     let scale = 1.0 / (d as f32).sqrt();
-    let attn = FlashAttn::new().causal(causal);
+    let mut attn = FlashAttn::new().causal(causal);
+    // Sequence b's mask: the top-left corner of row b of dropout_mask.
+    let mut keep = None;
+    if let Some((p, seed, offset)) = dropout {
+        attn = attn.dropout(p).seed(seed).rng_offset(offset);
+        let (max_q, max_k) = (varlen.max_seqlen_q(), varlen.max_seqlen_k());
+        keep = Some(
+            dropout_mask(p, seed, offset, lens.len(), h, max_q, max_k)?
+                .to_device(&reference_device(dev))?,
+        );
+    }
     let out = attn.forward_varlen(&q, &k, &v, &varlen)?;
     if has_nan(&out)? {
         candle::bail!("output has NaN");
@@ -58,7 +74,14 @@ fn varlen_case(
             let qb = q.i(q0..q1)?.unsqueeze(0)?;
             let kb = k.i(k0..k1)?.unsqueeze(0)?;
             let vb = v.i(k0..k1)?.unsqueeze(0)?;
-            outs.push(attention_slow(&qb, &kb, &vb, scale, causal)?.squeeze(0)?);
+            let out = match (&keep, dropout) {
+                (Some(keep), Some((p, _, _))) => {
+                    let keep = keep.i((b..b + 1, .., 0..q1 - q0, 0..k1 - k0))?;
+                    attention_slow_dropout(&qb, &kb, &vb, scale, causal, &keep, p)?
+                }
+                _ => attention_slow(&qb, &kb, &vb, scale, causal)?,
+            };
+            outs.push(out.squeeze(0)?);
         }
         cat_rows(&outs)
     };
@@ -133,7 +156,16 @@ fn gpu_mask(
     (b, h, sq, sk): (usize, usize, usize, usize),
     (p, seed, offset): (f32, u64, u64),
 ) -> Result<Tensor> {
-    let d = 128;
+    gpu_mask_d(dev, (b, h, sq, sk), (p, seed, offset), 128)
+}
+
+/// `gpu_mask` at head dim d (sk <= d).
+fn gpu_mask_d(
+    dev: &Device,
+    (b, h, sq, sk): (usize, usize, usize, usize),
+    (p, seed, offset): (f32, u64, u64),
+    d: usize,
+) -> Result<Tensor> {
     let q = Tensor::zeros((b, sq, h, d), DType::BF16, dev)?;
     let k = randn(&[b, sk, h, d], DType::BF16, dev)?;
     let eye = Tensor::eye(sk, DType::BF16, dev)?.pad_with_zeros(1, 0, d - sk)?; // (sk, d)
@@ -153,6 +185,78 @@ fn gpu_mask(
         .to_dtype(DType::F32)?
         .gt(0f64)?
         .to_dtype(DType::U8)
+}
+
+/// The masks the backward used, read back exactly (f16): with q = 0 every key gets P = 1 /
+/// sk; with v = 1 and dO = the rows of the identity (sq <= d), dV = (P o Z / (1 - p))^T dO
+/// gives Z_ij as dv[j, i] > 0 (the mask of dV's P), and dP = 1, so that dS_ij = (Z_ij / (1 -
+/// p) - m_i) / sk with m_i = sum_j Z_ij / ((1 - p) sk): >= 0 kept, < 0 dropped (unless a row
+/// keeps every key); with k = the identity (sk <= d) dQ = scale dS (the mask of dS's dP).
+/// Returns both, (b, h, sq, sk) u8.
+fn gpu_bwd_masks(
+    dev: &Device,
+    (b, h, sq, sk, d): (usize, usize, usize, usize, usize),
+    (p, seed, offset): (f32, u64, u64),
+) -> Result<(Tensor, Tensor)> {
+    let dtype = DType::F16;
+    let eye = |n: usize, rows: usize| -> Result<Tensor> {
+        Tensor::eye(n, dtype, dev)?
+            .pad_with_zeros(1, 0, d - n)?
+            .unsqueeze(0)?
+            .unsqueeze(2)?
+            .broadcast_as((b, rows, h, d))?
+            .contiguous()
+    };
+    let q = Tensor::zeros((b, sq, h, d), dtype, dev)?;
+    let k = eye(sk, sk)?;
+    let v = Tensor::ones((b, sk, h, d), dtype, dev)?;
+    let dout = eye(sq, sq)?;
+    let attn = FlashAttn::new().dropout(p).seed(seed).rng_offset(offset);
+    let (out, lse) = attn.forward_with_lse(&q, &k, &v)?;
+    let (dq, _, dv) = attn.backward(&q, &k, &v, &out, &lse, &dout)?;
+    // dv (b, sk, h, d) -> (b, h, sq, sk); dq (b, sq, h, d) -> (b, h, sq, sk).
+    let from_dv = dv.narrow(3, 0, sq)?.permute((0, 2, 3, 1))?;
+    let from_dq = dq.narrow(3, 0, sk)?.transpose(1, 2)?;
+    let (from_dv, from_dq) = (from_dv.to_dtype(DType::F32)?, from_dq.to_dtype(DType::F32)?);
+    Ok((
+        from_dv.gt(0f64)?.to_dtype(DType::U8)?,
+        from_dq.ge(0f64)?.to_dtype(DType::U8)?,
+    ))
+}
+
+/// The forward's and the backward's masks (P for dV, dP for dS) equal the CPU's bit for bit at
+/// head dims 64, 128 and 256: several query and key tiles of each kernel.
+fn dropout_masks_bwd(dev: &Device) -> Result<()> {
+    let (p, seed, offset) = (0.17f32, 77u64, 5u64);
+    for (b, h, sq, sk, d) in [
+        (2, 4, 64, 64, 64),
+        (2, 4, 128, 113, 128),
+        (1, 3, 250, 256, 256),
+    ] {
+        let cpu = dropout_mask(p, seed, offset, b, h, sq, sk)?;
+        let count = |t: &Tensor| -> Result<f32> {
+            t.to_device(&Device::Cpu)?
+                .ne(&cpu)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()
+        };
+        let (from_dv, from_dq) = gpu_bwd_masks(dev, (b, h, sq, sk, d), (p, seed, offset))?;
+        let (dv_differ, dq_differ) = (count(&from_dv)?, count(&from_dq)?);
+        if sk <= d {
+            let fwd = gpu_mask_d(dev, (b, h, sq, sk), (p, seed, offset), d)?;
+            let fwd_differ = count(&fwd)?;
+            if fwd_differ != 0.0 {
+                candle::bail!("d={d}: {fwd_differ} entries of the forward's mask differ");
+            }
+        }
+        if dv_differ != 0.0 || dq_differ != 0.0 {
+            candle::bail!(
+                "d={d}: entries differing from the CPU mask: {dv_differ} in dV's P, {dq_differ} in dS's dP"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// GPU and CPU masks agree bit for bit, and the dropped fraction is within 0.01 of p over
@@ -322,13 +426,23 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                     let (h, hk) = [(4, 4), (8, 2), (16, 4)][i];
                     let name =
                         format!("varlen {dtype:?} d={d} causal={causal} h={h}/{hk} lens={lens:?}");
-                    suite.record(&name, varlen_case(dev, dtype, lens, h, hk, d, causal));
+                    suite.record(&name, varlen_case(dev, dtype, lens, h, hk, d, causal, None));
                 }
+                // Dropout on packed batches of several tiles (the Hopper `_packed_dropout`
+                // kernels), output and gradients.
+                let name = format!("varlen dropout {dtype:?} d={d} causal={causal} h=16/4");
+                let opts = Some((0.17, 42, 9));
+                let lens = &lens_sets[2];
+                suite.record(&name, varlen_case(dev, dtype, lens, 16, 4, d, causal, opts));
             }
         }
     }
     suite.record("padded batch", padded_batch(dev));
     suite.record("dropout masks", dropout_masks(dev));
+    suite.record(
+        "dropout masks, forward and backward",
+        dropout_masks_bwd(dev),
+    );
     let cases: &[(usize, usize, usize, usize, usize, usize, bool)] = if quick {
         &[(2, 113, 203, 4, 2, 64, true)]
     } else {
@@ -337,6 +451,15 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             (2, 203, 113, 4, 4, 128, false),
             (1, 256, 256, 8, 1, 40, true),
             (1, 97, 333, 4, 2, 256, false),
+            // Several query and key tiles of the Hopper `_dropout` kernels (d 64, 96 and 128
+            // on 128 x 128 tiles, 256 on 128 x 80; the backward's 128- and 64-key blocks):
+            // causal bottom-right with seqlen_q != seqlen_k, GQA and MQA.
+            (2, 1023, 1023, 4, 2, 64, true),
+            (1, 513, 777, 4, 2, 96, false),
+            (1, 700, 1500, 4, 4, 128, true),
+            (1, 1023, 513, 8, 2, 128, false),
+            (2, 384, 640, 4, 1, 256, true),
+            (1, 300, 300, 2, 2, 256, false),
         ]
     };
     for dtype in [DType::F16, DType::BF16] {
