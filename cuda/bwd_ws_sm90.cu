@@ -84,6 +84,10 @@ struct BwdWsTraits {
     // Dropout, in kernels of their own (`_dropout`, `_packed_dropout`), without mods.
     static constexpr bool DROPOUT = DROPOUT_;
     static_assert(!DROPOUT || MODS == MODS_NONE, "dropout kernels have no mods");
+    // Dropout's Philox calls in flight together (Dropout::keep_fragment): all of a tile's at
+    // d = 64 and 256 (1.00-1.03x over 2), 2 at d = 128 (level with all 8, which spilled 16
+    // bytes in the `_packed_dropout` kernel; H100, docs/PERF.md session 26).
+    static constexpr int DROP_UNROLL = D == 128 ? 2 : 8;
     static constexpr bool SPLIT = D > 128;
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
     static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
@@ -396,11 +400,12 @@ struct DropBits {
     }
     // The keep bits of the fragment of 16 keys from row0 and NQ n8 tiles of queries from col0,
     // for query head bidh of sequence bidb.
-    template <int NQ>
+    // UNROLL Philox calls in flight together.
+    template <int NQ, int UNROLL>
     static __device__ __forceinline__ DropBits draw(const AttnParams& p, int bidb, int bidh,
                                                     int row0, int col0, int lane) {
         DropBits d;
-        Dropout(p, bidb, bidh).template keep_fragment<NQ, true>(d.keep, row0, col0, lane);
+        Dropout(p, bidb, bidh).template keep_fragment<NQ, true, UNROLL>(d.keep, row0, col0, lane);
         d.rp_keep = p.rp_keep;
         return d;
     }
@@ -630,7 +635,7 @@ template <class K> struct BwdWsConsumer {
         DropBits drop;
         const auto draw = [&] {
             if constexpr (K::DROPOUT)
-                drop = DropBits::draw<NQ>(p, blk.bidb, bidh, row0, m0, lane);
+                drop = DropBits::draw<NQ, K::DROP_UNROLL>(p, blk.bidb, bidh, row0, m0, lane);
         };
         if constexpr (K::PIPE_SDP) {
             issue_sdp(s, dpt, it, [] {});
@@ -813,7 +818,7 @@ template <class K> struct BwdWsSplitConsumer {
         sm90::commit();
         DropBits drop;  // dropout's keep bits while S^T and dP^T run
         if constexpr (K::DROPOUT)
-            drop = DropBits::draw<NQ>(p, blk.bidb, bidh, row0, m0 + c0, lane);
+            drop = DropBits::draw<NQ, K::DROP_UNROLL>(p, blk.bidb, bidh, row0, m0 + c0, lane);
         sm90::wait<1>();
         sm90::fence_operand(s[0]);
 

@@ -59,7 +59,7 @@ struct Dropout {
     // Philox rounds being nearly all of dropout's cost. One call at a time (unroll 1): the
     // wgmma kernels draw while their accumulators are in flight, and unrolled, the calls'
     // interleaved temporaries spilled the d = 128 backward (12 -> 60 bytes).
-    template <int NT, bool KEYS_AS_ROWS>
+    template <int NT, bool KEYS_AS_ROWS, int UNROLL = 1>
     __device__ __forceinline__ void keep_fragment(uint32_t (&keep)[2], int row0, int col0,
                                                   int lane) const {
         static_assert(NT <= 16, "two bits per n8 tile in one word per row");
@@ -67,7 +67,7 @@ struct Dropout {
         // The even row of the block pair this lane draws: its own row g, or its row g + 8.
         const unsigned int row = unsigned(row0 + (g & ~1) + 8 * odd);
         uint32_t own = 0u, other = 0u;
-#pragma unroll 1
+#pragma unroll UNROLL
         for (int nt = 0; nt < NT; ++nt) {
             const unsigned int col = unsigned(col0 + nt * 8 + 2 * (lane % 4));
             const uint4 c = KEYS_AS_ROWS ? make_uint4(row / 2, col / 2, bh, c3)
