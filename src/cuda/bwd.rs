@@ -3,10 +3,11 @@
 //! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
 //!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
 //!
-//! On Hopper at d 64 and 128 without dropout, for batches whose tensors TMA can address, the
-//! fused kernel is the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by
-//! [`super::bwd_ws`]; packed batches in its `_packed` kernels); packed batches with a softcap,
-//! ALiBi or block mask there take the first wgmma kernel (`cuda/bwd_sm90.cu`).
+//! On Hopper at d 64 and 128, for batches whose tensors TMA can address, the fused kernel is
+//! the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by [`super::bwd_ws`]; packed
+//! batches in its `_packed` kernels, dropout in its `_dropout` and `_packed_dropout` ones);
+//! packed batches with a softcap, ALiBi or block mask there take the first wgmma kernel
+//! (`cuda/bwd_sm90.cu`), dropout with one the mma.sync `_dropout` kernel.
 //! At head dims 65-96 its d = 128 kernel and at 193-256 its d = 256 kernel also run (the
 //! columns past the head dim zero), under the same conditions and when non-determinism is
 //! allowed (65-96: without a block mask or a `CANDLE_FLASH_BWD` override).
