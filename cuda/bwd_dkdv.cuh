@@ -165,17 +165,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
             return ((keep[mt][e / 2] >> (2 * nt + e % 2)) & 1) ? x * p.rp_keep : 0.f;
         };
         if (use_dropout) {
-            const int g = lane / 4;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int key = n0 + warp_row0 + mt * 16 + g + 8 * r;
-                    keep[mt][r] = 0;
-#pragma unroll
-                    for (int nt = 0; nt < NQ; ++nt)
-                        keep[mt][r] |= dropout.keep_col_pair(m0 + nt * 8 + 2 * t, key) << (2 * nt);
-                }
+                dropout.template keep_fragment<NQ, true, NQ>(keep[mt], n0 + warp_row0 + mt * 16,
+                                                             m0, lane);
         }
         uint32_t a[MT][NQ / 2][4];
         if (use_dropout) {

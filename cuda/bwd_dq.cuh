@@ -85,23 +85,26 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
         float dp[MT][NT][4];  // dP = dO V^T, then dS = P (dP - rowsum(dO O))
         zero(dp);
         gemm_ss<T, MT, NT, D / 16, STRIDE, false>(dp, sdO + warp_row0 * STRIDE, sV, lane);
+        // With dropout, dO V^T is the gradient of P o Z / (1 - p).
+        uint32_t keep[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            if (dropout.active())
+                dropout.template keep_fragment<NT, false, 1>(keep[mt], m0 + warp_row0 + mt * 16,
+                                                              n0, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    // With dropout, dO V^T is the gradient of P o Z / (1 - p).
-                    unsigned int keep = 3;
-                    if (dropout.active())
-                        keep = dropout.keep_row_pair(m0 + warp_row0 + mt * 16 + g + 8 * r,
-                                                     n0 + nt * 8 + 2 * t);
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int e = 2 * r + c;
                         const float prob = exp2f(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][r]));
                         float dpe = dp[mt][nt][e];
-                        if (dropout.active()) dpe = ((keep >> c) & 1) ? dpe * p.rp_keep : 0.f;
+                        if (dropout.active())
+                            dpe = Dropout::kept(keep[mt], r, nt, c) ? dpe * p.rp_keep : 0.f;
                         float ds = prob * (dpe - dsum[mt][r]);
                         if (mask.softcap_pre != 0.f)  // the tanh's factor 1 - t^2
                             ds = cap_grad_times(ds, mask.template capped<false>(

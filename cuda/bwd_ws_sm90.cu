@@ -85,8 +85,9 @@ struct BwdWsTraits {
     static constexpr bool DROPOUT = DROPOUT_;
     static_assert(!DROPOUT || MODS == MODS_NONE, "dropout kernels have no mods");
     // Dropout's Philox calls in flight together (Dropout::keep_fragment): all of a tile's at
-    // d = 64 and 256 (1.00-1.03x over 2), 2 at d = 128 (level with all 8, which spilled 16
-    // bytes in the `_packed_dropout` kernel; H100, docs/PERF.md session 26).
+    // d = 64 and 256, 2 at d = 128 (all spilled 32 bytes in its `_packed_dropout` kernel, 2
+    // still 8; with 4 entries a call, all and 2 had run level there: H100, docs/PERF.md
+    // session 26).
     static constexpr int DROP_UNROLL = D == 128 ? 2 : 8;
     static constexpr bool SPLIT = D > 128;
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.

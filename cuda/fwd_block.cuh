@@ -87,19 +87,17 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
     // Zeroes the dropped entries of P (FA2 Algorithm 1 with dropout); the 1/(1 - p) scale is
     // applied once, with 1/l, when O is stored.
     __device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], int nb) const {
-        const int g = lane / 4, t = lane % 4;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt) {
+            uint32_t keep[2];
+            dropout.template keep_fragment<NT, false, NT>(keep, m0 + warp_row0() + mt * 16,
+                                                          nb * BN, lane);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int i = m0 + warp_row0() + mt * 16 + g + 8 * r;
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const unsigned int keep = dropout.keep_row_pair(i, nb * BN + nt * 8 + 2 * t);
-                    if (!(keep & 1)) s[mt][nt][2 * r] = 0.f;
-                    if (!(keep & 2)) s[mt][nt][2 * r + 1] = 0.f;
-                }
-            }
+                for (int e = 0; e < 4; ++e)
+                    if (!Dropout::kept(keep, e / 2, nt, e % 2)) s[mt][nt][e] = 0.f;
+        }
     }
 
     // One key block. K[nb] is in shared memory; V[nb] is requested here and K[next] (the next

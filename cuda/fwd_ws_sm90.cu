@@ -413,11 +413,11 @@ template <class K> struct WsConsumer {
     // its S runs (Philox is integer work, the tensor cores are busy), and P's dropped entries
     // zeroed after the row sums have counted them (FlashAttention-2 Algorithm 1 with dropout;
     // the 1 / (1 - p) goes with 1 / l when O is stored).
-    // Philox calls in flight together: all of a tile's 16 at d = 64 and 128 (1.07-1.12x over
-    // 4 but for d 64 causal 1k, 0.98x; 1.05-1.20x over one at a time), 4 at d = 256 (whose
-    // 80-key kernel spilled 112 bytes with all 10: 1.03-1.07x over them, 1.04-1.06x over one;
-    // H100, docs/PERF.md session 26).
-    static constexpr int DROP_UNROLL = D == 256 ? 4 : NT;
+    // Philox calls in flight together, 8 entries each: 4, the most that kept the d = 64 and
+    // 128 kernels free of spills (all 8: 144 and 104 bytes). With 4 entries a call, drawing
+    // them all at once had been 1.05-1.20x faster than one at a time (H100, docs/PERF.md
+    // session 26).
+    static constexpr int DROP_UNROLL = 4;
     __device__ __forceinline__ void draw_keep(uint32_t (&keep)[2], const WsTile<K>& w,
                                               int nb) const {
         if constexpr (K::DROPOUT)

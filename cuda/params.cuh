@@ -83,8 +83,9 @@ struct AttnParams {
     // instructions than the plain ones.
     FastDiv block_q_div, block_k_div;
 
-    // Dropout (src/philox.rs, cuda/philox.cuh): entry kept iff its Philox word >= threshold;
-    // kept entries are scaled by rp_keep = 1 / (1 - p). threshold = 0 disables dropout.
+    // Dropout (src/philox.rs, cuda/philox.cuh): entry kept iff its 16-bit half of a Philox
+    // word >= threshold (p 2^16, rounded); kept entries are scaled by rp_keep = 1 / (1 - p).
+    // threshold = 0 disables dropout.
     unsigned int drop_threshold;
     float rp_keep;
     unsigned int seed_lo, seed_hi, offset_lo, offset_hi;

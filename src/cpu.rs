@@ -252,7 +252,7 @@ fn total_work(p: &Problem) -> usize {
 
 /// `1 / (1 - p)`, the factor of kept probabilities; 1 without dropout.
 fn keep_scale(p: &Problem) -> f32 {
-    p.dropout.map_or(1.0, |d| 1.0 / (1.0 - d.p))
+    p.dropout.map_or(1.0, |d| philox::keep_scale(d.p))
 }
 
 /// Whether the probability of (query `i`, key `j`) of sequence `b`, query head `head`

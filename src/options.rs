@@ -136,8 +136,11 @@ impl FlashAttn {
     /// Sets the dropout probability `p` in `[0, 1)` (checked when the op runs). Entry
     /// (query `i`, key `j`) of batch `b`, query head `h` is dropped by a counter-based RNG
     /// keyed by `(seed, offset, b, h, i, j)`; the backward regenerates the same mask, and the
-    /// CPU and CUDA paths drop the same entries. The row log-sum-exp of
-    /// [`FlashAttn::forward_with_lse`] is that of the probabilities before dropout.
+    /// CPU and CUDA paths drop the same entries. Each entry is dropped with probability `p`
+    /// rounded to a multiple of 2^-16 (16 random bits per entry; FlashAttention-2 uses 8), so
+    /// `p` below 2^-17 drops nothing; kept entries are scaled by `1 / (1 - p)`. The row
+    /// log-sum-exp of [`FlashAttn::forward_with_lse`] is that of the probabilities before
+    /// dropout.
     pub fn dropout(mut self, p: f32) -> Self {
         self.dropout_p = p;
         self

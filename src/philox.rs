@@ -29,22 +29,36 @@ pub(crate) fn philox4x32_10(mut c: [u32; 4], mut k: [u32; 2]) -> [u32; 4] {
     c
 }
 
-/// Entries with a random word below this are dropped: `floor(p * 2^32)`.
+/// Entries with a random half word (16 bits) below this are dropped: `p * 2^16` rounded, so
+/// the drop probability is `p` to the nearest multiple of 2^-16 (0 below 2^-17: nothing is
+/// dropped, and [`keep_scale`] is 1).
 pub(crate) fn drop_threshold(p: f32) -> u32 {
-    (p as f64 * 4_294_967_296.0).min(u32::MAX as f64) as u32
+    (p as f64 * 65_536.0).round().min(65_535.0) as u32
+}
+
+/// The factor of kept probabilities, `1 / (1 - p)`; 1 where nothing is dropped.
+pub(crate) fn keep_scale(p: f32) -> f32 {
+    if drop_threshold(p) == 0 {
+        1.0
+    } else {
+        1.0 / (1.0 - p)
+    }
 }
 
 /// Whether entry (query `i`, key `j`) of sequence `b`, head `h` (of `num_heads`) is kept.
 ///
-/// One Philox call covers a 2x2 block of (query, key) pairs, so both the forward (which holds
-/// one query and two neighbouring keys per thread) and the transposed dK/dV pass (two
-/// neighbouring queries, one key) use half of each call:
-/// counter = (j / 2, i / 2, b * num_heads + h, offset_lo), key = (seed_lo, seed_hi ^ offset_hi),
-/// word = (i % 2) * 2 + j % 2.
+/// One Philox call gives 8 entries, the half words of its 4 words: queries `i0` and `i0 + 8`
+/// by keys `j0`, `j0 + 1`, `j0 + 8` and `j0 + 9`, with `i0 = 16 (i / 16) + i % 8` and
+/// `j0 = 16 (j / 16) + 2 ((j % 8) / 2)`. Those are the 8 entries a lane of an MMA
+/// accumulator fragment (rows g and g + 8, column pairs 2t in two neighbouring n8 tiles) holds,
+/// so that a kernel draws each call once (`Dropout::keep_fragment` in cuda/philox.cuh):
+/// counter = (4 (j / 16) + (j % 8) / 2, 8 (i / 16) + i % 8, b * num_heads + h, offset_lo),
+/// key = (seed_lo, seed_hi ^ offset_hi), word = 2 ((i % 16) / 8) + (j % 16) / 8, its low half
+/// for even j, its high half for odd j.
 pub(crate) fn keep(d: &Dropout, num_heads: usize, b: usize, h: usize, i: usize, j: usize) -> bool {
     let counter = [
-        (j / 2) as u32,
-        (i / 2) as u32,
+        (4 * (j / 16) + (j % 8) / 2) as u32,
+        (8 * (i / 16) + i % 8) as u32,
         (b * num_heads + h) as u32,
         d.offset as u32,
     ];
@@ -52,8 +66,13 @@ pub(crate) fn keep(d: &Dropout, num_heads: usize, b: usize, h: usize, i: usize, 
         d.seed as u32,
         (d.seed >> 32) as u32 ^ (d.offset >> 32) as u32,
     ];
-    let words = philox4x32_10(counter, key);
-    words[(i % 2) * 2 + j % 2] >= drop_threshold(d.p)
+    let word = philox4x32_10(counter, key)[2 * ((i % 16) / 8) + (j % 16) / 8];
+    let half = if j.is_multiple_of(2) {
+        word & 0xffff
+    } else {
+        word >> 16
+    };
+    half >= drop_threshold(d.p)
 }
 
 #[cfg(test)]
@@ -83,6 +102,27 @@ mod tests {
     #[test]
     fn threshold_edges() {
         assert_eq!(drop_threshold(0.0), 0);
-        assert_eq!(drop_threshold(0.5), 1 << 31);
+        assert_eq!(drop_threshold(0.5), 1 << 15);
+        assert_eq!(drop_threshold(1e-6), 0);
+        assert_eq!(keep_scale(1e-6), 1.0);
+        assert_eq!(drop_threshold(0.999_999), 65_535);
+    }
+
+    /// Every (i, j) of a 32 x 32 block maps to its own (counter, word, half): the 8-entry
+    /// blocks tile the plane.
+    #[test]
+    fn entries_have_distinct_draws() {
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..32usize {
+            for j in 0..32usize {
+                let draw = (
+                    4 * (j / 16) + (j % 8) / 2,
+                    8 * (i / 16) + i % 8,
+                    2 * ((i % 16) / 8) + (j % 16) / 8,
+                    j % 2,
+                );
+                assert!(seen.insert(draw), "({i}, {j}) shares {draw:?}");
+            }
+        }
     }
 }

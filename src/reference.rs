@@ -263,7 +263,7 @@ fn slow(
     let mut probs = exp.broadcast_div(&denom)?;
     if let Some((keep, p)) = dropout {
         let keep = keep.ne(&keep.zeros_like()?)?.to_dtype(dtype)?.detach();
-        probs = ((probs * keep)? * (1.0 / (1.0 - p as f64)))?;
+        probs = ((probs * keep)? * crate::philox::keep_scale(p) as f64)?;
     }
     probs.matmul(&v)?.transpose(1, 2)?.contiguous() // (b, sq, h, d)
 }

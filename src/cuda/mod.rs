@@ -183,7 +183,7 @@ impl AttnParams {
         rows_i32(s.total_q.max(s.total_k), "total rows")?;
         if let Some(d) = &problem.dropout {
             params.drop_threshold = philox::drop_threshold(d.p);
-            params.rp_keep = 1.0 / (1.0 - d.p);
+            params.rp_keep = philox::keep_scale(d.p);
             (params.seed_lo, params.seed_hi) = (d.seed as u32, (d.seed >> 32) as u32);
             (params.offset_lo, params.offset_hi) = (d.offset as u32, (d.offset >> 32) as u32);
         }
