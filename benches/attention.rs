@@ -366,6 +366,8 @@ struct Record {
     case: Case,
     ms: f64,
     tflops: f64,
+    /// `--dropout P`, recorded where nonzero (the records of a dropout run say so).
+    dropout: f32,
 }
 
 impl Record {
@@ -373,7 +375,7 @@ impl Record {
         let c = &self.case;
         format!(
             "  {{\"impl\": \"{}\", \"pass\": \"{}\", \"hd\": {}, \"seqlen\": {}, \"batch\": {}, \
-             \"heads\": {}, \"heads_k\": {}, \"causal\": {}, \"ms\": {:.6}, \"tflops\": {:.3}}}",
+             \"heads\": {}, \"heads_k\": {}, \"causal\": {}, \"ms\": {:.6}, \"tflops\": {:.3}{}}}",
             self.imp,
             self.pass,
             c.hd,
@@ -383,7 +385,12 @@ impl Record {
             c.heads_k,
             c.causal,
             self.ms,
-            self.tflops
+            self.tflops,
+            if self.dropout > 0.0 {
+                format!(", \"dropout\": {}", self.dropout)
+            } else {
+                String::new()
+            }
         )
     }
 }
@@ -946,6 +953,7 @@ impl Bench {
                     case: *case,
                     ms,
                     tflops,
+                    dropout: self.dropout,
                 };
                 self.records.push(record.json());
                 Some(ms)

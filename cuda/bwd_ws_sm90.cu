@@ -27,8 +27,9 @@
 // consumers instead of the keys: see BwdWsSplitConsumer.
 // Head dims 33-128 (65-96 on the d = 128 kernel) and 193-256, TMA-addressable tensors; dropout
 // in the `_dropout` kernels and packed (variable-length) batches in the `_packed` ones (both:
-// `_packed_dropout`), without a softcap, ALiBi or block mask: one tensor of every sequence's rows to TMA, the rows crossing a
-// sequence's end written from shared memory by the threads (copy_dkdv, the convert kernel).
+// `_packed_dropout`), without a softcap, ALiBi or block mask. Packed batches are one tensor of
+// every sequence's rows to TMA, the rows crossing a sequence's end written from shared memory
+// by the threads (copy_dkdv, the convert kernel).
 // src/cuda/bwd.rs runs the older kernels for the rest.
 // Entry points flash_bwd_ws_*.
 #include "bwd_dq_accum.cuh"

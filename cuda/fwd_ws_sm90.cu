@@ -422,7 +422,8 @@ template <class K> struct WsConsumer {
                                               int nb) const {
         if constexpr (K::DROPOUT)
             Dropout(p, w.bidb, w.bidh)
-                .template keep_fragment<NT, false, DROP_UNROLL>(keep, w.m0 + warp_row0, nb * BN, lane);
+                .template keep_fragment<NT, false, DROP_UNROLL>(keep, w.m0 + warp_row0, nb * BN,
+                                                                lane);
     }
     __device__ __forceinline__ void drop(float (&s)[1][NT][4], const uint32_t (&keep)[2]) const {
         if constexpr (K::DROPOUT)

@@ -57,7 +57,8 @@ struct Dropout {
         for (int m = 0; m < NT / 2; ++m) {
             const unsigned int col16 = unsigned(col0 / 16 + m), row16 = unsigned(row0 / 16);
             if constexpr (!KEYS_AS_ROWS) {
-                const uint4 x = philox4x32_10(make_uint4(4 * col16 + t, 8 * row16 + g, bh, c3), k0, k1);
+                const uint4 x =
+                    philox4x32_10(make_uint4(4 * col16 + t, 8 * row16 + g, bh, c3), k0, k1);
                 const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
@@ -66,7 +67,7 @@ struct Dropout {
                         own[r] |= (below(w[2 * r + n] & 0xffff) | below(w[2 * r + n] >> 16) << 1)
                                   << (2 * (2 * m + n));
             } else {
-                // Keys (row0 + (g & ~1) + {0, 1, 8, 9}), queries (col0 + 16 m + 2 t + odd + {0, 8}).
+                // Keys row0 + (g & ~1) + {0, 1, 8, 9}, queries col0 + 16 m + 2 t + odd + {0, 8}.
                 const uint4 x = philox4x32_10(
                     make_uint4(4 * row16 + g / 2, 8 * col16 + 2 * t + odd, bh, c3), k0, k1);
                 const uint32_t w[4] = {x.x, x.y, x.z, x.w};

@@ -333,7 +333,8 @@ def run_grid(args, dtype, records):
                 for pas, ms in bench_config(hd, s, h, hk, causal, dtype, backend, args.passes, args.dropout):
                     tflops = PASS_FLOP_FACTOR[pas] * fwd_flop / (ms * 1e-3) / 1e12
                     records.append({"impl": name, "pass": pas, "hd": hd, "seqlen": s, "batch": b, "heads": h,
-                                    "heads_k": hk, "causal": causal, "ms": ms, "tflops": tflops})
+                                    "heads_k": hk, "causal": causal, "ms": ms, "tflops": tflops,
+                                    **({"dropout": args.dropout} if args.dropout else {})})
                     print(f"{name:<12} {pas:<8} {hd:>4} {s:>6} {b:>5} {f'{h}/{hk}':>6} "
                           f"{str(causal):>6} {ms:>9.3f} {tflops:>8.1f}")
             except Exception as e:  # a backend that does not support a shape: skip it
