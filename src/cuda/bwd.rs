@@ -213,8 +213,8 @@ impl BwdPath {
     }
 
     /// The warp-specialized kernel of the head dim's class, on Hopper, not deterministic, with
-    /// dropout unless `CANDLE_FLASH_WS_DROPOUT=0` (`tma::dropout_kernels`). `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere;
-    /// `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
+    /// dropout unless `CANDLE_FLASH_WS_DROPOUT=0` (`tma::dropout_kernels`).
+    /// `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere; `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
     /// block mask at 64/128 still runs it (the fused mma.sync kernels have no `_sparse`
     /// variant). Head dims 65-96 under a block mask keep the mma.sync kernels (measured only
     /// without one).
