@@ -5,7 +5,7 @@
 //!
 //! One code path serves fixed-length and packed batches: a fixed-length `(b, s, h, d)` tensor
 //! is a packed `(b · s, h, d)` one whose sequences all have length `s` ([`Problem::seq_q`],
-//! [`Problem::seq_k`]). Dropout draws its mask from [`philox::keep`], the function the CUDA
+//! [`Problem::seq_k`]). Dropout draws its mask from [`philox::RowKeep`], the function the CUDA
 //! kernels use, so both paths drop the same entries. The window, softcap, ALiBi and the block
 //! mask ([`crate::score_mod::ScoreMods`]) enter through [`Scores`]: each row reads only the
 //! keys of its window, and the tiles outside every row's window are never visited, so a
@@ -255,12 +255,22 @@ fn keep_scale(p: &Problem) -> f32 {
     p.dropout.map_or(1.0, |d| philox::keep_scale(d.p))
 }
 
-/// Whether the probability of (query `i`, key `j`) of sequence `b`, query head `head`
-/// survives dropout (always, without dropout).
-fn kept(p: &Problem, b: usize, head: usize, i: usize, j: usize) -> bool {
-    p.dropout
-        .as_ref()
-        .is_none_or(|d| philox::keep(d, p.shape.h, b, head, i, j))
+/// Whether the probabilities of query `i` of sequence `b`, query head `head` survive dropout,
+/// asked key by key (always, without dropout).
+struct RowDropout(Option<philox::RowKeep>);
+
+impl RowDropout {
+    fn new(p: &Problem, b: usize, head: usize, i: usize) -> Self {
+        Self(
+            p.dropout
+                .as_ref()
+                .map(|d| philox::RowKeep::new(d, p.shape.h, b, head, i)),
+        )
+    }
+
+    fn kept(&mut self, j: usize) -> bool {
+        self.0.as_mut().is_none_or(|row| row.kept(j))
+    }
 }
 
 /// Forward pass. `q` is `(total_q, h, d)`, `k` and `v` are `(total_k, hk, d)`, all
@@ -369,13 +379,14 @@ fn fwd_head(
                 let acc = &mut out[i * d..][..d];
                 acc.iter_mut().for_each(|a| *a *= alpha);
                 let mut row_sum = 0.0;
+                let mut dropout = RowDropout::new(p, seq.b, head, i);
                 for (j, &s_j) in (c_lo..).zip(s.iter()) {
                     if !shown(i, j) {
                         continue;
                     }
                     let p_j = (s_j - m_new).exp();
                     row_sum += p_j;
-                    if kept(p, seq.b, head, i, j) {
+                    if dropout.kept(j) {
                         axpy(acc, p_j, &v[j * d..][..d]);
                     }
                 }
@@ -528,6 +539,7 @@ fn bwd_group(
                 }
                 let (q_i, d_o_i) = (&h.q[i * d..][..d], &h.d_o[i * d..][..d]);
                 let dq_i = &mut dq[i * d..][..d];
+                let mut dropout = RowDropout::new(p, seq.b, h.head, i);
                 for j in c_lo..c_hi {
                     if tile == Tile::Mixed && !h.scores.visible(i, j) {
                         continue;
@@ -538,7 +550,7 @@ fn bwd_group(
                     // dS_ij = P_ij (dP_ij - D_i); a dropped entry has P̃_ij = dP_ij = 0.
                     let (s_ij, ds_dx) = h.scores.score(dot(q_i, k_j), i, j);
                     let p_ij = (s_ij - h.lse[i]).exp();
-                    let ds_ij = if kept(p, seq.b, h.head, i, j) {
+                    let ds_ij = if dropout.kept(j) {
                         axpy(&mut dv[j * d..][..d], p_ij * keep_scale, d_o_i);
                         p_ij * (keep_scale * dot(d_o_i, v_j) - delta[i])
                     } else {

@@ -39,9 +39,8 @@ pub fn dropout_mask(
     for b in 0..batch {
         for h in 0..num_heads {
             for i in 0..seqlen_q {
-                mask.extend(
-                    (0..seqlen_k).map(|j| u8::from(philox::keep(&dropout, num_heads, b, h, i, j))),
-                );
+                let mut row = philox::RowKeep::new(&dropout, num_heads, b, h, i);
+                mask.extend((0..seqlen_k).map(|j| u8::from(row.kept(j))));
             }
         }
     }

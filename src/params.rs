@@ -50,7 +50,7 @@ impl AttnShape {
 }
 
 /// Attention dropout: kept probabilities are scaled by `1 / (1 - p)`. Entry (query i, key j)
-/// of sequence `b`, head `h` is kept iff [`crate::philox::keep`] says so for the counter
+/// of sequence `b`, head `h` is kept iff [`crate::philox::RowKeep`] says so for the counter
 /// `(seed, offset, b, h, i, j)`, on the CPU and on CUDA alike (src/philox.rs, cuda/philox.cuh).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Dropout {

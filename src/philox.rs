@@ -54,7 +54,9 @@ pub(crate) fn keep_scale(p: f32) -> f32 {
 /// so that a kernel draws each call once (`Dropout::keep_fragment` in cuda/philox.cuh):
 /// counter = (4 (j / 16) + (j % 8) / 2, 8 (i / 16) + i % 8, b * num_heads + h, offset_lo),
 /// key = (seed_lo, seed_hi ^ offset_hi), word = 2 ((i % 16) / 8) + (j % 16) / 8, its low half
-/// for even j, its high half for odd j.
+/// for even j, its high half for odd j. The library draws through [`RowKeep`] (each call once
+/// per row); this is the entry-by-entry definition its test checks it against.
+#[cfg(test)]
 pub(crate) fn keep(d: &Dropout, num_heads: usize, b: usize, h: usize, i: usize, j: usize) -> bool {
     let counter = [
         (4 * (j / 16) + (j % 8) / 2) as u32,
@@ -73,6 +75,62 @@ pub(crate) fn keep(d: &Dropout, num_heads: usize, b: usize, h: usize, i: usize, 
         word >> 16
     };
     half >= drop_threshold(d.p)
+}
+
+/// The keep decisions of one row (query `i` of sequence `b`, head `h`), asked key by key: the
+/// 4 of the row's entries that a Philox call covers ([`keep`]: keys `j0`, `j0 + 1`, `j0 + 8`,
+/// `j0 + 9`) come from one draw, kept in one of 4 slots (one per key pair of an 8-key half)
+/// until the row moves to the next 16 keys.
+pub(crate) struct RowKeep {
+    key: [u32; 2],
+    counter: [u32; 4],
+    threshold: u32,
+    /// The row's pair of words (row `i % 16 / 8` of the call's two) from 2 * that row.
+    word_row: usize,
+    /// Per slot `(j % 8) / 2`: the 16-key group `j / 16` it holds, and the call's words.
+    slots: [Option<(usize, [u32; 4])>; 4],
+}
+
+impl RowKeep {
+    pub(crate) fn new(d: &Dropout, num_heads: usize, b: usize, h: usize, i: usize) -> Self {
+        RowKeep {
+            key: [
+                d.seed as u32,
+                (d.seed >> 32) as u32 ^ (d.offset >> 32) as u32,
+            ],
+            counter: [
+                0,
+                (8 * (i / 16) + i % 8) as u32,
+                (b * num_heads + h) as u32,
+                d.offset as u32,
+            ],
+            threshold: drop_threshold(d.p),
+            word_row: 2 * ((i % 16) / 8),
+            slots: [None; 4],
+        }
+    }
+
+    /// Whether key `j` of the row is kept.
+    pub(crate) fn kept(&mut self, j: usize) -> bool {
+        let (group, slot) = (j / 16, (j % 8) / 2);
+        let words = match self.slots[slot] {
+            Some((g, words)) if g == group => words,
+            _ => {
+                let mut counter = self.counter;
+                counter[0] = (4 * group + slot) as u32;
+                let words = philox4x32_10(counter, self.key);
+                self.slots[slot] = Some((group, words));
+                words
+            }
+        };
+        let word = words[self.word_row + (j % 16) / 8];
+        let half = if j.is_multiple_of(2) {
+            word & 0xffff
+        } else {
+            word >> 16
+        };
+        half >= self.threshold
+    }
 }
 
 #[cfg(test)]
@@ -106,6 +164,41 @@ mod tests {
         assert_eq!(drop_threshold(1e-6), 0);
         assert_eq!(keep_scale(1e-6), 1.0);
         assert_eq!(drop_threshold(0.999_999), 65_535);
+    }
+
+    /// A row drawn key by key through `RowKeep` (in order, and jumping back and across
+    /// 16-key groups, as the CPU passes' windows and tiles do) equals `keep` entry by entry.
+    #[test]
+    fn row_keep_is_keep() {
+        let d = Dropout {
+            p: 0.3,
+            seed: 0x1234_5678_9abc_def0,
+            offset: (7 << 32) | 5,
+        };
+        let keys: Vec<usize> = (0..70).chain([3, 64, 17, 1, 200, 16, 0]).collect();
+        for (b, h, i) in [(0, 0, 0), (1, 3, 9), (2, 1, 17), (0, 2, 1000)] {
+            let mut row = RowKeep::new(&d, 4, b, h, i);
+            for &j in &keys {
+                assert_eq!(
+                    row.kept(j),
+                    keep(&d, 4, b, h, i, j),
+                    "b {b} h {h} i {i} j {j}"
+                );
+            }
+        }
+        // And `dropout_mask`, which draws a row at a time.
+        let (b, h, sq, sk) = (2, 3, 40, 70);
+        let mask = crate::dropout_mask(d.p, d.seed, d.offset, b, h, sq, sk)
+            .and_then(|m| m.flatten_all()?.to_vec1::<u8>())
+            .unwrap();
+        for (n, &m) in mask.iter().enumerate() {
+            let (bi, hi, i, j) = (n / (h * sq * sk), n / (sq * sk) % h, n / sk % sq, n % sk);
+            assert_eq!(
+                m == 1,
+                keep(&d, h, bi, hi, i, j),
+                "b {bi} h {hi} i {i} j {j}"
+            );
+        }
     }
 
     /// Every (i, j) of a 32 x 32 block maps to its own (counter, word, half): the 8-entry
