@@ -390,10 +390,10 @@ __device__ __forceinline__ ProbsMode probs_mode(const Mask& mask) {
 }
 
 // Dropout's keep bits of a consumer's S^T fragment (Dropout::keep_fragment with keys as rows)
-// and 1 / (1 - p). Both of P's uses in the backward see the
-// forward's dropped and scaled entries: dV += (P o Z / (1 - p))^T dO, and dS = P o (dP o Z /
-// (1 - p) - rowsum(dO O)) (FlashAttention-2 Algorithm 2 with dropout). Where a kernel has no
-// dropout (DROP = false), nothing of it is compiled.
+// and 1 / (1 - p). Both of P's uses in the backward see the forward's dropped and scaled
+// entries: dV += (P o Z / (1 - p))^T dO, and dS = P o (dP o Z / (1 - p) - rowsum(dO O))
+// (FlashAttention-2 Algorithm 2 with dropout). Where a kernel has no dropout (DROP = false),
+// nothing of it is compiled.
 struct DropBits {
     uint32_t keep[2];
     float rp_keep;
@@ -401,8 +401,7 @@ struct DropBits {
         return Dropout::kept(keep, r, nt, e) ? x * rp_keep : 0.f;
     }
     // The keep bits of the fragment of 16 keys from row0 and NQ n8 tiles of queries from col0,
-    // for query head bidh of sequence bidb.
-    // UNROLL Philox calls in flight together.
+    // for query head bidh of sequence bidb, UNROLL Philox calls in flight together.
     template <int NQ, int UNROLL>
     static __device__ __forceinline__ DropBits draw(const AttnParams& p, int bidb, int bidh,
                                                     int row0, int col0, int lane) {
