@@ -22,8 +22,11 @@
 //! `CANDLE_FLASH_WS_DROPOUT=0` in a second run times the kernels dropout had before the
 //! warp-specialized ones.
 //!
+//! `--deterministic`: our kernels with `deterministic(true)`; `CANDLE_FLASH_BWD=separate` in
+//! a second run times the separate dK/dV and dQ kernels that mode ran before session 27.
+//!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
 //! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -126,7 +129,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -164,6 +167,7 @@ struct Args {
     sparse_only: bool,
     varlen_only: bool,
     dropout: f32,
+    deterministic: bool,
     dtype: DType,
     json: Option<PathBuf>,
 }
@@ -181,6 +185,7 @@ impl Args {
             sparse_only: false,
             varlen_only: false,
             dropout: 0.0,
+            deterministic: false,
             dtype: DType::BF16,
             json: None,
         };
@@ -195,6 +200,7 @@ impl Args {
                 "--mods-only" => args.mods_only = true,
                 "--sparse-only" => args.sparse_only = true,
                 "--varlen-only" => args.varlen_only = true,
+                "--deterministic" => args.deterministic = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dropout" => {
                     let p = it.next().ok_or("--dropout needs a probability")?;
@@ -368,6 +374,8 @@ struct Record {
     tflops: f64,
     /// `--dropout P`, recorded where nonzero (the records of a dropout run say so).
     dropout: f32,
+    /// `--deterministic`, recorded where set.
+    deterministic: bool,
 }
 
 impl Record {
@@ -375,7 +383,7 @@ impl Record {
         let c = &self.case;
         format!(
             "  {{\"impl\": \"{}\", \"pass\": \"{}\", \"hd\": {}, \"seqlen\": {}, \"batch\": {}, \
-             \"heads\": {}, \"heads_k\": {}, \"causal\": {}, \"ms\": {:.6}, \"tflops\": {:.3}{}}}",
+             \"heads\": {}, \"heads_k\": {}, \"causal\": {}, \"ms\": {:.6}, \"tflops\": {:.3}{}{}}}",
             self.imp,
             self.pass,
             c.hd,
@@ -390,6 +398,11 @@ impl Record {
                 format!(", \"dropout\": {}", self.dropout)
             } else {
                 String::new()
+            },
+            if self.deterministic {
+                ", \"deterministic\": true"
+            } else {
+                ""
             }
         )
     }
@@ -420,9 +433,13 @@ fn run(args: &Args, dev: &Device) {
         fwd_only: args.fwd_only,
         bwd_only: args.bwd_only,
         dropout: args.dropout,
+        deterministic: args.deterministic,
     };
     if args.dropout > 0.0 {
         println!("# dropout p = {}", args.dropout);
+    }
+    if args.deterministic {
+        println!("# deterministic backward");
     }
     if args.mods_only {
         bench.mods_section();
@@ -475,6 +492,9 @@ struct Bench {
     /// backward may run), no naive rows (Candle's attention has no dropout here);
     /// scripts/torch_bench.py takes the same flag.
     dropout: f32,
+    /// `--deterministic`: our kernels with `deterministic(true)` (a bitwise repeatable
+    /// backward).
+    deterministic: bool,
 }
 
 impl Bench {
@@ -493,7 +513,9 @@ impl Bench {
 
     fn flash(&mut self, case: &Case, sets: &[Inputs]) {
         let dev = self.dev.clone();
-        let mut opts = FlashAttn::new().causal(case.causal);
+        let mut opts = FlashAttn::new()
+            .causal(case.causal)
+            .deterministic(self.deterministic);
         if self.dropout > 0.0 {
             opts = opts.dropout(self.dropout).rng_offset(0);
         }
@@ -954,6 +976,7 @@ impl Bench {
                     ms,
                     tflops,
                     dropout: self.dropout,
+                    deterministic: self.deterministic,
                 };
                 self.records.push(record.json());
                 Some(ms)

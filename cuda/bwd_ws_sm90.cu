@@ -65,7 +65,11 @@ struct BwdTmaParams {
     int m_blocks;  // query tiles of BM rows per (sequence, head)
     // Under a mask, how many (sequence, KV head) pairs at the end of the grid take their key
     // blocks heaviest first across all of them (longest_first_tail); 0: none.
-    int tail_heads;
+    int tail_heads;    // Nonzero: dQ bitwise repeatable, the key blocks adding into each dq_accum tile in
+    // order (dq_tile_state.cuh) and walking their query tiles from the last (bwd_ws_walk).
+    // Only in the kernels with K::HAS_ORDERED; src/cuda/bwd.rs runs the older kernels
+    // elsewhere.
+    int deterministic;
 };
 
 // MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
@@ -122,6 +126,11 @@ struct BwdWsTraits {
     // behind them, after the slot's reuse); with SPLIT always (walking, the consumers of
     // d = 256 spilled 768 bytes).
     static constexpr bool TILES_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0 || SPLIT;
+    // The kernels with a deterministic mode (BwdTmaParams::deterministic): without mods (a
+    // block mask's key blocks of a tile need not be consecutive; in the `_mods` d = 128
+    // kernel the mode's walk spilled 8 bytes) and without SPLIT. Compiled out of the others
+    // (reading the flag in the `_sparse` walks spilled: d 64 8 -> 36 bytes, d 128 68 -> 96).
+    static constexpr bool HAS_ORDERED = MODS == MODS_NONE && !SPLIT;
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -250,19 +259,34 @@ template <class K> struct BwdWsBlock {
 // The walk starts at tile key_block() (mod the count) and wraps around: without a mask every
 // key block of a head sees the same tiles, and walking them in step made all of them add
 // their dQ to the same tile at once (d 64, seqlen 1k: 146 against 229 TFLOP/s for the
-// atomics of bwd_sm90.cu).
+// atomics of bwd_sm90.cu). In deterministic mode the blocks add into a tile in key-block
+// order (dq_tile_state.cuh), and each walks its rows from the last tile down, the group's
+// heads within each row of tiles: a block's range of query tiles ends at or above the range
+// of the block before it (both ends grow with the key block), so that block reaches any tile
+// they share at the same step of its walk or earlier, and a turn costs one add's latency.
+// Walked upwards (or staggered), block n would reach tile m only after block n - 1 had done
+// its extra tiles below n's range: under a causal mask every block would wait for block 0.
 template <class K, class F>
 __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
                                             F&& f) {
     const int per_head = (blk.tiles.m0_end - blk.tiles.m0_begin) / K::BM;
     const int h0 = blk.bidh_k * P.b.a.h_h_k_ratio, total = blk.tiles.total;
-    const int start = total > 0 ? blk.key_block() % total : 0;
+    const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
+    const int start = total > 0 && !ordered ? blk.key_block() % total : 0;
     if (!blk.mask.sparse) {
+        const int ratio = P.b.a.h_h_k_ratio;
         int j = start;
 #pragma unroll 1
         for (int i = 0; i < total; ++i) {
-            const int head = j / per_head;
-            const int m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
+            int head, m0;
+            if (ordered) {  // start = 0: j = i
+                const int row = j / ratio;
+                head = j - row * ratio;
+                m0 = blk.tiles.m0_end - (row + 1) * K::BM;
+            } else {
+                head = j / per_head;
+                m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
+            }
             f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
             if (++j == total) j = 0;
         }
@@ -338,20 +362,35 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
 
 // Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
 // as that warpgroup wrote it; the first block to reach a tile stores instead
-// (dq_tile_state.cuh).
+// (dq_tile_state.cuh). In deterministic mode the first is the lowest key block that sees
+// the tile, and the others add in key-block order.
 template <class K>
 __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                               const BwdWsBlock<K>& blk) {
     constexpr int HALF = K::DQ_BYTES / K::CONSUMERS;
+    const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
+    const int n = blk.key_block();
+    // Deterministic mode: the query blocks the key block before this one sees (QueryTiles'
+    // range for it; none before block 0).
+    int prev_begin = 0, prev_end = 0;
+    if (ordered && n > 0)
+        blk.mask.template query_blocks<K::BM, K::BN>(blk.n0 - K::BN, blk.seq.seqlen_q,
+                                                     &prev_begin, &prev_end);
     int phase = 0;
-    bwd_ws_walk<K>(P, blk, [&](int, int, int64_t tile) {
+    bwd_ws_walk<K>(P, blk, [&](int, int m0, int64_t tile) {
         float* dst = P.b.dq_accum + tile * K::BM * K::D;
         int* state = P.dq_state + tile;
-        // Claimed once this block has something to write, so that a block that waits for the
-        // first one never waits for that one's matmuls.
+        // Claimed (or, ordered, waited for) once this block has something to write, so that a
+        // block that waits for another never waits for this one's matmuls.
         tma::wait(sm.full_dq(0), phase);
-        const bool first = dq_tile_claim(state);
-        if (!first) dq_tile_wait_written(state);
+        bool first;
+        if (ordered) {
+            first = m0 / K::BM < prev_begin || m0 / K::BM >= prev_end;
+            if (!first) dq_tile_wait_turn(state, n);
+        } else {
+            first = dq_tile_claim(state);
+            if (!first) dq_tile_wait_written(state);
+        }
 #pragma unroll
         for (int group = 0; group < K::CONSUMERS; ++group) {
             if (group > 0) tma::wait(sm.full_dq(group), phase);  // half 0: waited for above
@@ -368,7 +407,10 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
             if (group == 0) tma::bulk_wait_read<K::CONSUMERS - 1>(); else tma::bulk_wait_read<0>();
             tma::arrive(sm.empty_dq(group));
         }
-        if (first) {
+        if (ordered) {
+            tma::bulk_wait_all();
+            dq_tile_pass_turn(state, n);
+        } else if (first) {
             tma::bulk_wait_all();
             dq_tile_publish(state);
         }

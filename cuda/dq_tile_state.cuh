@@ -9,6 +9,16 @@
 // The first block waits only for its own store, never for another block, so no block waits
 // in a cycle; the others wait for one store (~1-2 us), and with the staggered walk of
 // bwd_ws_walk they seldom arrive while it runs.
+//
+// Deterministic mode (`BwdTmaParams::deterministic`) orders the blocks instead: the key blocks
+// that see a query tile are consecutive (mask.cuh query_blocks: both ends grow with the key
+// block), and they add into it one at a time in that order, so each element of dq_accum sums
+// the same values in the same order on every run. The state word then holds one past the
+// index of the last key block that added (0: none yet); block n waits until it reads n
+// (bwd_ws_walk's order in this mode keeps each wait to about one add's latency). A
+// block waits only for lower-numbered blocks of its own (sequence, KV head), which start
+// before it (the grid's order, longest_first_tail included, keeps key blocks ascending within
+// a pair), so the chain always ends at a running or finished block.
 #pragma once
 
 constexpr unsigned DQ_TILE_WRITTEN = 0x80000000u;
@@ -36,4 +46,29 @@ __device__ __forceinline__ void dq_tile_wait_written(const int* state) {
         __nanosleep(64);
     }
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// Deterministic mode: waits until the key block before `key_block` has added into the tile
+// (its bulk reduce-add complete and published by dq_tile_pass_turn). A wait past 2^24
+// polls (seconds; a turn comes within one block's run) traps rather than hangs.
+__device__ __forceinline__ void dq_tile_wait_turn(const int* state, int key_block) {
+    int s;
+#pragma unroll 1
+    for (unsigned polls = 0;; ++polls) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(s) : "l"(state) : "memory");
+        if (s == key_block) break;
+        if (polls == (1u << 24)) __trap();
+        __nanosleep(64);
+    }
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// Deterministic mode: after this block's bulk store or reduce-add into the tile has
+// completed (bulk_wait_all), hands the tile to the next key block.
+__device__ __forceinline__ void dq_tile_pass_turn(int* state, int key_block) {
+    asm volatile(
+        "fence.proxy.async.global;\n"
+        "st.release.gpu.global.b32 [%0], %1;\n" ::"l"(state),
+        "r"(key_block + 1)
+        : "memory");
 }

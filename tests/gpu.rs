@@ -51,6 +51,10 @@ mod block_sparse;
 #[path = "gpu/mods.rs"]
 mod mods;
 
+#[cfg(feature = "cuda")]
+#[path = "gpu/deterministic.rs"]
+mod deterministic;
+
 // The CPU tests' helpers, for the `train` section's shared checks (tests/common/train.rs).
 #[cfg(feature = "cuda")]
 mod common;
@@ -1098,5 +1102,6 @@ mod cuda_suite {
             "repeatable backward",
             repeatable_backward(dev, if quick { 3 } else { 50 }),
         );
+        crate::deterministic::run(dev, quick, suite);
     }
 }

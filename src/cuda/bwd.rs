@@ -9,8 +9,10 @@
 //! packed batches with a softcap, ALiBi or block mask there take the first wgmma kernel
 //! (`cuda/bwd_sm90.cu`), dropout with one the mma.sync `_dropout` kernel.
 //! At head dims 65-96 its d = 128 kernel and at 193-256 its d = 256 kernel also run (the
-//! columns past the head dim zero), under the same conditions and when non-determinism is
-//! allowed (65-96: without a block mask or a `CANDLE_FLASH_BWD` override).
+//! columns past the head dim zero), under the same conditions (65-96: without a block mask or
+//! a `CANDLE_FLASH_BWD` override). It has a deterministic mode up to d = 128 without a softcap,
+//! ALiBi or block mask (the key blocks add dQ in order): `deterministic(true)` runs it there,
+//! and the dK/dV and dQ kernels elsewhere.
 //! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
@@ -137,8 +139,9 @@ enum BwdPath {
     /// Hopper, no dropout.
     Sm90,
     /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
-    /// dims 65-96 and 193-256 on Hopper without determinism, for batches whose tensors TMA
-    /// can address (`bwd_ws::supported`), with dropout too.
+    /// dims 65-96 and 193-256 on Hopper, for batches whose tensors TMA can address
+    /// (`bwd_ws::supported`), with dropout too; deterministic at head dims up to 128 without a
+    /// softcap, ALiBi or block mask.
     Ws(BwdWsShape),
 }
 
@@ -199,6 +202,8 @@ struct BwdProblem<'a> {
     dropout: bool,
     /// A block mask.
     sparse: bool,
+    /// A softcap, ALiBi slopes or a block mask (`AttnParams::mods_suffix`).
+    mods: bool,
     /// Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
     hopper: bool,
     /// The bytes of shared memory a block may use on the device.
@@ -212,8 +217,9 @@ impl BwdPath {
         Self::ws(c).map_or_else(|| Self::without_ws(c), Self::Ws)
     }
 
-    /// The warp-specialized kernel of the head dim's class, on Hopper, not deterministic, with
-    /// dropout unless `CANDLE_FLASH_WS_DROPOUT=0` (`tma::dropout_kernels`).
+    /// The warp-specialized kernel of the head dim's class, on Hopper, deterministic only where
+    /// it has that mode (`bwd_ws::deterministic_ok`: d <= 128, no softcap, ALiBi or block mask;
+    /// `bwd_ws::supported` then says whether a kernel of the problem's variant runs it).
     /// `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere; `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
     /// block mask at 64/128 still runs it (the fused mma.sync kernels have no `_sparse`
     /// variant). Head dims 65-96 under a block mask keep the mma.sync kernels (measured only
@@ -227,7 +233,7 @@ impl BwdPath {
             Some("sm90") => c.tile.d > 192,
             Some(_) => c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide()),
         };
-        if !c.hopper || (c.dropout && !tma::dropout_kernels()) || c.deterministic || !allowed {
+        if !c.hopper || !allowed || (c.deterministic && !bwd_ws::deterministic_ok(d, c.mods)) {
             return None;
         }
         BwdWsShape::for_head_dim(d)
@@ -248,6 +254,7 @@ impl BwdPath {
             sparse,
             hopper,
             smem,
+            ..
         } = *c;
         let env = bwd_override();
         let wgmma = hopper && tile.has_fused_wide() && !dropout;
@@ -363,6 +370,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         deterministic,
         dropout,
         sparse: problem.mods.sparse.is_some(),
+        mods: !params.a.mods_suffix().is_empty(),
         hopper: facts.hopper(),
         smem: facts.smem,
     };
@@ -400,11 +408,13 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                     dtype,
                     &params,
                     totals,
+                    deterministic,
                     &mut buffers,
                 )?;
             }
-            // Packed batches with a softcap, ALiBi or block mask, or tensors TMA cannot
-            // address: what runs there without the warp-specialized kernels.
+            // Packed batches or dropout with a softcap, ALiBi or block mask, an A/B switch
+            // (`tma::ws_variant`), or tensors TMA cannot address: what runs there without the
+            // warp-specialized kernels.
             BwdPath::Ws(_) => {
                 let path = BwdPath::without_ws(&choice);
                 run_path(&dev, path, &tile, problem, dtype, &mut params)?

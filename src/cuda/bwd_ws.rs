@@ -31,6 +31,10 @@ pub(super) struct BwdTmaParams {
     /// Under a mask, how many (sequence, KV head) pairs end the grid in longest-first order
     /// (`cuda/lpt_tail.cuh`); 0 none.
     tail_heads: i32,
+    /// Nonzero: the key blocks add into each dq_accum tile in order, for a bitwise repeatable
+    /// dQ (`cuda/dq_tile_state.cuh`); not with the split kernel or a block mask
+    /// ([`deterministic_ok`]).
+    deterministic: i32,
 }
 
 // SAFETY: plain-old-data with the C layout of `BwdTmaParams`, passed by value as a kernel
@@ -170,6 +174,7 @@ fn params(
         dq_state: 0,
         m_blocks: 0,
         tail_heads: 0,
+        deterministic: 0,
     })
 }
 
@@ -181,10 +186,8 @@ fn grid(b: &BwdParams, shape: &BwdWsShape) -> (usize, usize, usize) {
 }
 
 /// Whether this path can run `b`: TMA can address its tensors, the kernel's linear block
-/// index (`BwdWsBlock::launch_order`) fits an int, and packed batches (`packed`: total query
-/// and key rows) and dropout come without a softcap, ALiBi or block mask (the `_packed` and
-/// `_dropout` kernels have none), packed batches where they are not sent to the older kernels
-/// (`tma::packed_kernels`).
+/// index (`BwdWsBlock::launch_order`) fits an int, and a kernel of the problem's variant is
+/// compiled and switched on (`tma::ws_variant`; `packed`: total query and key rows).
 pub(super) fn supported(
     b: &BwdParams,
     shape: &BwdWsShape,
@@ -192,18 +195,28 @@ pub(super) fn supported(
     packed: Option<(usize, usize)>,
 ) -> bool {
     let (x, y, z) = grid(b, shape);
-    let plain = b.a.mods_suffix().is_empty();
-    let packed_ok = packed.is_none() || (plain && tma::packed_kernels());
-    let dropout_ok = b.a.drop_threshold == 0 || plain;
-    packed_ok
-        && dropout_ok
+    variant(b, packed).is_some()
         && x * y * z <= i32::MAX as usize
         && params(b, shape, dtype, packed).is_some()
 }
 
+/// `tma::ws_variant` for `b` and `packed`.
+fn variant(b: &BwdParams, packed: Option<(usize, usize)>) -> Option<&'static str> {
+    tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)
+}
+
+/// Whether the kernel of padded head dim `d` has a deterministic mode for a problem with or
+/// without a softcap, ALiBi or block mask (`mods`): the plain, `_packed` and `_dropout`
+/// kernels whose dQ warp adds dQ (not d = 256's split consumers; `BwdWsTraits::HAS_ORDERED`).
+/// Under a block mask the key blocks that see a query tile need not be consecutive; in the
+/// `_mods` d = 128 kernel the mode spilled.
+pub(super) fn deterministic_ok(d: usize, mods: bool) -> bool {
+    d <= 128 && !mods
+}
+
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
-/// a device of `sms` multiprocessors; `packed` as for [`supported`] (the `_packed` kernel,
-/// which has no softcap, ALiBi or block mask; with dropout `_dropout` or `_packed_dropout`).
+/// a device of `sms` multiprocessors; `packed` as for [`supported`]; `deterministic` where
+/// [`deterministic_ok`].
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     dev: &candle::CudaDevice,
@@ -213,10 +226,17 @@ pub(super) fn run(
     dtype_name: &str,
     b: &BwdParams,
     packed: Option<(usize, usize)>,
+    deterministic: bool,
     buffers: &mut BwdWsBuffers,
 ) -> Result<()> {
+    if deterministic && !deterministic_ok(shape.d, !b.a.mods_suffix().is_empty()) {
+        candle::bail!("flash-attn backward: no deterministic warp-specialized kernel here");
+    }
     let Some(mut p) = params(b, shape, dtype, packed) else {
         candle::bail!("flash-attn backward: TMA cannot address q, k, v or grad_out")
+    };
+    let Some(variant) = variant(b, packed) else {
+        candle::bail!("flash-attn backward: no warp-specialized kernel for this problem's options")
     };
     let stream = dev.cuda_stream();
     let (stats_ptr, _stats_sync) = buffers.stats.device_ptr_mut(&stream);
@@ -226,6 +246,7 @@ pub(super) fn run(
     p.b.dq_accum = dq_accum_ptr;
     p.dq_state = dq_state.as_ref().map_or(0, |(ptr, _)| *ptr);
     p.m_blocks = buffers.m_blocks as i32;
+    p.deterministic = i32::from(deterministic);
     let grid = grid(b, shape);
     // Under a mask the key blocks differ in work (causal: key block 0 sees every query), so
     // the grid ends heaviest first across its last heads; one block per SM.
@@ -249,15 +270,7 @@ pub(super) fn run(
     // for the kernel before it, its launch overlapping that kernel's last blocks.
     launch_programmatic(
         dev,
-        &format!(
-            "flash_bwd_ws_{dtype_name}_d{d}{}",
-            match (packed.is_some(), b.a.drop_threshold != 0) {
-                (true, false) => "_packed",
-                (true, true) => "_packed_dropout",
-                (false, true) => "_dropout",
-                (false, false) => b.a.mods_suffix(),
-            }
-        ),
+        &format!("flash_bwd_ws_{dtype_name}_d{d}{variant}"),
         grid,
         384,
         shape.smem_bytes(),

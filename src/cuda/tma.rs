@@ -123,20 +123,41 @@ pub(super) fn ws_head_dim(d: usize) -> Option<usize> {
     }
 }
 
+/// Whether the A/B switch `var` (read once) is set to `0`.
+fn switched_off(cell: &'static OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "0"))
+}
+
 /// Whether packed batches may take the `_packed` warp-specialized kernels (forward and
-/// backward): `CANDLE_FLASH_WS_PACKED=0` sends them to the older kernels, as before session 25
-/// (read once; A/B runs).
-pub(super) fn packed_kernels() -> bool {
+/// backward): `CANDLE_FLASH_WS_PACKED=0` sends them to the older kernels, as before session 25.
+fn packed_kernels() -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("CANDLE_FLASH_WS_PACKED").is_ok_and(|v| v == "0"))
+    !switched_off(&OFF, "CANDLE_FLASH_WS_PACKED")
 }
 
 /// Whether dropout may take the `_dropout` warp-specialized kernels (forward and backward):
-/// `CANDLE_FLASH_WS_DROPOUT=0` sends it to the older kernels, as before session 26 (read
-/// once; A/B runs).
-pub(super) fn dropout_kernels() -> bool {
+/// `CANDLE_FLASH_WS_DROPOUT=0` sends it to the older kernels, as before session 26.
+fn dropout_kernels() -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("CANDLE_FLASH_WS_DROPOUT").is_ok_and(|v| v == "0"))
+    !switched_off(&OFF, "CANDLE_FLASH_WS_DROPOUT")
+}
+
+/// The part of a warp-specialized entry point's name (forward and backward) that names its
+/// features: `mods` (`AttnParams::mods_suffix`: `_mods`, `_sparse` or empty) for fixed-length
+/// batches without dropout, else `_packed`, `_dropout` or `_packed_dropout`. `None` where no
+/// such kernel is compiled (packed batches or dropout with a softcap, ALiBi or block mask) or
+/// an A/B switch sends the problem to the older kernels.
+pub(super) fn ws_variant(mods: &'static str, packed: bool, dropout: bool) -> Option<&'static str> {
+    let off = (packed && !packed_kernels()) || (dropout && !dropout_kernels());
+    if off || ((packed || dropout) && !mods.is_empty()) {
+        return None;
+    }
+    Some(match (packed, dropout) {
+        (true, true) => "_packed_dropout",
+        (true, false) => "_packed",
+        (false, true) => "_dropout",
+        (false, false) => mods,
+    })
 }
 
 /// One warp-specialized forward kernel (mirror of `WsTraits`): 64 query rows per consumer
@@ -220,25 +241,15 @@ impl WsShape {
         let forced =
             FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
         let d = ws_head_dim(d)?;
+        let variant_suffix = ws_variant(mods, packed, dropout)?;
         if dropout {
-            if !mods.is_empty() || !dropout_kernels() || (packed && !packed_kernels()) {
-                return None;
-            }
             let variant = if d == 256 { "n80" } else { "base" };
-            let suffix = if packed {
-                "_packed_dropout"
-            } else {
-                "_dropout"
-            };
-            return Self::compiled(d, variant, suffix);
+            return Self::compiled(d, variant, variant_suffix);
         }
         // d = 64 causal below 512 rows: the one-warpgroup kernel of fwd_sm90.cu, four blocks
         // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
         // tiles as one stream: 0.158 against 0.171 ms since, session 17; shorter not measured).
         if forced.is_empty() && d == 64 && causal && seqlen_q < 512 {
-            return None;
-        }
-        if packed && (!mods.is_empty() || !packed_kernels()) {
             return None;
         }
         if !mods.is_empty() {
@@ -272,7 +283,7 @@ impl WsShape {
             } else {
                 "base"
             };
-            return Self::compiled(d, variant, "_packed");
+            return Self::compiled(d, variant, variant_suffix);
         }
         Self::compiled(d, forced, "").or_else(|| Self::compiled(d, variant, ""))
     }

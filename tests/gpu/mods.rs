@@ -3,7 +3,8 @@
 //! and modes reach every kernel the router picks: 40/96/160 the mma.sync kernels, 64/128 the
 //! warp-specialized forward and backward (the `_mods` backward under a cap or slopes), 256
 //! the warp-specialized forward and the mma.sync backward, packed batches the first wgmma
-//! kernels (`_mods`), deterministic backwards the separate mma.sync kernels; then KV-cache
+//! kernels (`_mods`), deterministic backwards the separate mma.sync kernels (the
+//! warp-specialized kernels' deterministic mode has no `_mods` variant); then KV-cache
 //! decoding, contiguous and paged, with GQA-packed rows (one slope per packed row).
 
 use candle::{DType, Device, IndexOp, Result, Tensor};

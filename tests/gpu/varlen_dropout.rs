@@ -42,15 +42,15 @@ fn varlen_case(
     let w = randn(&[tq, h, d], dtype, dev)?;
     let scale = 1.0 / (d as f32).sqrt();
     let mut attn = FlashAttn::new().causal(causal);
-    // Sequence b's mask: the top-left corner of row b of dropout_mask.
+    // With dropout, its mask and p: sequence b's mask is the top-left corner of row b of
+    // dropout_mask.
     let mut keep = None;
     if let Some((p, seed, offset)) = dropout {
         attn = attn.dropout(p).seed(seed).rng_offset(offset);
         let (max_q, max_k) = (varlen.max_seqlen_q(), varlen.max_seqlen_k());
-        keep = Some(
-            dropout_mask(p, seed, offset, lens.len(), h, max_q, max_k)?
-                .to_device(&reference_device(dev))?,
-        );
+        let mask = dropout_mask(p, seed, offset, lens.len(), h, max_q, max_k)?
+            .to_device(&reference_device(dev))?;
+        keep = Some((mask, p));
     }
     let out = attn.forward_varlen(&q, &k, &v, &varlen)?;
     if has_nan(&out)? {
@@ -74,12 +74,12 @@ fn varlen_case(
             let qb = q.i(q0..q1)?.unsqueeze(0)?;
             let kb = k.i(k0..k1)?.unsqueeze(0)?;
             let vb = v.i(k0..k1)?.unsqueeze(0)?;
-            let out = match (&keep, dropout) {
-                (Some(keep), Some((p, _, _))) => {
-                    let keep = keep.i((b..b + 1, .., 0..q1 - q0, 0..k1 - k0))?;
-                    attention_slow_dropout(&qb, &kb, &vb, scale, causal, &keep, p)?
+            let out = match &keep {
+                Some((mask, p)) => {
+                    let mask = mask.i((b..b + 1, .., 0..q1 - q0, 0..k1 - k0))?;
+                    attention_slow_dropout(&qb, &kb, &vb, scale, causal, &mask, *p)?
                 }
-                _ => attention_slow(&qb, &kb, &vb, scale, causal)?,
+                None => attention_slow(&qb, &kb, &vb, scale, causal)?,
             };
             outs.push(out.squeeze(0)?);
         }
@@ -148,19 +148,10 @@ fn padded_batch(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// The keep mask the GPU used, read back exactly: with q = 0 every visible key gets
-/// probability 1/sk, and with v = the identity (one-hot rows, d >= sk) output column j of
-/// row i is Z_ij / ((1 - p) sk).
+/// The keep mask the GPU used at head dim d (sk <= d), read back exactly: with q = 0 every
+/// visible key gets probability 1/sk, and with v = the identity (one-hot rows) output column
+/// j of row i is Z_ij / ((1 - p) sk).
 fn gpu_mask(
-    dev: &Device,
-    (b, h, sq, sk): (usize, usize, usize, usize),
-    (p, seed, offset): (f32, u64, u64),
-) -> Result<Tensor> {
-    gpu_mask_d(dev, (b, h, sq, sk), (p, seed, offset), 128)
-}
-
-/// `gpu_mask` at head dim d (sk <= d).
-fn gpu_mask_d(
     dev: &Device,
     (b, h, sq, sk): (usize, usize, usize, usize),
     (p, seed, offset): (f32, u64, u64),
@@ -244,7 +235,7 @@ fn dropout_masks_bwd(dev: &Device) -> Result<()> {
         let (from_dv, from_dq) = gpu_bwd_masks(dev, (b, h, sq, sk, d), (p, seed, offset))?;
         let (dv_differ, dq_differ) = (count(&from_dv)?, count(&from_dq)?);
         if sk <= d {
-            let fwd = gpu_mask_d(dev, (b, h, sq, sk), (p, seed, offset), d)?;
+            let fwd = gpu_mask(dev, (b, h, sq, sk), (p, seed, offset), d)?;
             let fwd_differ = count(&fwd)?;
             if fwd_differ != 0.0 {
                 candle::bail!("d={d}: {fwd_differ} entries of the forward's mask differ");
@@ -264,7 +255,7 @@ fn dropout_masks_bwd(dev: &Device) -> Result<()> {
 fn dropout_masks(dev: &Device) -> Result<()> {
     let (b, h, sq, sk) = (4, 16, 160, 128); // 1.3M entries
     for (p, seed, offset) in [(0.17f32, 1234u64, 7u64), (0.5, 99, 1 << 33)] {
-        let gpu = gpu_mask(dev, (b, h, sq, sk), (p, seed, offset))?.to_device(&Device::Cpu)?;
+        let gpu = gpu_mask(dev, (b, h, sq, sk), (p, seed, offset), 128)?.to_device(&Device::Cpu)?;
         let cpu = dropout_mask(p, seed, offset, b, h, sq, sk)?;
         let differ = gpu
             .ne(&cpu)?
