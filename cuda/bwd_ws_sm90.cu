@@ -65,10 +65,10 @@ struct BwdTmaParams {
     int m_blocks;  // query tiles of BM rows per (sequence, head)
     // Under a mask, how many (sequence, KV head) pairs at the end of the grid take their key
     // blocks heaviest first across all of them (longest_first_tail); 0: none.
-    int tail_heads;    // Nonzero: dQ bitwise repeatable, the key blocks adding into each dq_accum tile in
-    // order (dq_tile_state.cuh) and walking their query tiles from the last (bwd_ws_walk).
-    // Only in the kernels with K::HAS_ORDERED; src/cuda/bwd.rs runs the older kernels
-    // elsewhere.
+    int tail_heads;
+    // Nonzero: dQ bitwise repeatable, the key blocks adding into each dq_accum tile in order
+    // (dq_tile_state.cuh) and walking their query tiles from the last (bwd_ws_walk). Only in
+    // the kernels with K::HAS_ORDERED; src/cuda/bwd.rs runs the older kernels elsewhere.
     int deterministic;
 };
 
