@@ -70,6 +70,9 @@ struct BwdTmaParams {
     // (dq_tile_state.cuh) and walking their query tiles from the last (bwd_ws_walk). Only in
     // the kernels with K::HAS_ORDERED; src/cuda/bwd.rs runs the older kernels elsewhere.
     int deterministic;
+    // Deterministic mode: the grid's (sequence, KV head) pairs go in groups of this many, key
+    // block by key block across each group (interleaved_pairs); 0 or 1: pair by pair.
+    int pair_group;
 };
 
 // MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
@@ -228,7 +231,7 @@ template <class K> struct BwdWsBlock {
     // their linear index: key block 0 (the heaviest under a causal mask, it sees every query)
     // first within each head, but for the last tail_heads pairs (longest_first_tail).
     __device__ __forceinline__ explicit BwdWsBlock(const BwdTmaParams& P)
-        : BwdWsBlock(P.b.a, launch_order(P.tail_heads)) {}
+        : BwdWsBlock(P.b.a, launch_order(P.tail_heads, P.pair_group)) {}
 
     __device__ __forceinline__ int key_block() const { return n0 / K::BN; }
 
@@ -245,12 +248,27 @@ template <class K> struct BwdWsBlock {
           mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS),
           tiles(mask, p, n0, seq.seqlen_q, false) {}
 
-    // The block's index in (sequence, KV head, key block) order after the longest-first tail
-    // (src/cuda/bwd_ws.rs runs this kernel only on grids of fewer than 2^31 blocks).
-    static __device__ __forceinline__ int launch_order(int tail_heads) {
+    // The block's index in (sequence, KV head, key block) order after the longest-first tail,
+    // or in deterministic mode with pair_group > 1 after interleaved_pairs (src/cuda/bwd_ws.rs
+    // runs this kernel only on grids of fewer than 2^31 blocks).
+    static __device__ __forceinline__ int launch_order(int tail_heads, int pair_group) {
         const int blocks = gridDim.x * gridDim.y * gridDim.z;
         const int i = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        if (K::HAS_ORDERED && pair_group > 1)
+            return interleaved_pairs(i, gridDim.x, gridDim.y * gridDim.z, pair_group);
         return longest_first_tail(i, blocks, tail_heads, gridDim.x);
+    }
+
+    // Launch index i -> (pair, key block) index, pairs in groups of `group` taken key block by
+    // key block across the group (the last group may be smaller). In deterministic mode block
+    // n of a pair waits for block n - 1 at every tile (dq_tile_state.cuh); a wave of a few
+    // pairs' blocks ends in that order across its pairs, and the next pairs' blocks, started
+    // in the same order, then start as far apart as their own chains need.
+    static __device__ __forceinline__ int interleaved_pairs(int i, int per_pair, int pairs,
+                                                            int group) {
+        const int span = group * per_pair, g = i / span, r = i - g * span;
+        const int size = min(group, pairs - g * group), n = r / size;
+        return (g * group + r - n * size) * per_pair + n;
     }
 };
 

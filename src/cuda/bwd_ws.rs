@@ -35,6 +35,9 @@ pub(super) struct BwdTmaParams {
     /// dQ (`cuda/dq_tile_state.cuh`); not with the split kernel or a block mask
     /// ([`deterministic_ok`]).
     deterministic: i32,
+    /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
+    /// order (`interleaved_pairs`); 0 or 1: pair by pair.
+    pair_group: i32,
 }
 
 // SAFETY: plain-old-data with the C layout of `BwdTmaParams`, passed by value as a kernel
@@ -175,6 +178,7 @@ fn params(
         m_blocks: 0,
         tail_heads: 0,
         deterministic: 0,
+        pair_group: 0,
     })
 }
 
@@ -253,6 +257,20 @@ pub(super) fn run(
     let a = &b.a;
     if a.window_left >= 0 || a.window_right >= 0 || a.block_q != 0 {
         p.tail_heads = Tail::Backward.pairs(grid.1 * grid.2, grid.0, sms);
+    }
+    // Deterministic mode: the pairs interleaved in groups of about one wave of blocks, so
+    // that each wave's blocks end in the order the next wave's chains need (1.05-1.13x at
+    // 1k-4k, H100, docs/PERF.md session 27). `CANDLE_FLASH_DET_GROUP=0` (read once) keeps
+    // the pair-by-pair order (A/B runs).
+    static PAIR_BY_PAIR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let pair_by_pair = *PAIR_BY_PAIR
+        .get_or_init(|| std::env::var("CANDLE_FLASH_DET_GROUP").is_ok_and(|v| v == "0"));
+    if deterministic && !pair_by_pair {
+        let group = (sms / grid.0).clamp(1, grid.1 * grid.2);
+        if group > 1 {
+            p.pair_group = group as i32;
+            p.tail_heads = 0;
+        }
     }
     let (bsz, h) = (b.a.b as usize, b.a.h as usize);
     let d = shape.d;
