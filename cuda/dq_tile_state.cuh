@@ -17,8 +17,10 @@
 // index of the last key block that added (0: none yet); block n waits until it reads n
 // (bwd_ws_walk's order in this mode keeps each wait to about one add's latency). A
 // block waits only for lower-numbered blocks of its own (sequence, KV head), which start
-// before it (the grid's order, longest_first_tail included, keeps key blocks ascending within
-// a pair), so the chain always ends at a running or finished block.
+// before it (the grid's orders, longest_first_tail and interleaved_pairs, keep key blocks
+// ascending within a pair; the hardware starts blocks in launch-index order, which CUDA does
+// not promise but FlashAttention-3's deterministic backward relies on too), so the chain
+// always ends at a running or finished block.
 #pragma once
 
 constexpr unsigned DQ_TILE_WRITTEN = 0x80000000u;

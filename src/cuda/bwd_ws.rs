@@ -32,8 +32,8 @@ pub(super) struct BwdTmaParams {
     /// (`cuda/lpt_tail.cuh`); 0 none.
     tail_heads: i32,
     /// Nonzero: the key blocks add into each dq_accum tile in order, for a bitwise repeatable
-    /// dQ (`cuda/dq_tile_state.cuh`); not with the split kernel or a block mask
-    /// ([`deterministic_ok`]).
+    /// dQ (`cuda/dq_tile_state.cuh`); not with the split kernel or a softcap, ALiBi or block
+    /// mask ([`deterministic_ok`]).
     deterministic: i32,
     /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
     /// order (`interleaved_pairs`); 0 or 1: pair by pair.
