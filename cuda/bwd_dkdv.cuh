@@ -160,9 +160,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
                 }
         // Dropout keep bits of this thread's entries: bit (2 nt + e % 2) of keep[mt][r].
         // Both uses (P for dV, dP for dS) scale kept entries by 1 / (1 - p) and zero the rest.
-        unsigned int keep[MT][2] = {};  // read only under use_dropout
+        uint32_t keep[MT][2] = {};  // read only under use_dropout
         const auto dropped = [&](float x, int mt, int nt, int e) {
-            return ((keep[mt][e / 2] >> (2 * nt + e % 2)) & 1) ? x * p.rp_keep : 0.f;
+            return Dropout::scaled(keep[mt], e / 2, nt, e % 2, x, p.rp_keep);
         };
         if (use_dropout) {
 #pragma unroll

@@ -104,7 +104,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
                         const float prob = exp2f(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][r]));
                         float dpe = dp[mt][nt][e];
                         if (dropout.active())
-                            dpe = Dropout::kept(keep[mt], r, nt, c) ? dpe * p.rp_keep : 0.f;
+                            dpe = Dropout::scaled(keep[mt], r, nt, c, dpe, p.rp_keep);
                         float ds = prob * (dpe - dsum[mt][r]);
                         if (mask.softcap_pre != 0.f)  // the tanh's factor 1 - t^2
                             ds = cap_grad_times(ds, mask.template capped<false>(

@@ -458,7 +458,7 @@ struct DropBits {
     uint32_t keep[2];
     float rp_keep;
     __device__ __forceinline__ float apply(float x, int r, int nt, int e) const {
-        return Dropout::kept(keep, r, nt, e) ? x * rp_keep : 0.f;
+        return Dropout::scaled(keep, r, nt, e, x, rp_keep);
     }
     // The keep bits of the fragment of 16 keys from row0 and NQ n8 tiles of queries from col0,
     // for query head bidh of sequence bidb, UNROLL Philox calls in flight together.

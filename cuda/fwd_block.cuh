@@ -92,11 +92,7 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
             uint32_t keep[2];
             dropout.template keep_fragment<NT, false, NT>(keep, m0 + warp_row0() + mt * 16,
                                                           nb * BN, lane);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!Dropout::kept(keep, e / 2, nt, e % 2)) s[mt][nt][e] = 0.f;
+            Dropout::zero_dropped<NT>(s[mt], keep);
         }
     }
 

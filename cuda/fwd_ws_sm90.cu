@@ -426,12 +426,7 @@ template <class K> struct WsConsumer {
                                                                 lane);
     }
     __device__ __forceinline__ void drop(float (&s)[1][NT][4], const uint32_t (&keep)[2]) const {
-        if constexpr (K::DROPOUT)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!Dropout::kept(keep, e / 2, nt, e % 2)) s[0][nt][e] = 0.f;
+        if constexpr (K::DROPOUT) Dropout::zero_dropped<NT>(s[0], keep);
     }
     // 1 / l, times 1 / (1 - p) with dropout.
     __device__ __forceinline__ void finalize(int r, float* inv_sum, float* row_lse) const {

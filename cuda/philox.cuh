@@ -52,7 +52,7 @@ struct Dropout {
         static_assert(NT % 2 == 0 && NT <= 16, "n8 tile pairs, two bits each in one word per row");
         const int g = lane / 4, t = lane % 4, odd = g & 1;
         uint32_t own[2] = {0u, 0u}, other[2] = {0u, 0u};
-        const auto below = [&](uint32_t half) { return uint32_t(half >= threshold); };
+        const auto kept_half = [&](uint32_t half) { return uint32_t(half >= threshold); };
 #pragma unroll UNROLL
         for (int m = 0; m < NT / 2; ++m) {
             const unsigned int col16 = unsigned(col0 / 16 + m), row16 = unsigned(row0 / 16);
@@ -64,7 +64,8 @@ struct Dropout {
                 for (int r = 0; r < 2; ++r)
 #pragma unroll
                     for (int n = 0; n < 2; ++n)
-                        own[r] |= (below(w[2 * r + n] & 0xffff) | below(w[2 * r + n] >> 16) << 1)
+                        own[r] |= (kept_half(w[2 * r + n] & 0xffff) |
+                                   kept_half(w[2 * r + n] >> 16) << 1)
                                   << (2 * (2 * m + n));
             } else {
                 // Keys row0 + (g & ~1) + {0, 1, 8, 9}, queries col0 + 16 m + 2 t + odd + {0, 8}.
@@ -77,8 +78,8 @@ struct Dropout {
                     for (int nk = 0; nk < 2; ++nk) {
                         const uint32_t word = w[2 * nq + nk], lo = word & 0xffff, hi = word >> 16;
                         const int bit = 2 * (2 * m + nq) + odd;
-                        own[nk] |= below(odd ? hi : lo) << bit;
-                        other[nk] |= below(odd ? lo : hi) << bit;
+                        own[nk] |= kept_half(odd ? hi : lo) << bit;
+                        other[nk] |= kept_half(odd ? lo : hi) << bit;
                     }
             }
         }
@@ -93,5 +94,24 @@ struct Dropout {
     // Whether entry (r, nt, e) of keep_fragment's bits is kept.
     static __device__ __forceinline__ bool kept(const uint32_t (&keep)[2], int r, int nt, int e) {
         return (keep[r] >> (2 * nt + e)) & 1u;
+    }
+
+    // x for entry (r, nt, e) as the dropped matrix has it: x / (1 - p) (rp_keep) if kept, else
+    // 0 (the backward's P for dV and its dP for dS).
+    static __device__ __forceinline__ float scaled(const uint32_t (&keep)[2], int r, int nt, int e,
+                                                   float x, float rp_keep) {
+        return kept(keep, r, nt, e) ? x * rp_keep : 0.f;
+    }
+
+    // Zeroes the dropped entries of one fragment row block (the forward's P; its 1 / (1 - p)
+    // goes in with 1 / l).
+    template <int NT>
+    static __device__ __forceinline__ void zero_dropped(float (&s)[NT][4],
+                                                        const uint32_t (&keep)[2]) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!kept(keep, e / 2, nt, e % 2)) s[nt][e] = 0.f;
     }
 };

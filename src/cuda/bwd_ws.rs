@@ -263,9 +263,7 @@ pub(super) fn run(
     // 1k-4k, H100, docs/PERF.md session 27). `CANDLE_FLASH_DET_GROUP=0` (read once) keeps
     // the pair-by-pair order (A/B runs).
     static PAIR_BY_PAIR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let pair_by_pair = *PAIR_BY_PAIR
-        .get_or_init(|| std::env::var("CANDLE_FLASH_DET_GROUP").is_ok_and(|v| v == "0"));
-    if deterministic && !pair_by_pair {
+    if deterministic && !tma::switched_off(&PAIR_BY_PAIR, "CANDLE_FLASH_DET_GROUP") {
         let group = (sms / grid.0).clamp(1, grid.1 * grid.2);
         if group > 1 {
             p.pair_group = group as i32;

@@ -123,8 +123,8 @@ pub(super) fn ws_head_dim(d: usize) -> Option<usize> {
     }
 }
 
-/// Whether the A/B switch `var` (read once) is set to `0`.
-fn switched_off(cell: &'static OnceLock<bool>, var: &str) -> bool {
+/// Whether the A/B switch `var` (read once into `cell`) is set to `0`.
+pub(super) fn switched_off(cell: &'static OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "0"))
 }
 
