@@ -60,7 +60,8 @@ struct BwdTmaParams {
     // Per (sequence, head, query tile): BM LSEs in log2 units, then BM rowsum(dO O).
     float* stats;
     // Per (sequence, head, query tile): its dq_accum tile's state word (dq_tile_state.cuh), for
-    // the kernels whose dQ warp adds dQ; null with K::SPLIT, whose dq_accum the prep zeroes.
+    // the kernels whose dQ warp adds dQ and for K::SPLIT in deterministic mode; otherwise null.
+    // With K::SPLIT the prep zeroes dq_accum, into which the consumers add.
     int* dq_state;
     int m_blocks;  // query tiles of BM rows per (sequence, head)
     // Under a mask, how many (sequence, KV head) pairs at the end of the grid take their key
@@ -131,9 +132,9 @@ struct BwdWsTraits {
     static constexpr bool TILES_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0 || SPLIT;
     // The kernels with a deterministic mode (BwdTmaParams::deterministic): without mods (a
     // block mask's key blocks of a tile need not be consecutive; in the `_mods` d = 128
-    // kernel the mode's walk spilled 8 bytes) and without SPLIT. Compiled out of the others
-    // (reading the flag in the `_sparse` walks spilled: d 64 8 -> 36 bytes, d 128 68 -> 96).
-    static constexpr bool HAS_ORDERED = MODS == MODS_NONE && !SPLIT;
+    // kernel the mode's walk spilled 8 bytes). Compiled out of the others (reading the flag
+    // in the `_sparse` walks spilled: d 64 8 -> 36 bytes, d 128 68 -> 96).
+    static constexpr bool HAS_ORDERED = MODS == MODS_NONE;
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -191,6 +192,11 @@ template <class K> struct BwdWsSmem {
     __device__ __forceinline__ uint32_t empty_dq(int group) const {
         return full_kv() + 8 * (1 + K::CONSUMERS + group);
     }
+    // K::SPLIT has no dQ warp; in deterministic mode its order warp (bwd_ws_order_dq) uses
+    // those barriers for the tile's turn: it came (arrived by the order warp), and every
+    // consumer warp issued its adds.
+    __device__ __forceinline__ uint32_t dq_turn() const { return full_dq(0); }
+    __device__ __forceinline__ uint32_t dq_added() const { return empty_dq(0); }
     __device__ __forceinline__ uint32_t full_q(int st) const {
         return full_kv() + 8 * (1 + 2 * K::CONSUMERS + st);
     }
@@ -378,6 +384,21 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
     issue(pending_bidh, pending_m0, pending_tile, true);
 }
 
+// Deterministic mode: key block n adds into a query tile after block n - 1, or first where
+// block n - 1 does not see the tile (QueryTiles' range for it; none before block 0).
+template <class K> struct DqOrder {
+    int n, prev_begin = 0, prev_end = 0;
+    __device__ __forceinline__ DqOrder(const BwdWsBlock<K>& blk, bool ordered)
+        : n(blk.key_block()) {
+        if (ordered && n > 0)
+            blk.mask.template query_blocks<K::BM, K::BN>(blk.n0 - K::BN, blk.seq.seqlen_q,
+                                                         &prev_begin, &prev_end);
+    }
+    __device__ __forceinline__ bool first(int m0) const {
+        return m0 / K::BM < prev_begin || m0 / K::BM >= prev_end;
+    }
+};
+
 // Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
 // as that warpgroup wrote it; the first block to reach a tile stores instead
 // (dq_tile_state.cuh). In deterministic mode the first is the lowest key block that sees
@@ -387,13 +408,7 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
                                               const BwdWsBlock<K>& blk) {
     constexpr int HALF = K::DQ_BYTES / K::CONSUMERS;
     const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
-    const int n = blk.key_block();
-    // Deterministic mode: the query blocks the key block before this one sees (QueryTiles'
-    // range for it; none before block 0).
-    int prev_begin = 0, prev_end = 0;
-    if (ordered && n > 0)
-        blk.mask.template query_blocks<K::BM, K::BN>(blk.n0 - K::BN, blk.seq.seqlen_q,
-                                                     &prev_begin, &prev_end);
+    const DqOrder<K> order(blk, ordered);
     int phase = 0;
     bwd_ws_walk<K>(P, blk, [&](int, int m0, int64_t tile) {
         float* dst = P.b.dq_accum + tile * K::BM * K::D;
@@ -403,8 +418,8 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
         tma::wait(sm.full_dq(0), phase);
         bool first;
         if (ordered) {
-            first = m0 / K::BM < prev_begin || m0 / K::BM >= prev_end;
-            if (!first) dq_tile_wait_turn(state, n);
+            first = order.first(m0);
+            if (!first) dq_tile_wait_turn(state, order.n);
         } else {
             first = dq_tile_claim(state);
             if (!first) dq_tile_wait_written(state);
@@ -427,13 +442,37 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
         }
         if (ordered) {
             tma::bulk_wait_all();
-            dq_tile_pass_turn(state, n);
+            dq_tile_pass_turn(state, order.n);
         } else if (first) {
             tma::bulk_wait_all();
             dq_tile_publish(state);
         }
     });
     tma::bulk_wait_all();
+}
+
+// K::SPLIT in deterministic mode, one warp: the consumers add their dQ halves from registers
+// (BwdWsSplitConsumer), so this warp takes each tile's turn for them (dq_turn) before they
+// need it, and passes it on once every consumer warp issued its adds (dq_added). The pass's
+// release follows their adds through the mbarrier's arrive (release) and wait (acquire), so
+// the next key block's adds come after them; fencing and polling stay off the consumers.
+template <class K>
+__device__ __forceinline__ void bwd_ws_order_dq(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
+                                                const BwdWsBlock<K>& blk) {
+    static_assert(K::TILES_FROM_PRODUCER, "the tiles in the consumers' order");
+    const DqOrder<K> order(blk, true);
+#pragma unroll 1
+    for (int it = 0, last = false; !last; ++it) {
+        // The slot is not reused before this tile's turn: the consumers release it after.
+        tma::wait(sm.full_q(it % K::STAGES), (it / K::STAGES) & 1);
+        const TileInfo t = ld_tile_info(sm.info(it % K::STAGES));
+        int* state = P.dq_state + blk.tile_index(P, t.bidh, t.m0);
+        if (!order.first(t.m0)) dq_tile_wait_turn(state, order.n);
+        tma::arrive(sm.dq_turn());
+        tma::wait(sm.dq_added(), it & 1);
+        dq_tile_pass_turn(state, order.n);
+        last = t.last;
+    }
 }
 
 // How P^T comes from S^T: exp2 only (PROBS_PLAIN); under a softcap S^T holds the tanh t of
@@ -930,10 +969,17 @@ template <class K> struct BwdWsSplitConsumer {
         sm90::fence_operand(dq);
         sm90::fence_operand(dv);
         // float4 i of thread tid at float4 (group DQ_N / 8 + i) x 128 + tid of the tile.
+        // Deterministic mode: after the key block before this one (bwd_ws_order_dq).
+        const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
+        if (ordered) tma::wait(sm.dq_turn(), it & 1);
         float* dst = P.b.dq_accum + tile_index * BM * D;
 #pragma unroll
         for (int i = 0; i < DQ_N / 8; ++i) {
             red_add_v4(dst + ((group * (DQ_N / 8) + i) * 128 + tid) * 4, dq[i]);
+        }
+        if (ordered) {
+            __syncwarp();
+            if (lane == 0) tma::arrive(sm.dq_added());
         }
         sm90::wait<0>();  // dK
         sm90::fence_operand(dk);
@@ -966,9 +1012,14 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
 
     if (tid == 0) {
         tma::mbar_init(sm.full_kv(), 1);
-        for (int group = 0; group < K::CONSUMERS; ++group) {
-            tma::mbar_init(sm.full_dq(group), 128);
-            tma::mbar_init(sm.empty_dq(group), 1);
+        if constexpr (K::SPLIT) {
+            tma::mbar_init(sm.dq_turn(), 1);
+            tma::mbar_init(sm.dq_added(), 4 * K::CONSUMERS);
+        } else {
+            for (int group = 0; group < K::CONSUMERS; ++group) {
+                tma::mbar_init(sm.full_dq(group), 128);
+                tma::mbar_init(sm.empty_dq(group), 1);
+            }
         }
         for (int st = 0; st < K::STAGES; ++st) {
             tma::mbar_init(sm.full_q(st), 1);
@@ -978,7 +1029,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
         tma::fence_barrier_init();
     }
     // Launched programmatically after the prep kernel (src/cuda/bwd_ws.rs): the statistics,
-    // the dq_accum state words (with K::SPLIT, dq_accum's zeros) are its output.
+    // the dq_accum state words and (with K::SPLIT) dq_accum's zeros are its output.
     pdl_wait();
     __syncthreads();
     // No query sees these keys: dK = dV = 0.
@@ -987,9 +1038,15 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
 
     if (warpgroup == 0) {
         tma::regs_dealloc<K::PRODUCER_REGS>();
-        if (any && tid == 0) bwd_ws_produce<K>(P, sm, blk);
-        if constexpr (!K::SPLIT)
-            if (any && tid == 32) bwd_ws_add_dq<K>(P, sm, blk);
+        // else: the producer's registers (24) hold none of the other warp's values.
+        if (any && tid == 0) {
+            bwd_ws_produce<K>(P, sm, blk);
+        } else if (any && tid == 32) {
+            if constexpr (!K::SPLIT)
+                bwd_ws_add_dq<K>(P, sm, blk);
+            else if (K::HAS_ORDERED && P.deterministic != 0)
+                bwd_ws_order_dq<K>(P, sm, blk);
+        }
         return;
     }
     tma::regs_alloc<K::CONSUMER_REGS>();
@@ -1027,8 +1084,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     c.store(P, blk);
 }
 
-// The row statistics per query tile (see the top of this file) and the tile's dq_accum
-// state word (with K::SPLIT, whose consumers add into dq_accum directly, its zeros): D / 8
+// The row statistics per query tile (see the top of this file), the tile's dq_accum state
+// word where there is one, and with K::SPLIT (D > 128: the consumers add into dq_accum
+// directly) the dq_accum tile's zeros: D / 8
 // lanes per row (16 bytes of O and of dO each), 256 / D rows per warp (one warp per row left
 // three quarters of the lanes idle at d = 64, and too few loads in flight to reach DRAM's
 // bandwidth), rows up to m_blocks x BM. Grid (ceil(m_blocks x BM / (8 x 256 / D)), h, b).
@@ -1065,10 +1123,8 @@ template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_w
             row < seq.seqlen_q ? lse_log2(p.lse[seq.lse_offset(p, bidb, bidh) + row]) : INFINITY;
         P.stats[tile * 2 * BM + BM + row % BM] = sum;
     }
-    if (P.dq_state != nullptr) {
-        if (row % BM == 0 && l == 0) P.dq_state[tile] = 0;
-        return;
-    }
+    if (P.dq_state != nullptr && row % BM == 0 && l == 0) P.dq_state[tile] = 0;
+    if (D <= 128) return;  // the dQ warp's first block stores (dq_tile_state.cuh)
     // D floats per row: the tile's BM x D floats in whatever order.
     float4* zero = reinterpret_cast<float4*>(bp.dq_accum + (tile * BM + row % BM) * D);
 #pragma unroll

@@ -709,10 +709,10 @@ mod cuda_suite {
     }
 
     /// `FlashAttn::backward` called directly gives autograd's gradients: bit for bit on the
-    /// deterministic path, for the wgmma (hd 128) and mma.sync (hd 96) kernels, causal GQA
+    /// deterministic path, for the wgmma (hd 128, 256) and mma.sync (hd 96) kernels, causal GQA
     /// with seqlen_q != seqlen_k; and with dropout, given the forward's rng_offset.
     fn backward_api(dev: &Device) -> Result<()> {
-        for (d, dropout) in [(128, 0.0), (96, 0.0), (64, 0.2)] {
+        for (d, dropout) in [(128, 0.0), (96, 0.0), (64, 0.2), (256, 0.0)] {
             let q = randn((2, 333, 8, d), DType::BF16, dev)?;
             let k = randn((2, 401, 2, d), DType::BF16, dev)?;
             let v = randn((2, 401, 2, d), DType::BF16, dev)?;

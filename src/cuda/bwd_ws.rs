@@ -25,15 +25,15 @@ pub(super) struct BwdTmaParams {
     b: BwdParams,
     stats: CUdeviceptr,
     /// Per query tile, the state word of its dq_accum tile (`cuda/dq_tile_state.cuh`); 0
-    /// (null) for the split kernel, whose dq_accum the prep kernel zeroes instead.
+    /// (null) for the split kernel unless deterministic (its dq_accum the prep kernel zeroes).
     dq_state: CUdeviceptr,
     m_blocks: i32,
     /// Under a mask, how many (sequence, KV head) pairs end the grid in longest-first order
     /// (`cuda/lpt_tail.cuh`); 0 none.
     tail_heads: i32,
     /// Nonzero: the key blocks add into each dq_accum tile in order, for a bitwise repeatable
-    /// dQ (`cuda/dq_tile_state.cuh`); not with the split kernel or a softcap, ALiBi or block
-    /// mask ([`deterministic_ok`]).
+    /// dQ (`cuda/dq_tile_state.cuh`); not with a softcap, ALiBi or block mask
+    /// ([`deterministic_ok`]).
     deterministic: i32,
     /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
     /// order (`interleaved_pairs`); 0 or 1: pair by pair.
@@ -98,12 +98,12 @@ impl BwdWsShape {
 }
 
 /// The backward's buffers of this path: per (sequence, head, query tile) the row statistics
-/// (2 x 64 f32), the f32 dQ tile (64 x d) and, but for the split kernel, the dQ tile's state
-/// word.
+/// (2 x 64 f32), the f32 dQ tile (64 x d) and the dQ tile's state word (which the split
+/// kernel uses only in deterministic mode).
 pub(super) struct BwdWsBuffers {
     stats: CudaSlice<f32>,
     dq_accum: CudaSlice<f32>,
-    dq_state: Option<CudaSlice<i32>>,
+    dq_state: CudaSlice<i32>,
     m_blocks: usize,
 }
 
@@ -117,17 +117,13 @@ impl BwdWsBuffers {
     ) -> Result<Self> {
         let m_blocks = sq.div_ceil(BM);
         let tiles = b * h * m_blocks;
-        // SAFETY: flash_bwd_ws_prep writes every element of the statistics and of the state
-        // words (with `split`, of dq_accum) before any other kernel reads them; without
-        // `split` a dq_accum tile is read only after the main kernel stored all of it, which
-        // its state word records (cuda/dq_tile_state.cuh).
+        // SAFETY: flash_bwd_ws_prep writes every element of the statistics, of the state
+        // words where the kernels use them and (with `split`) of dq_accum before any other
+        // kernel reads them; without `split` a dq_accum tile is read only after the main
+        // kernel stored all of it, which its state word records (cuda/dq_tile_state.cuh).
         let stats = unsafe { dev.alloc::<f32>(tiles * 2 * BM)? };
         let dq_accum = unsafe { dev.alloc::<f32>(tiles * BM * shape.d)? };
-        let dq_state = if shape.split() {
-            None
-        } else {
-            Some(unsafe { dev.alloc::<i32>(tiles)? })
-        };
+        let dq_state = unsafe { dev.alloc::<i32>(tiles)? };
         Ok(Self {
             stats,
             dq_accum,
@@ -209,13 +205,12 @@ fn variant(b: &BwdParams, packed: Option<(usize, usize)>) -> Option<&'static str
     tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)
 }
 
-/// Whether the kernel of padded head dim `d` has a deterministic mode for a problem with or
-/// without a softcap, ALiBi or block mask (`mods`): the plain, `_packed` and `_dropout`
-/// kernels whose dQ warp adds dQ (not d = 256's split consumers; `BwdWsTraits::HAS_ORDERED`).
-/// Under a block mask the key blocks that see a query tile need not be consecutive; in the
-/// `_mods` d = 128 kernel the mode spilled.
-pub(super) fn deterministic_ok(d: usize, mods: bool) -> bool {
-    d <= 128 && !mods
+/// Whether the kernels have a deterministic mode for a problem with or without a softcap,
+/// ALiBi or block mask (`mods`): the plain, `_packed` and `_dropout` kernels of every head dim
+/// (`BwdWsTraits::HAS_ORDERED`). Under a block mask the key blocks that see a query tile need
+/// not be consecutive; in the `_mods` d = 128 kernel the mode spilled.
+pub(super) fn deterministic_ok(mods: bool) -> bool {
+    !mods
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
@@ -233,7 +228,7 @@ pub(super) fn run(
     deterministic: bool,
     buffers: &mut BwdWsBuffers,
 ) -> Result<()> {
-    if deterministic && !deterministic_ok(shape.d, !b.a.mods_suffix().is_empty()) {
+    if deterministic && !deterministic_ok(!b.a.mods_suffix().is_empty()) {
         candle::bail!("flash-attn backward: no deterministic warp-specialized kernel here");
     }
     let Some(mut p) = params(b, shape, dtype, packed) else {
@@ -245,10 +240,16 @@ pub(super) fn run(
     let stream = dev.cuda_stream();
     let (stats_ptr, _stats_sync) = buffers.stats.device_ptr_mut(&stream);
     let (dq_accum_ptr, _dq_accum_sync) = buffers.dq_accum.device_ptr_mut(&stream);
-    let dq_state = buffers.dq_state.as_mut().map(|s| s.device_ptr_mut(&stream));
+    let (dq_state_ptr, _dq_state_sync) = buffers.dq_state.device_ptr_mut(&stream);
     p.stats = stats_ptr;
     p.b.dq_accum = dq_accum_ptr;
-    p.dq_state = dq_state.as_ref().map_or(0, |(ptr, _)| *ptr);
+    // The split kernel's consumers add into the zeroed dq_accum; its state words order them
+    // in deterministic mode only (null: the convert kernel reads every tile).
+    p.dq_state = if shape.split() && !deterministic {
+        0
+    } else {
+        dq_state_ptr
+    };
     p.m_blocks = buffers.m_blocks as i32;
     p.deterministic = i32::from(deterministic);
     let grid = grid(b, shape);

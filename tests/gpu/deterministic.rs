@@ -1,7 +1,8 @@
-//! GPU tests for `deterministic(true)` backwards. On Hopper at head dims up to 128 without a
-//! softcap, ALiBi or block mask they run the warp-specialized kernel's deterministic mode,
-//! where the key blocks that see a query tile add their dQ into it one at a time in key-block
-//! order (cuda/dq_tile_state.cuh); elsewhere the separate dK/dV and dQ kernels. The shapes make
+//! GPU tests for `deterministic(true)` backwards. On Hopper without a softcap, ALiBi or block
+//! mask they run the warp-specialized kernel's deterministic mode, where the key blocks that
+//! see a query tile add their dQ into it one at a time in key-block order
+//! (cuda/dq_tile_state.cuh; at head dims 193-256 the consumers add from registers, in turns
+//! taken by a warp of their own); elsewhere the separate dK/dV and dQ kernels. The shapes make
 //! tiles whose sets of key blocks differ: causal with seqlen_q above and below seqlen_k (the
 //! first query tiles see no key at all), windows (the first block of a tile is not block 0),
 //! GQA (a block adds into every head of its group), packed batches, dropout, and more key
@@ -155,17 +156,31 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             dropout: 0.1,
             ..plain(DType::BF16, (1, 500, 500, 4, 4, 128), false)
         },
+        // The d 256 kernel (64 keys per block, dQ added from the consumers' registers).
+        plain(DType::BF16, (2, 777, 901, 8, 2, 256), true),
+        plain(DType::F16, (1, 1000, 300, 4, 1, 256), true),
+        plain(DType::BF16, (1, 513, 515, 4, 2, 200), false),
+        Shape {
+            window: (150, 40),
+            ..plain(DType::F16, (1, 900, 700, 2, 2, 256), false)
+        },
+        Shape {
+            dropout: 0.1,
+            ..plain(DType::BF16, (2, 600, 700, 4, 2, 256), true)
+        },
     ];
     if !quick {
         // 4 x 2 KV heads x 64 key blocks (d 64, 128 keys each): 512 blocks, about four waves
         // on 132 SMs, the causal grid's tail reordered (lpt_tail.cuh).
         shapes.push(plain(DType::BF16, (4, 2048, 8192, 8, 2, 64), true));
         shapes.push(plain(DType::BF16, (2, 4096, 4096, 8, 4, 128), false));
+        // 2 x 4 KV heads x 64 key blocks of 64 keys: 512 blocks at d 256.
+        shapes.push(plain(DType::BF16, (2, 4096, 4096, 8, 4, 256), true));
     }
     for s in shapes {
         suite.record(&format!("deterministic bwd {s}"), repeatable(dev, s, runs));
     }
-    for (d, causal) in [(64, true), (128, false)] {
+    for (d, causal) in [(64, true), (128, false), (256, true)] {
         suite.record(
             &format!("deterministic bwd packed d={d} causal={causal}"),
             repeatable_varlen(dev, d, causal, runs),
