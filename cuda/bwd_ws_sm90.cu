@@ -67,9 +67,10 @@ struct BwdTmaParams {
     // Under a mask, how many (sequence, KV head) pairs at the end of the grid take their key
     // blocks heaviest first across all of them (longest_first_tail); 0: none.
     int tail_heads;
-    // Nonzero: dQ bitwise repeatable, the key blocks adding into each dq_accum tile in order
-    // (dq_tile_state.cuh) and walking their query tiles from the last (bwd_ws_walk). Only in
-    // the kernels with K::HAS_ORDERED; src/cuda/bwd.rs runs the older kernels elsewhere.
+    // Nonzero: dQ bitwise repeatable, the key blocks adding into each dq_accum tile in order,
+    // from the last (dq_tile_state.cuh), walking their query tiles from the first
+    // (bwd_ws_walk) and starting from the last within each pair (launch_order). Only in the
+    // kernels with K::HAS_ORDERED; src/cuda/bwd.rs runs the older kernels elsewhere.
     int deterministic;
     // Deterministic mode: the grid's (sequence, KV head) pairs go in groups of this many, key
     // block by key block across each group (interleaved_pairs); 0 or 1: pair by pair.
@@ -237,7 +238,7 @@ template <class K> struct BwdWsBlock {
     // their linear index: key block 0 (the heaviest under a causal mask, it sees every query)
     // first within each head, but for the last tail_heads pairs (longest_first_tail).
     __device__ __forceinline__ explicit BwdWsBlock(const BwdTmaParams& P)
-        : BwdWsBlock(P.b.a, launch_order(P.tail_heads, P.pair_group)) {}
+        : BwdWsBlock(P.b.a, launch_order(P.tail_heads, P.pair_group, P.deterministic)) {}
 
     __device__ __forceinline__ int key_block() const { return n0 / K::BN; }
 
@@ -254,21 +255,28 @@ template <class K> struct BwdWsBlock {
           mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS),
           tiles(mask, p, n0, seq.seqlen_q, false) {}
 
-    // The block's index in (sequence, KV head, key block) order after the longest-first tail,
-    // or in deterministic mode with pair_group > 1 after interleaved_pairs (src/cuda/bwd_ws.rs
-    // runs this kernel only on grids of fewer than 2^31 blocks).
-    static __device__ __forceinline__ int launch_order(int tail_heads, int pair_group) {
+    // The block's index in (sequence, KV head, key block) order after the longest-first tail;
+    // in deterministic mode instead each pair's key blocks last to first, after
+    // interleaved_pairs where pair_group > 1: block n waits for block n + 1 (dq_tile_state.cuh),
+    // which must have started before it. (src/cuda/bwd_ws.rs runs this kernel only on grids
+    // of fewer than 2^31 blocks.)
+    static __device__ __forceinline__ int launch_order(int tail_heads, int pair_group,
+                                                       int deterministic) {
         const int blocks = gridDim.x * gridDim.y * gridDim.z;
         const int i = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-        if (K::HAS_ORDERED && pair_group > 1)
-            return interleaved_pairs(i, gridDim.x, gridDim.y * gridDim.z, pair_group);
+        if (K::HAS_ORDERED && deterministic != 0) {
+            const int j =
+                pair_group > 1 ? interleaved_pairs(i, gridDim.x, gridDim.y * gridDim.z, pair_group)
+                               : i;
+            return j + gridDim.x - 1 - 2 * (j % gridDim.x);
+        }
         return longest_first_tail(i, blocks, tail_heads, gridDim.x);
     }
 
     // Launch index i -> (pair, key block) index, pairs in groups of `group` taken key block by
-    // key block across the group (the last group may be smaller). In deterministic mode block
-    // n of a pair waits for block n - 1 at every tile (dq_tile_state.cuh); a wave of a few
-    // pairs' blocks ends in that order across its pairs, and the next pairs' blocks, started
+    // key block across the group (the last group may be smaller). In deterministic mode the
+    // blocks of a pair wait for each other at every tile (dq_tile_state.cuh); a wave of a few
+    // pairs' blocks ends in chain order across its pairs, and the next pairs' blocks, started
     // in the same order, then start as far apart as their own chains need.
     static __device__ __forceinline__ int interleaved_pairs(int i, int per_pair, int pairs,
                                                             int group) {
@@ -283,13 +291,15 @@ template <class K> struct BwdWsBlock {
 // The walk starts at tile key_block() (mod the count) and wraps around: without a mask every
 // key block of a head sees the same tiles, and walking them in step made all of them add
 // their dQ to the same tile at once (d 64, seqlen 1k: 146 against 229 TFLOP/s for the
-// atomics of bwd_sm90.cu). In deterministic mode the blocks add into a tile in key-block
-// order (dq_tile_state.cuh), and each walks its rows from the last tile down, the group's
-// heads within each row of tiles: a block's range of query tiles ends at or above the range
-// of the block before it (both ends grow with the key block), so that block reaches any tile
-// they share at the same step of its walk or earlier, and a turn costs one add's latency.
-// Walked upwards (or staggered), block n would reach tile m only after block n - 1 had done
-// its extra tiles below n's range: under a causal mask every block would wait for block 0.
+// atomics of bwd_sm90.cu). In deterministic mode block n adds into a tile after block n + 1
+// (dq_tile_state.cuh), and each walks its rows from its first tile up, the group's heads
+// within each row of tiles: block n + 1's range of tiles starts at or after block n's (both
+// ends grow with the key block), so it reaches any tile they share at the same step of its
+// walk as block n or earlier. Under a causal mask earlier (its range starts a row or two of
+// tiles later), so block n finds its turn waiting. Ascending order walked from the last tile
+// down made every causal block start at the same tile, and block k wait k turns there (d 256
+// causal 0.77-0.89x of this order; H100, docs/PERF.md session 28). Staggered, block n would
+// wait for the whole of block n + 1's walk.
 template <class K, class F>
 __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
                                             F&& f) {
@@ -306,7 +316,7 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
             if (ordered) {  // start = 0: j = i
                 const int row = j / ratio;
                 head = j - row * ratio;
-                m0 = blk.tiles.m0_end - (row + 1) * K::BM;
+                m0 = blk.tiles.m0_begin + row * K::BM;
             } else {
                 head = j / per_head;
                 m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
@@ -384,25 +394,26 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
     issue(pending_bidh, pending_m0, pending_tile, true);
 }
 
-// Deterministic mode: key block n adds into a query tile after block n - 1, or first where
-// block n - 1 does not see the tile (QueryTiles' range for it; none before block 0).
+// Deterministic mode: key block n adds into a query tile after block n + 1, or first where
+// block n + 1 does not see the tile (QueryTiles' range for it; none past the sequence's last
+// key block). The state word reads n + 2 once block n + 1 added; block n then writes n + 1.
 template <class K> struct DqOrder {
-    int n, prev_begin = 0, prev_end = 0;
+    int n, pred_begin = 0, pred_end = 0;
     __device__ __forceinline__ DqOrder(const BwdWsBlock<K>& blk, bool ordered)
         : n(blk.key_block()) {
-        if (ordered && n > 0)
-            blk.mask.template query_blocks<K::BM, K::BN>(blk.n0 - K::BN, blk.seq.seqlen_q,
-                                                         &prev_begin, &prev_end);
+        if (ordered && blk.n0 + K::BN < blk.seq.seqlen_k)
+            blk.mask.template query_blocks<K::BM, K::BN>(blk.n0 + K::BN, blk.seq.seqlen_q,
+                                                         &pred_begin, &pred_end);
     }
     __device__ __forceinline__ bool first(int m0) const {
-        return m0 / K::BM < prev_begin || m0 / K::BM >= prev_end;
+        return m0 / K::BM < pred_begin || m0 / K::BM >= pred_end;
     }
 };
 
 // Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
 // as that warpgroup wrote it; the first block to reach a tile stores instead
-// (dq_tile_state.cuh). In deterministic mode the first is the lowest key block that sees
-// the tile, and the others add in key-block order.
+// (dq_tile_state.cuh). In deterministic mode the first is the last key block that sees the
+// tile, and the others add in descending key-block order.
 template <class K>
 __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                               const BwdWsBlock<K>& blk) {
@@ -419,7 +430,7 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
         bool first;
         if (ordered) {
             first = order.first(m0);
-            if (!first) dq_tile_wait_turn(state, order.n);
+            if (!first) dq_tile_wait_turn(state, order.n + 2);
         } else {
             first = dq_tile_claim(state);
             if (!first) dq_tile_wait_written(state);
@@ -467,7 +478,7 @@ __device__ __forceinline__ void bwd_ws_order_dq(const BwdTmaParams& P, const Bwd
         tma::wait(sm.full_q(it % K::STAGES), (it / K::STAGES) & 1);
         const TileInfo t = ld_tile_info(sm.info(it % K::STAGES));
         int* state = P.dq_state + blk.tile_index(P, t.bidh, t.m0);
-        if (!order.first(t.m0)) dq_tile_wait_turn(state, order.n);
+        if (!order.first(t.m0)) dq_tile_wait_turn(state, order.n + 2);
         tma::arrive(sm.dq_turn());
         tma::wait(sm.dq_added(), it & 1);
         dq_tile_pass_turn(state, order.n);

@@ -12,15 +12,15 @@
 //
 // Deterministic mode (`BwdTmaParams::deterministic`) orders the blocks instead: the key blocks
 // that see a query tile are consecutive (mask.cuh query_blocks: both ends grow with the key
-// block), and they add into it one at a time in that order, so each element of dq_accum sums
+// block), and they add into it one at a time from the last, so each element of dq_accum sums
 // the same values in the same order on every run. The state word then holds one past the
-// index of the last key block that added (0: none yet); block n waits until it reads n
-// (bwd_ws_walk's order in this mode keeps each wait to about one add's latency). A
-// block waits only for lower-numbered blocks of its own (sequence, KV head), which start
-// before it (the grid's orders, longest_first_tail and interleaved_pairs, keep key blocks
-// ascending within a pair; the hardware starts blocks in launch-index order, which CUDA does
-// not promise but FlashAttention-3's deterministic backward relies on too), so the chain
-// always ends at a running or finished block.
+// index of the key block that added last (0: none yet); block n waits until it reads n + 2
+// (bwd_ws_walk's order in this mode keeps each wait to about one add's latency). A block
+// waits only for higher-numbered blocks of its own (sequence, KV head), which start before
+// it (BwdWsBlock::launch_order starts each pair's key blocks from the last; the hardware
+// starts blocks in launch-index order, which CUDA does not promise but FlashAttention-3's
+// deterministic backward relies on too), so the chain always ends at a running or finished
+// block.
 #pragma once
 
 constexpr unsigned DQ_TILE_WRITTEN = 0x80000000u;
@@ -50,15 +50,15 @@ __device__ __forceinline__ void dq_tile_wait_written(const int* state) {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
-// Deterministic mode: waits until the key block before `key_block` has added into the tile
-// (its bulk reduce-add complete and published by dq_tile_pass_turn). A wait past 2^24
-// polls (seconds; a turn comes within one block's run) traps rather than hangs.
-__device__ __forceinline__ void dq_tile_wait_turn(const int* state, int key_block) {
+// Deterministic mode: waits until the state word reads `turn`, one past the key block that
+// adds before this one (its add complete and published by dq_tile_pass_turn). A wait past
+// 2^24 polls (seconds; a turn comes within one block's run) traps rather than hangs.
+__device__ __forceinline__ void dq_tile_wait_turn(const int* state, int turn) {
     int s;
 #pragma unroll 1
     for (unsigned polls = 0;; ++polls) {
         asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(s) : "l"(state) : "memory");
-        if (s == key_block) break;
+        if (s == turn) break;
         if (polls == (1u << 24)) __trap();
         __nanosleep(64);
     }

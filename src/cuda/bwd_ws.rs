@@ -31,9 +31,9 @@ pub(super) struct BwdTmaParams {
     /// Under a mask, how many (sequence, KV head) pairs end the grid in longest-first order
     /// (`cuda/lpt_tail.cuh`); 0 none.
     tail_heads: i32,
-    /// Nonzero: the key blocks add into each dq_accum tile in order, for a bitwise repeatable
-    /// dQ (`cuda/dq_tile_state.cuh`); not with a softcap, ALiBi or block mask
-    /// ([`deterministic_ok`]).
+    /// Nonzero: the key blocks add into each dq_accum tile in order (from the last), for a
+    /// bitwise repeatable dQ (`cuda/dq_tile_state.cuh`); not with a softcap, ALiBi or block
+    /// mask ([`deterministic_ok`]).
     deterministic: i32,
     /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
     /// order (`interleaved_pairs`); 0 or 1: pair by pair.
@@ -253,23 +253,23 @@ pub(super) fn run(
     p.m_blocks = buffers.m_blocks as i32;
     p.deterministic = i32::from(deterministic);
     let grid = grid(b, shape);
-    // Under a mask the key blocks differ in work (causal: key block 0 sees every query), so
-    // the grid ends heaviest first across its last heads; one block per SM.
     let a = &b.a;
-    if a.window_left >= 0 || a.window_right >= 0 || a.block_q != 0 {
-        p.tail_heads = Tail::Backward.pairs(grid.1 * grid.2, grid.0, sms);
-    }
-    // Deterministic mode: the pairs interleaved in groups of about one wave of blocks, so
-    // that each wave's blocks end in the order the next wave's chains need (1.05-1.13x at
-    // 1k-4k, H100, docs/PERF.md session 27). `CANDLE_FLASH_DET_GROUP=0` (read once) keeps
-    // the pair-by-pair order (A/B runs).
-    static PAIR_BY_PAIR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if deterministic && !tma::switched_off(&PAIR_BY_PAIR, "CANDLE_FLASH_DET_GROUP") {
+    if deterministic {
+        // Block n waits for block n + 1 (cuda/dq_tile_state.cuh), so each pair's key blocks
+        // start from the last and the grid has no longest-first tail. The pairs go interleaved
+        // in groups of about one wave of blocks, so that each wave's blocks end in the order
+        // the next wave's chains need (1.05-1.13x at 1k-4k in session 27's ascending order,
+        // H100, docs/PERF.md). `CANDLE_FLASH_DET_GROUP=0` (read once) keeps the pair-by-pair
+        // order (A/B runs).
+        static PAIR_BY_PAIR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let group = (sms / grid.0).clamp(1, grid.1 * grid.2);
-        if group > 1 {
+        if group > 1 && !tma::switched_off(&PAIR_BY_PAIR, "CANDLE_FLASH_DET_GROUP") {
             p.pair_group = group as i32;
-            p.tail_heads = 0;
         }
+    } else if a.window_left >= 0 || a.window_right >= 0 || a.block_q != 0 {
+        // Under a mask the key blocks differ in work (causal: key block 0 sees every query),
+        // so the grid ends heaviest first across its last heads; one block per SM.
+        p.tail_heads = Tail::Backward.pairs(grid.1 * grid.2, grid.0, sms);
     }
     let (bsz, h) = (b.a.b as usize, b.a.h as usize);
     let d = shape.d;

@@ -171,8 +171,10 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     ];
     if !quick {
         // 4 x 2 KV heads x 64 key blocks (d 64, 128 keys each): 512 blocks, about four waves
-        // on 132 SMs, the causal grid's tail reordered (lpt_tail.cuh).
+        // on 132 SMs, pairs interleaved two at a time.
         shapes.push(plain(DType::BF16, (4, 2048, 8192, 8, 2, 64), true));
+        // 157 key blocks in one pair: its chains span two waves.
+        shapes.push(plain(DType::BF16, (1, 1024, 20000, 2, 1, 64), true));
         shapes.push(plain(DType::BF16, (2, 4096, 4096, 8, 4, 128), false));
         // 2 x 4 KV heads x 64 key blocks of 64 keys: 512 blocks at d 256.
         shapes.push(plain(DType::BF16, (2, 4096, 4096, 8, 4, 256), true));
