@@ -37,8 +37,11 @@ pub struct FlashAttn {
     /// Causal mask aligned to the bottom-right corner: query `i` sees key `j` iff
     /// `j <= i + seqlen_k - seqlen_q`. Query rows that see no key output zeros.
     pub causal: bool,
-    /// Makes the CUDA backward pass bitwise reproducible (no floating-point atomics), at some
-    /// cost in speed. The forward pass and the CPU backward are always deterministic.
+    /// Makes the CUDA backward pass bitwise reproducible: dQ's sums run in a fixed order (on
+    /// Hopper without softcap, ALiBi or block mask the key blocks add into each dQ tile one
+    /// at a time; elsewhere kernels without atomics), at some cost in speed (0.86-0.98x the
+    /// default on the H100, docs/PERF.md session 28). The forward pass and the CPU backward
+    /// are always deterministic.
     pub deterministic: bool,
     /// Probability of dropping each attention probability (after the softmax), in `[0, 1)`;
     /// kept ones are scaled by `1 / (1 - dropout_p)`. 0 (the default) disables dropout.
