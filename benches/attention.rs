@@ -22,8 +22,9 @@
 //! `CANDLE_FLASH_WS_DROPOUT=0` in a second run times the kernels dropout had before the
 //! warp-specialized ones.
 //!
-//! `--deterministic`: our kernels with `deterministic(true)`; `CANDLE_FLASH_BWD=separate` in
-//! a second run times the separate dK/dV and dQ kernels that mode ran before session 27.
+//! `--deterministic`: our kernels with `deterministic(true)` (the grid, or with `--mods-only`
+//! its variants); `CANDLE_FLASH_BWD=separate` in a second run times the separate dK/dV and dQ
+//! kernels that mode ran before sessions 27-28.
 //!
 //! ```text
 //! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
@@ -589,7 +590,8 @@ impl Bench {
             "variant", "hd", "seqlen", "batch", "pass", "ms", "TFLOP/s", "vs plain", "ideal"
         );
         let dev = self.dev.clone();
-        let plain = |causal| FlashAttn::new().causal(causal);
+        let deterministic = self.deterministic;
+        let plain = |causal| FlashAttn::new().causal(causal).deterministic(deterministic);
         for (hd, seqlen, heads) in [(128, 16384, 16), (64, 4096, 32), (256, 4096, 8)] {
             let case = Case {
                 hd,

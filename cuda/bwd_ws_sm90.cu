@@ -131,11 +131,11 @@ struct BwdWsTraits {
     // behind them, after the slot's reuse); with SPLIT always (walking, the consumers of
     // d = 256 spilled 768 bytes).
     static constexpr bool TILES_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0 || SPLIT;
-    // The kernels with a deterministic mode (BwdTmaParams::deterministic): without mods (a
-    // block mask's key blocks of a tile need not be consecutive; in the `_mods` d = 128
-    // kernel the mode's walk spilled 8 bytes). Compiled out of the others (reading the flag
-    // in the `_sparse` walks spilled: d 64 8 -> 36 bytes, d 128 68 -> 96).
-    static constexpr bool HAS_ORDERED = MODS == MODS_NONE;
+    // The kernels with a deterministic mode (BwdTmaParams::deterministic): without a block
+    // mask (the key blocks that see a tile need not be consecutive). Compiled out of the
+    // `_sparse` kernels (reading the flag in their walks spilled: d 64 8 -> 36 bytes, d 128
+    // 68 -> 96).
+    static constexpr bool HAS_ORDERED = (MODS & MODS_BLOCKS) == 0;
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -308,19 +308,15 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
     const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
     const int start = total > 0 && !ordered ? blk.key_block() % total : 0;
     if (!blk.mask.sparse) {
-        const int ratio = P.b.a.h_h_k_ratio;
+        // Tile j is (head, row) = (j / per_head, j % per_head), ordered (row, head) = (j /
+        // ratio, j % ratio): one division either way.
+        const int div = ordered ? P.b.a.h_h_k_ratio : per_head;
         int j = start;
 #pragma unroll 1
         for (int i = 0; i < total; ++i) {
-            int head, m0;
-            if (ordered) {  // start = 0: j = i
-                const int row = j / ratio;
-                head = j - row * ratio;
-                m0 = blk.tiles.m0_begin + row * K::BM;
-            } else {
-                head = j / per_head;
-                m0 = blk.tiles.m0_begin + (j - head * per_head) * K::BM;
-            }
+            const int q = j / div, r = j - q * div;
+            const int head = ordered ? r : q;
+            const int m0 = blk.tiles.m0_begin + (ordered ? q : r) * K::BM;
             f(h0 + head, m0, blk.tile_index(P, h0 + head, m0));
             if (++j == total) j = 0;
         }

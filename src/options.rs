@@ -38,8 +38,8 @@ pub struct FlashAttn {
     /// `j <= i + seqlen_k - seqlen_q`. Query rows that see no key output zeros.
     pub causal: bool,
     /// Makes the CUDA backward pass bitwise reproducible: dQ's sums run in a fixed order (on
-    /// Hopper without softcap, ALiBi or block mask the key blocks add into each dQ tile one
-    /// at a time; elsewhere kernels without atomics), at some cost in speed (0.86-0.98x the
+    /// Hopper without a block mask the key blocks add into each dQ tile one at a time;
+    /// elsewhere kernels without atomics), at some cost in speed (0.86-0.98x the
     /// default on the H100, docs/PERF.md session 28). The forward pass and the CPU backward
     /// are always deterministic.
     pub deterministic: bool,

@@ -10,9 +10,9 @@
 //! (`cuda/bwd_sm90.cu`), dropout with one the mma.sync `_dropout` kernel.
 //! At head dims 65-96 its d = 128 kernel and at 193-256 its d = 256 kernel also run (the
 //! columns past the head dim zero), under the same conditions (65-96: without a block mask or
-//! a `CANDLE_FLASH_BWD` override). It has a deterministic mode without a softcap, ALiBi or
-//! block mask (the key blocks add dQ in order): `deterministic(true)` runs it there, and the
-//! dK/dV and dQ kernels elsewhere.
+//! a `CANDLE_FLASH_BWD` override). It has a deterministic mode without a block mask (the key
+//! blocks add dQ in order): `deterministic(true)` runs it there, and the dK/dV and dQ kernels
+//! elsewhere.
 //! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
@@ -202,8 +202,6 @@ struct BwdProblem<'a> {
     dropout: bool,
     /// A block mask.
     sparse: bool,
-    /// A softcap, ALiBi slopes or a block mask (`AttnParams::mods_suffix`).
-    mods: bool,
     /// Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
     hopper: bool,
     /// The bytes of shared memory a block may use on the device.
@@ -218,7 +216,7 @@ impl BwdPath {
     }
 
     /// The warp-specialized kernel of the head dim's class, on Hopper, deterministic only where
-    /// it has that mode (`bwd_ws::deterministic_ok`: no softcap, ALiBi or block mask;
+    /// it has that mode (`bwd_ws::deterministic_ok`: no block mask;
     /// `bwd_ws::supported` then says whether a kernel of the problem's variant runs it).
     /// `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere; `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
     /// block mask at 64/128 still runs it (the fused mma.sync kernels have no `_sparse`
@@ -233,7 +231,7 @@ impl BwdPath {
             Some("sm90") => c.tile.d > 192,
             Some(_) => c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide()),
         };
-        if !c.hopper || !allowed || (c.deterministic && !bwd_ws::deterministic_ok(c.mods)) {
+        if !c.hopper || !allowed || (c.deterministic && !bwd_ws::deterministic_ok(c.sparse)) {
             return None;
         }
         BwdWsShape::for_head_dim(d)
@@ -370,7 +368,6 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         deterministic,
         dropout,
         sparse: problem.mods.sparse.is_some(),
-        mods: !params.a.mods_suffix().is_empty(),
         hopper: facts.hopper(),
         smem: facts.smem,
     };

@@ -32,8 +32,8 @@ pub(super) struct BwdTmaParams {
     /// (`cuda/lpt_tail.cuh`); 0 none.
     tail_heads: i32,
     /// Nonzero: the key blocks add into each dq_accum tile in order (from the last), for a
-    /// bitwise repeatable dQ (`cuda/dq_tile_state.cuh`); not with a softcap, ALiBi or block
-    /// mask ([`deterministic_ok`]).
+    /// bitwise repeatable dQ (`cuda/dq_tile_state.cuh`); not under a block mask
+    /// ([`deterministic_ok`]).
     deterministic: i32,
     /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
     /// order (`interleaved_pairs`); 0 or 1: pair by pair.
@@ -205,12 +205,11 @@ fn variant(b: &BwdParams, packed: Option<(usize, usize)>) -> Option<&'static str
     tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)
 }
 
-/// Whether the kernels have a deterministic mode for a problem with or without a softcap,
-/// ALiBi or block mask (`mods`): the plain, `_packed` and `_dropout` kernels of every head dim
-/// (`BwdWsTraits::HAS_ORDERED`). Under a block mask the key blocks that see a query tile need
-/// not be consecutive; in the `_mods` d = 128 kernel the mode spilled.
-pub(super) fn deterministic_ok(mods: bool) -> bool {
-    !mods
+/// Whether the kernels have a deterministic mode for a problem with or without a block mask:
+/// all but the `_sparse` ones (`BwdWsTraits::HAS_ORDERED`), whose key blocks that see a query
+/// tile need not be consecutive.
+pub(super) fn deterministic_ok(block_mask: bool) -> bool {
+    !block_mask
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
@@ -228,7 +227,7 @@ pub(super) fn run(
     deterministic: bool,
     buffers: &mut BwdWsBuffers,
 ) -> Result<()> {
-    if deterministic && !deterministic_ok(!b.a.mods_suffix().is_empty()) {
+    if deterministic && !deterministic_ok(b.a.block_q != 0) {
         candle::bail!("flash-attn backward: no deterministic warp-specialized kernel here");
     }
     let Some(mut p) = params(b, shape, dtype, packed) else {

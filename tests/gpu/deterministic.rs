@@ -1,12 +1,13 @@
-//! GPU tests for `deterministic(true)` backwards. On Hopper without a softcap, ALiBi or block
-//! mask they run the warp-specialized kernel's deterministic mode, where the key blocks that
+//! GPU tests for `deterministic(true)` backwards. On Hopper without a block mask they run the
+//! warp-specialized kernel's deterministic mode (`_mods` under a softcap or ALiBi), where the key blocks that
 //! see a query tile add their dQ into it one at a time in key-block order
 //! (cuda/dq_tile_state.cuh; at head dims 193-256 the consumers add from registers, in turns
 //! taken by a warp of their own); elsewhere the separate dK/dV and dQ kernels. The shapes make
 //! tiles whose sets of key blocks differ: causal with seqlen_q above and below seqlen_k (the
 //! first query tiles see no key at all), windows (the first block of a tile is not block 0),
-//! GQA (a block adds into every head of its group), packed batches, dropout, and more key
-//! blocks than the GPU has SMs (blocks wait for blocks that started in an earlier wave).
+//! GQA (a block adds into every head of its group), packed batches, dropout, softcap and
+//! ALiBi, and more key blocks than the GPU has SMs (blocks wait for blocks that started in an
+//! earlier wave).
 
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow_with, FlashAttn};
@@ -22,6 +23,10 @@ struct Shape {
     /// FlashAttention 2's `window_size`.
     window: (i64, i64),
     dropout: f32,
+    /// 0: none.
+    softcap: f32,
+    /// ALiBi slopes, one per head.
+    alibi: bool,
 }
 
 impl std::fmt::Display for Shape {
@@ -29,23 +34,33 @@ impl std::fmt::Display for Shape {
         let (b, sq, sk, h, hk, d) = self.dims;
         write!(
             f,
-            "{:?} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={} window={:?} dropout={}",
-            self.dtype, self.causal, self.window, self.dropout
+            "{:?} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={} window={:?} dropout={} \
+             softcap={} alibi={}",
+            self.dtype, self.causal, self.window, self.dropout, self.softcap, self.alibi
         )
     }
 }
 
 impl Shape {
-    fn opts(&self) -> FlashAttn {
-        let attn = FlashAttn::new()
+    fn opts(&self, dev: &Device) -> Result<FlashAttn> {
+        let mut attn = FlashAttn::new()
             .causal(self.causal)
             .window_size(self.window.0, self.window.1)
             .deterministic(true);
         if self.dropout > 0.0 {
-            attn.dropout(self.dropout).seed(5).rng_offset(3)
-        } else {
-            attn
+            attn = attn.dropout(self.dropout).seed(5).rng_offset(3);
         }
+        if self.softcap > 0.0 {
+            attn = attn.softcap(self.softcap);
+        }
+        if self.alibi {
+            let h = self.dims.3;
+            let slopes: Vec<f32> = (1..=h)
+                .map(|i| 2f32.powf(-8.0 * i as f32 / h as f32))
+                .collect();
+            attn = attn.alibi_slopes(&Tensor::from_vec(slopes, h, dev)?);
+        }
+        Ok(attn)
     }
 }
 
@@ -67,7 +82,7 @@ fn repeatable(dev: &Device, s: Shape, runs: usize) -> Result<()> {
     let k = randn((b, sk, hk, d), s.dtype, dev)?;
     let v = randn((b, sk, hk, d), s.dtype, dev)?;
     let w = randn((b, sq, h, d), s.dtype, dev)?;
-    let attn = s.opts();
+    let attn = s.opts(dev)?;
     let call = || -> Result<(Tensor, [Tensor; 3])> {
         let out = attn.forward(&q, &k, &v)?;
         Ok((
@@ -130,6 +145,8 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         causal,
         window: (-1, -1),
         dropout: 0.0,
+        softcap: 0.0,
+        alibi: false,
     };
     let mut shapes = vec![
         plain(DType::BF16, (2, 1024, 1024, 4, 4, 64), true),
@@ -160,6 +177,21 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         plain(DType::BF16, (2, 777, 901, 8, 2, 256), true),
         plain(DType::F16, (1, 1000, 300, 4, 1, 256), true),
         plain(DType::BF16, (1, 513, 515, 4, 2, 200), false),
+        // The `_mods` kernels: softcap, ALiBi, both with a window.
+        Shape {
+            softcap: 30.0,
+            ..plain(DType::BF16, (2, 600, 700, 8, 2, 128), true)
+        },
+        Shape {
+            alibi: true,
+            ..plain(DType::F16, (1, 500, 800, 4, 2, 64), false)
+        },
+        Shape {
+            softcap: 20.0,
+            alibi: true,
+            window: (150, 0),
+            ..plain(DType::BF16, (1, 500, 500, 4, 4, 256), false)
+        },
         Shape {
             window: (150, 40),
             ..plain(DType::F16, (1, 900, 700, 2, 2, 256), false)

@@ -1,11 +1,11 @@
 //! GPU tests for the score modifications (issue 19): local windows, softcapping and ALiBi,
 //! forward and gradients against `attention_slow_with` with the same options. The head dims
-//! and modes reach every kernel the router picks: 40/96/160 the mma.sync kernels, 64/128 the
-//! warp-specialized forward and backward (the `_mods` backward under a cap or slopes), 256
-//! the warp-specialized forward and the mma.sync backward, packed batches the first wgmma
-//! kernels (`_mods`), deterministic backwards the separate mma.sync kernels (the
-//! warp-specialized kernels' deterministic mode has no `_mods` variant); then KV-cache
-//! decoding, contiguous and paged, with GQA-packed rows (one slope per packed row).
+//! and modes reach every kernel the router picks: 40, 64, 96, 128 and 256 the
+//! warp-specialized forward and backward (the `_mods` backward under a cap or slopes; 40 on
+//! the d 64 kernels, 96 on the d 128 ones), 160 the mma.sync kernels, packed batches the first
+//! wgmma kernels (`_mods`), deterministic backwards the warp-specialized kernels'
+//! deterministic mode (at 160 the separate mma.sync kernels); then KV-cache decoding,
+//! contiguous and paged, with GQA-packed rows (one slope per packed row).
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::{
@@ -370,7 +370,8 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                 suite.record(&format!("mods {c}"), case(dev, &c));
             }
         }
-        // Deterministic backwards run the separate mma.sync kernels.
+        // Deterministic: the warp-specialized kernels' ordered mode (at 160 the separate
+        // mma.sync kernels).
         for m in [&mods[1], &mods[7], &mods[10]] {
             let c = Case {
                 b: 2,
