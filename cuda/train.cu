@@ -19,9 +19,9 @@ using f32 = float;
     train::rms_norm_fwd(x, w, y, rows, cols, eps);                                           \
   }                                                                                          \
   extern "C" __global__ void train_rms_bwd_##T##_##W(const T* x, const W* w, const T* dy,    \
-                                                     T* dx, float* dw, int64_t rows,         \
+                                                     T* dx, float* dw_part, int64_t rows,    \
                                                      int cols, float eps) {                  \
-    train::rms_norm_bwd(x, w, dy, dx, dw, rows, cols, eps);                                  \
+    train::rms_norm_bwd(x, w, dy, dx, dw_part, rows, cols, eps);                             \
   }
 NORM(bf16, f32)
 NORM(f16, f32)
@@ -46,6 +46,12 @@ NORM(f16, f16)
                                                  float* dtable, int64_t n, int64_t vocab,    \
                                                  int cols) {                                 \
     train::embed_bwd(dy, ids, dtable, n, vocab, cols);                                       \
+  }                                                                                          \
+  extern "C" __global__ void train_embed_bwd_sorted_##T(const T* dy, const uint32_t* ids,    \
+                                                        const uint32_t* order,               \
+                                                        const uint32_t* seg, float* dtable,  \
+                                                        int cols) {                          \
+    train::embed_bwd_sorted(dy, ids, order, seg, dtable, cols);                              \
   }                                                                                          \
   extern "C" __global__ void train_xent_fwd_##T(const T* logits, const uint32_t* targets,    \
                                                 float* loss, int64_t vocab) {                \
@@ -78,6 +84,10 @@ EMBED(f32, f16)
 EMBED(f32, f32)
 EMBED(bf16, bf16)
 EMBED(f16, f16)
+
+extern "C" __global__ void train_rms_dw(const float* dw_part, float* dw, int blocks, int cols) {
+  train::rms_norm_dw(dw_part, dw, blocks, cols);
+}
 
 extern "C" __global__ void train_adamw_apply(float* w, const float* mv, int64_t n, float lr,
                                              float decay, float c1, float c2, float eps) {

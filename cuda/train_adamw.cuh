@@ -1,7 +1,7 @@
 // AdamW in two passes over a variable: the moments (m and v stacked in one f32 buffer
 // (2, numel), updated in place from the gradient times `gscale`, which carries gradient
 // clipping), then the decoupled-decay update of the f32 master weight in place. And the sum
-// of squares of a gradient, added atomically into one f32 for the global norm.
+// of squares of a gradient, added into one f32 for the global norm in a fixed order.
 #pragma once
 #include "train_common.cuh"
 
@@ -28,9 +28,13 @@ __device__ void adamw_apply(float* __restrict__ w, const float* __restrict__ mv,
   }
 }
 
+// acc: [0] the running sum, [1] a counter (u32 bits, 0 between launches), then one partial
+// per block. Each block stores its partial; the last to finish (the counter) adds them up in
+// block order and adds that to acc[0], so the sum is bitwise repeatable for a given grid.
 template <typename G>
 __device__ void sum_squares(const G* __restrict__ x, float* __restrict__ acc, int64_t n) {
   __shared__ float scratch[32];
+  __shared__ bool last;
   float s = 0.f;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
@@ -38,7 +42,23 @@ __device__ void sum_squares(const G* __restrict__ x, float* __restrict__ acc, in
     s += v * v;
   }
   s = block_sum(s, scratch);
-  if (threadIdx.x == 0) atomicAdd(acc, s);
+  unsigned* count = reinterpret_cast<unsigned*>(acc + 1);
+  float* partial = acc + 2;
+  if (threadIdx.x == 0) {
+    partial[blockIdx.x] = s;
+    __threadfence();
+    last = atomicAdd(count, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float t = 0.f;
+  for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) t += __ldcg(partial + b);
+  t = block_sum(t, scratch);
+  if (threadIdx.x == 0) {
+    acc[0] += t;
+    *count = 0;
+  }
 }
 
 }  // namespace train

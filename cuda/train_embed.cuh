@@ -17,7 +17,8 @@ __device__ void embed_fwd(const W* __restrict__ table, const uint32_t* __restric
   }
 }
 
-// dtable (vocab, cols) f32, zeroed by the caller.
+// dtable (vocab, cols) f32, zeroed by the caller. Rows that share an id add in no fixed
+// order; embed_bwd_sorted is the repeatable form.
 template <typename T>
 __device__ void embed_bwd(const T* __restrict__ dy, const uint32_t* __restrict__ ids,
                           float* __restrict__ dtable, int64_t n, int64_t vocab, int cols) {
@@ -27,6 +28,25 @@ __device__ void embed_bwd(const T* __restrict__ dy, const uint32_t* __restrict__
     const uint32_t id = ids[row];
     if (id < vocab) atomicAdd(dtable + (int64_t)id * cols + c, to_f(dy[i]));
   }
+}
+
+// The same sums in row order: `order` lists the rows with an id in the table by id, then row
+// (sorted on the host), `seg[s]..seg[s + 1]` the rows of one id. Block s x chunks + j (chunks
+// = blocks of columns per row) writes columns j x blockDim.x + threadIdx.x of that id's row
+// of dtable (zeroed by the caller for the other ids), each the sum of the rows' gradients in
+// row order.
+template <typename T>
+__device__ void embed_bwd_sorted(const T* __restrict__ dy, const uint32_t* __restrict__ ids,
+                                 const uint32_t* __restrict__ order,
+                                 const uint32_t* __restrict__ seg, float* __restrict__ dtable,
+                                 int cols) {
+  const int chunks = (cols + blockDim.x - 1) / blockDim.x;
+  const int id_at = blockIdx.x / chunks, c = blockIdx.x % chunks * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const uint32_t begin = seg[id_at], end = seg[id_at + 1];
+  float sum = 0.f;
+  for (uint32_t k = begin; k < end; ++k) sum += to_f(dy[(int64_t)order[k] * cols + c]);
+  dtable[(int64_t)ids[order[begin]] * cols + c] = sum;
 }
 
 }  // namespace train

@@ -1,7 +1,8 @@
 // RMSNorm, forward and backward: y = x * rstd * w with rstd = (mean(x^2) + eps)^-1/2 per
 // row, f32 arithmetic and one rounding. The backward recomputes rstd from x rather than
-// saving it (one more read of a row that is in L2 anyway) and sums dw over rows with one
-// f32 atomic per column per block. rstd is correctly rounded (__fsqrt_rn, __fdiv_rn: the
+// saving it (one more read of a row that is in L2 anyway) and sums dw over rows in a fixed
+// order: per block of rows a partial per column, then a pass over the partials (bitwise
+// repeatable, unlike an atomic per column per block). rstd is correctly rounded (__fsqrt_rn, __fdiv_rn: the
 // build's --use_fast_math would make 1/sqrtf and rsqrtf approximate): dx cancels to
 // ~eps/x^2 of its terms on short rows, and a 2-ulp rsqrtf showed there.
 #pragma once
@@ -35,13 +36,14 @@ constexpr int NORM_BWD_ROWS = 32;
 
 // A block of NORM_BWD_ROWS rows: its warps find each row's rstd and the coefficient of the
 // rstd term, then every thread walks its columns down the rows (coalesced along a row),
-// writing dx and summing dw for an atomic add into dw_acc (f32, zeroed by the caller).
+// writing dx and its column's dw over the block's rows into row blockIdx.x of dw_part
+// (f32, (blocks, cols)), which rms_norm_dw sums.
 //   dx_j = rstd * w_j * dy_j - x_j * rstd^3 * sum_k(dy_k w_k x_k) / cols
 //   dw_j = sum_rows dy_j * x_j * rstd
 template <typename T, typename W>
 __device__ void rms_norm_bwd(const T* __restrict__ x, const W* __restrict__ w,
                              const T* __restrict__ dy, T* __restrict__ dx,
-                             float* __restrict__ dw_acc, int64_t rows, int cols, float eps) {
+                             float* __restrict__ dw_part, int64_t rows, int cols, float eps) {
   __shared__ float rstd_s[NORM_BWD_ROWS], coef_s[NORM_BWD_ROWS];
   const int64_t row0 = (int64_t)blockIdx.x * NORM_BWD_ROWS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -74,7 +76,29 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const W* __restrict__ w,
       dx[i] = from_f<T>(rstd_s[r] * wc * g - xv * coef_s[r]);
       dw += g * xv * rstd_s[r];
     }
-    atomicAdd(dw_acc + c, dw);
+    dw_part[(int64_t)blockIdx.x * cols + c] = dw;
+  }
+}
+
+constexpr int NORM_DW_COLS = 32, NORM_DW_GROUPS = 8;
+
+// dw = the column sums of dw_part (blocks, cols), in the same order on every run: a block of
+// NORM_DW_COLS x NORM_DW_GROUPS threads per NORM_DW_COLS columns, group g summing the
+// partials g, g + GROUPS, ... (coalesced along a row of partials), then the groups in order.
+__device__ void rms_norm_dw(const float* __restrict__ dw_part, float* __restrict__ dw,
+                            int blocks, int cols) {
+  __shared__ float sums[NORM_DW_GROUPS][NORM_DW_COLS];
+  const int lane = threadIdx.x % NORM_DW_COLS, g = threadIdx.x / NORM_DW_COLS;
+  const int c = blockIdx.x * NORM_DW_COLS + lane;
+  float s = 0.f;
+  if (c < cols)
+    for (int b = g; b < blocks; b += NORM_DW_GROUPS) s += dw_part[(int64_t)b * cols + c];
+  sums[g][lane] = s;
+  __syncthreads();
+  if (g == 0 && c < cols) {
+    float t = sums[0][lane];
+    for (int i = 1; i < NORM_DW_GROUPS; ++i) t += sums[i][lane];
+    dw[c] = t;
   }
 }
 

@@ -53,6 +53,11 @@ fn cross_entropy_matches_log_softmax() {
 }
 
 #[test]
+fn fixed_order_sums_repeat() {
+    run(train_checks::repeatable);
+}
+
+#[test]
 fn adamw_matches_the_formula() {
     run(train_checks::adamw)
 }

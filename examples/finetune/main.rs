@@ -133,6 +133,11 @@ struct Args {
     eval_batches: usize,
     #[arg(long, default_value_t = 0.0)]
     attn_dropout: f32,
+    /// Bitwise repeatable steps: flash attention's deterministic backward and the embedding's
+    /// sorted backward (RMSNorm's dw and the gradient norm are always summed in a fixed
+    /// order); only with `--attention flash`.
+    #[arg(long)]
+    deterministic: bool,
     /// LoRA rank on q/k/v/o (base weights frozen).
     #[arg(long)]
     lora: Option<usize>,
@@ -340,6 +345,7 @@ fn main() -> Result<()> {
         args.seed,
     )?;
     trainer.dropout = args.attn_dropout;
+    trainer.deterministic = args.deterministic;
     drop(weights);
     if let Some(dir) = &args.resume {
         trainer.resume(dir)?;

@@ -35,6 +35,8 @@ pub struct Trainer {
     pub opt: AdamW,
     pub dropout: f32,
     pub seed: u64,
+    /// Bitwise repeatable steps (`--deterministic`, `TrainOpts::deterministic`).
+    pub deterministic: bool,
     dev: Device,
 }
 
@@ -87,6 +89,7 @@ impl Trainer {
             opt,
             dropout: 0.0,
             seed,
+            deterministic: false,
             dev: dev.clone(),
         })
     }
@@ -146,6 +149,7 @@ impl Trainer {
                     .seed
                     .wrapping_mul(1_000_003)
                     .wrapping_add((self.opt.step * 64 + i) as u64),
+                deterministic: self.deterministic,
             };
             // Accuracy of training batches only where targets are few (the built-in task):
             // with a target per token it is a pass over all logits, and uninformative.

@@ -41,6 +41,9 @@ pub struct TrainOpts {
     pub attn_dropout: f32,
     /// Seed of that dropout; each layer uses `seed + layer`.
     pub seed: u64,
+    /// Bitwise repeatable gradients: flash attention's `deterministic(true)` and the
+    /// embedding's sorted backward (`train::embedding_deterministic`).
+    pub deterministic: bool,
 }
 
 /// A linear map `x W^T (+ b)` with an optional low-rank adapter `+ scale * (x A^T) B^T`
@@ -378,7 +381,8 @@ impl Attention {
                     AttnImpl::Flash => {
                         let mut opts = FlashAttn::new()
                             .causal(true)
-                            .softmax_scale(self.scale as f32);
+                            .softmax_scale(self.scale as f32)
+                            .deterministic(train.is_some_and(|t| t.deterministic));
                         if let Some(t) = train.filter(|t| t.attn_dropout > 0.0) {
                             opts = opts.dropout(t.attn_dropout).seed(t.seed + layer as u64);
                         }
@@ -815,14 +819,19 @@ impl Llama {
         pass: &Pass,
         mut cache: Option<&mut Cache>,
     ) -> Result<Tensor> {
-        let train = matches!(pass, Pass::Packed { train: Some(_), .. });
-        let (mut x, cos_sin) = if train {
+        let train_opts = match pass {
+            Pass::Packed { train, .. } => *train,
+            Pass::Step => None,
+        };
+        let train = train_opts.is_some();
+        let (mut x, cos_sin) = if let Some(t) = train_opts {
             // The lookup's backward is a scatter-add (Candle's `index_add` is slow on CUDA);
             // the rotary op takes f32 tables.
-            (
-                candle_flash::train::embedding(&self.embed, ids, self.dtype)?,
-                self.rope.at(positions, DType::F32)?,
-            )
+            let embed = match t.deterministic {
+                true => candle_flash::train::embedding_deterministic(&self.embed, ids, self.dtype)?,
+                false => candle_flash::train::embedding(&self.embed, ids, self.dtype)?,
+            };
+            (embed, self.rope.at(positions, DType::F32)?)
         } else {
             (
                 self.embed.index_select(ids, 0)?.to_dtype(self.dtype)?,

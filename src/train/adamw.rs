@@ -157,18 +157,25 @@ impl AdamW {
 }
 
 /// The sum of the squares of every element of `tensors`, a scalar F32 on their device,
-/// accumulated in f32 (one pass and one atomic per block per tensor, no synchronisation).
+/// accumulated in f32 in a fixed order (bitwise repeatable; one pass per tensor, no
+/// synchronisation).
 pub fn sum_squares<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Tensor> {
     let mut tensors = tensors.into_iter().peekable();
     let Some(first) = tensors.peek() else {
         return Tensor::new(0f32, &candle::Device::Cpu);
     };
-    let acc = Tensor::zeros(1, DType::F32, first.device())?;
+    // On CUDA the sum, the kernel's block counter and a partial per block (train_adamw.cuh).
+    let len = match first.device() {
+        #[cfg(feature = "cuda")]
+        candle::Device::Cuda(dev) => 2 + super::launch::max_stride_blocks(dev)?,
+        _ => 1,
+    };
+    let acc = Tensor::zeros(len, DType::F32, first.device())?;
     for t in tensors {
         host::check_float(t, "sum_squares")?;
         acc.inplace_op2(&t.contiguous()?, &SumSquares)?;
     }
-    acc.squeeze(0)
+    acc.narrow(0, 0, 1)?.squeeze(0)
 }
 
 struct Moments {
@@ -344,16 +351,14 @@ impl InplaceOp2 for SumSquares {
             "train_sum_squares_{}",
             launch::suffix(s2.dtype(), "sum_squares")?
         );
+        let blocks = launch::stride_blocks(&dev, n, 256)?;
+        if l1.shape().elem_count() < 2 + blocks {
+            bail!("sum_squares: the accumulator holds no partial per block (use `sum_squares`)")
+        }
         let stream = dev.cuda_stream();
         let (acc, _a) = launch::ptr_mut(s1, l1.start_offset(), &stream)?;
         let (x, _b) = launch::ptr(s2, l2, &stream)?;
         let args = [Arg::Ptr(x), Arg::Ptr(acc), Arg::I64(n as i64)];
-        launch::launch(
-            &dev,
-            &name,
-            launch::stride_blocks(&dev, n, 256)?,
-            256,
-            &args,
-        )
+        launch::launch(&dev, &name, blocks, 256, &args)
     }
 }

@@ -1,5 +1,6 @@
 //! Embedding lookup with a scatter-add backward. `index_select`'s backward in Candle is an
 //! `index_add` whose CUDA kernel walks all ids per column: 8 ms for 16k ids on an H100.
+//! [`embedding_deterministic`] sums each id's rows in row order instead of by atomics.
 
 use candle::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 
@@ -9,8 +10,25 @@ use super::host;
 /// mixed-precision cast folded in). `table` BF16, F16 or F32 (F32 for any `dtype`, otherwise
 /// `dtype` itself); `ids` `(n,)` U32. Differentiable in `table` (gradient in its dtype, summed
 /// in f32). An id past the table gives a row of NaN rather than an out-of-bounds read; ids
-/// are not copied to the host to be checked.
+/// are not copied to the host to be checked. On CUDA the rows of a repeated id add into its
+/// gradient in no fixed order; [`embedding_deterministic`] is bitwise repeatable.
 pub fn embedding(table: &Tensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+    embedding_impl(table, ids, dtype, false)
+}
+
+/// [`embedding`] whose backward on CUDA sums each id's rows in row order, so that the
+/// table's gradient is bitwise repeatable. It copies the ids to the host (one
+/// synchronisation per backward) to sort them.
+pub fn embedding_deterministic(table: &Tensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+    embedding_impl(table, ids, dtype, true)
+}
+
+fn embedding_impl(
+    table: &Tensor,
+    ids: &Tensor,
+    dtype: DType,
+    deterministic: bool,
+) -> Result<Tensor> {
     host::check_float(table, "embedding: table")?;
     host::check_same_device(table, ids, "embedding: ids")?;
     let (_vocab, hidden) = match table.dims() {
@@ -37,13 +55,53 @@ pub fn embedding(table: &Tensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
     if !matches!(dtype, DType::BF16 | DType::F16 | DType::F32) {
         bail!("embedding: dtype {dtype:?} is not supported, expected BF16, F16 or F32")
     }
-    table
-        .contiguous()?
-        .apply_op2(&ids.contiguous()?, Embedding { dtype })
+    table.contiguous()?.apply_op2(
+        &ids.contiguous()?,
+        Embedding {
+            dtype,
+            deterministic,
+        },
+    )
 }
 
 struct Embedding {
     dtype: DType,
+    /// Read by the CUDA backward only: the CPU's sums run in row order anyway.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    deterministic: bool,
+}
+
+/// The rows whose id is in the table, by id and then row, and where each id's rows start
+/// (plus the end), for `train_embed_bwd_sorted`; `None` if no id is in the table.
+#[cfg(feature = "cuda")]
+fn rows_by_id(ids: &Tensor, vocab: usize) -> Result<Option<(Tensor, Tensor)>> {
+    let host_ids = ids.to_vec1::<u32>()?;
+    if u32::try_from(host_ids.len()).is_err() {
+        bail!(
+            "embedding backward: {} ids are past the sorted kernel's 32-bit range",
+            host_ids.len()
+        )
+    }
+    let mut order: Vec<u32> = (0..host_ids.len() as u32)
+        .filter(|&r| (host_ids[r as usize] as usize) < vocab)
+        .collect();
+    if order.is_empty() {
+        return Ok(None);
+    }
+    // Stable: each id's rows stay in row order.
+    order.sort_by_key(|&r| host_ids[r as usize]);
+    let mut seg: Vec<u32> = vec![];
+    for (k, &r) in order.iter().enumerate() {
+        if k == 0 || host_ids[r as usize] != host_ids[order[k - 1] as usize] {
+            seg.push(k as u32);
+        }
+    }
+    seg.push(order.len() as u32);
+    let (n, segs) = (order.len(), seg.len());
+    Ok(Some((
+        Tensor::from_vec(order, n, ids.device())?,
+        Tensor::from_vec(seg, segs, ids.device())?,
+    )))
 }
 
 impl CustomOp2 for Embedding {
@@ -126,6 +184,11 @@ impl CustomOp2 for Embedding {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = grad.contiguous()?;
         let (vocab, hidden) = table.dims2()?;
+        #[cfg(feature = "cuda")]
+        let sorted = match self.deterministic && ids.device().is_cuda() {
+            true => rows_by_id(ids, vocab)?,
+            false => None,
+        };
         let dtable = {
             let (is, il) = ids.storage_and_layout();
             let (ds, dl) = dy.storage_and_layout();
@@ -156,7 +219,37 @@ impl CustomOp2 for Embedding {
                     );
                     let stream = dev.cuda_stream();
                     let mut dt = launch::alloc(dev, DType::F32, vocab * hidden, true)?;
-                    {
+                    if let Some((order, seg)) = &sorted {
+                        let (os, ol) = order.storage_and_layout();
+                        let (ss, sl) = seg.storage_and_layout();
+                        let (Storage::Cuda(os), Storage::Cuda(ss)) = (&*os, &*ss) else {
+                            bail!("embedding backward: the sorted rows are not on the device")
+                        };
+                        let chunks = hidden.div_ceil(256);
+                        let blocks = (sl.shape().elem_count() - 1) * chunks;
+                        if i32::try_from(blocks).is_err() {
+                            bail!("embedding backward: {blocks} blocks are past the grid's range")
+                        }
+                        let (d, _a) = launch::ptr(ds, dl, &stream)?;
+                        let (i, _b) = launch::ptr(is, il, &stream)?;
+                        let (o, _c) = launch::ptr(os, ol, &stream)?;
+                        let (s, _d) = launch::ptr(ss, sl, &stream)?;
+                        let (dtp, _e) = launch::ptr_mut(&mut dt, 0, &stream)?;
+                        let args = [
+                            Arg::Ptr(d),
+                            Arg::Ptr(i),
+                            Arg::Ptr(o),
+                            Arg::Ptr(s),
+                            Arg::Ptr(dtp),
+                            Arg::I32(hidden as i32),
+                        ];
+                        let name = format!(
+                            "train_embed_bwd_sorted_{}",
+                            launch::suffix(ds.dtype(), "embedding")?
+                        );
+                        launch::launch(dev, &name, blocks, 256, &args)?;
+                    } else if !self.deterministic {
+                        // (Deterministic with no id in the table: dtable stays zero.)
                         let (d, _a) = launch::ptr(ds, dl, &stream)?;
                         let (i, _b) = launch::ptr(is, il, &stream)?;
                         let (dtp, _c) = launch::ptr_mut(&mut dt, 0, &stream)?;

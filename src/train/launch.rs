@@ -142,6 +142,11 @@ pub(super) fn launch(
 /// Blocks of `threads` for a grid-stride loop over `n` elements: at most 16 per SM (the loops
 /// cover the rest).
 pub(super) fn stride_blocks(dev: &CudaDevice, n: usize, threads: u32) -> Result<usize> {
-    let sms = crate::cuda::device_facts(dev)?.sms;
-    Ok(n.div_ceil(threads as usize).clamp(1, sms * 16))
+    Ok(n.div_ceil(threads as usize)
+        .clamp(1, max_stride_blocks(dev)?))
+}
+
+/// The most blocks [`stride_blocks`] gives on `dev`.
+pub(super) fn max_stride_blocks(dev: &CudaDevice) -> Result<usize> {
+    Ok(crate::cuda::device_facts(dev)?.sms * 16)
 }

@@ -8,14 +8,17 @@
 //! function here is one op with a hand-written backward, on CUDA (kernels in `cuda/train.cu`)
 //! and on the CPU (f32 arithmetic), and computes in f32 whatever the storage dtype:
 //!
-//! - [`rms_norm`]: `x * rsqrt(mean(x^2) + eps) * weight`, gradients for both.
+//! - [`rms_norm`]: `x * rsqrt(mean(x^2) + eps) * weight`, gradients for both (the weight's
+//!   summed over rows in a fixed order).
 //! - [`rotary`]: rotary position embedding of `(tokens, heads, head_dim)` (LLaMA's halves).
 //! - [`swiglu`]: `silu(gate) * up`.
-//! - [`embedding`]: rows of a table gathered in another dtype, a scatter-add backward.
+//! - [`embedding`]: rows of a table gathered in another dtype, a scatter-add backward;
+//!   [`embedding_deterministic`] sums each id's rows in row order (bitwise repeatable).
 //! - [`cross_entropy`] / [`cross_entropy_rows`]: from logits in any float dtype, no softmax
 //!   stored; targets equal to [`IGNORE`] are left out.
 //! - [`AdamW`]: the optimiser in two fused passes per variable, state readable for
-//!   checkpoints, gradient clipping folded into the update ([`sum_squares`] for the norm).
+//!   checkpoints, gradient clipping folded into the update ([`sum_squares`] for the norm,
+//!   summed in a fixed order).
 //! - [`retain_freed_device_memory`]: CUDA's memory pool keeps what a step frees for the next
 //!   one, as PyTorch's caching allocator does (10-20 ms per step of a 150M model, H100).
 //!
@@ -44,7 +47,7 @@ mod swiglu;
 
 pub use adamw::{sum_squares, AdamW};
 pub use cross_entropy::{cross_entropy, cross_entropy_rows, IGNORE};
-pub use embedding::embedding;
+pub use embedding::{embedding, embedding_deterministic};
 pub use pool::retain_freed_device_memory;
 pub use rms_norm::rms_norm;
 pub use rotary::rotary;

@@ -190,26 +190,41 @@ fn cuda_backward(
     );
     let stream = dev.cuda_stream();
     let mut dx = launch::alloc(dev, xs.dtype(), rows * cols, false)?;
-    // The kernel sums dw in f32; a weight of another dtype gets a cast afterwards.
-    let mut dw = launch::alloc(dev, candle::DType::F32, cols, true)?;
+    // NORM_BWD_ROWS = 32 rows per block (cuda/train_norm.cuh), each writing its partial dw
+    // (f32) per column; train_rms_dw sums them in block order (a weight of another dtype
+    // gets a cast afterwards).
+    let blocks = rows.div_ceil(32);
+    if i32::try_from(blocks).is_err() {
+        bail!("rms_norm backward: {rows} rows are past the kernels' 32-bit block count")
+    }
+    let mut dw_part = launch::alloc(dev, candle::DType::F32, blocks * cols, false)?;
+    let mut dw = launch::alloc(dev, candle::DType::F32, cols, false)?;
     {
         let (x, _a) = launch::ptr(xs, xl, &stream)?;
         let (w, _b) = launch::ptr(ws, wl, &stream)?;
         let (g, _c) = launch::ptr(gs, gl, &stream)?;
         let (dxp, _d) = launch::ptr_mut(&mut dx, 0, &stream)?;
-        let (dwp, _e) = launch::ptr_mut(&mut dw, 0, &stream)?;
+        let (partp, _e) = launch::ptr_mut(&mut dw_part, 0, &stream)?;
         let args = [
             Arg::Ptr(x),
             Arg::Ptr(w),
             Arg::Ptr(g),
             Arg::Ptr(dxp),
-            Arg::Ptr(dwp),
+            Arg::Ptr(partp),
             Arg::I64(rows as i64),
             Arg::I32(cols as i32),
             Arg::F32(eps),
         ];
-        // NORM_BWD_ROWS = 32 rows per block (cuda/train_norm.cuh).
-        launch::launch(dev, &name, rows.div_ceil(32), 256, &args)?;
+        launch::launch(dev, &name, blocks, 256, &args)?;
+        let (dwp, _f) = launch::ptr_mut(&mut dw, 0, &stream)?;
+        let args = [
+            Arg::Ptr(partp),
+            Arg::Ptr(dwp),
+            Arg::I32(blocks as i32),
+            Arg::I32(cols as i32),
+        ];
+        // NORM_DW_COLS = 32 columns per block of 8 x 32 threads.
+        launch::launch(dev, "train_rms_dw", cols.div_ceil(32), 256, &args)?;
     }
     Ok((dx, dw))
 }

@@ -243,14 +243,21 @@ fn embedding_case(
     dev: &Device,
     dtype: DType,
     (vocab, hidden, n): (usize, usize, usize),
+    deterministic: bool,
 ) -> (String, Result<()>) {
-    let name = format!("embedding f32 table -> {dtype:?} ({vocab}, {hidden}) x {n}");
+    let name = format!(
+        "embedding f32 table -> {dtype:?} ({vocab}, {hidden}) x {n}{}",
+        if deterministic { " deterministic" } else { "" }
+    );
     let r = (|| {
         let table = randn((vocab, hidden), DType::F32)?;
         let ids: Vec<u32> = (0..n).map(|i| ((i * 7 + i / 3) % vocab) as u32).collect();
         let ids_cpu = Tensor::new(ids, &Device::Cpu)?;
         let ids_dev = ids_cpu.to_device(dev)?;
-        let ours = move |t: &[Tensor]| train::embedding(&t[0], &ids_dev, dtype);
+        let ours = move |t: &[Tensor]| match deterministic {
+            true => train::embedding_deterministic(&t[0], &ids_dev, dtype),
+            false => train::embedding(&t[0], &ids_dev, dtype),
+        };
         let reference = move |t: &[Tensor]| t[0].index_select(&ids_cpu, 0)?.to_dtype(dtype);
         compare(
             &name,
@@ -269,8 +276,10 @@ fn embedding_case(
 pub fn embedding(dev: &Device, report: Report) {
     for dtype in DTYPES {
         for shape in [(11, 7, 20), (300, 64, 1000), (1, 5, 3)] {
-            let (name, r) = embedding_case(dev, dtype, shape);
-            report(name, r);
+            for deterministic in [false, true] {
+                let (name, r) = embedding_case(dev, dtype, shape, deterministic);
+                report(name, r);
+            }
         }
     }
 }
@@ -477,12 +486,61 @@ pub fn large(dev: &Device, report: Report) {
             swiglu_case(dev, dtype, &[4097, 2048]),
             rotary_case(dev, dtype, (4097, 12, 64)),
             cross_entropy_case(dev, dtype, (2049, 32003)),
-            embedding_case(dev, dtype, (2048, 768, 16384)),
+            embedding_case(dev, dtype, (2048, 768, 16384), false),
+            embedding_case(dev, dtype, (2048, 768, 16384), true),
         ];
         for (name, r) in cases {
             report(format!("large {name}"), r);
         }
     }
+}
+
+/// The ops whose CUDA sums run in a fixed order give the same bits on every run: the
+/// deterministic embedding's gradient with ids repeated thousands of times, RMSNorm's dw over
+/// many blocks of rows, sum_squares over many blocks.
+pub fn repeatable(dev: &Device, report: Report) {
+    let name = "repeatable embedding_deterministic, rms_norm dw, sum_squares".to_string();
+    let r = (|| {
+        let table = randn((50, 300), DType::F32)?.to_device(dev)?;
+        let ids: Vec<u32> = (0..20000).map(|i| (i % 5 + i / 4000) as u32).collect();
+        let ids = Tensor::new(ids, dev)?;
+        let x = randn((5000, 768), DType::BF16)?.to_device(dev)?;
+        let w = randn(768, DType::F32)?.to_device(dev)?;
+        let big = randn(3_000_000, DType::F32)?.to_device(dev)?;
+        let weights = [
+            randn((20000, 300), DType::BF16)?.to_device(dev)?,
+            randn((5000, 768), DType::BF16)?.to_device(dev)?,
+        ];
+        let once = || -> Result<Vec<u32>> {
+            let (tv, wv) = (Var::from_tensor(&table)?, Var::from_tensor(&w)?);
+            let e = train::embedding_deterministic(tv.as_tensor(), &ids, DType::BF16)?;
+            let y = train::rms_norm(&x, wv.as_tensor(), 1e-5)?;
+            let loss = (e.mul(&weights[0])?.to_dtype(DType::F32)?.sum_all()?
+                + y.mul(&weights[1])?.to_dtype(DType::F32)?.sum_all()?)?;
+            let grads = loss.backward()?;
+            let mut bits = vec![];
+            for v in [&tv, &wv] {
+                let g = grads.get(v.as_tensor()).expect("a gradient");
+                bits.extend(
+                    g.flatten_all()?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .map(|v| v.to_bits()),
+                );
+            }
+            let s = train::sum_squares([&big, &x])?.to_scalar::<f32>()?;
+            bits.push(s.to_bits());
+            Ok(bits)
+        };
+        let first = once()?;
+        for run in 1..3 {
+            if once()? != first {
+                candle::bail!("run {run} differs from run 0")
+            }
+        }
+        Ok(())
+    })();
+    report(name, r);
 }
 
 /// `err <= bound`, false for NaN.
@@ -498,4 +556,5 @@ pub fn all(dev: &Device, report: Report) {
     embedding(dev, report);
     cross_entropy(dev, report);
     adamw(dev, report);
+    repeatable(dev, report);
 }
