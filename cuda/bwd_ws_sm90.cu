@@ -236,7 +236,8 @@ template <class K> struct BwdWsBlock {
 
     // The grid is (key blocks, KV heads, sequences), and the blocks start in the order of
     // their linear index: key block 0 (the heaviest under a causal mask, it sees every query)
-    // first within each head, but for the last tail_heads pairs (longest_first_tail).
+    // first within each head, but for the last tail_heads pairs (longest_first_tail); in
+    // deterministic mode the last key block first (launch_order).
     __device__ __forceinline__ explicit BwdWsBlock(const BwdTmaParams& P)
         : BwdWsBlock(P.b.a, launch_order(P.tail_heads, P.pair_group, P.deterministic)) {}
 
