@@ -12,7 +12,9 @@
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow_with, FlashAttn};
 
-use crate::cuda_suite::{check_against_slow, check_varlen_against_slow, grads_of, randn, Suite};
+use crate::cuda_suite::{
+    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, Suite,
+};
 
 /// One fixed-length problem: (batch, seqlen_q, seqlen_k, heads, KV heads, head dim).
 #[derive(Clone, Copy, Debug)]
@@ -101,8 +103,10 @@ fn repeatable(dev: &Device, s: Shape, runs: usize) -> Result<()> {
     if s.dropout > 0.0 {
         return Ok(());
     }
+    // The oracle's options on its device (the CPU under --sanitize): the ALiBi slopes.
+    let oracle = s.opts(&reference_device(dev))?;
     check_against_slow(&out, &grads, [&q, &k, &v, &w], |q, k, v| {
-        attention_slow_with(q, k, v, &attn)
+        attention_slow_with(q, k, v, &oracle)
     })
 }
 
