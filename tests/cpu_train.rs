@@ -58,6 +58,11 @@ fn fixed_order_sums_repeat() {
 }
 
 #[test]
+fn embedding_past_the_table_has_no_gradient() {
+    run(train_checks::embedding_past_the_table);
+}
+
+#[test]
 fn adamw_matches_the_formula() {
     run(train_checks::adamw)
 }

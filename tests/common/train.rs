@@ -495,6 +495,41 @@ pub fn large(dev: &Device, report: Report) {
     }
 }
 
+/// Ids past the table: NaN rows forward, and no gradient from them (both backwards): the
+/// table's gradient counts each valid id's rows exactly.
+pub fn embedding_past_the_table(dev: &Device, report: Report) {
+    for deterministic in [false, true] {
+        let name = format!("embedding ids past the table, deterministic={deterministic}");
+        let r = (|| {
+            let table = Var::from_tensor(&Tensor::ones((5, 8), DType::F32, dev)?)?;
+            let ids = Tensor::new(&[0u32, 7, 2, 0, 9, 2, 2], dev)?;
+            let y = match deterministic {
+                true => train::embedding_deterministic(table.as_tensor(), &ids, DType::F32)?,
+                false => train::embedding(table.as_tensor(), &ids, DType::F32)?,
+            };
+            let rows = y.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+            for (i, row) in rows.iter().enumerate() {
+                let nan = i == 1 || i == 4;
+                if row.iter().any(|v| v.is_nan() != nan) {
+                    candle::bail!("row {i}: {row:?}")
+                }
+            }
+            let valid = Tensor::new(&[0u32, 2, 3, 5, 6], dev)?;
+            let grads = y.index_select(&valid, 0)?.sum_all()?.backward()?;
+            let g = grads.get(table.as_tensor()).expect("a gradient");
+            let g = g.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+            let want = [2f32, 0.0, 3.0, 0.0, 0.0];
+            for (id, (row, w)) in g.iter().zip(want).enumerate() {
+                if row.iter().any(|v| *v != w) {
+                    candle::bail!("gradient of id {id}: {row:?}, expected {w}")
+                }
+            }
+            Ok(())
+        })();
+        report(name, r);
+    }
+}
+
 /// The ops whose CUDA sums run in a fixed order give the same bits on every run: the
 /// deterministic embedding's gradient with ids repeated thousands of times, RMSNorm's dw over
 /// many blocks of rows, sum_squares over many blocks.
@@ -557,4 +592,5 @@ pub fn all(dev: &Device, report: Report) {
     cross_entropy(dev, report);
     adamw(dev, report);
     repeatable(dev, report);
+    embedding_past_the_table(dev, report);
 }
