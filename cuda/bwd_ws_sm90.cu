@@ -405,6 +405,10 @@ template <class K> struct DqOrder {
     __device__ __forceinline__ bool first(int m0) const {
         return m0 / K::BM < pred_begin || m0 / K::BM >= pred_end;
     }
+    __device__ __forceinline__ void wait(const int* state) const {
+        dq_tile_wait_turn(state, n + 2);
+    }
+    __device__ __forceinline__ void pass(int* state) const { dq_tile_pass_turn(state, n); }
 };
 
 // Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
@@ -427,7 +431,7 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
         bool first;
         if (ordered) {
             first = order.first(m0);
-            if (!first) dq_tile_wait_turn(state, order.n + 2);
+            if (!first) order.wait(state);
         } else {
             first = dq_tile_claim(state);
             if (!first) dq_tile_wait_written(state);
@@ -450,7 +454,7 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
         }
         if (ordered) {
             tma::bulk_wait_all();
-            dq_tile_pass_turn(state, order.n);
+            order.pass(state);
         } else if (first) {
             tma::bulk_wait_all();
             dq_tile_publish(state);
@@ -475,10 +479,10 @@ __device__ __forceinline__ void bwd_ws_order_dq(const BwdTmaParams& P, const Bwd
         tma::wait(sm.full_q(it % K::STAGES), (it / K::STAGES) & 1);
         const TileInfo t = ld_tile_info(sm.info(it % K::STAGES));
         int* state = P.dq_state + blk.tile_index(P, t.bidh, t.m0);
-        if (!order.first(t.m0)) dq_tile_wait_turn(state, order.n + 2);
+        if (!order.first(t.m0)) order.wait(state);
         tma::arrive(sm.dq_turn());
         tma::wait(sm.dq_added(), it & 1);
-        dq_tile_pass_turn(state, order.n);
+        order.pass(state);
         last = t.last;
     }
 }
@@ -1098,8 +1102,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
 // lanes per row (16 bytes of O and of dO each), 256 / D rows per warp (one warp per row left
 // three quarters of the lanes idle at d = 64, and too few loads in flight to reach DRAM's
 // bandwidth), rows up to m_blocks x BM. Grid (ceil(m_blocks x BM / (8 x 256 / D)), h, b).
-template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_ws_prep(
-    const BwdTmaParams& P) {
+template <class K> __device__ __forceinline__ void flash_bwd_ws_prep(const BwdTmaParams& P) {
+    using T = typename K::T;
+    constexpr int BM = K::BM, D = K::D;
     constexpr int LANES = D / CHUNK, ROWS_PER_WARP = 32 / LANES;
     static_assert(BM % ROWS_PER_WARP == 0, "a warp's rows are all in range or all past it");
     const BwdParams& bp = P.b;
@@ -1132,7 +1137,7 @@ template <typename T, int BM, int D> __device__ __forceinline__ void flash_bwd_w
         P.stats[tile * 2 * BM + BM + row % BM] = sum;
     }
     if (P.dq_state != nullptr && row % BM == 0 && l == 0) P.dq_state[tile] = 0;
-    if (D <= 128) return;  // the dQ warp's first block stores (dq_tile_state.cuh)
+    if (!K::SPLIT) return;  // the dQ warp's first block stores (dq_tile_state.cuh)
     // D floats per row: the tile's BM x D floats in whatever order.
     float4* zero = reinterpret_cast<float4*>(bp.dq_accum + (tile * BM + row % BM) * D);
 #pragma unroll
@@ -1222,7 +1227,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         flash_bwd_ws_prep_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {             \
-        flash_bwd_ws_prep<T, BwdWsTraits<T, D, STAGES>::BM, D>(p);                            \
+        flash_bwd_ws_prep<BwdWsTraits<T, D, STAGES>>(p);                                      \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         flash_bwd_ws_convert_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {          \

@@ -140,8 +140,8 @@ enum BwdPath {
     Sm90,
     /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
     /// dims 65-96 and 193-256 on Hopper, for batches whose tensors TMA can address
-    /// (`bwd_ws::supported`), with dropout too; deterministic at head dims up to 128 without a
-    /// softcap, ALiBi or block mask.
+    /// (`bwd_ws::supported`), with dropout too; deterministic without a block mask
+    /// (`bwd_ws::deterministic_ok`).
     Ws(BwdWsShape),
 }
 

@@ -213,61 +213,56 @@ impl CustomOp2 for Embedding {
                     use candle::backend::BackendStorage;
                     let dev = &ds.device;
                     let n = il.shape().elem_count();
-                    let name = format!(
-                        "train_embed_bwd_{}",
-                        launch::suffix(ds.dtype(), "embedding")?
-                    );
+                    let suffix = launch::suffix(ds.dtype(), "embedding")?;
                     let stream = dev.cuda_stream();
                     let mut dt = launch::alloc(dev, DType::F32, vocab * hidden, true)?;
-                    if let Some((order, seg)) = &sorted {
-                        let (os, ol) = order.storage_and_layout();
-                        let (ss, sl) = seg.storage_and_layout();
-                        let (Storage::Cuda(os), Storage::Cuda(ss)) = (&*os, &*ss) else {
-                            bail!("embedding backward: the sorted rows are not on the device")
-                        };
-                        let chunks = hidden.div_ceil(256);
-                        let blocks = (sl.shape().elem_count() - 1) * chunks;
-                        if i32::try_from(blocks).is_err() {
-                            bail!("embedding backward: {blocks} blocks are past the grid's range")
-                        }
-                        let (d, _a) = launch::ptr(ds, dl, &stream)?;
-                        let (i, _b) = launch::ptr(is, il, &stream)?;
-                        let (o, _c) = launch::ptr(os, ol, &stream)?;
-                        let (s, _d) = launch::ptr(ss, sl, &stream)?;
-                        let (dtp, _e) = launch::ptr_mut(&mut dt, 0, &stream)?;
-                        let args = [
-                            Arg::Ptr(d),
-                            Arg::Ptr(i),
-                            Arg::Ptr(o),
-                            Arg::Ptr(s),
-                            Arg::Ptr(dtp),
-                            Arg::I32(hidden as i32),
-                        ];
-                        let name = format!(
-                            "train_embed_bwd_sorted_{}",
-                            launch::suffix(ds.dtype(), "embedding")?
-                        );
-                        launch::launch(dev, &name, blocks, 256, &args)?;
-                    } else if !self.deterministic {
-                        // (Deterministic with no id in the table: dtable stays zero.)
+                    {
                         let (d, _a) = launch::ptr(ds, dl, &stream)?;
                         let (i, _b) = launch::ptr(is, il, &stream)?;
                         let (dtp, _c) = launch::ptr_mut(&mut dt, 0, &stream)?;
-                        let args = [
-                            Arg::Ptr(d),
-                            Arg::Ptr(i),
-                            Arg::Ptr(dtp),
-                            Arg::I64(n as i64),
-                            Arg::I64(vocab as i64),
-                            Arg::I32(hidden as i32),
-                        ];
-                        launch::launch(
-                            dev,
-                            &name,
-                            launch::stride_blocks(dev, n * hidden, 256)?,
-                            256,
-                            &args,
-                        )?;
+                        if let Some((order, seg)) = &sorted {
+                            let (os, ol) = order.storage_and_layout();
+                            let (ss, sl) = seg.storage_and_layout();
+                            let (Storage::Cuda(os), Storage::Cuda(ss)) = (&*os, &*ss) else {
+                                bail!("embedding backward: the sorted rows are not on the device")
+                            };
+                            let (o, _d) = launch::ptr(os, ol, &stream)?;
+                            let (s, _e) = launch::ptr(ss, sl, &stream)?;
+                            let args = [
+                                Arg::Ptr(d),
+                                Arg::Ptr(i),
+                                Arg::Ptr(o),
+                                Arg::Ptr(s),
+                                Arg::Ptr(dtp),
+                                Arg::I32(hidden as i32),
+                            ];
+                            // One block per (id, 256 columns).
+                            let ids_in_table = sl.shape().elem_count() - 1;
+                            launch::launch(
+                                dev,
+                                &format!("train_embed_bwd_sorted_{suffix}"),
+                                ids_in_table * hidden.div_ceil(256),
+                                256,
+                                &args,
+                            )?;
+                        } else if !self.deterministic {
+                            // (Deterministic with no id in the table: dtable stays zero.)
+                            let args = [
+                                Arg::Ptr(d),
+                                Arg::Ptr(i),
+                                Arg::Ptr(dtp),
+                                Arg::I64(n as i64),
+                                Arg::I64(vocab as i64),
+                                Arg::I32(hidden as i32),
+                            ];
+                            launch::launch(
+                                dev,
+                                &format!("train_embed_bwd_{suffix}"),
+                                launch::stride_blocks(dev, n * hidden, 256)?,
+                                256,
+                                &args,
+                            )?;
+                        }
                     }
                     Storage::Cuda(dt)
                 }

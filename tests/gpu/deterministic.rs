@@ -1,6 +1,6 @@
 //! GPU tests for `deterministic(true)` backwards. On Hopper without a block mask they run the
-//! warp-specialized kernel's deterministic mode (`_mods` under a softcap or ALiBi), where the key blocks that
-//! see a query tile add their dQ into it one at a time in key-block order
+//! warp-specialized kernel's deterministic mode (`_mods` under a softcap or ALiBi), where the
+//! key blocks that see a query tile add their dQ into it one at a time, from the last
 //! (cuda/dq_tile_state.cuh; at head dims 193-256 the consumers add from registers, in turns
 //! taken by a warp of their own); elsewhere the separate dK/dV and dQ kernels. The shapes make
 //! tiles whose sets of key blocks differ: causal with seqlen_q above and below seqlen_k (the
@@ -181,6 +181,14 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         plain(DType::BF16, (2, 777, 901, 8, 2, 256), true),
         plain(DType::F16, (1, 1000, 300, 4, 1, 256), true),
         plain(DType::BF16, (1, 513, 515, 4, 2, 200), false),
+        Shape {
+            window: (150, 40),
+            ..plain(DType::F16, (1, 900, 700, 2, 2, 256), false)
+        },
+        Shape {
+            dropout: 0.1,
+            ..plain(DType::BF16, (2, 600, 700, 4, 2, 256), true)
+        },
         // The `_mods` kernels: softcap, ALiBi, both with a window.
         Shape {
             softcap: 30.0,
@@ -195,14 +203,6 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             alibi: true,
             window: (150, 0),
             ..plain(DType::BF16, (1, 500, 500, 4, 4, 256), false)
-        },
-        Shape {
-            window: (150, 40),
-            ..plain(DType::F16, (1, 900, 700, 2, 2, 256), false)
-        },
-        Shape {
-            dropout: 0.1,
-            ..plain(DType::BF16, (2, 600, 700, 4, 2, 256), true)
         },
     ];
     if !quick {
