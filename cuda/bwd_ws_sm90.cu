@@ -23,9 +23,9 @@
 // flash_bwd_ws_convert_<dtype>_d<D>, which scales and stores dq. The first key block to reach
 // a dq_accum tile stores into it, the others add (dq_tile_state.cuh): nothing zeroes dq_accum
 // but for d = 256.
-// d = 256 (head dims 193-256, columns past the head dim zero) splits the head dim between the
+// d = 256 (head dims 129-256, columns past the head dim zero) splits the head dim between the
 // consumers instead of the keys: see BwdWsSplitConsumer.
-// Head dims 33-128 (65-96 on the d = 128 kernel) and 193-256, TMA-addressable tensors; dropout
+// Head dims 33-128 (65-96 on the d = 128 kernel) and 129-256 (on the d = 256 kernel), TMA-addressable tensors; dropout
 // in the `_dropout` kernels and packed (variable-length) batches in the `_packed` ones (both:
 // `_packed_dropout`), without a softcap, ALiBi or block mask. Packed batches are one tensor of
 // every sequence's rows to TMA, the rows crossing a sequence's end written from shared memory

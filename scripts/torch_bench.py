@@ -68,6 +68,10 @@ COPY_ELEMS = 1 << 30  # 2 GiB of bf16
 def grid(quick):
     """(hd, seqlen, heads, heads_k, causal) in the order they are measured."""
     hds, seqlens = ((64, 128), (1024, 4096)) if quick else ((64, 128, 256), (512, 1024, 2048, 4096, 8192, 16384))
+    # CANDLE_FLASH_BENCH_HDS=160,192 replaces the head dims, as in benches/attention.rs.
+    env_hds = os.environ.get("CANDLE_FLASH_BENCH_HDS")
+    if env_hds:
+        hds = tuple(int(x) for x in env_hds.split(",") if x.strip())
     for hd in hds:
         for s in seqlens:
             for causal in (False, True):

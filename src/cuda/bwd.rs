@@ -8,7 +8,7 @@
 //! batches in its `_packed` kernels, dropout in its `_dropout` and `_packed_dropout` ones);
 //! packed batches with a softcap, ALiBi or block mask there take the first wgmma kernel
 //! (`cuda/bwd_sm90.cu`), dropout with one the mma.sync `_dropout` kernel.
-//! At head dims 65-96 its d = 128 kernel and at 193-256 its d = 256 kernel also run (the
+//! At head dims 65-96 its d = 128 kernel and at 129-256 its d = 256 kernel also run (the
 //! columns past the head dim zero), under the same conditions (65-96: without a block mask or
 //! a `CANDLE_FLASH_BWD` override). It has a deterministic mode without a block mask (the key
 //! blocks add dQ in order): `deterministic(true)` runs it there, and the dK/dV and dQ kernels
@@ -139,7 +139,7 @@ enum BwdPath {
     /// Hopper, no dropout.
     Sm90,
     /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
-    /// dims 65-96 and 193-256 on Hopper, for batches whose tensors TMA can address
+    /// dims 65-96 and 129-256 on Hopper, for batches whose tensors TMA can address
     /// (`bwd_ws::supported`), with dropout too; deterministic without a block mask
     /// (`bwd_ws::deterministic_ok`).
     Ws(BwdWsShape),
@@ -210,7 +210,7 @@ struct BwdProblem<'a> {
 
 impl BwdPath {
     /// The warp-specialized kernel where one runs the head dim (`tma::ws_head_dim`: 65-96 on
-    /// d = 128, 193-224 on d = 256), else `without_ws`.
+    /// d = 128, 129-224 on d = 256), else `without_ws`.
     fn choose(c: &BwdProblem) -> Self {
         Self::ws(c).map_or_else(|| Self::without_ws(c), Self::Ws)
     }
