@@ -23,8 +23,8 @@
 //! warp-specialized ones.
 //!
 //! `--deterministic`: our kernels with `deterministic(true)` (the grid, or with `--mods-only`
-//! its variants); `CANDLE_FLASH_BWD=separate` in a second run times the separate dK/dV and dQ
-//! kernels that mode ran before sessions 27-28.
+//! or `--sparse-only` their variants); `CANDLE_FLASH_BWD=separate` in a second run times the
+//! separate dK/dV and dQ kernels that mode ran before sessions 27-29.
 //!
 //! ```text
 //! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
@@ -853,12 +853,11 @@ impl Bench {
                     ),
                 ]
             };
-            let mut variants = vec![("dense".to_string(), FlashAttn::new(), 1.0)];
+            let det = FlashAttn::new().deterministic(self.deterministic);
+            let mut variants = vec![("dense".to_string(), det.clone(), 1.0)];
             for (name, mask) in masks {
                 match mask.and_then(|m| Ok((m.density()?, m))) {
-                    Ok((density, m)) => {
-                        variants.push((name, FlashAttn::new().block_mask(&m), density))
-                    }
+                    Ok((density, m)) => variants.push((name, det.clone().block_mask(&m), density)),
                     Err(e) => println!("skipped {name}: {}", first_line(&e)),
                 }
             }

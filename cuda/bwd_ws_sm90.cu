@@ -69,12 +69,18 @@ struct BwdTmaParams {
     int tail_heads;
     // Nonzero: dQ bitwise repeatable, the key blocks adding into each dq_accum tile in order,
     // from the last (dq_tile_state.cuh), walking their query tiles from the first
-    // (bwd_ws_walk) and starting from the last within each pair (launch_order). Only in the
-    // kernels with K::HAS_ORDERED; src/cuda/bwd.rs runs the older kernels elsewhere.
+    // (bwd_ws_walk) and starting from the last within each pair (launch_order). Read by the
+    // kernels with K::HAS_ORDERED but the `_sparse_det` ones, which are always in this mode
+    // (src/cuda/bwd_ws.rs runs them instead of `_sparse` when it is set).
     int deterministic;
     // Deterministic mode: the grid's (sequence, KV head) pairs go in groups of this many, key
     // block by key block across each group (interleaved_pairs); 0 or 1: pair by pair.
     int pair_group;
+    // The `_sparse_det` kernels: block_next_col[h * block_head_stride + r * block_cols + c] =
+    // the first block present at or after column c of row r of the block mask (block_cols:
+    // none), for DqOrder::sparse_turn. Here rather than in AttnParams, where a field cost the
+    // d 128 `_sparse` kernel 12 bytes of spill.
+    const unsigned int* block_next_col;
 };
 
 // MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
@@ -83,7 +89,7 @@ struct BwdTmaParams {
 // of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
 template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false,
-          bool DROPOUT_ = false>
+          bool DROPOUT_ = false, bool DET_ = false>
 struct BwdWsTraits {
     using T = T_;
     static constexpr int D = D_, STAGES = STAGES_;
@@ -131,11 +137,17 @@ struct BwdWsTraits {
     // behind them, after the slot's reuse); with SPLIT always (walking, the consumers of
     // d = 256 spilled 768 bytes).
     static constexpr bool TILES_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0 || SPLIT;
-    // The kernels with a deterministic mode (BwdTmaParams::deterministic): without a block
-    // mask (the key blocks that see a tile need not be consecutive). Compiled out of the
-    // `_sparse` kernels (reading the flag in their walks spilled: d 64 8 -> 36 bytes, d 128
-    // 68 -> 96).
-    static constexpr bool HAS_ORDERED = (MODS & MODS_BLOCKS) == 0;
+    // The kernels with a deterministic mode (BwdTmaParams::deterministic): all but the
+    // `_sparse` ones, from which it is compiled out (reading the flag in their walks spilled:
+    // d 64 8 -> 36 bytes, d 128 68 -> 96; with the one-division walk 4 -> 80 and 68 -> 96).
+    // Under a block mask the `_sparse_det` kernels (DET) run it, and nothing else.
+    static constexpr bool DET = DET_;
+    static_assert(!DET || (MODS & MODS_BLOCKS) != 0, "_sparse_det: the block mask's kernels");
+    static constexpr bool HAS_ORDERED = (MODS & MODS_BLOCKS) == 0 || DET;
+    // Whether dQ is added in key-block order (dq_tile_state.cuh), given the parameter.
+    static __device__ __forceinline__ bool ordered(int deterministic) {
+        return DET || (HAS_ORDERED && deterministic != 0);
+    }
     // 65536 / 384 -> 168 registers per thread at launch; the producer warpgroup gives up
     // 144 each, the consumers take 72 more: 128 x (168 - 24) / 256 = 72.
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
@@ -265,7 +277,7 @@ template <class K> struct BwdWsBlock {
                                                        int deterministic) {
         const int blocks = gridDim.x * gridDim.y * gridDim.z;
         const int i = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-        if (K::HAS_ORDERED && deterministic != 0) {
+        if (K::ordered(deterministic)) {
             const int j =
                 pair_group > 1 ? interleaved_pairs(i, gridDim.x, gridDim.y * gridDim.z, pair_group)
                                : i;
@@ -306,7 +318,7 @@ __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBl
                                             F&& f) {
     const int per_head = (blk.tiles.m0_end - blk.tiles.m0_begin) / K::BM;
     const int h0 = blk.bidh_k * P.b.a.h_h_k_ratio, total = blk.tiles.total;
-    const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
+    const bool ordered = K::ordered(P.deterministic);
     const int start = total > 0 && !ordered ? blk.key_block() % total : 0;
     if (!blk.mask.sparse) {
         // Tile j is (head, row) = (j / per_head, j % per_head), ordered (row, head) = (j /
@@ -391,24 +403,54 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
     issue(pending_bidh, pending_m0, pending_tile, true);
 }
 
-// Deterministic mode: key block n adds into a query tile after block n + 1, or first where
-// block n + 1 does not see the tile (QueryTiles' range for it; none past the sequence's last
-// key block). The state word reads n + 2 once block n + 1 added; block n then writes n + 1.
+// Deterministic mode: key block n adds into a query tile after the next key block above it
+// that sees the tile, or first where none does. Without a block mask that is block n + 1
+// where its range of tiles (QueryTiles') holds the tile (none past the sequence's last key
+// block). The state word reads m + 1 once block m added; block n then writes n + 1.
 template <class K> struct DqOrder {
+    static constexpr bool SPARSE = (K::MODS & MODS_BLOCKS) != 0;
     int n, pred_begin = 0, pred_end = 0;
     __device__ __forceinline__ DqOrder(const BwdWsBlock<K>& blk, bool ordered)
         : n(blk.key_block()) {
-        if (ordered && blk.n0 + K::BN < blk.seq.seqlen_k)
+        if (!SPARSE && ordered && blk.n0 + K::BN < blk.seq.seqlen_k)
             blk.mask.template query_blocks<K::BM, K::BN>(blk.n0 + K::BN, blk.seq.seqlen_q,
                                                          &pred_begin, &pred_end);
     }
-    __device__ __forceinline__ bool first(int m0) const {
-        return m0 / K::BM < pred_begin || m0 / K::BM >= pred_end;
+    // The state word's value once the key block before this one on query tile (bidh, m0) has
+    // added, or -1 where this block is the first.
+    __device__ __forceinline__ int turn(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
+                                        int bidh, int m0) const {
+        if constexpr (SPARSE) return sparse_turn(P, blk, bidh, m0);
+        return m0 / K::BM < pred_begin || m0 / K::BM >= pred_end ? -1 : n + 2;
     }
-    __device__ __forceinline__ void wait(const int* state) const {
-        dq_tile_wait_turn(state, n + 2);
+    __device__ __forceinline__ void wait(const int* state, int turn) const {
+        dq_tile_wait_turn(state, turn);
     }
     __device__ __forceinline__ void pass(int* state) const { dq_tile_pass_turn(state, n); }
+
+  private:
+    // Under a block mask the key blocks that see a tile need not be consecutive. The one
+    // before block n is the first above it with a block present in the tile's rows (one
+    // block_next_col read per block row), if the causal or window range lets it see the
+    // tile: blocks further up see it only where that one does (both ends of the range grow
+    // with the key block). The same tests as the walk's (next_present_tile, QueryTiles), so
+    // that block m does visit the tile.
+    __device__ __forceinline__ int sparse_turn(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
+                                               int bidh, int m0) const {
+        const AttnParams& p = P.b.a;
+        const int n1 = blk.n0 + K::BN, q_last = min(m0 + K::BM, blk.seq.seqlen_q) - 1;
+        if (n1 >= blk.seq.seqlen_k) return -1;
+        const unsigned int* next =
+            P.block_next_col + bidh * p.block_head_stride + p.block_k_div(n1);
+        int c = p.block_cols;
+        for (int r = p.block_q_div(m0); r <= p.block_q_div(q_last); ++r)
+            c = min(c, int(next[r * p.block_cols]));
+        if (c >= p.block_cols) return -1;
+        const int m = max(n + 1, c * p.block_k / K::BN);
+        int begin, end;
+        blk.mask.template query_blocks<K::BM, K::BN>(m * K::BN, blk.seq.seqlen_q, &begin, &end);
+        return m0 / K::BM >= begin && m0 / K::BM < end ? m + 1 : -1;
+    }
 };
 
 // Adds each query tile's dQ to its tile of dq_accum, each consumer warpgroup's half as soon
@@ -419,10 +461,10 @@ template <class K>
 __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                               const BwdWsBlock<K>& blk) {
     constexpr int HALF = K::DQ_BYTES / K::CONSUMERS;
-    const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
+    const bool ordered = K::ordered(P.deterministic);
     const DqOrder<K> order(blk, ordered);
     int phase = 0;
-    bwd_ws_walk<K>(P, blk, [&](int, int m0, int64_t tile) {
+    bwd_ws_walk<K>(P, blk, [&](int bidh, int m0, int64_t tile) {
         float* dst = P.b.dq_accum + tile * K::BM * K::D;
         int* state = P.dq_state + tile;
         // Claimed (or, ordered, waited for) once this block has something to write, so that a
@@ -430,8 +472,9 @@ __device__ __forceinline__ void bwd_ws_add_dq(const BwdTmaParams& P, const BwdWs
         tma::wait(sm.full_dq(0), phase);
         bool first;
         if (ordered) {
-            first = order.first(m0);
-            if (!first) order.wait(state);
+            const int turn = order.turn(P, blk, bidh, m0);
+            first = turn < 0;
+            if (!first) order.wait(state, turn);
         } else {
             first = dq_tile_claim(state);
             if (!first) dq_tile_wait_written(state);
@@ -479,7 +522,8 @@ __device__ __forceinline__ void bwd_ws_order_dq(const BwdTmaParams& P, const Bwd
         tma::wait(sm.full_q(it % K::STAGES), (it / K::STAGES) & 1);
         const TileInfo t = ld_tile_info(sm.info(it % K::STAGES));
         int* state = P.dq_state + blk.tile_index(P, t.bidh, t.m0);
-        if (!order.first(t.m0)) order.wait(state);
+        const int turn = order.turn(P, blk, t.bidh, t.m0);
+        if (turn >= 0) order.wait(state, turn);
         tma::arrive(sm.dq_turn());
         tma::wait(sm.dq_added(), it & 1);
         order.pass(state);
@@ -982,7 +1026,7 @@ template <class K> struct BwdWsSplitConsumer {
         sm90::fence_operand(dv);
         // float4 i of thread tid at float4 (group DQ_N / 8 + i) x 128 + tid of the tile.
         // Deterministic mode: after the key block before this one (bwd_ws_order_dq).
-        const bool ordered = K::HAS_ORDERED && P.deterministic != 0;
+        const bool ordered = K::ordered(P.deterministic);
         if (ordered) tma::wait(sm.dq_turn(), it & 1);
         float* dst = P.b.dq_accum + tile_index * BM * D;
 #pragma unroll
@@ -1056,7 +1100,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
         } else if (any && tid == 32) {
             if constexpr (!K::SPLIT)
                 bwd_ws_add_dq<K>(P, sm, blk);
-            else if (K::HAS_ORDERED && P.deterministic != 0)
+            else if (K::ordered(P.deterministic))
                 bwd_ws_order_dq<K>(P, sm, blk);
         }
         return;
@@ -1212,6 +1256,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
         flash_bwd_ws_##NAME##_d##D##_sparse(const __grid_constant__ BwdTmaParams p) {         \
         flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SPARSE>>(p);                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D##_sparse_det(const __grid_constant__ BwdTmaParams p) {     \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SPARSE, false, false, true>>(p);          \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
         flash_bwd_ws_##NAME##_d##D##_packed(const __grid_constant__ BwdTmaParams p) {         \

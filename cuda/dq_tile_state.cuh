@@ -11,11 +11,13 @@
 // bwd_ws_walk they seldom arrive while it runs.
 //
 // Deterministic mode (`BwdTmaParams::deterministic`) orders the blocks instead: the key blocks
-// that see a query tile are consecutive (mask.cuh query_blocks: both ends grow with the key
-// block), and they add into it one at a time from the last, so each element of dq_accum sums
-// the same values in the same order on every run. The state word then holds one past the
-// index of the key block that added last (0: none yet); block n waits until it reads n + 2
-// (bwd_ws_walk's order in this mode keeps each wait to about one add's latency). A block
+// that see a query tile add into it one at a time from the last, so each element of dq_accum
+// sums the same values in the same order on every run. The state word then holds one past the
+// index of the key block that added last (0: none yet); block n waits until it reads m + 1,
+// m the next key block above n that sees the tile. Without a block mask those blocks are
+// consecutive (mask.cuh query_blocks: both ends grow with the key block), so m = n + 1
+// (bwd_ws_walk's order in this mode keeps each wait to about one add's latency); under one,
+// the block mask's next present column (DqOrder::sparse_turn). A block
 // waits only for higher-numbered blocks of its own (sequence, KV head), which start before
 // it (BwdWsBlock::launch_order starts each pair's key blocks from the last; the hardware
 // starts blocks in launch-index order, which CUDA does not promise but FlashAttention-3's

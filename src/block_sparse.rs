@@ -79,6 +79,10 @@ struct Skips {
     /// u32 `(heads, cols, rows)`: the first row at or after `r` present in column `c`
     /// (`rows`: none), for the dK/dV loops, which walk the queries of a key block.
     next_row: Tensor,
+    /// u32 `(heads, rows, cols)`: the first column at or after `c` present in row `r`
+    /// (`cols`: none), for the deterministic backward: the next key block to add into a
+    /// query tile's dQ before this one.
+    next_col: Tensor,
 }
 
 impl Skips {
@@ -89,11 +93,18 @@ impl Skips {
         let at = Tensor::arange(1u32, cols as u32 + 1, dev)?.broadcast_as((heads, rows, cols))?;
         let prev_col = present.where_cond(&at, &at.zeros_like()?)?;
         let prev_col = scan(&prev_col, 0, true)?;
+        let col = Tensor::arange(0u32, cols as u32, dev)?.broadcast_as((heads, rows, cols))?;
+        let no_col = Tensor::full(cols as u32, (heads, rows, cols), dev)?;
+        let next_col = scan(&present.where_cond(&col, &no_col)?, cols as u32, false)?;
         let present = present.transpose(1, 2)?.contiguous()?;
         let at = Tensor::arange(0u32, rows as u32, dev)?.broadcast_as((heads, cols, rows))?;
         let none = Tensor::full(rows as u32, (heads, cols, rows), dev)?;
         let next_row = scan(&present.where_cond(&at, &none)?, rows as u32, false)?;
-        Ok(Self { prev_col, next_row })
+        Ok(Self {
+            prev_col,
+            next_row,
+            next_col,
+        })
     }
 }
 
@@ -399,10 +410,12 @@ impl BlockMask {
         self.dense.as_ref()
     }
 
-    /// [`Skips`]: `(prev_col, next_row)`, for masks on a CUDA device.
+    /// [`Skips`]: `(prev_col, next_row, next_col)`, for masks on a CUDA device.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn skips(&self) -> Option<(&Tensor, &Tensor)> {
-        self.skips.as_ref().map(|s| (&s.prev_col, &s.next_row))
+    pub(crate) fn skips(&self) -> Option<(&Tensor, &Tensor, &Tensor)> {
+        self.skips
+            .as_ref()
+            .map(|s| (&s.prev_col, &s.next_row, &s.next_col))
     }
 }
 
@@ -566,6 +579,7 @@ mod tests {
         let (prev, next) = (&skips.prev_col, &skips.next_row);
         let prev = prev.flatten_all()?.to_vec1::<u32>()?;
         let next = next.flatten_all()?.to_vec1::<u32>()?;
+        let next_col = skips.next_col.flatten_all()?.to_vec1::<u32>()?;
         let on = |h: usize, r: usize, c: usize| states[(h * rows + r) * cols + c] != 0;
         for h in 0..heads {
             for r in 0..rows {
@@ -581,6 +595,12 @@ mod tests {
                         next[(h * cols + c) * rows + r] as usize,
                         want,
                         "next {h} {r} {c}"
+                    );
+                    let want = (c..cols).find(|&c| on(h, r, c)).unwrap_or(cols);
+                    assert_eq!(
+                        next_col[(h * rows + r) * cols + c] as usize,
+                        want,
+                        "next_col {h} {r} {c}"
                     );
                 }
             }

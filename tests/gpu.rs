@@ -398,9 +398,11 @@ mod cuda_suite {
     /// The forward grid of DESIGN.md: every head dim, both dtypes, causal or not, seqlens with
     /// tails and both seq_q < seq_k and seq_q > seq_k, MHA/GQA/MQA.
     fn fwd_grid(quick: bool) -> Vec<Case> {
-        // 208: the 224 class, on the d = 256 warp-specialized kernel on Hopper.
+        // 160, 192 and 208: the 160, 192 and 224 classes, on the d = 256 warp-specialized
+        // kernel on Hopper (160: a 64-column panel entirely past the head dim, in the quick
+        // grid too, which the sanitizers run).
         let dims: &[usize] = if quick {
-            &[40, 128, 256]
+            &[40, 128, 160, 256]
         } else {
             &[32, 40, 64, 96, 128, 160, 192, 208, 256]
         };
@@ -654,10 +656,10 @@ mod cuda_suite {
     }
 
     fn bwd_grid(quick: bool) -> Vec<Case> {
-        // 208 and 248: the d = 256 warp-specialized backward with columns past the head dim
-        // (TMA's zero fill, the stores' column bounds).
+        // 160, 192, 208 and 248: the d = 256 warp-specialized backward with columns past the
+        // head dim (TMA's zero fill, the stores' column bounds; at 160 a whole panel).
         let dims: &[usize] = if quick {
-            &[40, 128, 256]
+            &[40, 128, 160, 256]
         } else {
             &[32, 40, 64, 96, 128, 160, 192, 208, 248, 256]
         };

@@ -10,9 +10,9 @@
 //! (`cuda/bwd_sm90.cu`), dropout with one the mma.sync `_dropout` kernel.
 //! At head dims 65-96 its d = 128 kernel and at 129-256 its d = 256 kernel also run (the
 //! columns past the head dim zero), under the same conditions (65-96: without a block mask or
-//! a `CANDLE_FLASH_BWD` override). It has a deterministic mode without a block mask (the key
-//! blocks add dQ in order): `deterministic(true)` runs it there, and the dK/dV and dQ kernels
-//! elsewhere.
+//! a `CANDLE_FLASH_BWD` override). It has a deterministic mode (the key blocks add dQ in
+//! order; under a block mask in its `_sparse_det` kernels): `deterministic(true)` runs it
+//! there, and the dK/dV and dQ kernels elsewhere.
 //! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
@@ -140,8 +140,8 @@ enum BwdPath {
     Sm90,
     /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
     /// dims 65-96 and 129-256 on Hopper, for batches whose tensors TMA can address
-    /// (`bwd_ws::supported`), with dropout too; deterministic without a block mask
-    /// (`bwd_ws::deterministic_ok`).
+    /// (`bwd_ws::supported`), with dropout too, deterministic too (under a block mask its
+    /// `_sparse_det` kernels).
     Ws(BwdWsShape),
 }
 
@@ -215,9 +215,8 @@ impl BwdPath {
         Self::ws(c).map_or_else(|| Self::without_ws(c), Self::Ws)
     }
 
-    /// The warp-specialized kernel of the head dim's class, on Hopper, deterministic only where
-    /// it has that mode (`bwd_ws::deterministic_ok`: no block mask;
-    /// `bwd_ws::supported` then says whether a kernel of the problem's variant runs it).
+    /// The warp-specialized kernel of the head dim's class, on Hopper, deterministic or not
+    /// (`bwd_ws::supported` then says whether a kernel of the problem's variant runs it).
     /// `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere; `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
     /// block mask at 64/128 still runs it (the fused mma.sync kernels have no `_sparse`
     /// variant). Head dims 65-96 under a block mask keep the mma.sync kernels (measured only
@@ -231,7 +230,7 @@ impl BwdPath {
             Some("sm90") => c.tile.d > 192,
             Some(_) => c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide()),
         };
-        if !c.hopper || !allowed || (c.deterministic && !bwd_ws::deterministic_ok(c.sparse)) {
+        if !c.hopper || !allowed {
             return None;
         }
         BwdWsShape::for_head_dim(d)
@@ -393,7 +392,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         let (alibi, _slopes_sync) = locked_ptr::<f32, _>(&slopes, &stream, "alibi_slopes")?;
         params.a.alibi_slopes = alibi;
         let sparse = lock_sparse(&problem.mods);
-        let _sparse_syncs = sparse_ptrs(&mut params.a, &sparse, &stream)?;
+        let (_sparse_syncs, next_col) = sparse_ptrs(&mut params.a, &sparse, &stream)?;
         match path {
             BwdPath::Ws(shape) if bwd_ws::supported(&params, &shape, q.dtype(), totals) => {
                 let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
@@ -406,6 +405,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                     &params,
                     totals,
                     deterministic,
+                    next_col,
                     &mut buffers,
                 )?;
             }

@@ -32,12 +32,15 @@ pub(super) struct BwdTmaParams {
     /// (`cuda/lpt_tail.cuh`); 0 none.
     tail_heads: i32,
     /// Nonzero: the key blocks add into each dq_accum tile in order (from the last), for a
-    /// bitwise repeatable dQ (`cuda/dq_tile_state.cuh`); not under a block mask
-    /// ([`deterministic_ok`]).
+    /// bitwise repeatable dQ (`cuda/dq_tile_state.cuh`); under a block mask in the
+    /// `_sparse_det` kernels.
     deterministic: i32,
     /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
     /// order (`interleaved_pairs`); 0 or 1: pair by pair.
     pair_group: i32,
+    /// The block mask's `next_col` skip table (`BlockMask`'s `Skips`), in deterministic mode
+    /// (`DqOrder::sparse_turn`); null elsewhere.
+    block_next_col: CUdeviceptr,
 }
 
 // SAFETY: plain-old-data with the C layout of `BwdTmaParams`, passed by value as a kernel
@@ -175,6 +178,7 @@ fn params(
         tail_heads: 0,
         deterministic: 0,
         pair_group: 0,
+        block_next_col: 0,
     })
 }
 
@@ -205,16 +209,11 @@ fn variant(b: &BwdParams, packed: Option<(usize, usize)>) -> Option<&'static str
     tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)
 }
 
-/// Whether the kernels have a deterministic mode for a problem with or without a block mask:
-/// all but the `_sparse` ones (`BwdWsTraits::HAS_ORDERED`), whose key blocks that see a query
-/// tile need not be consecutive.
-pub(super) fn deterministic_ok(block_mask: bool) -> bool {
-    !block_mask
-}
-
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
-/// a device of `sms` multiprocessors; `packed` as for [`supported`]; `deterministic` where
-/// [`deterministic_ok`].
+/// a device of `sms` multiprocessors; `packed` as for [`supported`]; `deterministic`: dQ
+/// added in key-block order (under a block mask the `_sparse_det` kernels, which have no
+/// other mode, instead of `_sparse`; `next_col`: the block mask's `next_col` table, which
+/// they read).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     dev: &candle::CudaDevice,
@@ -225,16 +224,20 @@ pub(super) fn run(
     b: &BwdParams,
     packed: Option<(usize, usize)>,
     deterministic: bool,
+    next_col: CUdeviceptr,
     buffers: &mut BwdWsBuffers,
 ) -> Result<()> {
-    if deterministic && !deterministic_ok(b.a.block_q != 0) {
-        candle::bail!("flash-attn backward: no deterministic warp-specialized kernel here");
-    }
     let Some(mut p) = params(b, shape, dtype, packed) else {
         candle::bail!("flash-attn backward: TMA cannot address q, k, v or grad_out")
     };
     let Some(variant) = variant(b, packed) else {
         candle::bail!("flash-attn backward: no warp-specialized kernel for this problem's options")
+    };
+    let variant = if deterministic && variant == "_sparse" {
+        p.block_next_col = next_col;
+        "_sparse_det"
+    } else {
+        variant
     };
     let stream = dev.cuda_stream();
     let (stats_ptr, _stats_sync) = buffers.stats.device_ptr_mut(&stream);

@@ -302,7 +302,7 @@ fn locked_ptr<'a, T: CudaDType + 'static, G: std::ops::Deref<Target = candle::St
 
 /// The block mask's states, element mask and skip tables, locked while the kernels that read
 /// them are queued; see [`sparse_ptrs`].
-type SparseLocks<'a, G> = [Option<(G, &'a Layout)>; 4];
+type SparseLocks<'a, G> = [Option<(G, &'a Layout)>; 5];
 
 fn lock_sparse(
     mods: &ScoreMods,
@@ -313,26 +313,31 @@ fn lock_sparse(
         lock_tensor(m.and_then(crate::BlockMask::dense)),
         lock_tensor(m.and_then(|m| m.skips()).map(|s| s.0)),
         lock_tensor(m.and_then(|m| m.skips()).map(|s| s.1)),
+        lock_tensor(m.and_then(|m| m.skips()).map(|s| s.2)),
     ]
 }
 
 /// Sets the block mask's pointers from [`lock_sparse`]'s locks; the syncs returned are kept
-/// until the launches are queued.
+/// until the launches are queued. Also returns the `next_col` skip table, which only the
+/// deterministic warp-specialized backward reads (`BwdTmaParams::block_next_col`, kept out
+/// of `AttnParams`: a field there cost the d 128 `_sparse` backward 12 bytes of spill).
 fn sparse_ptrs<'a, G: std::ops::Deref<Target = candle::Storage>>(
     params: &mut AttnParams,
     locks: &'a SparseLocks<'a, G>,
     stream: &'a CudaStream,
-) -> Result<[Option<SyncOnDrop<'a>>; 4]> {
+) -> Result<([Option<SyncOnDrop<'a>>; 5], CUdeviceptr)> {
     let (blocks, blocks_sync) = locked_ptr::<u8, G>(&locks[0], stream, "block_mask")?;
     let (dense, dense_sync) = locked_ptr::<u8, G>(&locks[1], stream, "block_mask")?;
     let (prev, prev_sync) = locked_ptr::<u32, G>(&locks[2], stream, "block_mask")?;
     let (next, next_sync) = locked_ptr::<u32, G>(&locks[3], stream, "block_mask")?;
+    let (next_col, next_col_sync) = locked_ptr::<u32, G>(&locks[4], stream, "block_mask")?;
     (params.block_mask, params.block_dense) = (blocks, dense);
-    if blocks != 0 && (prev == 0 || next == 0) {
+    if blocks != 0 && (prev == 0 || next == 0 || next_col == 0) {
         bail!("block_mask: has no skip tables (it was not made on a CUDA device)")
     }
     (params.block_prev_col, params.block_next_row) = (prev, next);
-    Ok([blocks_sync, dense_sync, prev_sync, next_sync])
+    let syncs = [blocks_sync, dense_sync, prev_sync, next_sync, next_col_sync];
+    Ok((syncs, next_col))
 }
 
 /// Read-locks the ALiBi slopes of `mods`, if any, for [`locked_ptr`].
@@ -1036,7 +1041,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let (alibi, _slopes_sync) = locked_ptr::<f32, _>(&slopes, &stream, "alibi_slopes")?;
         params.alibi_slopes = alibi;
         let sparse = lock_sparse(&problem.mods);
-        let _sparse_syncs = sparse_ptrs(&mut params, &sparse, &stream)?;
+        let (_sparse_syncs, _) = sparse_ptrs(&mut params, &sparse, &stream)?;
         let dtype = dtype_name(q.dtype())?;
         // Warp-specialized where TMA can address the tensors (tma::TileSource::encode).
         // Its tile index is a 32-bit int.

@@ -3,10 +3,12 @@
 //! at 0%, ~10%, 50% and 100% of blocks, per-head and shared masks, masks from a dense boolean
 //! mask (element masks inside blocks) and the pattern constructors, with causal, GQA, packed
 //! batches and deterministic backwards. The head dims reach every kernel the router picks: 40
-//! and 96 the mma.sync kernels, 64 and 128 the warp-specialized forward and backward
-//! (`_sparse`), 256 the warp-specialized forward and the mma.sync backward, packed batches
-//! the first wgmma kernels, deterministic backwards the separate mma.sync kernels. Block sizes
-//! of 64 and 192 make the kernels' tiles straddle blocks.
+//! and 96 the mma.sync kernels, 64, 128 and 256 the warp-specialized forward and backward
+//! (`_sparse`), packed batches the first wgmma kernels, deterministic backwards the
+//! warp-specialized `_sparse_det` kernels at 64, 128 and 256 (dQ added in key-block order,
+//! each key block after the next one above it that sees the tile) and the separate mma.sync
+//! kernels at 40 and 96; each deterministic case runs its backward twice for the same bits.
+//! Block sizes of 64 and 192 make the kernels' tiles straddle blocks.
 
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow_with, BlockMask, FlashAttn};
@@ -132,6 +134,18 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
         .block_mask(&mask);
     let (out, lse) = ours_opts.forward_with_lse(&q, &k, &v)?;
     let ours = grads_of(&q, &k, &v, &w, |q, k, v| ours_opts.forward(q, k, v))?;
+    if c.deterministic {
+        let again = grads_of(&q, &k, &v, &w, |q, k, v| ours_opts.forward(q, k, v))?;
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            let host = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok(host.into_iter().map(f32::to_bits).collect())
+        };
+        for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(ours.iter().zip(&again)) {
+            if bits(a)? != bits(b)? {
+                candle::bail!("deterministic: a second backward gives another {name}");
+            }
+        }
+    }
     if let Kind::Random { density, .. } = c.kind {
         if density == 0.0 {
             let max_abs = |t: &Tensor| -> Result<f32> {
@@ -283,18 +297,47 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                 }
             }
         }
-        // Deterministic backwards run the separate mma.sync kernels.
-        for kind in [kinds[1], kinds[5]] {
+        // Deterministic backwards: rows whose kept blocks leave gaps (10% and half of the
+        // blocks, element masks, local + global), tiles straddling block rows (192 x 64), key
+        // blocks wider than a tile (64 x 256: several tiles per block column), GQA.
+        let det = |kind, causal, block, (sq, sk), hk| Case {
+            b: 2,
+            sq,
+            sk,
+            h: 4,
+            hk,
+            d,
+            causal,
+            kind,
+            block,
+            deterministic: true,
+        };
+        let det_cases = [
+            det(kinds[1], true, (64, 128), (300, 203), 1),
+            det(kinds[5], true, (64, 128), (300, 203), 1),
+            det(kinds[3], false, (192, 64), (203, 300), 2),
+            det(kinds[6], true, (64, 64), (1023, 1024), 2),
+            det(kinds[1], false, (128, 128), (1023, 1024), 4),
+            det(kinds[3], true, (64, 256), (1023, 1024), 2),
+        ];
+        for c in &det_cases[..if quick { 3 } else { det_cases.len() }] {
+            suite.record(&format!("sparse {c}"), case(dev, c));
+        }
+    }
+    if !quick {
+        // Deterministic with many key blocks: 2 x 2 KV heads x 32 key blocks of 128 (d 64),
+        // 64 of 64 (d 256), chains across waves of blocks.
+        for (d, kind) in [(64, kinds[3]), (256, kinds[1])] {
             let c = Case {
                 b: 2,
-                sq: 300,
-                sk: 203,
-                h: 4,
-                hk: 1,
+                sq: 4096,
+                sk: 4096,
+                h: 8,
+                hk: 2,
                 d,
                 causal: true,
                 kind,
-                block: (64, 128),
+                block: (128, 128),
                 deterministic: true,
             };
             suite.record(&format!("sparse {c}"), case(dev, &c));
