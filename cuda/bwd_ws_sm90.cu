@@ -25,11 +25,11 @@
 // but for d = 256.
 // d = 256 (head dims 129-256, columns past the head dim zero) splits the head dim between the
 // consumers instead of the keys: see BwdWsSplitConsumer.
-// Head dims 33-128 (65-96 on the d = 128 kernel) and 129-256 (on the d = 256 kernel), TMA-addressable tensors; dropout
-// in the `_dropout` kernels and packed (variable-length) batches in the `_packed` ones (both:
-// `_packed_dropout`), without a softcap, ALiBi or block mask. Packed batches are one tensor of
-// every sequence's rows to TMA, the rows crossing a sequence's end written from shared memory
-// by the threads (copy_dkdv, the convert kernel).
+// Head dims 33-128 (65-96 on the d = 128 kernel) and 129-256 (on the d = 256 kernel),
+// TMA-addressable tensors; dropout in the `_dropout` kernels and packed (variable-length)
+// batches in the `_packed` ones (both: `_packed_dropout`), without a softcap, ALiBi or block
+// mask. Packed batches are one tensor of every sequence's rows to TMA, the rows crossing a
+// sequence's end written from shared memory by the threads (copy_dkdv, the convert kernel).
 // src/cuda/bwd.rs runs the older kernels for the rest.
 // Entry points flash_bwd_ws_*.
 #include "bwd_dq_accum.cuh"
@@ -312,7 +312,9 @@ template <class K> struct BwdWsBlock {
 // tiles later), so block n finds its turn waiting. Ascending order walked from the last tile
 // down made every causal block start at the same tile, and block k wait k turns there (d 256
 // causal 0.77-0.89x of this order; H100, docs/PERF.md session 28). Staggered, block n would
-// wait for the whole of block n + 1's walk.
+// wait for the whole of block n + 1's walk. Under a block mask (`_sparse_det`) block n adds
+// after the next key block above it that sees the tile, and both walk their kept tiles from
+// the first, head by head.
 template <class K, class F>
 __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
                                             F&& f) {
