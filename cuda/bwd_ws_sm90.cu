@@ -1144,10 +1144,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
 
 // The row statistics per query tile (see the top of this file), the tile's dq_accum state
 // word where there is one, and with K::SPLIT (D > 128: the consumers add into dq_accum
-// directly) the dq_accum tile's zeros: D / 8
-// lanes per row (16 bytes of O and of dO each), 256 / D rows per warp (one warp per row left
-// three quarters of the lanes idle at d = 64, and too few loads in flight to reach DRAM's
-// bandwidth), rows up to m_blocks x BM. Grid (ceil(m_blocks x BM / (8 x 256 / D)), h, b).
+// directly) the dq_accum tile's zeros: D / 8 lanes per row (16 bytes of O and of dO each),
+// 256 / D rows per warp (one warp per row left three quarters of the lanes idle at d = 64,
+// and too few loads in flight to reach DRAM's bandwidth), rows up to m_blocks x BM. Grid
+// (ceil(m_blocks x BM / (8 x 256 / D)), h, b).
 template <class K> __device__ __forceinline__ void flash_bwd_ws_prep(const BwdTmaParams& P) {
     using T = typename K::T;
     constexpr int BM = K::BM, D = K::D;

@@ -2,9 +2,9 @@
 // row, f32 arithmetic and one rounding. The backward recomputes rstd from x rather than
 // saving it (one more read of a row that is in L2 anyway) and sums dw over rows in a fixed
 // order: per block of rows a partial per column, then a pass over the partials (bitwise
-// repeatable, unlike an atomic per column per block). rstd is correctly rounded (__fsqrt_rn, __fdiv_rn: the
-// build's --use_fast_math would make 1/sqrtf and rsqrtf approximate): dx cancels to
-// ~eps/x^2 of its terms on short rows, and a 2-ulp rsqrtf showed there.
+// repeatable, unlike an atomic per column per block). rstd is correctly rounded (__fsqrt_rn,
+// __fdiv_rn: the build's --use_fast_math would make 1/sqrtf and rsqrtf approximate): dx
+// cancels to ~eps/x^2 of its terms on short rows, and a 2-ulp rsqrtf showed there.
 #pragma once
 #include "train_common.cuh"
 

@@ -113,10 +113,10 @@ impl TileSource {
 /// The head dim of the warp-specialized kernels (forward and backward) that run padded head
 /// dim `d`, if one does: the classes between the compiled ones (96: 65-96; 160, 192 and 224:
 /// 129-224) run the next one up, their columns past the head dim zero (TMA's fill), as 97-127
-/// and 225-255 do in theirs. At 129-192 the d = 256 kernels, a third to three fifths of their
+/// and 225-255 do in theirs. At 129-192 the d = 256 kernels, a quarter to half of their
 /// matmul work on zero columns, still ran 1.56-2.23x the older kernels forward and
-/// 1.43-2.65x backward (H100, docs/PERF.md session 29); `CANDLE_FLASH_WS_WIDE=0` (read once) sends those
-/// head dims back to the older kernels (A/B runs).
+/// 1.43-2.65x backward (H100, docs/PERF.md session 29); `CANDLE_FLASH_WS_WIDE=0` (read
+/// once) sends those head dims back to the older kernels (A/B runs).
 pub(super) fn ws_head_dim(d: usize) -> Option<usize> {
     static WIDE_OFF: OnceLock<bool> = OnceLock::new();
     match d {

@@ -74,34 +74,53 @@ struct Embedding {
 /// The rows whose id is in the table, by id and then row, and where each id's rows start
 /// (plus the end), for `train_embed_bwd_sorted`; `None` if no id is in the table.
 #[cfg(feature = "cuda")]
-fn rows_by_id(ids: &Tensor, vocab: usize) -> Result<Option<(Tensor, Tensor)>> {
-    let host_ids = ids.to_vec1::<u32>()?;
-    if u32::try_from(host_ids.len()).is_err() {
+fn rows_by_id(ids: &[u32], vocab: usize) -> Result<Option<(Vec<u32>, Vec<u32>)>> {
+    if u32::try_from(ids.len()).is_err() {
         bail!(
             "embedding backward: {} ids are past the sorted kernel's 32-bit range",
-            host_ids.len()
+            ids.len()
         )
     }
-    let mut order: Vec<u32> = (0..host_ids.len() as u32)
-        .filter(|&r| (host_ids[r as usize] as usize) < vocab)
+    let mut order: Vec<u32> = (0..ids.len() as u32)
+        .filter(|&r| (ids[r as usize] as usize) < vocab)
         .collect();
     if order.is_empty() {
         return Ok(None);
     }
     // Stable: each id's rows stay in row order.
-    order.sort_by_key(|&r| host_ids[r as usize]);
+    order.sort_by_key(|&r| ids[r as usize]);
     let mut seg: Vec<u32> = vec![];
     for (k, &r) in order.iter().enumerate() {
-        if k == 0 || host_ids[r as usize] != host_ids[order[k - 1] as usize] {
+        if k == 0 || ids[r as usize] != ids[order[k - 1] as usize] {
             seg.push(k as u32);
         }
     }
     seg.push(order.len() as u32);
-    let (n, segs) = (order.len(), seg.len());
-    Ok(Some((
-        Tensor::from_vec(order, n, ids.device())?,
-        Tensor::from_vec(seg, segs, ids.device())?,
-    )))
+    Ok(Some((order, seg)))
+}
+
+/// `train_embed_fwd_*` / `train_embed_bwd_*`: three pointers (rows in, ids, rows out), then
+/// `n` ids of a `vocab`-row table with `hidden` columns, a grid-stride loop over the elements.
+#[cfg(feature = "cuda")]
+fn launch_rows(
+    dev: &candle::CudaDevice,
+    name: &str,
+    [a, ids, out]: [u64; 3],
+    n: usize,
+    vocab: usize,
+    hidden: usize,
+) -> Result<()> {
+    use super::launch::{self, Arg};
+    let args = [
+        Arg::Ptr(a),
+        Arg::Ptr(ids),
+        Arg::Ptr(out),
+        Arg::I64(n as i64),
+        Arg::I64(vocab as i64),
+        Arg::I32(hidden as i32),
+    ];
+    let blocks = launch::stride_blocks(dev, n * hidden, 256)?;
+    launch::launch(dev, name, blocks, 256, &args)
 }
 
 impl CustomOp2 for Embedding {
@@ -140,7 +159,7 @@ impl CustomOp2 for Embedding {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        use super::launch::{self, Arg};
+        use super::launch;
         use candle::backend::BackendStorage;
         let dev = &s1.device;
         let (vocab, hidden) = (l1.dims()[0], l1.dims()[1]);
@@ -156,21 +175,7 @@ impl CustomOp2 for Embedding {
             let (t, _a) = launch::ptr(s1, l1, &stream)?;
             let (i, _b) = launch::ptr(s2, l2, &stream)?;
             let (yp, _c) = launch::ptr_mut(&mut y, 0, &stream)?;
-            let args = [
-                Arg::Ptr(t),
-                Arg::Ptr(i),
-                Arg::Ptr(yp),
-                Arg::I64(n as i64),
-                Arg::I64(vocab as i64),
-                Arg::I32(hidden as i32),
-            ];
-            launch::launch(
-                dev,
-                &name,
-                launch::stride_blocks(dev, n * hidden, 256)?,
-                256,
-                &args,
-            )?;
+            launch_rows(dev, &name, [t, i, yp], n, vocab, hidden)?;
         }
         Ok((y, Shape::from((n, hidden))))
     }
@@ -184,11 +189,6 @@ impl CustomOp2 for Embedding {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = grad.contiguous()?;
         let (vocab, hidden) = table.dims2()?;
-        #[cfg(feature = "cuda")]
-        let sorted = match self.deterministic && ids.device().is_cuda() {
-            true => rows_by_id(ids, vocab)?,
-            false => None,
-        };
         let dtable = {
             let (is, il) = ids.storage_and_layout();
             let (ds, dl) = dy.storage_and_layout();
@@ -215,19 +215,28 @@ impl CustomOp2 for Embedding {
                     let n = il.shape().elem_count();
                     let suffix = launch::suffix(ds.dtype(), "embedding")?;
                     let stream = dev.cuda_stream();
+                    // Deterministic: the ids on the host, sorted, and back as two slices.
+                    let sorted = match self.deterministic {
+                        true => {
+                            let host_ids = is.to_cpu_storage()?;
+                            let host_ids = host::u32s(&host_ids, il, "embedding: ids")?;
+                            match rows_by_id(host_ids, vocab)? {
+                                Some((order, seg)) => {
+                                    Some((dev.clone_htod(&order)?, dev.clone_htod(&seg)?))
+                                }
+                                None => None,
+                            }
+                        }
+                        false => None,
+                    };
                     let mut dt = launch::alloc(dev, DType::F32, vocab * hidden, true)?;
                     {
                         let (d, _a) = launch::ptr(ds, dl, &stream)?;
                         let (i, _b) = launch::ptr(is, il, &stream)?;
                         let (dtp, _c) = launch::ptr_mut(&mut dt, 0, &stream)?;
                         if let Some((order, seg)) = &sorted {
-                            let (os, ol) = order.storage_and_layout();
-                            let (ss, sl) = seg.storage_and_layout();
-                            let (Storage::Cuda(os), Storage::Cuda(ss)) = (&*os, &*ss) else {
-                                bail!("embedding backward: the sorted rows are not on the device")
-                            };
-                            let (o, _d) = launch::ptr(os, ol, &stream)?;
-                            let (s, _e) = launch::ptr(ss, sl, &stream)?;
+                            let (o, _d) = launch::slice_ptr(order, &stream);
+                            let (s, _e) = launch::slice_ptr(seg, &stream);
                             let args = [
                                 Arg::Ptr(d),
                                 Arg::Ptr(i),
@@ -237,7 +246,7 @@ impl CustomOp2 for Embedding {
                                 Arg::I32(hidden as i32),
                             ];
                             // One block per (id, 256 columns).
-                            let ids_in_table = sl.shape().elem_count() - 1;
+                            let ids_in_table = seg.len() - 1;
                             launch::launch(
                                 dev,
                                 &format!("train_embed_bwd_sorted_{suffix}"),
@@ -247,21 +256,8 @@ impl CustomOp2 for Embedding {
                             )?;
                         } else if !self.deterministic {
                             // (Deterministic with no id in the table: dtable stays zero.)
-                            let args = [
-                                Arg::Ptr(d),
-                                Arg::Ptr(i),
-                                Arg::Ptr(dtp),
-                                Arg::I64(n as i64),
-                                Arg::I64(vocab as i64),
-                                Arg::I32(hidden as i32),
-                            ];
-                            launch::launch(
-                                dev,
-                                &format!("train_embed_bwd_{suffix}"),
-                                launch::stride_blocks(dev, n * hidden, 256)?,
-                                256,
-                                &args,
-                            )?;
+                            let name = format!("train_embed_bwd_{suffix}");
+                            launch_rows(dev, &name, [d, i, dtp], n, vocab, hidden)?;
                         }
                     }
                     Storage::Cuda(dt)

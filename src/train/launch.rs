@@ -33,6 +33,14 @@ fn addr<'a, T: DeviceRepr>(
     (p + (start * std::mem::size_of::<T>()) as u64, sync)
 }
 
+/// The device address of a slice's first element, with its guard (as [`ptr`]).
+pub(super) fn slice_ptr<'a, T: DeviceRepr>(
+    x: &'a CudaSlice<T>,
+    stream: &'a Arc<CudaStream>,
+) -> (u64, SyncOnDrop<'a>) {
+    addr(x, 0, stream)
+}
+
 /// The device address of a contiguous storage's first element (its layout's start offset
 /// applied), for reading.
 pub(super) fn ptr<'a>(
