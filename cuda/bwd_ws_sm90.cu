@@ -1160,6 +1160,8 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_prep(const BwdTm
         (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * ROWS_PER_WARP + lane / LANES;
     const int bidh = blockIdx.y, bidb = blockIdx.z;
     if (row >= P.m_blocks * BM) return;  // the whole warp
+    // Launched programmatically (src/cuda/bwd_ws.rs): O and dO may be the last kernel's.
+    pdl_wait();
     const SeqInfo seq(p, bidb);
     float sum = 0.f;
     if (row < seq.seqlen_q && l * CHUNK < p.d) {

@@ -34,6 +34,7 @@
 #include "lpt_tail.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "pdl.cuh"
 #include "philox.cuh"
 #include "seq_info.cuh"
 #include "softmax.cuh"
@@ -812,11 +813,18 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         }
         tma::fence_barrier_init();
     }
+    // Launched programmatically (src/cuda/mod.rs): the set-up above overlaps the end of the
+    // kernel before, whose outputs may be Q, K or V (or whose inputs O's memory held).
+    pdl_wait();
     __syncthreads();
 
     if (warpgroup == 0) {
         tma::regs_dealloc<K::PRODUCER_REGS>();
-        if (tid == 0) ws_produce<K>(P, sm, tiles);
+        if (tid == 0) {
+            ws_produce<K>(P, sm, tiles);
+            // No more loads: the next kernel's blocks may take the SMs this grid leaves.
+            pdl_launch_dependents();
+        }
         return;
     }
     tma::regs_alloc<K::CONSUMER_REGS>();

@@ -14,3 +14,13 @@ __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+
+// Lets the kernels launched programmatically after this one be dispatched once every block of
+// this grid has called it or exited: their blocks take the SMs this grid's finished blocks
+// leave, and wait in `pdl_wait` for its completion. Only a hint; without it they are
+// dispatched as this grid's last blocks exit.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}

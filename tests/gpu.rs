@@ -430,6 +430,9 @@ mod cuda_suite {
             // Past the short-sequence shapes of the wgmma forward (Sm90Tile::shape): d = 64
             // non-causal from 4k takes three warpgroups, d = 128 causal past 2k two.
             cases.extend(grid(&[64, 128], &[(4096, 4001), (4001, 4096)], 1 << 20));
+            // Offsets of 64 between query and key lengths: under the causal mask the second
+            // warpgroup's rows see half of a 128-key tile that the first one's cannot see.
+            cases.extend(grid(&[64, 128], &[(1024, 1088), (1088, 1024)], 1 << 20));
         }
         cases
     }

@@ -7,7 +7,7 @@ use candle::{DType, Result};
 
 use super::lpt_tail::Tail;
 use super::tma::{self, TileSource, TmaDesc};
-use super::{launch, launch_programmatic, AttnParams, BwdParams};
+use super::{launch_programmatic, AttnParams, BwdParams};
 
 /// Mirror of `struct BwdTmaParams` in `cuda/bwd_ws_sm90.cu`.
 #[repr(C)]
@@ -277,7 +277,7 @@ pub(super) fn run(
     let d = shape.d;
     // 256 threads: 8 warps of 256 / d rows (d / 8 lanes per row).
     let rows_per_block = 8 * (256 / d);
-    launch(
+    launch_programmatic(
         dev,
         &format!("flash_bwd_ws_prep_{dtype_name}_d{d}"),
         ((buffers.m_blocks * BM).div_ceil(rows_per_block), h, bsz),
@@ -285,8 +285,8 @@ pub(super) fn run(
         0,
         &p,
     )?;
-    // The main and convert kernels are launched programmatically: each waits in `pdl_wait`
-    // for the kernel before it, its launch overlapping that kernel's last blocks.
+    // The main and convert kernels are launched programmatically too: each waits in
+    // `pdl_wait` for the kernel before it, its launch overlapping that kernel's last blocks.
     launch_programmatic(
         dev,
         &format!("flash_bwd_ws_{dtype_name}_d{d}{variant}"),

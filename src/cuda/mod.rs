@@ -1093,7 +1093,9 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                 ws_params.tail_heads =
                     Tail::Forward.pairs(s.h * s.b, s.sq.div_ceil(shape.bm()), blocks);
             }
-            launch(
+            // Programmatically: its barrier set-up overlaps the last blocks of the kernel
+            // before (it waits in `pdl_wait` before touching memory).
+            launch_programmatic(
                 &dev,
                 &shape.kernel(dtype),
                 (blocks, 1, 1),
