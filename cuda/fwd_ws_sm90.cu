@@ -49,7 +49,7 @@ struct FwdTmaParams {
     AttnParams a;
     // Dynamic schedule: blocks take their tiles after the first from tile_counter[0], zero at
     // launch and left zero (the last fetch resets it); the producer passes each tile's index to
-    // the consumers through 16 bytes per Q slot, tile_counter[4 + 4 * (2 * block + slot)], and
+    // the consumers through 16 bytes per Q slot, tile_counter[4 + 4 * (3 * block + slot)], and
     // a bulk copy into shared memory beside Q. Null: the static walk, which every warp follows
     // by itself.
     unsigned int* tile_counter;
@@ -96,8 +96,14 @@ struct WsTraits {
     // producer then loads the next work tile's Q while the consumers still run the last one's
     // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
     // for it once per tile).
+    // Three at d = 64 with two consumer warpgroups (the causal 512-1k kernel, whose work tiles
+    // hold 1-8 key tiles): the producer may then run two work tiles ahead (1.011x at 512 and
+    // 1.012x at 1k causal, in 6 and 5 of 6 rounds, H100, docs/PERF.md session 30).
+    static constexpr bool THREE_Q =
+        D == 64 && CONSUMERS == 2 &&
+        WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
     static constexpr int Q_STAGES =
-        WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0).bytes <= 232448 ? 2 : 1;
+        THREE_Q ? 3 : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0).bytes <= 232448 ? 2 : 1;
     // O through shared memory and a TMA store (WsConsumer::store_staged) where the tile fits
     // beside the Q slots, else straight from registers.
     static constexpr bool O_STAGED =
@@ -262,10 +268,11 @@ template <class K> struct WsTile {
 template <class K>
 __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
                                            int tiles) {
-    // Each Q slot's index goes through a global slot of its own: with two Q slots the
-    // producer may write the next index before the last one's bulk copy has landed.
+    // Each Q slot's index goes through a global slot of its own (room for three per block): with
+    // two or three Q slots the producer may write the next index before the last one's bulk
+    // copy has landed.
     unsigned int* slots =
-        P.tile_counter == nullptr ? nullptr : P.tile_counter + 4 + 8 * blockIdx.x;
+        P.tile_counter == nullptr ? nullptr : P.tile_counter + 4 + 12 * blockIdx.x;
     // The next tile's index under the grid's stride, or from the counter: every block fetches
     // until it fails once, `tiles` fetches in all (the grid is at most `tiles` blocks), so the
     // one that gets tiles - 1 is the last and resets.

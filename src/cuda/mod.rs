@@ -1081,7 +1081,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                     .unwrap_or_else(|poisoned| poisoned.into_inner())
             });
             let counter = match cache.as_deref_mut() {
-                Some(cache) => Some(stream_counters(cache, &dev, 4 + 8 * blocks)?),
+                Some(cache) => Some(stream_counters(cache, &dev, 4 + 12 * blocks)?),
                 None => None,
             };
             let _counter_sync = counter.map(|c| {

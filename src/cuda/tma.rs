@@ -324,9 +324,13 @@ impl WsShape {
     }
 
     /// `WsTraits::Q_STAGES`: two Q slots where they fit in the 227 KB a block may have, so
-    /// that the next work tile's Q loads under the last one's key tiles.
+    /// that the next work tile's Q loads under the last one's key tiles; three at d = 64 with
+    /// two consumer warpgroups, whose short work tiles (causal 512-1k) the producer may then
+    /// run two ahead of.
     pub fn q_stages(&self) -> usize {
-        if self.smem_for(2, false) <= 232_448 {
+        if self.d == 64 && self.consumers == 2 && self.smem_for(3, true) <= 232_448 {
+            3
+        } else if self.smem_for(2, false) <= 232_448 {
             2
         } else {
             1
