@@ -49,9 +49,9 @@ struct FwdTmaParams {
     AttnParams a;
     // Dynamic schedule: blocks take their tiles after the first from tile_counter[0], zero at
     // launch and left zero (the last fetch resets it); the producer passes each tile's index to
-    // the consumers through 16 bytes per Q slot, tile_counter[4 + 4 * (3 * block + slot)], and
-    // a bulk copy into shared memory beside Q. Null: the static walk, which every warp follows
-    // by itself.
+    // the consumers through 16 bytes per Q slot, tile_counter[4 + 4 * (Q_STAGES * block +
+    // slot)], and a bulk copy into shared memory beside Q. Null: the static walk, which every
+    // warp follows by itself.
     unsigned int* tile_counter;
     // Under the dynamic schedule, how many (sequence, head) pairs at the end of the walk
     // hand out their query blocks heaviest first across all of them (longest_first_tail);
@@ -268,11 +268,11 @@ template <class K> struct WsTile {
 template <class K>
 __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
                                            int tiles) {
-    // Each Q slot's index goes through a global slot of its own (room for three per block): with
-    // two or three Q slots the producer may write the next index before the last one's bulk
-    // copy has landed.
-    unsigned int* slots =
-        P.tile_counter == nullptr ? nullptr : P.tile_counter + 4 + 12 * blockIdx.x;
+    // Each Q slot's index goes through a global slot of its own: with two or three Q slots the
+    // producer may write the next index before the last one's bulk copy has landed.
+    unsigned int* slots = P.tile_counter == nullptr
+                              ? nullptr
+                              : P.tile_counter + 4 + 4 * K::Q_STAGES * blockIdx.x;
     // The next tile's index under the grid's stride, or from the counter: every block fetches
     // until it fails once, `tiles` fetches in all (the grid is at most `tiles` blocks), so the
     // one that gets tiles - 1 is the last and resets.

@@ -1080,8 +1080,9 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner())
             });
+            let slots = 4 + 4 * shape.q_stages() * blocks;
             let counter = match cache.as_deref_mut() {
-                Some(cache) => Some(stream_counters(cache, &dev, 4 + 12 * blocks)?),
+                Some(cache) => Some(stream_counters(cache, &dev, slots)?),
                 None => None,
             };
             let _counter_sync = counter.map(|c| {
