@@ -66,6 +66,11 @@ const HIDDEN: usize = 2048;
 /// Input sets to rotate over: one set (q, k, v, dout) is already >= 64 MB, so three of them
 /// keep every iteration reading from HBM rather than from the 50-60 MB L2.
 const N_SETS: usize = 3;
+
+/// `CANDLE_FLASH_BENCH_ADDRS=1`: print the device addresses of each case's input sets.
+fn print_addrs() -> bool {
+    std::env::var("CANDLE_FLASH_BENCH_ADDRS").is_ok_and(|v| v == "1")
+}
 const WARMUP: usize = 3;
 const REPEATS: usize = 7;
 /// Iterations per repetition are chosen so that one repetition lasts at least this long...
@@ -503,6 +508,21 @@ impl Bench {
         let sets = (0..N_SETS).map(|_| Inputs::new(case, self.dtype, &self.dev));
         match sets.collect::<Result<Vec<_>>>() {
             Ok(sets) => {
+                if print_addrs() {
+                    // Where the inputs lie, to set against the time (some shapes' times are
+                    // bimodal from process to process: docs/PERF.md session 30).
+                    for (i, set) in sets.iter().enumerate() {
+                        let addr =
+                            |t: &Tensor| device_addr(t).map_or("-".into(), |a| format!("{a:#x}"));
+                        println!(
+                            "# addrs {case} set {i}: q {} k {} v {} dout {}",
+                            addr(set.q.as_tensor()),
+                            addr(set.k.as_tensor()),
+                            addr(set.v.as_tensor()),
+                            addr(&set.dout)
+                        );
+                    }
+                }
                 self.flash(case, &sets);
                 if !self.no_naive && self.dropout == 0.0 {
                     self.naive(case, &sets);
@@ -1580,6 +1600,32 @@ fn causal_mask(s: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
         .to_dtype(dtype)?
         .broadcast_as((s, s))?;
     above.where_cond(&neg_inf, &Tensor::zeros((s, s), dtype, dev)?)
+}
+
+/// The device address of `t`'s first element, for `CANDLE_FLASH_BENCH_ADDRS=1` (None on the
+/// CPU or without the cuda feature).
+#[cfg(feature = "cuda")]
+fn device_addr(t: &Tensor) -> Option<u64> {
+    use candle::cuda_backend::cudarc::driver::DevicePtr;
+    use candle::Storage;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return None;
+    };
+    let stream = cs.device.cuda_stream();
+    let elem = t.dtype().size_in_bytes() as u64;
+    let base = match t.dtype() {
+        DType::BF16 => cs.as_cuda_slice::<half::bf16>().ok()?.device_ptr(&stream).0,
+        DType::F16 => cs.as_cuda_slice::<half::f16>().ok()?.device_ptr(&stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>().ok()?.device_ptr(&stream).0,
+        _ => return None,
+    };
+    Some(base + layout.start_offset() as u64 * elem)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_addr(_: &Tensor) -> Option<u64> {
+    None
 }
 
 #[cfg(feature = "cuda")]
