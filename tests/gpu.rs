@@ -525,6 +525,12 @@ mod cuda_suite {
         expect_error(flash_attn(&odd, &odd, &odd, false), "multiple of 8")
     }
 
+    /// Every element's bits (through f32, exact for f16 and bf16), for bitwise comparisons.
+    pub(crate) fn tensor_bits(t: &Tensor) -> Result<Vec<u32>> {
+        let host = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(host.into_iter().map(f32::to_bits).collect())
+    }
+
     /// Gradients of `sum(out * w)` for q, k, v through `attn`, in the inputs' dtype.
     pub(crate) fn grads_of(
         q: &Tensor,

@@ -14,7 +14,8 @@ use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow_with, BlockMask, FlashAttn};
 
 use crate::cuda_suite::{
-    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, Suite,
+    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, tensor_bits,
+    Suite,
 };
 
 /// A block mask, built the same way on any device.
@@ -136,12 +137,8 @@ fn case(dev: &Device, c: &Case) -> Result<()> {
     let ours = grads_of(&q, &k, &v, &w, |q, k, v| ours_opts.forward(q, k, v))?;
     if c.deterministic {
         let again = grads_of(&q, &k, &v, &w, |q, k, v| ours_opts.forward(q, k, v))?;
-        let bits = |t: &Tensor| -> Result<Vec<u32>> {
-            let host = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            Ok(host.into_iter().map(f32::to_bits).collect())
-        };
         for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(ours.iter().zip(&again)) {
-            if bits(a)? != bits(b)? {
+            if tensor_bits(a)? != tensor_bits(b)? {
                 candle::bail!("deterministic: a second backward gives another {name}");
             }
         }

@@ -13,7 +13,8 @@ use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow_with, FlashAttn};
 
 use crate::cuda_suite::{
-    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, Suite,
+    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, tensor_bits,
+    Suite,
 };
 
 /// One fixed-length problem: (batch, seqlen_q, seqlen_k, heads, KV heads, head dim).
@@ -70,8 +71,7 @@ impl Shape {
 fn bits(out: &Tensor, grads: &[Tensor; 3]) -> Result<Vec<u32>> {
     let mut all = vec![];
     for t in std::iter::once(out).chain(grads.iter()) {
-        let host = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        all.extend(host.into_iter().map(f32::to_bits));
+        all.extend(tensor_bits(t)?);
     }
     Ok(all)
 }
