@@ -90,15 +90,25 @@ struct WsTraits {
     // registers the others keep.
     static constexpr bool DROPOUT = DROPOUT_;
     static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
+    // Under a mask whose rows see keys up to a diagonal (causal, a window's right side), the
+    // work tiles end at the sequence's last row (WsTile), so that a partial tile is the
+    // first, lightest one: 1024 rows in 192-row tiles then leave 64 rows that see one key
+    // tile, where the last tile had 128 rows past the end that saw all eight. Its rows before
+    // 0 load as zeros (TMA) and are never stored (store_staged). Three warpgroups only, whose 192 rows
+    // divide no power of two (the others' spilled, d = 256 0 -> 44 bytes); not in packed
+    // batches (the rows before a sequence are another's) nor under a block mask (its tables
+    // start at row 0).
+    static constexpr bool END_ALIGNED = CONSUMERS == 3 && !PACKED && !(MODS & MODS_BLOCKS);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     // Two Q slots where shared memory has room (d = 64, d = 128 with 128-key tiles): the
     // producer then loads the next work tile's Q while the consumers still run the last one's
     // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
     // for it once per tile).
-    // Three at d = 64 with two consumer warpgroups (the causal 512-1k kernel, whose work tiles
-    // hold 1-8 key tiles): the producer may then run two work tiles ahead (1.011x at 512 and
-    // 1.012x at 1k causal, in 6 and 5 of 6 rounds, H100, docs/PERF.md session 30).
+    // Three at d = 64 with two consumer warpgroups (the causal 512 kernel, whose work tiles
+    // hold 1-4 key tiles; 512-1k until session 31): the producer may then run two work tiles
+    // ahead (1.011x at 512 and 1.012x at 1k causal, in 6 and 5 of 6 rounds, H100,
+    // docs/PERF.md session 30).
     static constexpr bool THREE_Q =
         D == 64 && CONSUMERS == 2 &&
         WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
@@ -252,6 +262,7 @@ template <class K> struct WsTile {
         bidb = t / m_blocks / p.h;
         bidh_k = bidh / p.h_h_k_ratio;
         m0 = m_block * K::BM;
+        if (K::END_ALIGNED && mask.right >= 0) m0 -= m_blocks * K::BM - seq.seqlen_q;
         q_last = min(m0 + K::BM, seq.seqlen_q) - 1;
         mask.template key_blocks<K::BN>(m0, q_last, &nb_begin, &nb_end);
         nb_end = mask.template next_key_block<K::BN>(m0, q_last, nb_end, nb_begin, &last_state) + 1;
@@ -729,7 +740,7 @@ template <class K> struct WsConsumer {
             float inv_sum = 0.f, row_lse = -INFINITY;
             if (!empty) finalize(r, &inv_sum, &row_lse);
             const int row = to.row0 + g + 8 * r;
-            if (row >= to.seqlen_q) continue;
+            if ((K::END_ALIGNED && row < 0) || row >= to.seqlen_q) continue;
             if (t == 0) to.lse[row] = row_lse;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
@@ -770,6 +781,13 @@ template <class K> struct WsConsumer {
             sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
                 stage, 0, 0, min(64, to.seqlen_q - row0), p.d / 8,
                 to.out + int64_t(row0) * p.o_row_stride, p.o_row_stride, threadIdx.x % 128, 128);
+        } else if (K::END_ALIGNED && row0 < 0) {
+            // The first tile's rows before 0 (END_ALIGNED): a TMA store at a negative row is an
+            // illegal instruction (H100); this warpgroup's rows from 0 on, if any, are copied.
+            if (row0 + 64 > 0)
+                sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
+                    stage, -row0, 0, min(row0 + 64, to.seqlen_q), p.d / 8, to.out,
+                    p.o_row_stride, threadIdx.x % 128, 128);
         } else if (leader) {
             if constexpr (K::PACKED)
                 tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, to.tma_c + row0, to.bidh, 0);
@@ -786,7 +804,8 @@ template <class K> struct WsConsumer {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int q_row = to.row0 + lane / 4 + 8 * r;
-                if (q_row < to.seqlen_q) to.lse[q_row] = row_lse[r];
+                if ((!K::END_ALIGNED || q_row >= 0) && q_row < to.seqlen_q)
+                    to.lse[q_row] = row_lse[r];
             }
         }
     }

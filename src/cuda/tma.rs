@@ -187,8 +187,8 @@ impl WsShape {
     /// warpgroups), `n192` 128 x 192, `n176` 128 x 176, `n80` 128 x 80; `mods` selects the
     /// variant's `_mods` / `_sparse` entry point, compiled for one variant per head dim.
     fn compiled(d: usize, variant: &str, mods: &'static str) -> Option<Self> {
-        // d = 64 128 x 128 has 4 K/V slots (causal 512-1k, its use, 1.015-1.028x over 3, H100
-        // session 21); its `_sparse` kernel keeps 3 (FLASH_FWD_WS_MODS_BOTH).
+        // d = 64 128 x 128 has 4 K/V slots (causal 512 since session 31, 512-1k before; 1.015-1.028x
+        // over 3, H100 session 21); its `_sparse` kernel keeps 3 (FLASH_FWD_WS_MODS_BOTH).
         let base64_stages = if matches!(mods, "" | "_packed" | "_dropout" | "_packed_dropout") {
             4
         } else {
@@ -217,8 +217,9 @@ impl WsShape {
     /// The kernel for padded head dim `d`, if there is one (`None`: the older kernels run).
     /// Measured on the H100 (bf16, docs/PERF.md session 11, same-run A/B of every compiled
     /// shape): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128 from
-    /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal up to 1k 128 x 128,
-    /// with its work tiles in one stream, is 13-15% faster, H200, session 17), d = 128 with
+    /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal up to 512 128 x 128,
+    /// with its work tiles in one stream, is 2% faster, H100, session 31; up to 1k before the
+    /// three warpgroups' tiles ended at the last row, session 17), d = 128 with
     /// 176-key tiles without a mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster
     /// up to 4k) and 128 with one, d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key
     /// tiles, 2-8% faster, H200, session 16; session 18 only up to 512, session 21 up to 1k
@@ -266,11 +267,13 @@ impl WsShape {
             return Self::compiled(d, variant, mods);
         }
         let variant = match d {
-            // Causal up to 1k: 128 x 128, whose kernel runs its work tiles as one stream of
-            // key tiles (fwd_ws_sm90.cu: CARRY; 1k 0.244 against 0.280 ms for 192 x 128,
-            // session 17; a 192-row tile leaves 1024 rows with a partial sixth tile); from 2k
-            // the three warpgroups (0.406 against 0.418 ms at 2k).
-            64 if causal && seqlen_q <= 1024 => "base",
+            // Causal up to 512: 128 x 128, whose kernel runs its work tiles as one stream of
+            // key tiles (fwd_ws_sm90.cu: CARRY; 512 0.1425 against 0.1450 ms for 192 x 128,
+            // H100, session 31); above, the three warpgroups, whose partial tile (1024 rows:
+            // 64) is the first and lightest under the mask since session 31 (END_ALIGNED):
+            // 1k 0.217 against 0.2285 ms, 6 of 6 rounds (session 17, before that: 0.280
+            // against 0.244).
+            64 if causal && seqlen_q <= 512 => "base",
             64 => "g3",
             128 if !causal && seqlen_k >= 8192 => "n176",
             // Causal up to 1k: 64-key tiles, which never straddle a 64-row diagonal, so that
@@ -325,8 +328,8 @@ impl WsShape {
 
     /// `WsTraits::Q_STAGES`: two Q slots where they fit in the 227 KB a block may have, so
     /// that the next work tile's Q loads under the last one's key tiles; three at d = 64 with
-    /// two consumer warpgroups, whose short work tiles (causal 512-1k) the producer may then
-    /// run two ahead of.
+    /// two consumer warpgroups, whose short work tiles (causal 512) the producer may then run
+    /// two ahead of.
     pub fn q_stages(&self) -> usize {
         if self.d == 64 && self.consumers == 2 && self.smem_for(3, true) <= 232_448 {
             3
