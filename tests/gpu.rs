@@ -459,20 +459,9 @@ mod cuda_suite {
         let q = randn((2, 1023, 8, 128), DType::BF16, dev)?;
         let k = randn((2, 1023, 2, 128), DType::BF16, dev)?;
         let v = randn((2, 1023, 2, 128), DType::BF16, dev)?;
-        let first = flash_attn(&q, &k, &v, true)?
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let first = tensor_bits(&flash_attn(&q, &k, &v, true)?)?;
         for run in 1..runs {
-            let again = flash_attn(&q, &k, &v, true)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            if again
-                .iter()
-                .zip(&first)
-                .any(|(a, b)| a.to_bits() != b.to_bits())
-            {
+            if tensor_bits(&flash_attn(&q, &k, &v, true)?)? != first {
                 candle::bail!("run {run} differs from run 0");
             }
         }
@@ -700,13 +689,7 @@ mod cuda_suite {
         let bits = |gs: [Tensor; 3]| -> Result<Vec<u32>> {
             let mut all = vec![];
             for g in gs {
-                all.extend(
-                    g.to_dtype(DType::F32)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?
-                        .iter()
-                        .map(|x| x.to_bits()),
-                );
+                all.extend(tensor_bits(&g)?);
             }
             Ok(all)
         };

@@ -23,7 +23,7 @@ use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow, flash_attn, FlashAttn, KvCache};
 
 use crate::cuda_suite::{
-    attention_low, check_rule as rule, grads_of, randn, sanitize, to_reference, Suite,
+    attention_low, check_rule as rule, grads_of, randn, sanitize, tensor_bits, to_reference, Suite,
 };
 
 /// How much of the repeated and long checks to run.
@@ -702,7 +702,7 @@ fn bits_of(attn: &FlashAttn, inputs: &[Tensor; 4]) -> Result<Vec<u32>> {
     let grads = grads_of(q, k, v, w, |q, k, v| attn.forward(q, k, v))?;
     let mut bits = vec![];
     for t in std::iter::once(&out).chain(grads.iter()) {
-        bits.extend(host(t)?.into_iter().map(f32::to_bits));
+        bits.extend(tensor_bits(t)?);
     }
     Ok(bits)
 }
@@ -775,7 +775,7 @@ fn threads_dropout(dev: &Device, calls: usize) -> Result<()> {
                 );
             }
             let out = counter.forward(&inputs[0], &inputs[1], &inputs[2])?;
-            let bits: Vec<u32> = host(&out)?.into_iter().map(f32::to_bits).collect();
+            let bits = tensor_bits(&out)?;
             drawn.lock().unwrap().push(bits);
         }
         dev.synchronize()
