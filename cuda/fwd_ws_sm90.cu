@@ -93,11 +93,11 @@ struct WsTraits {
     // Under a mask whose rows see keys up to a diagonal (causal, a window's right side), the
     // work tiles end at the sequence's last row (WsTile), so that a partial tile is the
     // first, lightest one: 1024 rows in 192-row tiles then leave 64 rows that see one key
-    // tile, where the last tile had 128 rows past the end that saw all eight. Its rows before
-    // 0 load as zeros (TMA) and are never stored (store_staged). Three warpgroups only, whose 192 rows
-    // divide no power of two (the others' spilled, d = 256 0 -> 44 bytes); not in packed
-    // batches (the rows before a sequence are another's) nor under a block mask (its tables
-    // start at row 0).
+    // tile, where the last tile had 128 rows past the end that saw all eight (1.055x at d 64
+    // causal 1k, H100, docs/PERF.md session 31). Its rows before 0 load as zeros (TMA) and
+    // are never stored (store_staged). Three warpgroups only, whose 192 rows divide no power
+    // of two (the others spilled: d = 256 0 -> 44 bytes); not in packed batches (the rows
+    // before a sequence are another's) nor under a block mask (its tables start at row 0).
     static constexpr bool END_ALIGNED = CONSUMERS == 3 && !PACKED && !(MODS & MODS_BLOCKS);
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;

@@ -187,8 +187,9 @@ impl WsShape {
     /// warpgroups), `n192` 128 x 192, `n176` 128 x 176, `n80` 128 x 80; `mods` selects the
     /// variant's `_mods` / `_sparse` entry point, compiled for one variant per head dim.
     fn compiled(d: usize, variant: &str, mods: &'static str) -> Option<Self> {
-        // d = 64 128 x 128 has 4 K/V slots (causal 512 since session 31, 512-1k before; 1.015-1.028x
-        // over 3, H100 session 21); its `_sparse` kernel keeps 3 (FLASH_FWD_WS_MODS_BOTH).
+        // d = 64 128 x 128 has 4 K/V slots (causal 512 since session 31, 512-1k before;
+        // 1.015-1.028x over 3, H100 session 21); its `_sparse` kernel keeps 3
+        // (FLASH_FWD_WS_MODS_BOTH).
         let base64_stages = if matches!(mods, "" | "_packed" | "_dropout" | "_packed_dropout") {
             4
         } else {
