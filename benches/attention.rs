@@ -659,7 +659,7 @@ impl Bench {
             for (name, opts, causal) in &variants {
                 let (left, right) = opts.window_size;
                 let visible = visible_share(seqlen, *causal, left, right);
-                let passes = time_option_passes(&dev, &sets, opts);
+                let passes = time_option_passes(&dev, &sets, opts, self.fwd_only);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
                     let ms = match ms {
                         Ok(ms) => ms,
@@ -883,7 +883,7 @@ impl Bench {
             }
             let mut base = [None; 2];
             for (name, opts, density) in &variants {
-                let passes = time_option_passes(&dev, &sets, opts);
+                let passes = time_option_passes(&dev, &sets, opts, self.fwd_only);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
                     let ms = match ms {
                         Ok(ms) => ms,
@@ -1425,12 +1425,14 @@ fn time_option_passes(
     dev: &Device,
     sets: &[Inputs],
     opts: &FlashAttn,
-) -> [(&'static str, std::result::Result<f64, String>); 2] {
+    fwd_only: bool,
+) -> Vec<(&'static str, std::result::Result<f64, String>)> {
     let attn = |q: &Tensor, k: &Tensor, v: &Tensor, _train: bool| opts.forward(q, k, v);
-    [
-        ("fwd", try_time(|| time_fwd(dev, sets, &attn))),
-        ("bwd", try_time(|| time_bwd_direct(dev, sets, opts))),
-    ]
+    let mut passes = vec![("fwd", try_time(|| time_fwd(dev, sets, &attn)))];
+    if !fwd_only {
+        passes.push(("bwd", try_time(|| time_bwd_direct(dev, sets, opts))));
+    }
+    passes
 }
 
 fn try_time(f: impl FnOnce() -> Result<f64>) -> std::result::Result<f64, String> {

@@ -416,18 +416,6 @@ template <class K> struct WsConsumer {
         sm90::commit();
     }
 
-    // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
-    // the last P V is done. A softcap's bound replaces the running max where P's type holds
-    // the range that leaves (bf16; AttnParams::softcap_max_log2): no max, no rescale. Not in
-    // the three-warpgroup d = 64 kernel, whose 160 registers it cost a spill (12 -> 16 bytes)
-    // and ALiBi there 2-4% (H100, docs/PERF.md session 20), with no gain for the cap.
-    __device__ __forceinline__ bool exp_scores(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
-                                               float (&alpha)[1][2]) const {
-        constexpr bool FIXED =
-            (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16> && K::CONSUMERS == 2;
-        return st.template exp_and_factors<FIXED>(s, alpha, p.scale_log2, p.softcap_max_log2);
-    }
-
     // Dropout (K::DROPOUT): the keep bits of this warp's entries of key tile nb, drawn while
     // its S runs (Philox is integer work, the tensor cores are busy), and P's dropped entries
     // zeroed after the row sums have counted them (FlashAttention-2 Algorithm 1 with dropout;
@@ -479,12 +467,44 @@ template <class K> struct WsConsumer {
 
     __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb,
                                            const TileMask& m) {
+        if (cap_in_softmax(m)) return;
         // Two calls with constant `masked` (as in bwd_dkdv.cuh): the d = 256 `_mods` kernel
         // spilled 32 more bytes of loads with the test as argument.
         if (m.masked)
             w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, true, 1, m.bits);
         else
             w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, false);
+    }
+
+    // A softcap's bound replaces the running max where P's type holds the range that leaves
+    // (bf16; AttnParams::softcap_max_log2): no max, no rescale. Not in the three-warpgroup
+    // d = 64 kernel, whose 160 registers it cost a spill (12 -> 16 bytes) and ALiBi there 2-4%
+    // (H100, docs/PERF.md session 20), with no gain for the cap.
+    static constexpr bool FIXED =
+        (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16> && K::CONSUMERS == 2;
+    // Under that bound a key tile without masked entries takes its tanh in the exponentials'
+    // loop (scores() skips it), each n8 tile's tanh tied to an earlier one's exponentials
+    // (OnlineSoftmax: CAP, INTERLEAVE). Apart, ptxas issued a warp's 64 MUFU.TANH back to back
+    // and only then its exponentials; together the two kinds alternate with the adds between
+    // them (d = 128 softcap forward 1.08x, causal 1.11x; H100, docs/PERF.md session 32).
+    __device__ __forceinline__ bool cap_in_softmax(const TileMask& m) const {
+        return FIXED && p.softcap_max_log2 != 0.f && !m.masked;
+    }
+
+    // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
+    // the last P V is done.
+    __device__ __forceinline__ bool exp_scores(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
+                                               float (&alpha)[1][2], const TileMask& m) const {
+        // seqlen_q is never negative: the ties' zero is 0.
+        const float zero = __int_as_float(min(p.seqlen_q, 0));
+        if (cap_in_softmax(m))
+            return st.template exp_and_factors<true, true, true>(
+                s, alpha, p.scale_log2, p.softcap_max_log2, zero, p.softcap_pre);
+        // The kernels whose exponentials ptxas ran back to back (OnlineSoftmax): 1.4-2.3%
+        // faster; not dropout's, which the tie made 1.6-2.8% slower (H100, session 32).
+        constexpr bool INTERLEAVE = D == 64 && K::CONSUMERS == 2 && !K::DROPOUT;
+        return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, p.scale_log2,
+                                                              p.softcap_max_log2, zero);
     }
 
     // Where a work tile's O goes: kept from its last S to its store, which comes after the
@@ -495,21 +515,24 @@ template <class K> struct WsConsumer {
         int row0;    // this warp's first row
         int seqlen_q;
         // O's head and third coordinate for the TMA store: the batch, or in packed batches
-        // (batch 0) the sequence's first row, -1 where this warpgroup's rows cross the
-        // sequence's end (a TMA store would write the next sequence's rows; store_staged copies
-        // its rows instead).
+        // (batch 0) the sequence's first row; -1 where a TMA box of this warpgroup's 64 rows
+        // may not be stored: in packed batches where they cross the sequence's end (it would
+        // write the next sequence's rows), and where they start before row 0 (END_ALIGNED; a
+        // TMA store at a negative row is an illegal instruction). store_staged copies the
+        // rows in [0, seqlen_q) instead.
         int bidh, tma_c;
     };
     __device__ __forceinline__ OutTile out_tile(const WsTile<K>& w) const {
+        const int first = w.m0 + group * 64;  // the warpgroup's first row
+        const bool copy =
+            (K::PACKED && first + 64 > w.seq.seqlen_q) || (K::END_ALIGNED && first < 0);
         return {static_cast<T*>(p.o) + w.seq.q_offset(p.o_batch_stride, p.o_row_stride,
                                                       p.o_head_stride, w.bidb, w.bidh),
                 p.lse + w.seq.lse_offset(p, w.bidb, w.bidh),
                 w.m0 + warp_row0,
                 w.seq.seqlen_q,
                 w.bidh,
-                !K::PACKED                                  ? w.bidb
-                : w.m0 + group * 64 + 64 <= w.seq.seqlen_q ? w.seq.q_start
-                                                           : -1};
+                copy ? -1 : K::PACKED ? w.seq.q_start : w.bidb};
     }
 
     // The block's next work tile with keys into w and its index into t (the last one's
@@ -617,7 +640,7 @@ template <class K> struct WsConsumer {
         release(sm.empty_k(s0.st));
         scores(s, w, nb, m);
         float alpha[1][2];
-        if (exp_scores(softmax, s, alpha)) softmax.rescale(o, alpha);
+        if (exp_scores(softmax, s, alpha, m)) softmax.rescale(o, alpha);
         drop(s, keep);
         pack_a<T, 1, NT>(s, pa);
     }
@@ -651,7 +674,7 @@ template <class K> struct WsConsumer {
         if (boundary) {
             OnlineSoftmax<1> next;
             float alpha[1][2];  // O starts over
-            exp_scores(next, s, alpha);
+            exp_scores(next, s, alpha, m);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
             release(sm.empty_v(prev.st));
@@ -660,7 +683,7 @@ template <class K> struct WsConsumer {
             softmax = next;
         } else {
             float alpha[1][2];
-            const bool rescale = exp_scores(softmax, s, alpha);
+            const bool rescale = exp_scores(softmax, s, alpha, m);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
             release(sm.empty_v(prev.st));
@@ -740,7 +763,7 @@ template <class K> struct WsConsumer {
             float inv_sum = 0.f, row_lse = -INFINITY;
             if (!empty) finalize(r, &inv_sum, &row_lse);
             const int row = to.row0 + g + 8 * r;
-            if ((K::END_ALIGNED && row < 0) || row >= to.seqlen_q) continue;
+            if (row < 0 || row >= to.seqlen_q) continue;
             if (t == 0) to.lse[row] = row_lse;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
@@ -775,19 +798,15 @@ template <class K> struct WsConsumer {
         sm90::fence_proxy_async();
         tma::named_sync(EPILOGUE_BAR + group, 128);
         const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
-        if (K::PACKED && to.tma_c < 0) {
-            // Packed batches, this warpgroup's rows crossing the sequence's end: the rows
-            // before it (the head dim is a multiple of 8 wherever O has a tensor map).
-            sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
-                stage, 0, 0, min(64, to.seqlen_q - row0), p.d / 8,
-                to.out + int64_t(row0) * p.o_row_stride, p.o_row_stride, threadIdx.x % 128, 128);
-        } else if (K::END_ALIGNED && row0 < 0) {
-            // The first tile's rows before 0 (END_ALIGNED): a TMA store at a negative row is an
-            // illegal instruction (H100); this warpgroup's rows from 0 on, if any, are copied.
-            if (row0 + 64 > 0)
+        if ((K::PACKED || K::END_ALIGNED) && to.tma_c < 0) {
+            // No TMA box (OutTile::tma_c): the rows in [0, seqlen_q), copied (the head dim is
+            // a multiple of 8 wherever O has a tensor map).
+            const int first = max(row0, 0), end = min(row0 + 64, to.seqlen_q);
+            if (end > first)
                 sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
-                    stage, -row0, 0, min(row0 + 64, to.seqlen_q), p.d / 8, to.out,
-                    p.o_row_stride, threadIdx.x % 128, 128);
+                    stage, first - row0, 0, end - first, p.d / 8,
+                    to.out + int64_t(first) * p.o_row_stride, p.o_row_stride, threadIdx.x % 128,
+                    128);
         } else if (leader) {
             if constexpr (K::PACKED)
                 tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, to.tma_c + row0, to.bidh, 0);
@@ -804,7 +823,7 @@ template <class K> struct WsConsumer {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int q_row = to.row0 + lane / 4 + 8 * r;
-                if ((!K::END_ALIGNED || q_row >= 0) && q_row < to.seqlen_q)
+                if (q_row >= 0 && q_row < to.seqlen_q)
                     to.lse[q_row] = row_lse[r];
             }
         }

@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 
+#include "approx.cuh"
 #include "params.cuh"
 #include "seq_info.cuh"
 
@@ -335,11 +336,7 @@ struct Mask {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float y;
-                    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(s[mt][nt][e] * softcap_pre));
-                    s[mt][nt][e] = y;
-                }
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = tanh_approx(s[mt][nt][e] * softcap_pre);
     }
 
     // S -= slope |i + offset - j| (in S's units). GQA-packed decode row r is head

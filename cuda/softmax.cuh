@@ -4,6 +4,8 @@
 #pragma once
 #include <cmath>
 
+#include "approx.cuh"
+
 constexpr float LOG2E = 1.4426950408889634f;
 // How far (log2 units) a row's max may rise above the one its P, l and O are kept relative
 // to before they are rescaled (OnlineSoftmax::exp_and_factors).
@@ -52,9 +54,19 @@ template <int MT> struct OnlineSoftmax {
     // FIXED (a compile-time option) with fixed_log2 != 0: a row max (log2 units) known to bound
     // every score well enough (a softcap's, src/cuda/mod.rs: softcap_max_log2) is taken
     // instead: no max to find, O never rescaled.
-    template <bool FIXED = false, int NT>
+    // INTERLEAVE (compile-time) with `zero` a run-time 0 (one the compiler cannot fold): every
+    // second n8 tile's exponentials wait for the row sum of three tiles before (their max
+    // term plus that sum times zero). In some kernels ptxas otherwise issues a warp's
+    // exponentials back to back (the two-warpgroup d = 64 forward: 60 MUFU.EX2 in a row, 8
+    // cycles each on the quarter's MUFU pipe, the warp issuing nothing else) and the sums'
+    // FADDs after them; tied, the adds issue between them. One FFMA per two n8 tiles.
+    // CAP (with FIXED): S holds raw scores, capped here (tanh(S cap_pre), Mask::cap's) just
+    // before their exponentials; with INTERLEAVE the tie goes into the tanh's argument, so
+    // that tanh and exponential operations alternate (fwd_ws_sm90.cu: cap_in_softmax).
+    template <bool FIXED = false, bool INTERLEAVE = false, bool CAP = false, int NT>
     __device__ __forceinline__ bool exp_and_factors(float (&s)[MT][NT][4], float (&alpha)[MT][2],
-                                                    float scale_log2, float fixed_log2 = 0.f) {
+                                                    float scale_log2, float fixed_log2 = 0.f,
+                                                    float zero = 0.f, float cap_pre = 0.f) {
         float m_scaled[MT][2];
         bool any = false;
         if (FIXED && fixed_log2 != 0.f) {
@@ -95,14 +107,25 @@ template <int MT> struct OnlineSoftmax {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float sum = row_sum[mt][r];
+                float sum = row_sum[mt][r], neg_m = -m_scaled[mt][r], tie = 0.f;
+                float part[NT];  // the sum through each n8 tile (INTERLEAVE)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt) {
+                    if (INTERLEAVE && nt >= 4 && nt % 2 == 0) {
+                        if (CAP)
+                            tie = part[nt - 3] * zero;
+                        else
+                            neg_m = fmaf(part[nt - 3], zero, neg_m);
+                    }
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], scale_log2, -m_scaled[mt][r]));
+                        float x = s[mt][nt][e];
+                        if constexpr (CAP) x = tanh_approx(fmaf(x, cap_pre, tie));
+                        s[mt][nt][e] = exp2f(fmaf(x, scale_log2, neg_m));
                         sum += s[mt][nt][e];
                     }
+                    part[nt] = sum;
+                }
                 row_sum[mt][r] = sum;
             }
         return __any_sync(0xffffffff, any);

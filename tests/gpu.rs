@@ -520,6 +520,15 @@ mod cuda_suite {
         Ok(host.into_iter().map(f32::to_bits).collect())
     }
 
+    /// The bits of several tensors, one after the other.
+    pub(crate) fn tensors_bits<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> Result<Vec<u32>> {
+        let mut all = vec![];
+        for t in ts {
+            all.extend(tensor_bits(t)?);
+        }
+        Ok(all)
+    }
+
     /// Gradients of `sum(out * w)` for q, k, v through `attn`, in the inputs' dtype.
     pub(crate) fn grads_of(
         q: &Tensor,
@@ -686,16 +695,10 @@ mod cuda_suite {
         let v = randn((2, 901, 2, 128), DType::BF16, dev)?;
         let w = randn((2, 777, 8, 128), DType::BF16, dev)?;
         let attn = FlashAttn::new().causal(true).deterministic(true);
-        let bits = |gs: [Tensor; 3]| -> Result<Vec<u32>> {
-            let mut all = vec![];
-            for g in gs {
-                all.extend(tensor_bits(&g)?);
-            }
-            Ok(all)
-        };
-        let first = bits(grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?)?;
+        let bits = || tensors_bits(&grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?);
+        let first = bits()?;
         for run in 1..runs {
-            if bits(grads_of(&q, &k, &v, &w, |q, k, v| attn.forward(q, k, v))?)? != first {
+            if bits()? != first {
                 candle::bail!("backward run {run} differs from run 0");
             }
         }

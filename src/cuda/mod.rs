@@ -1072,15 +1072,14 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                 || problem.varlen.is_some();
             let (blocks, dynamic) = tma::WsShape::grid(tiles, device_facts(&dev)?.sms, masked);
             // Locked (only for the dynamic schedule) until the launch is queued: see
-            // StreamCounters. The counter, then 16 bytes per block and Q slot
-            // (`FwdTmaParams::tile_counter`); only the counter needs the zero it keeps.
+            // StreamCounters. Only the counter needs the zero it keeps.
             static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
             let mut cache = dynamic.then(|| {
                 COUNTERS
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner())
             });
-            let slots = 4 + 4 * shape.q_stages() * blocks;
+            let slots = shape.tile_slots(blocks);
             let counter = match cache.as_deref_mut() {
                 Some(cache) => Some(stream_counters(cache, &dev, slots)?),
                 None => None,

@@ -341,6 +341,13 @@ impl WsShape {
         }
     }
 
+    /// Length in u32 of the dynamic schedule's buffer (`FwdTmaParams::tile_counter`): the
+    /// counter and padding to 16 bytes, then 16 bytes per block and Q slot (the tile index
+    /// the producer hands its consumers).
+    pub fn tile_slots(&self, blocks: usize) -> usize {
+        4 + 4 * self.q_stages() * blocks
+    }
+
     /// `WsTraits::O_STAGED`: O leaves through shared memory and a TMA store where its tile
     /// fits beside the Q slots.
     pub fn o_staged(&self) -> bool {

@@ -13,7 +13,7 @@ use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow_with, FlashAttn};
 
 use crate::cuda_suite::{
-    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, tensor_bits,
+    check_against_slow, check_varlen_against_slow, grads_of, randn, reference_device, tensors_bits,
     Suite,
 };
 
@@ -69,11 +69,7 @@ impl Shape {
 
 /// The bits of the output and the three gradients, in one vector.
 fn bits(out: &Tensor, grads: &[Tensor; 3]) -> Result<Vec<u32>> {
-    let mut all = vec![];
-    for t in std::iter::once(out).chain(grads.iter()) {
-        all.extend(tensor_bits(t)?);
-    }
-    Ok(all)
+    tensors_bits(std::iter::once(out).chain(grads))
 }
 
 /// `runs` forward+backward calls give the same bits; without dropout the gradients also pass

@@ -23,7 +23,8 @@ use candle::{DType, Device, Result, Tensor};
 use candle_flash::{attention_slow, flash_attn, FlashAttn, KvCache};
 
 use crate::cuda_suite::{
-    attention_low, check_rule as rule, grads_of, randn, sanitize, tensor_bits, to_reference, Suite,
+    attention_low, check_rule as rule, grads_of, randn, sanitize, tensor_bits, tensors_bits,
+    to_reference, Suite,
 };
 
 /// How much of the repeated and long checks to run.
@@ -700,11 +701,7 @@ fn bits_of(attn: &FlashAttn, inputs: &[Tensor; 4]) -> Result<Vec<u32>> {
     let [q, k, v, w] = inputs;
     let out = attn.forward(q, k, v)?;
     let grads = grads_of(q, k, v, w, |q, k, v| attn.forward(q, k, v))?;
-    let mut bits = vec![];
-    for t in std::iter::once(&out).chain(grads.iter()) {
-        bits.extend(tensor_bits(t)?);
-    }
-    Ok(bits)
+    tensors_bits(std::iter::once(&out).chain(&grads))
 }
 
 /// Four threads call forward+backward at once on clones of one `Device`, each with its own
