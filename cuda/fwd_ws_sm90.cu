@@ -486,9 +486,10 @@ template <class K> struct WsConsumer {
     // loop (scores() skips it), each n8 tile's tanh tied to an earlier one's exponentials
     // (OnlineSoftmax: CAP, INTERLEAVE). Apart, ptxas issued a warp's 64 MUFU.TANH back to back
     // and only then its exponentials; together the two kinds alternate with the adds between
-    // them (d = 128 softcap forward 1.08x, causal 1.11x; H100, docs/PERF.md session 32).
+    // them (d = 128 softcap forward 1.08x, causal 1.11x; H100, docs/PERF.md session 32). Not
+    // in the block-mask kernels, which the tie's code made slower even without a cap.
     __device__ __forceinline__ bool cap_in_softmax(const TileMask& m) const {
-        return FIXED && p.softcap_max_log2 != 0.f && !m.masked;
+        return FIXED && K::MODS == MODS_SCORES && p.softcap_max_log2 != 0.f && !m.masked;
     }
 
     // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
@@ -501,8 +502,10 @@ template <class K> struct WsConsumer {
             return st.template exp_and_factors<true, true, true>(
                 s, alpha, p.scale_log2, p.softcap_max_log2, zero, p.softcap_pre);
         // The kernels whose exponentials ptxas ran back to back (OnlineSoftmax): 1.4-2.3%
-        // faster; not dropout's, which the tie made 1.6-2.8% slower (H100, session 32).
-        constexpr bool INTERLEAVE = D == 64 && K::CONSUMERS == 2 && !K::DROPOUT;
+        // faster; not dropout's or the block mask's, which the tie made 1.6-2.8% and 6.4%
+        // slower (H100, docs/PERF.md session 32).
+        constexpr bool INTERLEAVE =
+            D == 64 && K::CONSUMERS == 2 && !K::DROPOUT && K::MODS == MODS_NONE;
         return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, p.scale_log2,
                                                               p.softcap_max_log2, zero);
     }
