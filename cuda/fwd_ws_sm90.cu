@@ -99,6 +99,9 @@ struct WsTraits {
     // of two (the others spilled: d = 256 0 -> 44 bytes); not in packed batches (the rows
     // before a sequence are another's) nor under a block mask (its tables start at row 0).
     static constexpr bool END_ALIGNED = CONSUMERS == 3 && !PACKED && !(MODS & MODS_BLOCKS);
+    // Whether a warpgroup's 64 rows may lack a TMA box for their store (WsConsumer::OutTile:
+    // packed batches at a sequence's end, END_ALIGNED rows before 0); the others never copy.
+    static constexpr bool O_MAY_COPY = PACKED || END_ALIGNED;
     static constexpr int NT = BN / 8, DT = D / 8;
     static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     // Two Q slots where shared memory has room (d = 64, d = 128 with 128-key tiles): the
@@ -801,7 +804,7 @@ template <class K> struct WsConsumer {
         sm90::fence_proxy_async();
         tma::named_sync(EPILOGUE_BAR + group, 128);
         const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
-        if ((K::PACKED || K::END_ALIGNED) && to.tma_c < 0) {
+        if (K::O_MAY_COPY && to.tma_c < 0) {
             // No TMA box (OutTile::tma_c): the rows in [0, seqlen_q), copied (the head dim is
             // a multiple of 8 wherever O has a tensor map).
             const int first = max(row0, 0), end = min(row0 + 64, to.seqlen_q);
