@@ -581,10 +581,6 @@ impl Bench {
         }
     }
 
-    /// `--mods-only`: sliding windows, softcapping and ALiBi against plain attention of the
-    /// same shape, in the same run (torch's SDPA has neither a window nor a cap to compare
-    /// with). `ideal` is the window's share of the plain (non-causal) score matrix: the
-    /// time a windowed pass would take if its cost followed the visible pairs exactly.
     /// The input sets of `--mods-only` and `--sparse-only` cases, or none (said why).
     fn option_inputs(&self, case: &Case) -> Option<Vec<Inputs>> {
         match (0..N_SETS)
@@ -604,15 +600,54 @@ impl Bench {
         }
     }
 
+    /// `--mods-only`: sliding windows, softcapping and ALiBi against plain attention of the
+    /// same shape, in the same run (torch's SDPA has neither a window nor a cap to compare
+    /// with). `ideal` is the window's share of the plain (non-causal) score matrix: the
+    /// time a windowed pass would take if its cost followed the visible pairs exactly.
+    /// `vs plain` divides by plain attention timed again right before the variant, `vs first`
+    /// by the section's first plain lines. At its power limit the card's clock moves by up to
+    /// a fifth from one second to the next, so only the adjacent pair compares (the d 128
+    /// causal softcap read 1.16-1.26x against the first lines, 1.06-1.09x beside plain
+    /// attention; H100, docs/PERF.md session 33).
     fn mods_section(&mut self) {
         println!(
-            "{:<34} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>6}",
-            "variant", "hd", "seqlen", "batch", "pass", "ms", "TFLOP/s", "vs plain", "ideal"
+            "{:<34} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>9} {:>6}",
+            "variant",
+            "hd",
+            "seqlen",
+            "batch",
+            "pass",
+            "ms",
+            "TFLOP/s",
+            "vs plain",
+            "vs first",
+            "ideal"
         );
         let dev = self.dev.clone();
         let deterministic = self.deterministic;
         let plain = |causal| FlashAttn::new().causal(causal).deterministic(deterministic);
+        // `CANDLE_FLASH_BENCH_MODS=128/softcap 50 causal,64/plain` (profiling): only those
+        // head dims and variants, so that a profiler's launch count finds one variant's kernel.
+        let only: Option<Vec<(usize, String)>> =
+            std::env::var("CANDLE_FLASH_BENCH_MODS").ok().map(|v| {
+                v.split(',')
+                    .filter_map(|item| {
+                        let (hd, name) = item.split_once('/')?;
+                        Some((hd.trim().parse().ok()?, name.trim().to_string()))
+                    })
+                    .collect()
+            });
+        let keep = |hd: usize, name: &str| {
+            only.as_ref()
+                .is_none_or(|list| list.iter().any(|(h, n)| *h == hd && n == name))
+        };
         for (hd, seqlen, heads) in [(128, 16384, 16), (64, 4096, 32), (256, 4096, 8)] {
+            if only
+                .as_ref()
+                .is_some_and(|l| l.iter().all(|(h, _)| *h != hd))
+            {
+                continue;
+            }
             let case = Case {
                 hd,
                 seqlen,
@@ -657,8 +692,23 @@ impl Bench {
             ];
             let mut base = [[None; 2]; 2]; // [causal][pass]
             for (name, opts, causal) in &variants {
+                if !keep(hd, name) {
+                    continue;
+                }
                 let (left, right) = opts.window_size;
                 let visible = visible_share(seqlen, *causal, left, right);
+                // Windows against plain non-causal attention (their ideal share), the rest
+                // against plain attention with their own mask.
+                let windowed = left >= 0 || (right >= 0 && !*causal);
+                let against_causal = *causal && !windowed;
+                let adjacent: Vec<Option<f64>> = if name.starts_with("plain") {
+                    Vec::new()
+                } else {
+                    time_option_passes(&dev, &sets, &plain(against_causal), self.fwd_only)
+                        .into_iter()
+                        .map(|(_, ms)| ms.ok())
+                        .collect()
+                };
                 let passes = time_option_passes(&dev, &sets, opts, self.fwd_only);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
                     let ms = match ms {
@@ -676,18 +726,17 @@ impl Bench {
                     if name.starts_with("plain") {
                         base[usize::from(*causal)][p] = Some(ms);
                     }
-                    // Windows against plain non-causal attention (their ideal share), the
-                    // rest against plain attention with their own mask.
-                    let windowed = left >= 0 || (right >= 0 && !*causal);
-                    let against = base[usize::from(*causal && !windowed)][p];
+                    let first = base[usize::from(against_causal)][p];
+                    let against = adjacent.get(p).copied().flatten().or(first);
                     let ratio = against.map_or("-".into(), |b| format!("{:.3}", ms / b));
+                    let vs_first = first.map_or("-".into(), |b| format!("{:.3}", ms / b));
                     let ideal = if windowed {
                         format!("{visible:.3}")
                     } else {
                         "-".into()
                     };
                     println!(
-                        "{name:<34} {hd:>4} {seqlen:>6} {:>5} {pass:<4} {ms:>9.3} {:>8.1} {ratio:>9} {ideal:>6}",
+                        "{name:<34} {hd:>4} {seqlen:>6} {:>5} {pass:<4} {ms:>9.3} {:>8.1} {ratio:>9} {vs_first:>9} {ideal:>6}",
                         case.batch(),
                         flops / ms / 1e9,
                     );
@@ -697,8 +746,8 @@ impl Bench {
     }
 
     /// `--sparse-only`: block-sparse attention (128 x 128 blocks) against dense attention of
-    /// the same shape, in the same run; `ideal` is the share of blocks kept, the time a
-    /// block-sparse pass would take if its cost followed the blocks exactly.
+    /// the same shape timed right before each mask; `ideal` is the share of blocks kept, the
+    /// time a block-sparse pass would take if its cost followed the blocks exactly.
     /// Packed (variable-length) batches against fixed-length ones of the same tokens: 16k
     /// tokens in sequences of random lengths (a fixed LCG, uniform in [mean / 2, 3 mean / 2),
     /// the last one cut to fill 16k), seqlen_q = seqlen_k. `fwd` is the forward alone, `bwd`
@@ -883,6 +932,16 @@ impl Bench {
             }
             let mut base = [None; 2];
             for (name, opts, density) in &variants {
+                // Dense attention again right before each mask, as in the mods section (the
+                // clock at the power limit).
+                let adjacent: Vec<Option<f64>> = if name == "dense" {
+                    Vec::new()
+                } else {
+                    time_option_passes(&dev, &sets, &det, self.fwd_only)
+                        .into_iter()
+                        .map(|(_, ms)| ms.ok())
+                        .collect()
+                };
                 let passes = time_option_passes(&dev, &sets, opts, self.fwd_only);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
                     let ms = match ms {
@@ -900,7 +959,8 @@ impl Bench {
                     if name == "dense" {
                         base[p] = Some(ms);
                     }
-                    let ratio = base[p].map_or("-".into(), |b| format!("{:.3}", ms / b));
+                    let against = adjacent.get(p).copied().flatten().or(base[p]);
+                    let ratio = against.map_or("-".into(), |b| format!("{:.3}", ms / b));
                     println!(
                         "{name:<24} {hd:>4} {seqlen:>6} {:>5} {pass:<4} {ms:>9.3} {:>8.1} {ratio:>9} {density:>6.3}",
                         case.batch(),

@@ -386,6 +386,34 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             suite.record(&format!("mods {c}"), case(dev, &c));
         }
     }
+    // Rows of 8200 keys (past plain attention's switch to 176-key tiles at 8k, ending in a
+    // partial tile) through the `_mods` kernels, each option alone and together.
+    let long_dims: &[usize] = if quick { &[128] } else { &[96, 128] };
+    for &d in long_dims {
+        let long_mods = [
+            mods[6],
+            mods[9],
+            Mods {
+                window: (300, 200),
+                softcap: 20.0,
+                slopes: Slopes::PerHead,
+                ..none
+            },
+        ];
+        for m in &long_mods {
+            let c = Case {
+                b: 2,
+                sq: 200,
+                sk: 8200,
+                h: 4,
+                hk: 2,
+                d,
+                mods: *m,
+                deterministic: false,
+            };
+            suite.record(&format!("mods {c}"), case(dev, &c));
+        }
+    }
     for d in [64, 128, 256] {
         for causal in [false, true] {
             suite.record(
