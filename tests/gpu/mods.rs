@@ -386,8 +386,8 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             suite.record(&format!("mods {c}"), case(dev, &c));
         }
     }
-    // Rows of 8200 keys (past plain attention's switch to 176-key tiles at 8k, ending in a
-    // partial tile) through the `_mods` kernels, each option alone and together.
+    // Rows of 8200 keys (65 key tiles, the last one partial) through the `_mods` kernels,
+    // each option alone and together.
     let long_dims: &[usize] = if quick { &[128] } else { &[96, 128] };
     for &d in long_dims {
         let long_mods = [
