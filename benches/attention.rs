@@ -604,11 +604,10 @@ impl Bench {
     /// same shape, in the same run (torch's SDPA has neither a window nor a cap to compare
     /// with). `ideal` is the window's share of the plain (non-causal) score matrix: the
     /// time a windowed pass would take if its cost followed the visible pairs exactly.
-    /// `vs plain` divides by plain attention timed again right before the variant, `vs first`
-    /// by the section's first plain lines. At its power limit the card's clock moves by up to
-    /// a fifth from one second to the next, so only the adjacent pair compares (the d 128
-    /// causal softcap read 1.16-1.26x against the first lines, 1.06-1.09x beside plain
-    /// attention; H100, docs/PERF.md session 33).
+    /// `vs plain` divides by plain attention timed again right before the variant
+    /// (`baseline_passes`), `vs first` by the section's first plain lines (the d 128 causal
+    /// softcap read 1.16-1.26x against those, 1.06-1.09x beside plain attention; H100,
+    /// docs/PERF.md session 33).
     fn mods_section(&mut self) {
         println!(
             "{:<34} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>9} {:>6}",
@@ -701,13 +700,10 @@ impl Bench {
                 // against plain attention with their own mask.
                 let windowed = left >= 0 || (right >= 0 && !*causal);
                 let against_causal = *causal && !windowed;
-                let adjacent: Vec<Option<f64>> = if name.starts_with("plain") {
+                let adjacent = if name.starts_with("plain") {
                     Vec::new()
                 } else {
-                    time_option_passes(&dev, &sets, &plain(against_causal), self.fwd_only)
-                        .into_iter()
-                        .map(|(_, ms)| ms.ok())
-                        .collect()
+                    baseline_passes(&dev, &sets, &plain(against_causal), self.fwd_only)
                 };
                 let passes = time_option_passes(&dev, &sets, opts, self.fwd_only);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
@@ -746,8 +742,9 @@ impl Bench {
     }
 
     /// `--sparse-only`: block-sparse attention (128 x 128 blocks) against dense attention of
-    /// the same shape timed right before each mask; `ideal` is the share of blocks kept, the
-    /// time a block-sparse pass would take if its cost followed the blocks exactly.
+    /// the same shape timed right before each mask (`baseline_passes`); `ideal` is the share of
+    /// blocks kept, the time a block-sparse pass would take if its cost followed the blocks
+    /// exactly.
     /// Packed (variable-length) batches against fixed-length ones of the same tokens: 16k
     /// tokens in sequences of random lengths (a fixed LCG, uniform in [mean / 2, 3 mean / 2),
     /// the last one cut to fill 16k), seqlen_q = seqlen_k. `fwd` is the forward alone, `bwd`
@@ -932,15 +929,10 @@ impl Bench {
             }
             let mut base = [None; 2];
             for (name, opts, density) in &variants {
-                // Dense attention again right before each mask, as in the mods section (the
-                // clock at the power limit).
-                let adjacent: Vec<Option<f64>> = if name == "dense" {
+                let adjacent = if name == "dense" {
                     Vec::new()
                 } else {
-                    time_option_passes(&dev, &sets, &det, self.fwd_only)
-                        .into_iter()
-                        .map(|(_, ms)| ms.ok())
-                        .collect()
+                    baseline_passes(&dev, &sets, &det, self.fwd_only)
                 };
                 let passes = time_option_passes(&dev, &sets, opts, self.fwd_only);
                 for (p, (pass, ms)) in passes.into_iter().enumerate() {
@@ -1493,6 +1485,22 @@ fn time_option_passes(
         passes.push(("bwd", try_time(|| time_bwd_direct(dev, sets, opts))));
     }
     passes
+}
+
+/// The baseline of a `--mods-only` or `--sparse-only` line, timed again right before it (ms
+/// per pass, `None` where it failed): at its power limit the card's clock moves by up to a
+/// fifth from one second to the next, so a variant compares only with a baseline timed beside
+/// it (docs/PERF.md session 33).
+fn baseline_passes(
+    dev: &Device,
+    sets: &[Inputs],
+    opts: &FlashAttn,
+    fwd_only: bool,
+) -> Vec<Option<f64>> {
+    time_option_passes(dev, sets, opts, fwd_only)
+        .into_iter()
+        .map(|(_, ms)| ms.ok())
+        .collect()
 }
 
 fn try_time(f: impl FnOnce() -> Result<f64>) -> std::result::Result<f64, String> {
