@@ -84,7 +84,8 @@ struct BwdTmaParams {
 };
 
 // MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
-// (`_sparse`); without them, d = 128 kept no spill (112 bytes with the first).
+// (`_sparse`), or the softcap's alone (`_cap`); without them, d = 128 kept no spill (112
+// bytes with the first).
 // SPLIT (d = 256): 64 keys per block, and the consumer warpgroups split the head dim instead
 // of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
@@ -823,11 +824,18 @@ template <class K> struct BwdWsConsumer {
         // (0.7-3.5%). In the d 128 `_mods` kernel any such path, even one its case did not
         // take, made ptxas serialize the wgmmas (C7512: too few registers; 12-21% slower),
         // and the d 64 `_sparse` kernel spilled 80 bytes instead of 36 (docs/PERF.md session
-        // 22): they keep one probs_t pass and the wgmmas after it.
+        // 22): they keep one probs_t pass and the wgmmas after it. The `_cap` kernels (d 64
+        // and 128, a softcap alone) compile the capped steps and nothing else: no spill, no
+        // serialized wgmma; 1.7-2% faster than `_mods` at d 128, 3-6% at d 64 (H100, H200).
+        // The tanh taken in the steps as well (raw scores masked to -inf, each step's tanh
+        // arguments tied to the previous step's A fragment so that ptxas kept them after its
+        // dV wgmma) ran level with this (docs/PERF.md session 34).
         uint32_t a_p[1][NQ / 2][4];
         sm90::fence_operand(dv);
         if constexpr (K::MODS == MODS_NONE) {
             probs_dv<PROBS_PLAIN>(s, a_p, lse, head_mask, row0, m0, sdO, drop);
+        } else if constexpr (K::MODS == MODS_CAP) {
+            probs_dv<PROBS_CAPPED>(s, a_p, lse, head_mask, row0, m0, sdO);
         } else if (K::MODS == MODS_SCORES && D == 64 && probs_mode(head_mask) == PROBS_CAPPED) {
             probs_dv<PROBS_CAPPED>(s, a_p, lse, head_mask, row0, m0, sdO);
         } else {
@@ -1292,3 +1300,14 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
 FLASH_BWD_WS_BOTH(64, 4)
 FLASH_BWD_WS_BOTH(128, 2)
 FLASH_BWD_WS_BOTH(256, 2)
+
+// A softcap without ALiBi or a block mask (src/cuda/bwd_ws.rs picks them), d = 64 and 128.
+#define FLASH_BWD_WS_CAP(NAME, T, D, STAGES)                                                  \
+    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
+        flash_bwd_ws_##NAME##_d##D##_cap(const __grid_constant__ BwdTmaParams p) {            \
+        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_CAP>>(p);                                 \
+    }
+FLASH_BWD_WS_CAP(f16, __half, 64, 4)
+FLASH_BWD_WS_CAP(bf16, __nv_bfloat16, 64, 4)
+FLASH_BWD_WS_CAP(f16, __half, 128, 2)
+FLASH_BWD_WS_CAP(bf16, __nv_bfloat16, 128, 2)

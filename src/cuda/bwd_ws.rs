@@ -199,14 +199,36 @@ pub(super) fn supported(
     packed: Option<(usize, usize)>,
 ) -> bool {
     let (x, y, z) = grid(b, shape);
-    variant(b, packed).is_some()
+    variant(b, shape, packed).is_some()
         && x * y * z <= i32::MAX as usize
         && params(b, shape, dtype, packed).is_some()
 }
 
-/// `tma::ws_variant` for `b` and `packed`.
-fn variant(b: &BwdParams, packed: Option<(usize, usize)>) -> Option<&'static str> {
-    tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)
+/// `tma::ws_variant` for `b` and `packed`; at d = 64 and 128 a softcap without ALiBi takes the
+/// `_cap` kernels, compiled with the capped probabilities' code alone. There dV is issued a
+/// k16 step at a time under the tanh and exponentials, which the `_mods` kernel at d = 128
+/// cannot do without ptxas serializing its wgmmas (docs/PERF.md sessions 22 and 34).
+/// `CANDLE_FLASH_BWD_CAP=0` (read once) keeps them on `_mods` (A/B runs, and the tests of the
+/// `_mods` kernels' capped path).
+fn variant(
+    b: &BwdParams,
+    shape: &BwdWsShape,
+    packed: Option<(usize, usize)>,
+) -> Option<&'static str> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let variant = tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)?;
+    let cap_alone = b.a.softcap_pre != 0.0 && b.a.alibi_slopes == 0;
+    Some(
+        if variant == "_mods"
+            && cap_alone
+            && !shape.split()
+            && !tma::switched_off(&OFF, "CANDLE_FLASH_BWD_CAP")
+        {
+            "_cap"
+        } else {
+            variant
+        },
+    )
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
@@ -230,7 +252,7 @@ pub(super) fn run(
     let Some(mut p) = params(b, shape, dtype, packed) else {
         candle::bail!("flash-attn backward: TMA cannot address q, k, v or grad_out")
     };
-    let Some(variant) = variant(b, packed) else {
+    let Some(variant) = variant(b, shape, packed) else {
         candle::bail!("flash-attn backward: no warp-specialized kernel for this problem's options")
     };
     let variant = if deterministic && variant == "_sparse" {
