@@ -820,23 +820,21 @@ template <class K> struct BwdWsConsumer {
         // P^T (line 13) and dV += P^T dO (line 16), which runs while dS^T is computed. The
         // plain kernels issue dV a k16 step at a time, as soon as that step's P^T is packed,
         // so that the tensor cores start it while the rest of P^T is computed (d 64 2.5-3.5%
-        // faster, d 128 1-2.5%), and so does the d 64 `_mods` kernel under a softcap alone
-        // (0.7-3.5%). In the d 128 `_mods` kernel any such path, even one its case did not
-        // take, made ptxas serialize the wgmmas (C7512: too few registers; 12-21% slower),
-        // and the d 64 `_sparse` kernel spilled 80 bytes instead of 36 (docs/PERF.md session
-        // 22): they keep one probs_t pass and the wgmmas after it. The `_cap` kernels (d 64
-        // and 128, a softcap alone) compile the capped steps and nothing else: no spill, no
-        // serialized wgmma; 1.7-2% faster than `_mods` at d 128, 3-6% at d 64 (H100, H200).
-        // The tanh taken in the steps as well (raw scores masked to -inf, each step's tanh
+        // faster, d 128 1-2.5%), and so do the `_cap` kernels (d 64 and 128, a softcap
+        // alone), which compile those capped steps and nothing else: no spill, no serialized
+        // wgmma; 1.7-2% faster than `_mods` at d 128, 3-6% at d 64 (H100, H200). In the
+        // d 128 `_mods` kernel any such path, even one its case did not take, made ptxas
+        // serialize the wgmmas (C7512: too few registers; 12-21% slower), and the d 64
+        // `_sparse` kernel spilled 80 bytes instead of 36 (docs/PERF.md session 22): the
+        // `_mods` and `_sparse` kernels keep one probs_t pass and the wgmmas after it. The
+        // tanh taken in the steps as well (raw scores masked to -inf, each step's tanh
         // arguments tied to the previous step's A fragment so that ptxas kept them after its
-        // dV wgmma) ran level with this (docs/PERF.md session 34).
+        // dV wgmma) ran level with the `_cap` kernels' (docs/PERF.md session 34).
         uint32_t a_p[1][NQ / 2][4];
         sm90::fence_operand(dv);
         if constexpr (K::MODS == MODS_NONE) {
             probs_dv<PROBS_PLAIN>(s, a_p, lse, head_mask, row0, m0, sdO, drop);
         } else if constexpr (K::MODS == MODS_CAP) {
-            probs_dv<PROBS_CAPPED>(s, a_p, lse, head_mask, row0, m0, sdO);
-        } else if (K::MODS == MODS_SCORES && D == 64 && probs_mode(head_mask) == PROBS_CAPPED) {
             probs_dv<PROBS_CAPPED>(s, a_p, lse, head_mask, row0, m0, sdO);
         } else {
             probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
