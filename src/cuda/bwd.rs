@@ -5,7 +5,8 @@
 //!
 //! On Hopper at d 64 and 128, for batches whose tensors TMA can address, the fused kernel is
 //! the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by [`super::bwd_ws`]; packed
-//! batches in its `_packed` kernels, dropout in its `_dropout` and `_packed_dropout` ones);
+//! batches in its `_packed` kernels, dropout in its `_dropout` and `_packed_dropout` ones, a
+//! softcap without ALiBi at d 64 and 128 in its `_cap` ones);
 //! packed batches with a softcap, ALiBi or block mask there take the first wgmma kernel
 //! (`cuda/bwd_sm90.cu`), dropout with one the mma.sync `_dropout` kernel.
 //! At head dims 65-96 its d = 128 kernel and at 129-256 its d = 256 kernel also run (the

@@ -1,8 +1,10 @@
 //! GPU tests for the score modifications (issue 19): local windows, softcapping and ALiBi,
 //! forward and gradients against `attention_slow_with` with the same options. The head dims
 //! and modes reach every kernel the router picks: 40, 64, 96, 128 and 256 the
-//! warp-specialized forward and backward (the `_mods` backward under a cap or slopes; 40 on
-//! the d 64 kernels, 96 on the d 128 ones), 160 the mma.sync kernels, packed batches the first
+//! warp-specialized forward and backward (the backward's `_cap` kernels under a cap alone at
+//! 40-128, `_mods` under slopes and at 256, or everywhere with `CANDLE_FLASH_BWD_CAP=0`,
+//! which the device runs pass to a second run of this section; 40 on the d 64 kernels, 96 on
+//! the d 128 ones), 160 the mma.sync kernels, packed batches the first
 //! wgmma kernels (`_mods`), deterministic backwards the warp-specialized kernels'
 //! deterministic mode (at 160 the separate mma.sync kernels); then KV-cache decoding,
 //! contiguous and paged, with GQA-packed rows (one slope per packed row).
