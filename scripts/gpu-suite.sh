@@ -52,6 +52,15 @@ run_step() {  # run_step NAME LOGFILE [--append] CMD...
 
 gpu_rc=0
 run_step tests "$OUT/gpu-tests.log" "$BIN/gpu" "${args[@]}" || gpu_rc=$?
+# The softcap alone runs the backward's `_cap` kernels at head dims up to 128; the mods
+# section once more on the `_mods` kernels' capped path (without arguments only: a run given
+# its own sections or --quick keeps to them).
+if [ ${#args[@]} = 0 ]; then
+  rc=0
+  run_step tests-mods-nocap "$OUT/gpu-tests.log" --append \
+    env CANDLE_FLASH_BWD_CAP=0 "$BIN/gpu" --only mods || rc=$?
+  [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
+fi
 
 if [ "$BENCH" = 1 ]; then
   if [ -x "$BIN/bench-attention" ]; then
@@ -84,7 +93,8 @@ if [ "$SANITIZE" = 1 ]; then
 fi
 
 echo "=== steps: ${summary[*]}"
-# The gpu binary's own last line: "gpu: N passed, N failed[, N skipped]".
-grep -E '^gpu: [0-9]+ passed' "$OUT/gpu-tests.log" | tail -n 1 ||
+# The gpu binary's own summary lines: "gpu: N passed, N failed[, N skipped]" (the full run's,
+# then the second mods run's).
+grep -E '^gpu: [0-9]+ passed' "$OUT/gpu-tests.log" ||
   echo "gpu: no summary line (crashed? exit status $gpu_rc)"
 exit "$gpu_rc"
