@@ -388,8 +388,9 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             suite.record(&format!("mods {c}"), case(dev, &c));
         }
     }
-    // Rows of 8200 keys (65 key tiles, the last one partial) through the `_mods` kernels,
-    // each option alone and together.
+    // Rows of 8200 keys (65 key tiles, the last one partial) through the `_mods` kernels
+    // (the softcap alone through the backward's `_cap` ones, or `_mods` with
+    // `CANDLE_FLASH_BWD_CAP=0`), each option alone and together.
     let long_dims: &[usize] = if quick { &[128] } else { &[96, 128] };
     for &d in long_dims {
         let long_mods = [
