@@ -170,6 +170,7 @@ enum BwdWsBarrier : int {
     BAR_TILE_B = 2,   // K::SPLIT: both halves of dS^T written
     BAR_KV_FREE = 3,  // neither warpgroup reads K or V any more (store_dkdv)
     BAR_STORE = 4,    // + group: the warpgroup's dK/dV staging written (store_dkdv)
+    BAR_K_SCALED = 6,  // the `_cap` kernels: K multiplied by the softcap's scale (prescale_k)
 };
 
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
@@ -540,7 +541,9 @@ __device__ __forceinline__ void bwd_ws_order_dq(const BwdTmaParams& P, const Bwd
 // arithmetic (Mask::capped: 6-7 integer and float instructions, if-converted onto every
 // score) is compiled only where there is a bias: with the run-time test inside the loop, the
 // d 128 `_mods` kernel executed 2.1x the plain kernel's instructions (docs/PERF.md session 22).
-enum ProbsMode { PROBS_PLAIN, PROBS_CAPPED, PROBS_CAPPED_ALIBI };
+// PROBS_PRESCALED is the `_cap` kernels' PROBS_CAPPED: t is finite at masked entries
+// (CAP_MASKED_T), so P^T (1 - t^2) needs no clamp.
+enum ProbsMode { PROBS_PLAIN, PROBS_CAPPED, PROBS_CAPPED_ALIBI, PROBS_PRESCALED };
 
 __device__ __forceinline__ ProbsMode probs_mode(const Mask& mask) {
     if (mask.softcap_pre == 0.f) return PROBS_PLAIN;
@@ -594,7 +597,9 @@ __device__ __forceinline__ void probs_step(float (&s)[1][NQ][4], uint32_t (&a_p)
                                                                   col0 + nt * 8 + 2 * t + c)
                                      : x;
                 prob[c] = exp2f(fmaf(x, scale_log2, -(c ? lse[nt].y : lse[nt].x)));
-                x = MODE == PROBS_PLAIN ? prob[c] : cap_grad_times(prob[c], tc);
+                x = MODE == PROBS_PLAIN       ? prob[c]
+                    : MODE == PROBS_PRESCALED ? prob[c] * fmaf(-tc, tc, 1.f)
+                                              : cap_grad_times(prob[c], tc);
                 if (DROP) prob[c] = drop.apply(prob[c], half, nt, c);
             }
             a_p[0][kk][(nt % 2) * 2 + half] = MmaOp<T>::pack(prob[0], prob[1]);
@@ -815,14 +820,16 @@ template <class K> struct BwdWsConsumer {
         if constexpr (EARLY)
             head_mask.template apply<1, NQ, true>(s, row0, m0, lane, masked, 1, bits);
         else
-            head_mask.template apply<1, NQ, true>(
+            head_mask.template apply<1, NQ, true, K::MODS == MODS_CAP>(
                 s, row0, m0, lane, head_mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0));
         // P^T (line 13) and dV += P^T dO (line 16), which runs while dS^T is computed. The
         // plain kernels issue dV a k16 step at a time, as soon as that step's P^T is packed,
         // so that the tensor cores start it while the rest of P^T is computed (d 64 2.5-3.5%
         // faster, d 128 1-2.5%), and so do the `_cap` kernels (d 64 and 128, a softcap
-        // alone), which compile those capped steps and nothing else: no spill, no serialized
-        // wgmma; 1.7-2% faster than `_mods` at d 128, 3-6% at d 64 (H100, H200). In the
+        // alone), which compile those capped steps and nothing else: no serialized wgmma (at
+        // d 128 8 bytes of spill, two words reloaded per tile, since prescale_k and the
+        // unclamped P^T (1 - t^2)); 1.7-2% faster than `_mods` at d 128, 3-6% at d 64 (H100,
+        // H200), and another 3.4% at d 128 (1.5% at d 64) for the scale in K (session 35). In the
         // d 128 `_mods` kernel any such path, even one its case did not take, made ptxas
         // serialize the wgmmas (C7512: too few registers; 12-21% slower), and the d 64
         // `_sparse` kernel spilled 80 bytes instead of 36 (docs/PERF.md session 22): the
@@ -835,7 +842,7 @@ template <class K> struct BwdWsConsumer {
         if constexpr (K::MODS == MODS_NONE) {
             probs_dv<PROBS_PLAIN>(s, a_p, lse, head_mask, row0, m0, sdO, drop);
         } else if constexpr (K::MODS == MODS_CAP) {
-            probs_dv<PROBS_CAPPED>(s, a_p, lse, head_mask, row0, m0, sdO);
+            probs_dv<PROBS_PRESCALED>(s, a_p, lse, head_mask, row0, m0, sdO);
         } else {
             probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
             sm90::fence();
@@ -914,6 +921,34 @@ template <class K> struct BwdWsConsumer {
     __device__ __forceinline__ void issue_dv(const uint32_t (&a_p)[1][NQ / 2][4], int kk,
                                              uint32_t sdO) {
         sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+    }
+
+    // The `_cap` kernels: the block's K tile times the softcap's scale, in place (both
+    // warpgroups, 16 bytes a thread at a time, each element rounded once from its f32
+    // product), so that S^T arrives as the tanh's argument and no score needs the multiply.
+    // dQ = dS K then carries the scale too, which the convert kernel divides out
+    // (src/cuda/bwd_ws.rs); dK = dS^T Q does not read K.
+    __device__ __forceinline__ void prescale_k() const {
+        constexpr int CHUNKS = K::KV_BYTES / 16, PER = CHUNKS / (128 * K::CONSUMERS);
+        const int i0 = group * 128 + tid;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const uint32_t addr = sm.k() + (i0 + i * 128 * K::CONSUMERS) * 16;
+            uint32_t w[4];
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                         : "r"(addr));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 x = MmaOp<T>::unpack(w[j]);
+                w[j] = MmaOp<T>::pack(x.x * p.softcap_pre, x.y * p.softcap_pre);
+            }
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(w[0]),
+                         "r"(w[1]), "r"(w[2]), "r"(w[3])
+                         : "memory");
+        }
+        sm90::fence_proxy_async();  // read next by wgmma
+        tma::named_sync(BAR_K_SCALED, 128 * K::CONSUMERS);
     }
 
     // dK and dV of this warpgroup's 64 keys.
@@ -1129,6 +1164,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     int tiles = 0;  // query tiles run
     if (any) {
         tma::wait(sm.full_kv(), 0);
+        if constexpr (K::MODS == MODS_CAP) c.prescale_k();
         if constexpr (K::TILES_FROM_PRODUCER) {
 #pragma unroll 1
             for (bool last = false; !last; ++tiles) {

@@ -25,6 +25,13 @@ __device__ __forceinline__ float cap_grad_times(float x, float t) {
     return fmaf(-x, fminf(t * t, 1.f), x);
 }
 
+// What a masked entry's t becomes where S^T comes from K pre-multiplied by the softcap's scale
+// (Mask::apply's PRESCALED, the backward's `_cap` kernels): finite, so that P (1 - t^2) needs
+// no clamp (0 x 1e36 = 0, where 0 x inf was NaN), and far enough below -1 that P = 0: the
+// exponent (t c log2(e) - LSE, with LSE >= -c log2(e) when every score is at least -c) is
+// below -126 for any cap above 1e-16.
+constexpr float CAP_MASKED_T = -1e18f;
+
 struct Mask {
     int seqlen_k;
     int offset;  // seqlen_k - seqlen_q: query i's diagonal is key i + offset
@@ -202,13 +209,16 @@ struct Mask {
     // r / rows_per_query (GQA-packed decode tiles hold several heads of one token).
     // Each thread's rows get their visible column range [lo, hi) once; an entry then costs two
     // compares (the per-entry `visible` was 6-8 integer instructions, on every masked block).
-    template <int MT, int NT, bool TRANSPOSED = false>
+    // PRESCALED (a softcap without ALiBi, S computed from keys already multiplied by
+    // softcap_pre): the tanh takes S as it is, and masked entries become CAP_MASKED_T.
+    template <int MT, int NT, bool TRANSPOSED = false, bool PRESCALED = false>
     // `bits`: the block mask's part precomputed by sparse_bits, or null to compute it here.
     __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane,
                                           bool masked, int rows_per_query = 1,
                                           const uint64_t (*bits)[2] = nullptr) const {
         const int g = lane / 4, t = lane % 4;
-        if (softcap_pre != 0.f) cap(s);
+        constexpr float MASKED = PRESCALED ? CAP_MASKED_T : -INFINITY;
+        if (PRESCALED || softcap_pre != 0.f) cap<MT, NT, PRESCALED>(s);
         if (slopes != nullptr) bias<MT, NT, TRANSPOSED>(s, row0, col0, lane, rows_per_query);
         if (!masked) return;
 #pragma unroll
@@ -233,7 +243,7 @@ struct Mask {
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
                         const int col = col0 + nt * 8 + 2 * t + (e % 2);
-                        if (col < lo || col >= hi) s[mt][nt][e] = -INFINITY;
+                        if (col < lo || col >= hi) s[mt][nt][e] = MASKED;
                     }
                 if (sparse) {
                     const uint64_t seen =
@@ -244,7 +254,7 @@ struct Mask {
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                         for (int c = 0; c < 2; ++c)
-                            if (!((seen >> (2 * nt + c)) & 1)) s[mt][nt][2 * r + c] = -INFINITY;
+                            if (!((seen >> (2 * nt + c)) & 1)) s[mt][nt][2 * r + c] = MASKED;
                 }
             }
     }
@@ -331,14 +341,17 @@ struct Mask {
     // (sm_75+, ~2^-11 relative error, below the bf16 rounding of the scores it feeds; the
     // f16x2 form, half the MUFU issues, was no faster: 1.46-1.75x plain against 1.44-1.61x,
     // H200, its conversions cost what it saved).
-    template <int MT, int NT>
+    // PRESCALED: S already carries the scale (Mask::apply).
+    template <int MT, int NT, bool PRESCALED = false>
     __device__ __forceinline__ void cap(float (&s)[MT][NT][4]) const {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = tanh_approx(s[mt][nt][e] * softcap_pre);
+                for (int e = 0; e < 4; ++e)
+                    s[mt][nt][e] =
+                        tanh_approx(PRESCALED ? s[mt][nt][e] : s[mt][nt][e] * softcap_pre);
     }
 
     // S -= slope |i + offset - j| (in S's units). GQA-packed decode row r is head

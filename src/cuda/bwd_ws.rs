@@ -207,7 +207,9 @@ pub(super) fn supported(
 /// `tma::ws_variant` for `b` and `packed`; at d = 64 and 128 a softcap without ALiBi takes the
 /// `_cap` kernels, compiled with the capped probabilities' code alone. There dV is issued a
 /// k16 step at a time under the tanh and exponentials, which the `_mods` kernel at d = 128
-/// cannot do without ptxas serializing its wgmmas (docs/PERF.md sessions 22 and 34).
+/// cannot do without ptxas serializing its wgmmas (docs/PERF.md sessions 22 and 34), and the
+/// K tile is multiplied by the softcap's scale once per block (`prescale_k`), so only where
+/// that scale (softmax scale / cap) is at most 1: f16 keys cannot overflow.
 /// `CANDLE_FLASH_BWD_CAP=0` (read once) keeps them on `_mods` (A/B runs, and the tests of the
 /// `_mods` kernels' capped path).
 fn variant(
@@ -217,7 +219,7 @@ fn variant(
 ) -> Option<&'static str> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let variant = tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)?;
-    let cap_alone = b.a.softcap_pre != 0.0 && b.a.alibi_slopes == 0;
+    let cap_alone = b.a.softcap_pre != 0.0 && b.a.softcap_pre <= 1.0 && b.a.alibi_slopes == 0;
     Some(
         if variant == "_mods"
             && cap_alone
@@ -317,7 +319,11 @@ pub(super) fn run(
         shape.smem_bytes(),
         &p,
     )?;
-    // 256 threads: the main kernel's two consumer warpgroups, thread for thread.
+    // 256 threads: the main kernel's two consumer warpgroups, thread for thread. The `_cap`
+    // kernels' dQ came from K times the softcap's scale (`prescale_k`): divided out here.
+    if variant == "_cap" {
+        p.b.a.grad_scale /= p.b.a.softcap_pre;
+    }
     launch_programmatic(
         dev,
         &format!("flash_bwd_ws_convert_{dtype_name}_d{d}"),
