@@ -485,14 +485,17 @@ template <class K> struct WsConsumer {
     // (H100, docs/PERF.md session 20), with no gain for the cap.
     static constexpr bool FIXED =
         (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16> && K::CONSUMERS == 2;
-    // Under that bound a key tile without masked entries takes its tanh in the exponentials'
-    // loop (scores() skips it), each n8 tile's tanh tied to an earlier one's exponentials
-    // (OnlineSoftmax: CAP, INTERLEAVE). Apart, ptxas issued a warp's 64 MUFU.TANH back to back
-    // and only then its exponentials; together the two kinds alternate with the adds between
-    // them (d = 128 softcap forward 1.08x, causal 1.11x; H100, docs/PERF.md session 32). Not
-    // in the block-mask kernels, which the tie's code made slower even without a cap.
+    // A key tile without masked entries under a softcap without ALiBi takes its tanh in the
+    // exponentials' loop (scores() skips it), each n8 tile's tanh tied to an earlier one's
+    // exponentials (OnlineSoftmax: CAP, INTERLEAVE), under FIXED's bound or else a running max
+    // taken from the raw scores. Apart, ptxas issued a warp's 64 MUFU.TANH back to back and
+    // only then its exponentials; together the two kinds alternate with the adds between them
+    // (d = 128 softcap forward 1.08x, causal 1.11x; H100, docs/PERF.md session 32). Not in the
+    // block-mask kernels, which the tie's code made slower even without a cap, nor in the
+    // three-warpgroup d = 64 one, which it made spill 124 bytes (12 before; session 35).
     __device__ __forceinline__ bool cap_in_softmax(const TileMask& m) const {
-        return FIXED && K::MODS == MODS_SCORES && p.softcap_max_log2 != 0.f && !m.masked;
+        return K::MODS == MODS_SCORES && K::CONSUMERS == 2 && p.softcap_pre != 0.f &&
+               p.alibi_slopes == nullptr && !m.masked;
     }
 
     // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
@@ -502,7 +505,7 @@ template <class K> struct WsConsumer {
         // seqlen_q is never negative: the ties' zero is 0.
         const float zero = __int_as_float(min(p.seqlen_q, 0));
         if (cap_in_softmax(m))
-            return st.template exp_and_factors<true, true, true>(
+            return st.template exp_and_factors<FIXED, true, true>(
                 s, alpha, p.scale_log2, p.softcap_max_log2, zero, p.softcap_pre);
         // The kernels whose exponentials ptxas ran back to back (OnlineSoftmax): 1.4-2.3%
         // faster; not dropout's or the block mask's, which the tie made 1.6-2.8% and 6.4%

@@ -60,9 +60,10 @@ template <int MT> struct OnlineSoftmax {
     // exponentials back to back (the two-warpgroup d = 64 forward: 60 MUFU.EX2 in a row, 8
     // cycles each on the quarter's MUFU pipe, the warp issuing nothing else) and the sums'
     // FADDs after them; tied, the adds issue between them. One FFMA per two n8 tiles.
-    // CAP (with FIXED): S holds raw scores, capped here (tanh(S cap_pre), Mask::cap's) just
-    // before their exponentials; with INTERLEAVE the tie goes into the tanh's argument, so
-    // that tanh and exponential operations alternate (fwd_ws_sm90.cu: cap_in_softmax).
+    // CAP: S holds raw scores, capped here (tanh(S cap_pre), Mask::cap's) just before their
+    // exponentials, the running max (without FIXED's) taken from the raw scores' and capped
+    // once per row; with INTERLEAVE the tie goes into the tanh's argument, so that tanh and
+    // exponential operations alternate (fwd_ws_sm90.cu: cap_in_softmax).
     template <bool FIXED = false, bool INTERLEAVE = false, bool CAP = false, int NT>
     __device__ __forceinline__ bool exp_and_factors(float (&s)[MT][NT][4], float (&alpha)[MT][2],
                                                     float scale_log2, float fixed_log2 = 0.f,
@@ -85,11 +86,23 @@ template <int MT> struct OnlineSoftmax {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     float m = row_max[mt][r];
+                    if constexpr (CAP) {
+                        // The capped scores' max is the cap of the raw scores' (tanh rises),
+                        // so the tanh of every score can wait for the exponentials' loop.
+                        float x = -INFINITY;
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+                        for (int nt = 0; nt < NT; ++nt)
+                            x = fmaxf(x, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+                        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+                        m = fmaxf(m, tanh_approx(x * cap_pre));
+                    } else {
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+                            m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
+                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+                    }
                     // From -inf (no key seen yet) any finite max grows; -inf to -inf: NaN, no.
                     const float m_old = row_max[mt][r];
                     const bool grows = (m - m_old) * scale_log2 > RESCALE_SLACK;
