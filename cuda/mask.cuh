@@ -14,7 +14,8 @@
 // mask may come with a cap or slopes); MODS_ANY everything, the block mask tested at run time
 // (the mma.sync kernels but the `_sparse` dK/dV ones). The wgmma kernels have a variant per
 // level, as each level's code cost the plain kernels registers (spills). MODS_CAP, the softcap
-// without ALiBi (the backward's `_cap` kernels), so that no bias code takes registers.
+// without ALiBi (the backward's `_cap` kernels), so that no bias code takes registers: their
+// scores come prescaled (Mask::apply's PRESCALED), so the mask keeps no softcap_pre.
 constexpr int MODS_NONE = 0, MODS_SCORES = 1, MODS_BLOCKS = 2, MODS_SPARSE = 3, MODS_ANY = 7;
 constexpr int MODS_CAP = 8;
 
@@ -53,7 +54,7 @@ struct Mask {
     __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq, int b, int h,
                                     int mods = MODS_ANY)
         : seqlen_k(seq.seqlen_k), offset(seq.seqlen_k - seq.seqlen_q), left(p.window_left),
-          right(p.window_right), softcap_pre(mods & (MODS_SCORES | MODS_CAP) ? p.softcap_pre : 0.f),
+          right(p.window_right), softcap_pre(mods & MODS_SCORES ? p.softcap_pre : 0.f),
           slopes(!(mods & MODS_SCORES) || p.alibi_slopes == nullptr
                      ? nullptr
                      : p.alibi_slopes + int64_t(b) * p.alibi_batch_stride),

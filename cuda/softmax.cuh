@@ -85,24 +85,16 @@ template <int MT> struct OnlineSoftmax {
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    float m = row_max[mt][r];
-                    if constexpr (CAP) {
-                        // The capped scores' max is the cap of the raw scores' (tanh rises),
-                        // so the tanh of every score can wait for the exponentials' loop.
-                        float x = -INFINITY;
+                    // The new max; under CAP the tile's raw one, capped here: the capped
+                    // scores' max is the cap of the raw scores' (tanh rises), so each score's
+                    // tanh can wait for the loop below.
+                    float x = CAP ? -INFINITY : row_max[mt][r];
 #pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-                            x = fmaxf(x, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-                        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-                        m = fmaxf(m, tanh_approx(x * cap_pre));
-                    } else {
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-                            m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-                        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
-                    }
+                    for (int nt = 0; nt < NT; ++nt)
+                        x = fmaxf(x, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+                    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+                    const float m = CAP ? fmaxf(row_max[mt][r], tanh_approx(x * cap_pre)) : x;
                     // From -inf (no key seen yet) any finite max grows; -inf to -inf: NaN, no.
                     const float m_old = row_max[mt][r];
                     const bool grows = (m - m_old) * scale_log2 > RESCALE_SLACK;
