@@ -346,6 +346,27 @@ fn grid(quick: bool) -> Vec<Case> {
 
 /// The share of a `seqlen` x `seqlen` score matrix that a (causal, window) mask leaves
 /// visible (FA2's window: -1 unbounded; causal sets right = 0).
+/// `CANDLE_FLASH_BENCH_MODS`'s items, `HD/NAME` separated by commas. A window's name holds a
+/// comma of its own (`128/window (4096, 0) causal`), so a piece that does not start with a
+/// head dim and a slash continues the item before it.
+fn mods_filter(list: &str) -> Vec<(usize, String)> {
+    let mut items: Vec<(usize, String)> = Vec::new();
+    for piece in list.split(',') {
+        let item = piece
+            .split_once('/')
+            .and_then(|(hd, name)| Some((hd.trim().parse().ok()?, name.trim().to_string())));
+        match (item, items.last_mut()) {
+            (Some(item), _) => items.push(item),
+            (None, Some((_, name))) => {
+                name.push(',');
+                name.push_str(piece.trim_end());
+            }
+            (None, None) => {}
+        }
+    }
+    items
+}
+
 fn visible_share(seqlen: usize, causal: bool, left: i64, right: i64) -> f64 {
     let n = seqlen as i64;
     let right = if causal { 0 } else { right };
@@ -627,15 +648,9 @@ impl Bench {
         let plain = |causal| FlashAttn::new().causal(causal).deterministic(deterministic);
         // `CANDLE_FLASH_BENCH_MODS=128/softcap 50 causal,64/plain` (profiling): only those
         // head dims and variants, so that a profiler's launch count finds one variant's kernel.
-        let only: Option<Vec<(usize, String)>> =
-            std::env::var("CANDLE_FLASH_BENCH_MODS").ok().map(|v| {
-                v.split(',')
-                    .filter_map(|item| {
-                        let (hd, name) = item.split_once('/')?;
-                        Some((hd.trim().parse().ok()?, name.trim().to_string()))
-                    })
-                    .collect()
-            });
+        let only: Option<Vec<(usize, String)>> = std::env::var("CANDLE_FLASH_BENCH_MODS")
+            .ok()
+            .map(|v| mods_filter(&v));
         let keep = |hd: usize, name: &str| {
             only.as_ref()
                 .is_none_or(|list| list.iter().any(|(h, n)| *h == hd && n == name))
