@@ -344,8 +344,6 @@ fn grid(quick: bool) -> Vec<Case> {
     cases
 }
 
-/// The share of a `seqlen` x `seqlen` score matrix that a (causal, window) mask leaves
-/// visible (FA2's window: -1 unbounded; causal sets right = 0).
 /// `CANDLE_FLASH_BENCH_MODS`'s items, `HD/NAME` separated by commas. A window's name holds a
 /// comma of its own (`128/window (4096, 0) causal`), so a piece that does not start with a
 /// head dim and a slash continues the item before it.
@@ -367,6 +365,8 @@ fn mods_filter(list: &str) -> Vec<(usize, String)> {
     items
 }
 
+/// The share of a `seqlen` x `seqlen` score matrix that a (causal, window) mask leaves
+/// visible (FA2's window: -1 unbounded; causal sets right = 0).
 fn visible_share(seqlen: usize, causal: bool, left: i64, right: i64) -> f64 {
     let n = seqlen as i64;
     let right = if causal { 0 } else { right };
