@@ -212,7 +212,7 @@ def main():
                 record("torch-cudnn plain", hd, s, b, h, causal, share, cudnn)
             except Exception as e:  # noqa: BLE001 (a backend that cannot run a shape is skipped)
                 print(f"torch-cudnn hd {hd} causal {causal}: skipped: {str(e).splitlines()[0]}")
-        if args.windows:
+        if args.windows and checked("flex plain", q, k, v, s, None, None, None):
             quarter = s // 4
             for left, right, causal in ((quarter, 0, True), (quarter // 2, quarter // 2, False)):
                 vis = window_visible(left, right)
