@@ -53,8 +53,10 @@ struct Mask {
     // constant: the host sends them no other problems) drop the code above it entirely.
     __device__ __forceinline__ Mask(const AttnParams& p, const SeqInfo& seq, int b, int h,
                                     int mods = MODS_ANY)
-        : seqlen_k(seq.seqlen_k), offset(seq.seqlen_k - seq.seqlen_q), left(p.window_left),
-          right(p.window_right), softcap_pre(mods & MODS_SCORES ? p.softcap_pre : 0.f),
+        : seqlen_k(seq.seqlen_k), offset(seq.seqlen_k - seq.seqlen_q),
+          // FlashAttention 2's rule, per sequence: a side at or past the keys is unbounded.
+          left(p.window_left < seq.seqlen_k ? p.window_left : -1),
+          right(p.window_right < seq.seqlen_k ? p.window_right : -1), softcap_pre(mods & MODS_SCORES ? p.softcap_pre : 0.f),
           slopes(!(mods & MODS_SCORES) || p.alibi_slopes == nullptr
                      ? nullptr
                      : p.alibi_slopes + int64_t(b) * p.alibi_batch_stride),

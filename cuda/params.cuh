@@ -42,7 +42,8 @@ struct AttnParams {
     float scale_log2;  // scale * log2(e): exp(scale * x) == exp2(scale_log2 * x)
     // Keys visible to query row i: [i + off - window_left, i + off + window_right] with
     // off = seqlen_k - seqlen_q of i's sequence (bottom-right alignment); -1 means unbounded
-    // on that side. Causal is (-1, 0); no mask is (-1, -1).
+    // on that side, and so is a side >= that sequence's seqlen_k (Mask applies the rule).
+    // Causal is (-1, 0); no mask is (-1, -1).
     int window_left, window_right;
     // Softcapping: S = tanh(scale' q.k) with scale' = softcap_pre (the softmax scale / cap),
     // and `scale` is then the cap; 0 turns it off. (FlashAttention 2 folds it the same way.)

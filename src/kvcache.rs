@@ -401,7 +401,7 @@ fn lengths_after(cache_seqlens: &[u32], s_new: usize, paging: &Paging) -> Result
 ///   `j <= i + seqlen_k - seqlen_q` when causal, so new tokens attend causally among
 ///   themselves and to the whole prefix, and a window `(left, right)` keeps
 ///   `i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right` (a sliding
-///   window over the newest tokens). ALiBi slopes are `(num_heads)` or
+///   window over the newest tokens; a side `>= seqlen_k` is unbounded). ALiBi slopes are `(num_heads)` or
 ///   `(batch, num_heads)`, the bias `-slope · |i + seqlen_k - seqlen_q - j|`. Query rows
 ///   that see no key output zeros.
 /// - dtypes: f16/bf16 on CUDA (head_dim a multiple of 8), f32/f16/bf16 on the CPU (computed

@@ -55,8 +55,9 @@ pub struct FlashAttn {
     pub rng_offset: Option<u64>,
     /// Local (sliding-window) attention, FlashAttention 2's `window_size = (left, right)`:
     /// query `i` sees key `j` iff `i + sk - sq - left <= j <= i + sk - sq + right`
-    /// (bottom-right aligned like the causal mask); -1 leaves that side unbounded. Causal
-    /// sets right to 0. `(-1, -1)` (the default) is no window.
+    /// (bottom-right aligned like the causal mask); -1 leaves that side unbounded, and so does
+    /// a side at or past the sequence's key count `sk` (FlashAttention 2's rule). Causal sets
+    /// right to 0. `(-1, -1)` (the default) is no window.
     pub window_size: (i64, i64),
     /// Softcapping (Gemma 2): scores `s` become `softcap · tanh(s / softcap)` before the
     /// softmax (after the scale). 0 (the default) disables it.
@@ -163,8 +164,10 @@ impl FlashAttn {
     }
 
     /// Sets a local attention window (FlashAttention 2's `window_size`): query `i` sees keys
-    /// `i + sk - sq - left ..= i + sk - sq + right`; `None` leaves a side unbounded. Key blocks
-    /// outside every row's window are never read, so the cost grows with the window.
+    /// `i + sk - sq - left ..= i + sk - sq + right`; `None` leaves a side unbounded, and so does
+    /// a side `>= sk`, the sequence's key count (as in FlashAttention 2; with more queries than
+    /// keys this differs from the formula for the right side). Key blocks outside every row's
+    /// window are never read, so the cost grows with the window.
     pub fn window(mut self, left: Option<usize>, right: Option<usize>) -> Self {
         let side = |w: Option<usize>| w.map_or(-1, |w| w.min(i64::MAX as usize) as i64);
         self.window_size = (side(left), side(right));

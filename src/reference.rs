@@ -69,7 +69,8 @@ pub fn attention_slow_dropout(
 /// - `softcap` `c > 0`: `s = c · tanh(s / c)`;
 /// - `alibi_slopes` `(num_heads)` or `(batch, num_heads)`: `s -= slope · |i + off - j|`;
 /// - `window_size = (left, right)` and `causal` (which sets right to 0): `j` is visible iff
-///   `i + off - left <= j <= i + off + right`, -1 leaving a side unbounded;
+///   `i + off - left <= j <= i + off + right`, -1 or a side `>= seqlen_k` leaving it
+///   unbounded;
 /// - `block_mask`: moreover, `j` is visible to query head `h` only where
 ///   [`BlockMask::to_dense`]`(seqlen_q, seqlen_k)` is 1 at `(h, i, j)` (at `(0, i, j)` for a
 ///   mask shared by all heads);
@@ -214,13 +215,15 @@ fn slow(
 
     // Which keys each query sees, u8 (1 or h, sq, sk), 1 = visible; None: every key.
     let mut visible: Option<Tensor> = None;
+    // A side of -1, or at or past the keys (FlashAttention 2's rule), is open.
+    let open = |w: i64| w == -1 || w as i128 >= sk as i128;
     let (left, right) = (opts.window.0, if opts.causal { 0 } else { opts.window.1 });
-    if left != -1 || right != -1 {
-        // Bottom-right alignment, in signed arithmetic: query i sees key j iff
-        // i + sk - sq - left <= j <= i + sk - sq + right, -1 leaving a side open.
+    if !open(left) || !open(right) {
+        // Bottom-right alignment, in 128-bit arithmetic (sides reach i64::MAX): query i sees
+        // key j iff i + sk - sq - left <= j <= i + sk - sq + right.
         let sees = |i: usize, j: usize| {
-            let (diag, j) = (i as i64 + sk as i64 - sq as i64, j as i64);
-            (left == -1 || j >= diag - left) && (right == -1 || j <= diag + right)
+            let (diag, j) = (i as i128 + sk as i128 - sq as i128, j as i128);
+            (open(left) || j >= diag - left as i128) && (open(right) || j <= diag + right as i128)
         };
         let window: Vec<u8> = (0..sq)
             .flat_map(|i| (0..sk).map(move |j| u8::from(sees(i, j))))

@@ -5,7 +5,9 @@
 //! For query row `i` and key `j` of a sequence with `sq` queries and `sk` keys, with
 //! `off = sk - sq` (bottom-right alignment, like the causal mask):
 //! - window `(left, right)`: `j` is visible iff `i + off - left <= j <= i + off + right`
-//!   (`None` = unbounded on that side; causal is right = 0);
+//!   (`None` = unbounded on that side; causal is right = 0). A side `>= sk` is unbounded
+//!   too, FlashAttention 2's rule (`window_size_left >= seqlen_k` becomes -1), applied per
+//!   sequence: it is what keeps the sums below in range for sides up to `i64::MAX`;
 //! - the score is `s = scale · q·k`, then `s = c · tanh(s / c)` with a softcap `c`, then
 //!   `s - slope · |i + off - j|` with ALiBi slopes; the softmax follows.
 
@@ -99,14 +101,20 @@ impl ScoreMods {
         })
     }
 
+    /// The window's sides in a sequence of `sk` keys: a side `>= sk` is unbounded (`None`).
+    pub fn sides(&self, sk: usize) -> (Option<usize>, Option<usize>) {
+        let within = |w: Option<usize>| w.filter(|&w| w < sk);
+        (within(self.left), within(self.right))
+    }
+
     /// Keys `[lo, hi)` that query row `i` sees in a sequence of `sq` queries and `sk` keys;
     /// `lo >= hi` when none.
     pub fn key_range(&self, i: usize, sq: usize, sk: usize) -> (usize, usize) {
+        // Sizes of tensors in memory and sides below `sk`: every sum fits an i64.
+        let (left, right) = self.sides(sk);
         let diag = i as i64 + sk as i64 - sq as i64;
-        let lo = self.left.map_or(0, |l| (diag - l as i64).max(0));
-        let hi = self
-            .right
-            .map_or(sk as i64, |r| (diag + r as i64 + 1).clamp(0, sk as i64));
+        let lo = left.map_or(0, |l| (diag - l as i64).max(0));
+        let hi = right.map_or(sk as i64, |r| (diag + r as i64 + 1).clamp(0, sk as i64));
         (lo.min(sk as i64) as usize, hi as usize)
     }
 
@@ -181,21 +189,24 @@ mod tests {
     }
 
     /// `key_range` against the definition, key by key: `j` visible iff
-    /// `i + sk - sq - left <= j <= i + sk - sq + right`; the visible keys are one run.
+    /// `i + sk - sq - left <= j <= i + sk - sq + right`, a side `>= sk` unbounded; the visible
+    /// keys are one run.
     #[test]
     fn key_range_is_the_definition() {
-        let sides = [None, Some(0), Some(1), Some(3), Some(10)];
+        let huge = Some(i64::MAX as usize);
+        let sides = [None, Some(0), Some(1), Some(3), Some(4), Some(10), huge];
         for (sq, sk) in [(1, 1), (5, 5), (3, 9), (9, 3), (0, 4), (4, 0)] {
             for left in sides {
                 for right in sides {
                     let m = mods(left, right);
                     for i in 0..sq {
-                        let diag = i as i64 + sk as i64 - sq as i64;
+                        let diag = i as i128 + sk as i128 - sq as i128;
+                        let bounded = |w: Option<usize>| w.filter(|&w| w < sk);
                         let visible: Vec<usize> = (0..sk)
                             .filter(|&j| {
-                                let j = j as i64;
-                                left.is_none_or(|l| j >= diag - l as i64)
-                                    && right.is_none_or(|r| j <= diag + r as i64)
+                                let j = j as i128;
+                                bounded(left).is_none_or(|l| j >= diag - l as i128)
+                                    && bounded(right).is_none_or(|r| j <= diag + r as i128)
                             })
                             .collect();
                         let (lo, hi) = m.key_range(i, sq, sk);
@@ -218,6 +229,7 @@ mod tests {
             mods(Some(2), Some(0)),
             mods(Some(0), None),
             mods(None, Some(3)),
+            mods(Some(usize::MAX), Some(usize::MAX)),
         ] {
             for (sq, sk) in [(7, 20), (20, 7), (10, 10)] {
                 let ranges: Vec<_> = (0..sq).map(|i| m.key_range(i, sq, sk)).collect();

@@ -13,7 +13,7 @@ use candle_flash::{
     FlashAttn, VarLen,
 };
 use common::options::{self, check_low_precision, F32_TOL};
-use common::{assert_close, grads, max_abs_diff, randn, Case};
+use common::{assert_close, grads, max_abs, max_abs_diff, randn, Case};
 
 /// Keys per CPU tile (src/cpu.rs).
 const KEY_BLOCK: usize = 64;
@@ -420,5 +420,82 @@ fn kvcache_decoding_matches_prefix_reference() -> Result<()> {
             assert_close(&format!("{what} paged"), &paged, &expected, F32_TOL)?;
         }
     }
+    Ok(())
+}
+
+/// Window sides at the integer limit, and at or past the keys, are no window (FlashAttention
+/// 2's rule): outputs and gradients equal the unwindowed call's, on the fixed-length, varlen
+/// and decode paths and in the oracle. Before the rule, `key_range`'s sums wrapped and these
+/// rows saw no key (all-zero outputs).
+#[test]
+fn huge_window_sides_are_no_window() -> Result<()> {
+    let huge = [
+        (None, Some(usize::MAX)),
+        (Some(usize::MAX), None),
+        (Some(usize::MAX), Some(usize::MAX)),
+        (Some(i64::MAX as usize), Some(i64::MAX as usize)),
+    ];
+    for case in [
+        Case::new(2, 70, 90, 4, 2, 32),
+        Case::new(1, 150, 40, 2, 1, 16),
+        Case::new(1, 1, 33, 2, 2, 8),
+    ] {
+        let (q, k, v) = case.qkv(DType::F32)?;
+        let w = case.out_weight(DType::F32)?;
+        for causal in [false, true] {
+            let plain = FlashAttn::new().causal(causal);
+            let out = plain.forward(&q, &k, &v)?;
+            let g = grads(|q, k, v| plain.forward(q, k, v), &q, &k, &v, &w)?;
+            let reference = attention_slow(&q, &k, &v, case.scale(), causal)?;
+            assert_close("plain", &out, &reference, F32_TOL)?;
+            let at_keys = Some(case.sk);
+            for (left, right) in huge.into_iter().chain([(at_keys, at_keys)]) {
+                let what = format!("{case:?} window ({left:?}, {right:?}) causal={causal}");
+                let opts = plain.clone().window(left, right);
+                assert_eq!(max_abs_diff(&opts.forward(&q, &k, &v)?, &out)?, 0.0, "{what}");
+                let gw = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
+                for (a, b) in gw.iter().zip(&g) {
+                    assert_eq!(max_abs_diff(a, b)?, 0.0, "{what}: gradients");
+                }
+                let slow = attention_slow_with(&q, &k, &v, &opts)?;
+                assert_close(&format!("{what}: oracle"), &slow, &reference, F32_TOL)?;
+            }
+        }
+    }
+    // Decoding: contiguous and paged caches, a window side past every sequence's keys.
+    for (left, right) in huge {
+        let opts = FlashAttn::new().causal(true).window(left, right);
+        let case = Decode {
+            lens: vec![30, 150, 6],
+            s_q: 3,
+            s_new: 2,
+            h: 4,
+            hk: 2,
+            d: 16,
+        };
+        let [contiguous, paged, expected] = case.run(&opts)?;
+        let what = format!("decode window ({left:?}, {right:?})");
+        assert_close(&format!("{what} contiguous"), &contiguous, &expected, F32_TOL)?;
+        assert_close(&format!("{what} paged"), &paged, &expected, F32_TOL)?;
+        assert!(max_abs(&expected)? > 0.1, "{what}: the oracle's rows are empty");
+    }
+    Ok(())
+}
+
+/// The right side at `seqlen_k` with more queries than keys: unbounded by the rule, where the
+/// formula alone would hide every key from the first `seqlen_q - 2 seqlen_k` rows; one key
+/// less and the formula applies.
+#[test]
+fn right_side_at_the_keys_is_unbounded() -> Result<()> {
+    let case = Case::new(1, 100, 20, 2, 2, 16);
+    let (q, k, v) = case.qkv(DType::F32)?;
+    let plain = FlashAttn::new().forward(&q, &k, &v)?;
+    let at = FlashAttn::new().window(None, Some(20)).forward(&q, &k, &v)?;
+    assert_eq!(max_abs_diff(&at, &plain)?, 0.0);
+    let below = FlashAttn::new().window(None, Some(19));
+    check_f32("right 19 of 20 keys", &case, &below)?;
+    // Row 0 sees keys up to 0 + 20 - 100 + 19 < 0: none, so its output is zero.
+    let row0 = below.forward(&q, &k, &v)?.narrow(1, 0, 1)?;
+    assert_eq!(max_abs(&row0)?, 0.0);
     Ok(())
 }

@@ -214,13 +214,15 @@ impl AttnParams {
     /// [`alibi_view`]) for sequences of at most `sq` queries and `sk` keys.
     fn set_mods(&mut self, mods: &ScoreMods, scale: f32, sq: usize, sk: usize) {
         // The kernels compare the window against row + (sk - sq) + window in i32: a side that
-        // reaches past every row's keys is unbounded (-1), so no sum overflows.
+        // reaches past every row's keys is unbounded (-1), so no sum overflows. A side at or
+        // past a sequence's key count is unbounded by FlashAttention 2's rule (the kernels'
+        // Mask applies it per sequence), one at or past its query count by the formula.
         let side = |w: Option<usize>, bound: usize| match w {
             Some(w) if w < bound => w as i32,
             _ => -1,
         };
         self.window_left = side(mods.left, sk);
-        self.window_right = side(mods.right, sq);
+        self.window_right = side(mods.right, sq.min(sk));
         // Under a softcap the kernels keep S = tanh(scale q.k / c) and exponentiate c S: the
         // softmax's scale becomes the cap, the gradient's stays the softmax scale.
         self.grad_scale = scale;
