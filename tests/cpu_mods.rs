@@ -452,7 +452,11 @@ fn huge_window_sides_are_no_window() -> Result<()> {
             for (left, right) in huge.into_iter().chain([(at_keys, at_keys)]) {
                 let what = format!("{case:?} window ({left:?}, {right:?}) causal={causal}");
                 let opts = plain.clone().window(left, right);
-                assert_eq!(max_abs_diff(&opts.forward(&q, &k, &v)?, &out)?, 0.0, "{what}");
+                assert_eq!(
+                    max_abs_diff(&opts.forward(&q, &k, &v)?, &out)?,
+                    0.0,
+                    "{what}"
+                );
                 let gw = grads(|q, k, v| opts.forward(q, k, v), &q, &k, &v, &w)?;
                 for (a, b) in gw.iter().zip(&g) {
                     assert_eq!(max_abs_diff(a, b)?, 0.0, "{what}: gradients");
@@ -475,9 +479,17 @@ fn huge_window_sides_are_no_window() -> Result<()> {
         };
         let [contiguous, paged, expected] = case.run(&opts)?;
         let what = format!("decode window ({left:?}, {right:?})");
-        assert_close(&format!("{what} contiguous"), &contiguous, &expected, F32_TOL)?;
+        assert_close(
+            &format!("{what} contiguous"),
+            &contiguous,
+            &expected,
+            F32_TOL,
+        )?;
         assert_close(&format!("{what} paged"), &paged, &expected, F32_TOL)?;
-        assert!(max_abs(&expected)? > 0.1, "{what}: the oracle's rows are empty");
+        assert!(
+            max_abs(&expected)? > 0.1,
+            "{what}: the oracle's rows are empty"
+        );
     }
     Ok(())
 }
@@ -490,7 +502,9 @@ fn right_side_at_the_keys_is_unbounded() -> Result<()> {
     let case = Case::new(1, 100, 20, 2, 2, 16);
     let (q, k, v) = case.qkv(DType::F32)?;
     let plain = FlashAttn::new().forward(&q, &k, &v)?;
-    let at = FlashAttn::new().window(None, Some(20)).forward(&q, &k, &v)?;
+    let at = FlashAttn::new()
+        .window(None, Some(20))
+        .forward(&q, &k, &v)?;
     assert_eq!(max_abs_diff(&at, &plain)?, 0.0);
     let below = FlashAttn::new().window(None, Some(19));
     check_f32("right 19 of 20 keys", &case, &below)?;
