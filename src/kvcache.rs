@@ -119,10 +119,9 @@ impl Call {
                         k_cache.dims()
                     )
                 }
-                if block_table.len() != b * max_pages {
+                if b.checked_mul(max_pages) != Some(block_table.len()) {
                     bail!(
-                        "block_table: expected batch * max_pages = {b} * {max_pages} = {} entries, got {}",
-                        b * max_pages,
+                        "block_table: expected batch * max_pages = {b} * {max_pages} entries, got {}",
                         block_table.len()
                     )
                 }
@@ -139,6 +138,12 @@ impl Call {
                 "cache_seqlens: expected {b} entries (one per sequence of q), got {}",
                 cache_seqlens.len()
             )
+        }
+        if let Some((k_new, v_new)) = new_kv {
+            check_new_kv_apart(
+                [(k_new, "k_new"), (v_new, "v_new")],
+                [(k_cache, kn), (v_cache, vn)],
+            )?;
         }
         let new_kv = new_kv
             .map(|(k_new, v_new)| check_new_kv(q, k_new, v_new, (b, hk, d)))
@@ -235,15 +240,37 @@ fn check_cache_storage(
             bail!("{name}: on CUDA the cache must start at a multiple of 8 elements, got offset {offset}")
         }
     }
-    let storage = |t: &Tensor| &*t.storage_and_layout().0 as *const candle::Storage;
     let range = |t: &Tensor| {
         let start = t.layout().start_offset();
         start..start + t.elem_count()
     };
     let (rk, rv) = (range(k_cache), range(v_cache));
     let overlap = rk.start < rv.end && rv.start < rk.end;
-    if writes && overlap && std::ptr::eq(storage(k_cache), storage(v_cache)) {
+    if writes && overlap && same_storage(k_cache, v_cache) {
         bail!("{vn}: shares its memory with {kn}; keys and values need separate caches")
+    }
+    Ok(())
+}
+
+/// Whether two tensors are views of one storage (a cheap pointer comparison).
+fn same_storage(a: &Tensor, b: &Tensor) -> bool {
+    let storage = |t: &Tensor| &*t.storage_and_layout().0 as *const candle::Storage;
+    std::ptr::eq(storage(a), storage(b))
+}
+
+/// The new keys and values are read while the caches are written: neither may be a view of
+/// either cache (Candle refuses such a copy, and the first write would already have landed
+/// when the second failed). Checked before anything is written.
+fn check_new_kv_apart(news: [(&Tensor, &str); 2], caches: [(&Tensor, &str); 2]) -> Result<()> {
+    for (new, nn) in news {
+        for (cache, cn) in caches {
+            if same_storage(new, cache) {
+                bail!(
+                    "{nn}: shares its memory with {cn} (a view of the cache); the new tokens \
+                     must live in a tensor of their own"
+                )
+            }
+        }
     }
     Ok(())
 }
@@ -368,12 +395,15 @@ fn lengths_after(cache_seqlens: &[u32], s_new: usize, paging: &Paging) -> Result
         .iter()
         .enumerate()
         .map(|(b, &len)| {
-            let total = len as usize + s_new;
-            match u32::try_from(total) {
-                Ok(t) if total <= capacity => Ok(t),
+            match (len as usize)
+                .checked_add(s_new)
+                .map(|t| (t, u32::try_from(t)))
+            {
+                Some((total, Ok(t))) if total <= capacity => Ok(t),
                 _ => bail!(
-                    "cache_seqlens: sequence {b} would hold {len} + {s_new} = {total} tokens, \
-                     more than the cache capacity of {capacity}{how}"
+                    "cache_seqlens: sequence {b} would hold {len} + {s_new} = {} tokens, more \
+                     than the cache capacity of {capacity}{how}",
+                    len as u128 + s_new as u128
                 ),
             }
         })
@@ -413,9 +443,12 @@ fn lengths_after(cache_seqlens: &[u32], s_new: usize, paging: &Paging) -> Result
 ///
 /// Errors (each names the argument; the cache is untouched when one is returned): ranks and
 /// shapes of `q`, the caches and `k_new`/`v_new`; dtypes and devices; `head_dim` and
-/// `num_heads_k` rules; a non-contiguous cache; `cache_seqlens` of the wrong length or a
-/// sequence that would exceed `capacity`; `dropout_p > 0` (not supported in decoding); a bad
-/// `softmax_scale`, `window_size`, `softcap` or `alibi_slopes` (as in [`FlashAttn::forward`]).
+/// `num_heads_k` rules; a non-contiguous cache; `k_new` or `v_new` a view of either cache;
+/// `cache_seqlens` of the wrong length or a sequence that would exceed `capacity`;
+/// `dropout_p > 0` (not supported in decoding); a bad `softmax_scale`, `window_size`,
+/// `softcap` or `alibi_slopes` (as in [`FlashAttn::forward`]). Every argument is checked
+/// before the first write; only a failure of the device itself (a kernel launch, after the
+/// checks) can leave rows at and past `cache_seqlens[b]` written, never the rows before.
 ///
 /// ```
 /// # fn main() -> candle::Result<()> {

@@ -400,7 +400,7 @@ impl Paging {
                 page_size,
                 max_pages,
                 ..
-            } => page_size * max_pages,
+            } => page_size.saturating_mul(*max_pages),
         }
     }
 }

@@ -1053,3 +1053,123 @@ fn injected_failures_write_nothing() -> Result<()> {
     }
     Ok(())
 }
+
+/// New keys or values that are views of a cache (each of the four pairings, contiguous and
+/// paged, and the ragged append) are refused before anything is written, with an error naming
+/// both: the caches stay bitwise as they were. Candle's own refusal came after the first
+/// cache was already written, and named no argument.
+#[test]
+fn new_kv_viewing_a_cache_is_refused_before_any_write() -> Result<()> {
+    let (b, cap, hk, d) = (2, 8, 1, 8);
+    let q = randn((b, 1, 2, d), DType::F32)?;
+    let lens = [3u32, 3];
+    let bits =
+        |t: &Tensor| -> Result<Vec<u32>> { Ok(to_vec(t)?.into_iter().map(f32::to_bits).collect()) };
+    for paged in [false, true] {
+        let (kn, vn) = if paged {
+            ("k_pages", "v_pages")
+        } else {
+            ("k_cache", "v_cache")
+        };
+        for (which_new, which_cache) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+            let caches = [
+                randn((b, cap, hk, d), DType::F32)?,
+                randn((b, cap, hk, d), DType::F32)?,
+            ];
+            let before = [bits(&caches[0])?, bits(&caches[1])?];
+            let view = caches[which_cache].narrow(1, 6, 1)?;
+            let fresh = randn((b, 1, hk, d), DType::F32)?;
+            let new = if which_new == 0 {
+                [view, fresh]
+            } else {
+                [fresh, view]
+            };
+            let opts = FlashAttn::new();
+            let result = if paged {
+                // Pages 0..cap/4 of 4 rows: the caches double as page pools of 2 * 2 pages.
+                let pages = |c: &Tensor| c.reshape((b * 2, cap / 2, hk, d));
+                let table = [0u32, 1, 2, 3];
+                flash_attn_with_paged_kvcache(
+                    &q,
+                    &pages(&caches[0])?,
+                    &pages(&caches[1])?,
+                    Some((&new[0], &new[1])),
+                    &lens,
+                    &table,
+                    2,
+                    &opts,
+                )
+            } else {
+                flash_attn_with_kvcache(
+                    &q,
+                    &caches[0],
+                    &caches[1],
+                    Some((&new[0], &new[1])),
+                    &lens,
+                    &opts,
+                )
+            };
+            let new_name = ["k_new", "v_new"][which_new];
+            let cache_name = [kn, vn][which_cache];
+            let tag = format!("paged={paged}: {new_name} a view of {cache_name}");
+            let e = result.expect_err(&tag).to_string();
+            assert!(
+                e.starts_with(new_name) && e.contains(cache_name),
+                "{tag}: {e}"
+            );
+            assert_eq!(bits(&caches[0])?, before[0], "{tag}: {kn} written");
+            assert_eq!(bits(&caches[1])?, before[1], "{tag}: {vn} written");
+        }
+    }
+    for layout in [Layout::Contiguous, Layout::Paged(4)] {
+        let mut cache = AnyCache::new(layout, b, cap, hk, d)?;
+        let (k, v) = (
+            randn((5, hk, d), DType::F32)?,
+            randn((5, hk, d), DType::F32)?,
+        );
+        cache.append_varlen(&k, &v, &[3, 2])?;
+        let (ck, cv) = match &cache {
+            AnyCache::Flat(c) => (c.k().clone(), c.v().clone()),
+            AnyCache::Paged(c) => (c.k().clone(), c.v().clone()),
+        };
+        let before = (bits(&ck)?, bits(&cv)?, cache.lengths());
+        let view = cv.flatten_to(1)?.narrow(0, 0, 2)?;
+        let fresh = randn((2, hk, d), DType::F32)?;
+        let e = cache
+            .append_varlen(&fresh, &view, &[1, 1])
+            .expect_err("a view of the values")
+            .to_string();
+        assert!(
+            e.starts_with("v_new") && e.contains("values"),
+            "{layout:?}: {e}"
+        );
+        let after = (bits(&ck)?, bits(&cv)?, cache.lengths());
+        assert!(after == before, "{layout:?}: the cache changed");
+    }
+    Ok(())
+}
+
+/// A `max_pages` so large that `batch * max_pages` wraps around to the table's length is an
+/// error naming the block table, not an out-of-bounds index.
+#[test]
+fn absurd_max_pages_is_an_error() -> Result<()> {
+    let (b, hk, d) = (2, 1, 8);
+    let q = randn((b, 1, 2, d), DType::F32)?;
+    let pages = randn((4, 4, hk, d), DType::F32)?;
+    for (table, max_pages) in [(vec![], 1usize << 63), (vec![0u32, 1], (1usize << 63) + 1)] {
+        let e = flash_attn_with_paged_kvcache(
+            &q,
+            &pages,
+            &pages.copy()?,
+            None,
+            &[1, 1],
+            &table,
+            max_pages,
+            &FlashAttn::new(),
+        )
+        .expect_err("absurd max_pages")
+        .to_string();
+        assert!(e.starts_with("block_table:"), "{e}");
+    }
+    Ok(())
+}

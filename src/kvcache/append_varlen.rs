@@ -14,6 +14,7 @@ use super::{KvCache, PagedKvCache};
 /// The checked shape of a ragged append: the new length of every sequence.
 fn check(
     cache: &Tensor,
+    v_cache: &Tensor,
     k_new: &Tensor,
     v_new: &Tensor,
     seqlens_new: &[usize],
@@ -21,7 +22,12 @@ fn check(
     capacity: usize,
 ) -> Result<Vec<u32>> {
     let (_, _, hk, d) = cache.dims4()?;
-    let total: usize = seqlens_new.iter().sum();
+    let Some(total) = seqlens_new
+        .iter()
+        .try_fold(0usize, |t, &n| t.checked_add(n))
+    else {
+        bail!("seqlens_new: the sum of {seqlens_new:?} overflows")
+    };
     let want = [total, hk, d];
     for (t, name) in [(k_new, "k_new"), (v_new, "v_new")] {
         if t.dims() != want {
@@ -42,6 +48,10 @@ fn check(
             bail!("{name}: on another device than the cache")
         }
     }
+    super::check_new_kv_apart(
+        [(k_new, "k_new"), (v_new, "v_new")],
+        [(cache, "the cache's keys"), (v_cache, "the cache's values")],
+    )?;
     if seqlens_new.len() != lengths.len() {
         bail!(
             "seqlens_new: {} entries for a cache of {} sequences",
@@ -53,16 +63,16 @@ fn check(
         .iter()
         .zip(seqlens_new)
         .enumerate()
-        .map(|(b, (&len, &n))| {
-            let after = len as usize + n;
-            match u32::try_from(after) {
-                Ok(a) if after <= capacity => Ok(a),
+        .map(
+            |(b, (&len, &n))| match (len as usize).checked_add(n).map(|a| (a, u32::try_from(a))) {
+                Some((after, Ok(a))) if after <= capacity => Ok(a),
                 _ => bail!(
-                    "seqlens_new: sequence {b} would hold {len} + {n} = {after} tokens, more \
-                     than the cache capacity of {capacity}"
+                    "seqlens_new: sequence {b} would hold {len} + {n} = {} tokens, more than \
+                     the cache capacity of {capacity}",
+                    len as u128 + n as u128
                 ),
-            }
-        })
+            },
+        )
         .collect()
 }
 
@@ -100,7 +110,15 @@ impl KvCache {
         seqlens_new: &[usize],
     ) -> Result<()> {
         let capacity = self.capacity();
-        let lengths = check(&self.k, k_new, v_new, seqlens_new, &self.lengths, capacity)?;
+        let lengths = check(
+            &self.k,
+            &self.v,
+            k_new,
+            v_new,
+            seqlens_new,
+            &self.lengths,
+            capacity,
+        )?;
         let (k_rows, v_rows) = (rows_view(&self.k)?, rows_view(&self.v)?);
         let mut start = 0;
         for (b, &n) in seqlens_new.iter().enumerate() {
@@ -130,7 +148,15 @@ impl PagedKvCache {
         seqlens_new: &[usize],
     ) -> Result<()> {
         let capacity = self.capacity();
-        let lengths = check(&self.k, k_new, v_new, seqlens_new, &self.lengths, capacity)?;
+        let lengths = check(
+            &self.k,
+            &self.v,
+            k_new,
+            v_new,
+            seqlens_new,
+            &self.lengths,
+            capacity,
+        )?;
         let (table, free) = self.allocate_for(&lengths)?;
         let (k_rows, v_rows) = (rows_view(&self.k)?, rows_view(&self.v)?);
         let ps = self.page_size;
