@@ -250,6 +250,7 @@ impl BlockMask {
     ) -> Result<Self> {
         check_block_sizes(block, block)?;
         let (rows, cols) = (seqlen_q.div_ceil(block), seqlen_k.div_ceil(block));
+        crate::params::alloc_elems(&[rows, cols], 1, "block mask")?;
         let states: Vec<u8> = (0..rows)
             .flat_map(|r| (0..cols).map(move |c| (r, c)))
             .map(|(r, c)| u8::from(keep(r, c)))
@@ -312,21 +313,27 @@ impl BlockMask {
     /// `(heads, seqlen_q, seqlen_k)`, 1 = visible: what the op applies, as a dense mask.
     pub fn to_dense(&self, seqlen_q: usize, seqlen_k: usize) -> Result<Tensor> {
         let (heads, rows, cols) = self.states.dims3()?;
-        if rows * self.block_q < seqlen_q || cols * self.block_k < seqlen_k {
+        if rows.saturating_mul(self.block_q) < seqlen_q
+            || cols.saturating_mul(self.block_k) < seqlen_k
+        {
             bail!(
                 "block_mask: {rows} x {cols} blocks of {} x {} do not cover {seqlen_q} x {seqlen_k}",
                 self.block_q,
                 self.block_k
             )
         }
+        let device = self.states.device();
+        crate::params::alloc_elems_on(&[heads, seqlen_q, seqlen_k], 1, "to_dense", device)?;
+        // Each entry takes its block's state: gathered by index, so that only the
+        // (seqlen_q, seqlen_k) entries asked for are made, whatever the block sizes.
+        let block_of = |n: usize, size: usize| -> Result<Tensor> {
+            let idx: Vec<i64> = (0..n).map(|i| (i / size) as i64).collect();
+            Tensor::from_vec(idx, n, self.states.device())
+        };
         let expanded = self
             .states
-            .unsqueeze(2)?
-            .unsqueeze(4)?
-            .broadcast_as((heads, rows, self.block_q, cols, self.block_k))?
-            .reshape((heads, rows * self.block_q, cols * self.block_k))?
-            .narrow(1, 0, seqlen_q)?
-            .narrow(2, 0, seqlen_k)?;
+            .index_select(&block_of(seqlen_q, self.block_q)?, 1)?
+            .index_select(&block_of(seqlen_k, self.block_k)?, 2)?;
         let all = expanded.eq(ALL)?;
         match &self.dense {
             None => expanded.ne(0u8),
@@ -470,9 +477,12 @@ pub(crate) fn fast_div(d: u32) -> (u32, i32) {
 
 fn check_block_sizes(block_q: usize, block_k: usize) -> Result<()> {
     for (name, b) in [("block_q", block_q), ("block_k", block_k)] {
-        if b == 0 || b % BlockMask::GRANULE != 0 {
+        // The kernels compute block offsets in i32: 2^30 keeps every product of a block index
+        // and a size in range.
+        if b == 0 || b % BlockMask::GRANULE != 0 || b > 1 << 30 {
             bail!(
-                "{name}: expected a positive multiple of {} (BlockMask::GRANULE), got {b}",
+                "{name}: expected a positive multiple of {} (BlockMask::GRANULE) up to 2^30, \
+                 got {b}",
                 BlockMask::GRANULE
             )
         }

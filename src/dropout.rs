@@ -23,7 +23,7 @@ use crate::philox;
 ///
 /// It materialises `batch · num_heads · seqlen_q · seqlen_k` bytes: meant for tests.
 ///
-/// Errors: `p` outside `[0, 1)`.
+/// Errors: `p` outside `[0, 1)`, a mask that cannot fit in memory.
 pub fn dropout_mask(
     p: f32,
     seed: u64,
@@ -34,8 +34,9 @@ pub fn dropout_mask(
     seqlen_k: usize,
 ) -> Result<Tensor> {
     params::check_dropout(p)?;
+    let elems = params::alloc_elems(&[batch, num_heads, seqlen_q, seqlen_k], 1, "dropout_mask")?;
     let dropout = Dropout { p, seed, offset };
-    let mut mask = Vec::with_capacity(batch * num_heads * seqlen_q * seqlen_k);
+    let mut mask = Vec::with_capacity(elems);
     for b in 0..batch {
         for h in 0..num_heads {
             for i in 0..seqlen_q {

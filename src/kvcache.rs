@@ -121,7 +121,8 @@ impl Call {
                 }
                 if b.checked_mul(max_pages) != Some(block_table.len()) {
                     bail!(
-                        "block_table: expected batch * max_pages = {b} * {max_pages} entries, got {}",
+                        "block_table: expected batch * max_pages = {b} * {max_pages} = {} entries, got {}",
+                        b as u128 * max_pages as u128,
                         block_table.len()
                     )
                 }
@@ -541,6 +542,9 @@ fn check_cache_args(dims: [(usize, &str); 4], dtype: DType, device: &Device) -> 
             _ => bail!("{name}: the cache of {dims:?} elements does not fit in memory"),
         };
     }
+    // Both caches at once, tried on the CPU before candle's allocation (which aborts).
+    let sizes = dims.map(|(n, _)| n);
+    params::alloc_elems_on(&sizes, 2 * dtype.size_in_bytes(), "cache", device)?;
     Ok(())
 }
 
@@ -579,7 +583,7 @@ impl KvCache {
     /// A zero-filled cache `(batch, capacity, num_heads_k, head_dim)` of `dtype` on `device`
     /// (f16/bf16 on CUDA; f32/f16/bf16 on the CPU), every sequence empty.
     ///
-    /// Errors: a `capacity` that does not fit u32, and allocation errors.
+    /// Errors: a `capacity` that does not fit u32, a `batch` past i32, and allocation errors.
     pub fn new(
         batch: usize,
         capacity: usize,
@@ -588,6 +592,8 @@ impl KvCache {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        params::check_batch(batch)?;
+        params::alloc_elems(&[batch], 4, "lengths")?;
         check_fits_u32(capacity, "capacity")?;
         check_cache_args(
             [
@@ -701,8 +707,8 @@ impl PagedKvCache {
     /// `device` for `batch` sequences of up to `max_pages_per_seq * page_size` tokens each,
     /// every sequence empty and every page free.
     ///
-    /// Errors: `page_size == 0`, a `num_pages` or capacity that does not fit u32, and
-    /// allocation errors.
+    /// Errors: `page_size == 0`, a `num_pages` or capacity that does not fit u32, a `batch`
+    /// past i32, a block table that cannot fit in memory, and allocation errors.
     #[allow(clippy::too_many_arguments)] // the sizes of a pool; each is one plain number
     pub fn new(
         batch: usize,
@@ -732,9 +738,12 @@ impl PagedKvCache {
             dtype,
             device,
         )?;
-        if batch.checked_mul(max_pages_per_seq).is_none() {
-            bail!("batch * max_pages_per_seq: {batch} * {max_pages_per_seq} overflows")
-        }
+        params::check_batch(batch)?;
+        params::alloc_elems(
+            &[batch, max_pages_per_seq.saturating_add(1)],
+            4,
+            "block_table and lengths",
+        )?;
         let shape = (num_pages, page_size, num_heads_k, head_dim);
         Ok(Self {
             k: Tensor::zeros(shape, dtype, device)?,

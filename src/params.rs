@@ -368,6 +368,47 @@ pub(crate) fn check_scale(scale: f32) -> Result<()> {
     Ok(())
 }
 
+/// The element count of `dims`, checked to fit in host memory (`elem_bytes` each). Sizes taken
+/// from user input are checked before anything is allocated for them: a product that wraps,
+/// or an allocation this machine refuses, is an error naming `what` rather than a wrong size
+/// or a process aborted by the allocator.
+pub(crate) fn alloc_elems(dims: &[usize], elem_bytes: usize, what: &str) -> Result<usize> {
+    alloc_elems_on(dims, elem_bytes, what, &Device::Cpu)
+}
+
+/// [`alloc_elems`] for memory on `device`: on the CPU the allocation is tried (reserved and
+/// released untouched, so it costs no page); a device allocation reports its own failure.
+pub(crate) fn alloc_elems_on(
+    dims: &[usize],
+    elem_bytes: usize,
+    what: &str,
+    device: &Device,
+) -> Result<usize> {
+    let elems = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let bytes = elems.and_then(|n| n.checked_mul(elem_bytes));
+    let fits = match bytes {
+        Some(b) if b <= isize::MAX as usize => {
+            !device.is_cpu() || Vec::<u8>::new().try_reserve_exact(b).is_ok()
+        }
+        _ => false,
+    };
+    match elems {
+        Some(n) if fits => Ok(n),
+        _ => bail!("{what}: {dims:?} elements of {elem_bytes} bytes do not fit in memory"),
+    }
+}
+
+/// Sequences in one batch: the kernels index them in i32.
+pub(crate) fn check_batch(batch: usize) -> Result<()> {
+    if i32::try_from(batch).is_err() {
+        bail!(
+            "batch: {batch} sequences, more than the kernels' limit of {}",
+            i32::MAX
+        )
+    }
+    Ok(())
+}
+
 /// Checks the dropout probability the user gave.
 pub(crate) fn check_dropout(p: f32) -> Result<()> {
     if !(0.0..1.0).contains(&p) {
