@@ -29,6 +29,29 @@ const HUGE: usize = usize::MAX;
 /// Huge, yet its square and its sums with small sizes overflow only in products.
 const BIG: usize = 1 << 40;
 
+/// The bits of an f32 tensor.
+fn bits(t: &Tensor) -> Vec<u32> {
+    let v = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).unwrap();
+    v.into_iter().map(f32::to_bits).collect()
+}
+
+/// Everything a contiguous cache holds: its keys and values bit for bit, and its lengths.
+fn flat_state(c: &KvCache) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    (bits(c.k()), bits(c.v()), c.lengths().to_vec())
+}
+
+/// Everything a paged cache holds, its block table and free page count too.
+fn paged_state(c: &PagedKvCache) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>, usize) {
+    let table = c.block_table().to_vec();
+    (
+        bits(c.k()),
+        bits(c.v()),
+        c.lengths().to_vec(),
+        table,
+        c.free_pages(),
+    )
+}
+
 /// Calls made and the panics seen.
 #[derive(Default)]
 struct Sweep {
@@ -539,52 +562,86 @@ fn kv_cache_entry_points_never_panic() {
         FlashAttn::new().dropout(0.5),
         FlashAttn::new().softmax_scale(f32::NAN),
     ];
+    // Caches holding 3 and 2 tokens of random rows; every failed call must leave them (rows
+    // past the lengths included) bit for bit as they were.
+    let prefill = (f(&[5, 2, 8]), f(&[5, 2, 8]));
+    let fresh = || -> (KvCache, PagedKvCache) {
+        let mut cache = KvCache::new(2, 8, 2, 8, DType::F32, &CPU).unwrap();
+        let mut paged = PagedKvCache::new(2, 4, 4, 2, 2, 8, DType::F32, &CPU).unwrap();
+        cache
+            .append_varlen(&prefill.0, &prefill.1, &[3, 2])
+            .unwrap();
+        paged
+            .append_varlen(&prefill.0, &prefill.1, &[3, 2])
+            .unwrap();
+        (cache, paged)
+    };
     for (qn, q) in &pool {
         for (kn, k) in pool.iter().step_by(3) {
             for o in &opts {
-                let mut cache = KvCache::new(2, 8, 2, 8, DType::F32, &CPU).unwrap();
-                s.call(format!("KvCache append_and_attend q {qn} k {kn}"), || {
-                    cache.append_and_attend(q, k, k, o)
-                });
-                let mut paged = PagedKvCache::new(2, 4, 4, 2, 2, 8, DType::F32, &CPU).unwrap();
-                s.call(
-                    format!("PagedKvCache append_and_attend q {qn} k {kn}"),
-                    || paged.append_and_attend(q, k, k, o),
-                );
+                let (mut cache, mut paged) = fresh();
+                let what = format!("KvCache append_and_attend q {qn} k {kn}");
+                let before = flat_state(&cache);
+                if s.call(&what, || cache.append_and_attend(q, k, k, o))
+                    .is_none()
+                    && flat_state(&cache) != before
+                {
+                    s.wrong(format!("{what}: failed, yet the cache changed"));
+                }
+                let what = format!("PagedKvCache append_and_attend q {qn} k {kn}");
+                let before = paged_state(&paged);
+                if s.call(&what, || paged.append_and_attend(q, k, k, o))
+                    .is_none()
+                    && paged_state(&paged) != before
+                {
+                    s.wrong(format!("{what}: failed, yet the cache changed"));
+                }
             }
             if k.rank() == 3 {
                 for lens in [&[3usize, 2][..], &[HUGE, 1], &[1, HUGE], &[5], &[]] {
-                    let mut cache = KvCache::new(2, 8, 2, 8, DType::F32, &CPU).unwrap();
-                    s.call(format!("append_varlen {kn} {lens:?}"), || {
-                        cache.append_varlen(k, k, lens)
-                    });
-                    let mut paged = PagedKvCache::new(2, 4, 4, 2, 2, 8, DType::F32, &CPU).unwrap();
-                    s.call(format!("paged append_varlen {kn} {lens:?}"), || {
-                        paged.append_varlen(k, k, lens)
-                    });
+                    let (mut cache, mut paged) = fresh();
+                    let what = format!("append_varlen {kn} {lens:?}");
+                    let before = flat_state(&cache);
+                    if s.call(&what, || cache.append_varlen(k, k, lens)).is_none()
+                        && flat_state(&cache) != before
+                    {
+                        s.wrong(format!("{what}: failed, yet the cache changed"));
+                    }
+                    let what = format!("paged append_varlen {kn} {lens:?}");
+                    let before = paged_state(&paged);
+                    if s.call(&what, || paged.append_varlen(k, k, lens)).is_none()
+                        && paged_state(&paged) != before
+                    {
+                        s.wrong(format!("{what}: failed, yet the cache changed"));
+                    }
                 }
             }
         }
     }
-    let mut cache = KvCache::new(2, 8, 2, 8, DType::F32, &CPU).unwrap();
-    let mut paged = PagedKvCache::new(2, 4, 4, 2, 2, 8, DType::F32, &CPU).unwrap();
+    let (mut cache, mut paged) = fresh();
     for b in [0, 2, HUGE] {
         s.call(format!("reset_sequence {b}"), || cache.reset_sequence(b));
         s.call(format!("paged reset_sequence {b}"), || {
             paged.reset_sequence(b)
         });
     }
-    let (q, kc) = (f(&[2, 1, 4, 8]), f(&[2, 8, 2, 8]));
+    let (q, kc, vc) = (f(&[2, 1, 4, 8]), f(&[2, 8, 2, 8]), f(&[2, 8, 2, 8]));
     let new = f(&[2, 1, 2, 8]);
-    for lens in [&[0u32, 0][..], &[u32::MAX, 0], &[8, 8], &[7, 7], &[1], &[]] {
-        for new_kv in [None, Some((&new, &new))] {
-            s.call(
-                format!("flash_attn_with_kvcache {lens:?} new {}", new_kv.is_some()),
-                || flash_attn_with_kvcache(&q, &kc, &kc.copy()?, new_kv, lens, &FlashAttn::new()),
-            );
+    for (qn, q) in [("q", &q), ("bad q", &pool[0].1)] {
+        for lens in [&[0u32, 0][..], &[u32::MAX, 0], &[8, 8], &[7, 7], &[1], &[]] {
+            for new_kv in [None, Some((&new, &new)), Some((&new, &pool[2].1))] {
+                let what = format!("flash_attn_with_kvcache {qn} {lens:?} new {new_kv:?}");
+                let before = (bits(&kc), bits(&vc));
+                let r = s.call(&what, || {
+                    flash_attn_with_kvcache(q, &kc, &vc, new_kv, lens, &FlashAttn::new())
+                });
+                if r.is_none() && (bits(&kc), bits(&vc)) != before {
+                    s.wrong(format!("{what}: failed, yet the cache changed"));
+                }
+            }
         }
     }
-    let pages = f(&[4, 4, 2, 8]);
+    let (kp, vp) = (f(&[4, 4, 2, 8]), f(&[4, 4, 2, 8]));
     for (table, max_pages) in [
         (vec![0u32, 1, 2, 3], 2usize),
         (vec![u32::MAX, 1, 2, 3], 2),
@@ -596,11 +653,13 @@ fn kv_cache_entry_points_never_panic() {
     ] {
         for lens in [&[0u32, 0][..], &[u32::MAX, 0], &[8, 8], &[7, 3]] {
             for new_kv in [None, Some((&new, &new))] {
-                s.call(format!("paged {table:?} {max_pages} {lens:?}"), || {
+                let what = format!("paged {table:?} {max_pages} {lens:?}");
+                let before = (bits(&kp), bits(&vp));
+                let r = s.call(&what, || {
                     flash_attn_with_paged_kvcache(
                         &q,
-                        &pages,
-                        &pages.copy()?,
+                        &kp,
+                        &vp,
                         new_kv,
                         lens,
                         &table,
@@ -608,6 +667,9 @@ fn kv_cache_entry_points_never_panic() {
                         &FlashAttn::new(),
                     )
                 });
+                if r.is_none() && (bits(&kp), bits(&vp)) != before {
+                    s.wrong(format!("{what}: failed, yet the pages changed"));
+                }
             }
         }
     }
