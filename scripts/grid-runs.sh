@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The same-run grid of docs/bench-h100-s23.md, on the GPU machine: three alternated rounds of
+# The same-run grid of docs/archive/bench-h100-s23.md, on the GPU machine: three alternated rounds of
 # our bench, PyTorch's SDPA backends and (where staged as .gpu/cfa-bench.xz, built from
 # scripts/candle_flash_attn_bench.rs) candle-flash-attn's forward; then per side the median of
 # each record over the rounds, scripts/compare.py's tables and plot, and each round's forward
