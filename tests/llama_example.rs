@@ -1,17 +1,24 @@
 //! The LLaMA example's model on the CPU: the built-in checkpoint generated offline, flash and
 //! naive attention agreeing token for token and logit for logit, contiguous and paged
 //! caches, a batch of prompts of different lengths equal to each prompt alone, sharded
-//! checkpoints, and the errors a user meets first.
+//! checkpoints, and the errors a user meets first; then what surrounds the model: streamed
+//! text on whole UTF-8 characters, chat templates, and where `--model` finds a model.
 #![allow(dead_code)] // the example's modules are shared with other programs
 
 #[path = "../examples/llama/builtin.rs"]
 mod builtin;
+#[path = "../examples/llama/chat.rs"]
+mod chat;
 #[path = "../examples/llama/checkpoint.rs"]
 mod checkpoint;
 #[path = "../examples/llama/generate.rs"]
 mod generate;
 #[path = "../examples/llama/model.rs"]
 mod model;
+#[path = "../examples/llama/source.rs"]
+mod source;
+#[path = "../examples/llama/stream.rs"]
+mod stream;
 
 use std::path::{Path, PathBuf};
 
@@ -314,4 +321,236 @@ fn transformers_5_rope_parameters_read_like_rope_theta_and_rope_scaling() {
     let (scaled, base) = (a.rope_inv_freq(), c.rope_inv_freq());
     assert_eq!(scaled[0], base[0]);
     assert!((scaled[7] - base[7] / 32.0).abs() < 1e-12);
+}
+
+const REPLACEMENT: char = '\u{FFFD}';
+
+/// The chunks a stream hands out for `ids`, one push at a time.
+fn stream_chunks(tok: &tokenizers::Tokenizer, context: &[u32], ids: &[u32]) -> Vec<String> {
+    let mut s = stream::TextStream::new(tok, context).unwrap();
+    ids.iter().map(|&i| s.push(i).unwrap()).collect()
+}
+
+#[test]
+fn streamed_text_holds_back_characters_split_over_tokens() {
+    let dir = builtin_dir("utf8");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let tok = ckpt.tokenizer().unwrap();
+    // Characters the corpus does not have, so their bytes are separate tokens.
+    let text = " prix: 5 € — ß, ğ, 🎉 and ✓ done, long enough to slide the window past them all";
+    let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+    let split = ids
+        .iter()
+        .filter(|&&i| tok.decode(&[i], true).unwrap().contains(REPLACEMENT))
+        .count();
+    assert!(
+        split >= 4,
+        "the text must have tokens holding part of a character"
+    );
+    let prompt = tok.encode("The", true).unwrap().get_ids().to_vec();
+    let chunks = stream_chunks(tok, &prompt, &ids);
+    for c in &chunks {
+        assert!(
+            !c.contains(REPLACEMENT),
+            "a broken character was handed out: {c:?}"
+        );
+    }
+    assert!(chunks.iter().any(String::is_empty), "nothing was held back");
+    assert_eq!(chunks.concat(), text);
+}
+
+#[test]
+fn streamed_text_drops_bytes_that_form_no_character() {
+    let dir = builtin_dir("utf8-bad");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let tok = ckpt.tokenizer().unwrap();
+    // "€" is E2 82 AC, one byte token each: E2 alone is the lead of a character that never
+    // comes.
+    let euro = tok.encode("€", false).unwrap().get_ids().to_vec();
+    assert_eq!(
+        euro.len(),
+        3,
+        "€ is three byte tokens in the built-in tokenizer"
+    );
+    let a = tok.encode("a", false).unwrap().get_ids().to_vec();
+    let b = tok.encode("b", false).unwrap().get_ids().to_vec();
+    // A lead byte then ASCII: the byte is left out, the letters are not held back.
+    let ids = [euro[0], a[0], b[0]];
+    let chunks = stream_chunks(tok, &[], &ids);
+    assert_eq!(chunks, ["", "a", "b"]);
+    // A character cut short by the end of generation is never printed.
+    let mut out = Vec::new();
+    let mut p = stream::Printer::new(tok, &[vec![]], &["x".into()], &mut out).unwrap();
+    for &i in &[a[0], euro[0], euro[1]] {
+        p.push(0, i).unwrap();
+    }
+    p.finish().unwrap();
+    assert_eq!(String::from_utf8(out).unwrap(), "xa\n");
+}
+
+#[test]
+fn several_sequences_print_as_whole_tagged_lines() {
+    let dir = builtin_dir("lines");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let tok = ckpt.tokenizer().unwrap();
+    let texts = [" café 🎉\nsecond line ✓", " 東京\n"];
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tok.encode(*t, false).unwrap().get_ids().to_vec())
+        .collect();
+    let prompts = vec![vec![], vec![]];
+    let mut out = Vec::new();
+    let heads = ["[a]".to_string(), "[b]".to_string()];
+    let mut p = stream::Printer::new(tok, &prompts, &heads, &mut out).unwrap();
+    // Interleaved as a batch produces them: one token of each sequence per step.
+    for step in 0..ids.iter().map(Vec::len).max().unwrap() {
+        for (b, seq) in ids.iter().enumerate() {
+            if let Some(&t) = seq.get(step) {
+                p.push(b, t).unwrap();
+            }
+        }
+    }
+    p.finish().unwrap();
+    let out = String::from_utf8(out).unwrap();
+    assert!(!out.contains(REPLACEMENT), "{out}");
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        ["[0] [a] café 🎉", "[0] second line ✓", "[1] [b] 東京"],
+        "{out}"
+    );
+}
+
+/// SmolLM2-Instruct's chat template (from its tokenizer_config.json).
+const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+#[test]
+fn chat_templates_render_like_transformers() {
+    use chat::{ChatTemplate, Message};
+    let t = ChatTemplate::new(CHATML, "<|im_start|>", "<|im_end|>").unwrap();
+    let text = t.render(&[Message::new("user", "Hi")]).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let text = t
+        .render(&[
+            Message::new("system", "Be brief."),
+            Message::new("user", "Hi"),
+        ])
+        .unwrap();
+    assert!(
+        text.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"),
+        "{text}"
+    );
+
+    // LLaMA-style: bos_token, trimmed blocks, Python string methods, raise_exception.
+    let llama = "{{ bos_token }}{% for m in messages %}\n{% if m['role'] == 'tool' %}\
+                 {{ raise_exception('no tools here') }}{% endif %}\
+                 [{{ m['role'].upper() }}] {{ m['content'].strip() }}{{ eos_token }}\n{% endfor %}";
+    let t = ChatTemplate::new(llama, "<s>", "</s>").unwrap();
+    let text = t.render(&[Message::new("user", "  Hi  ")]).unwrap();
+    assert_eq!(text, "<s>[USER] Hi</s>\n");
+    let err = t.render(&[Message::new("tool", "x")]).unwrap_err();
+    assert!(format!("{err:#}").contains("no tools here"), "{err:#}");
+    assert!(ChatTemplate::new("{% for %}", "", "").is_err());
+
+    // A model without a template says so.
+    let dir = builtin_dir("no-template");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    assert!(ckpt.chat_template.is_none());
+    let tok = ckpt.tokenizer().unwrap();
+    let err = ChatTemplate::for_model(None, tok, None, &[]).err().unwrap();
+    assert!(format!("{err:#}").contains("no chat template"), "{err:#}");
+    // tokenizer_config.json's template is the checkpoint's.
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({ "chat_template": CHATML }).to_string(),
+    )
+    .unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ckpt.chat_template.as_deref(), Some(CHATML));
+}
+
+/// A hub that cannot be reached: a closed port on this machine.
+fn unreachable_hub(cache: PathBuf) -> source::Hub {
+    source::Hub {
+        endpoint: "http://127.0.0.1:9".into(),
+        cache,
+        offline: false,
+    }
+}
+
+#[test]
+fn model_arguments_resolve_to_directories_files_or_hub_snapshots() {
+    use source::{resolve, Source};
+    let dir = builtin_dir("resolve");
+    let hub = unreachable_hub(scratch("resolve-hub"));
+    let arg = dir.to_str().unwrap();
+    assert_eq!(resolve(arg, &hub).unwrap(), Source::Dir(dir.clone()));
+    let gguf = dir.join("m.gguf");
+    std::fs::write(&gguf, b"").unwrap();
+    assert_eq!(
+        resolve(gguf.to_str().unwrap(), &hub).unwrap(),
+        Source::Gguf(gguf.clone())
+    );
+    let e = resolve(dir.join("config.json").to_str().unwrap(), &hub).unwrap_err();
+    assert!(format!("{e:#}").contains("expected a checkpoint directory or a .gguf file"));
+    let e = resolve("/no/such/place", &hub).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("no such directory or file"),
+        "{e:#}"
+    );
+
+    // A snapshot in the Hugging Face cache is used as it is, with no network.
+    let snap = hub
+        .cache
+        .join("models--someone--tiny-llama/snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(dir.join(f), snap.join(f)).unwrap();
+    }
+    let refs = hub.cache.join("models--someone--tiny-llama/refs");
+    std::fs::create_dir_all(&refs).unwrap();
+    std::fs::write(refs.join("main"), "0123abcd").unwrap();
+    assert_eq!(
+        resolve("someone/tiny-llama", &hub).unwrap(),
+        Source::Dir(snap.clone())
+    );
+    Checkpoint::open(&snap).unwrap();
+}
+
+#[test]
+fn a_hub_id_offline_fails_at_once_with_what_to_do() {
+    let hub = unreachable_hub(scratch("offline-hub"));
+    let start = std::time::Instant::now();
+    let e = source::resolve("HuggingFaceTB/SmolLM2-135M-Instruct", &hub).unwrap_err();
+    let e = format!("{e:#}");
+    assert!(start.elapsed().as_secs() < 3, "took {:?}", start.elapsed());
+    assert!(
+        e.contains("cannot be reached") && e.contains("fetch-model.sh"),
+        "{e}"
+    );
+    let offline = source::Hub {
+        offline: true,
+        ..hub
+    };
+    let e = source::resolve("someone/model:file.gguf", &offline).unwrap_err();
+    assert!(format!("{e:#}").contains("HF_HUB_OFFLINE"), "{e:#}");
+}
+
+#[test]
+fn without_model_the_default_is_smollm2_from_the_cache_else_the_builtin_one() {
+    use source::{default_model_in, Source, DEFAULT_GGUF};
+    let cache = scratch("default-cache");
+    let hub = unreachable_hub(scratch("default-hub"));
+    assert_eq!(default_model_in(Some(&cache), &hub), Source::Builtin);
+    assert_eq!(default_model_in(None, &hub), Source::Builtin);
+    std::fs::write(cache.join(DEFAULT_GGUF), b"").unwrap();
+    assert_eq!(
+        default_model_in(Some(&cache), &hub),
+        Source::Gguf(cache.join(DEFAULT_GGUF))
+    );
 }

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor, D};
 use candle_transformers::models::llama as ct;
 
@@ -32,8 +32,9 @@ pub fn generate(
     {
         bail!("--impl candle-transformers: only greedy decoding is wired up")
     }
-    let text = std::fs::read_to_string(ckpt.dir.join("config.json"))?;
-    let cfg: ct::LlamaConfig = serde_json::from_value(super::model::normalized_json(&text)?)?;
+    // The configuration as the checkpoint's config.json spells it (a GGUF file's included).
+    let cfg: ct::LlamaConfig = serde_json::from_value(serde_json::to_value(&ckpt.config)?)
+        .context("--impl candle-transformers: a configuration its llama does not take")?;
     let cfg = cfg.into_config(false);
     let vb = ckpt.var_builder(dtype, dev)?;
     let model = ct::Llama::load(vb, &cfg)?;

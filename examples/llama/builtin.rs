@@ -3,9 +3,10 @@
 //! the Hugging Face layout (`config.json`, `model.safetensors` with HF tensor names,
 //! `tokenizer.json`, `generation_config.json`) and loaded like any other checkpoint.
 //!
-//! The tokenizer is a byte-level BPE trained by the `tokenizers` crate's trainer on text this
-//! repository holds (its README and tuning log); the weights are seeded normal draws, so the
-//! model's text is noise until the fine-tuning example trains it.
+//! The tokenizer is a byte-level BPE trained by the `tokenizers` crate's trainer on a fixed
+//! corpus of this example (`corpus.txt`), so editing the repository's documentation never
+//! changes it; the weights are seeded normal draws, so the model's text is noise until the
+//! fine-tuning example trains it.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -21,11 +22,8 @@ use tokenizers::{AddedToken, Tokenizer};
 
 use super::model::{Config, RopeScaling, TokenIds};
 
-/// Text the tokenizer is trained on: what the repository holds.
-const CORPUS: [&str; 2] = [
-    include_str!("../../README.md"),
-    include_str!("../../docs/PERF.md"),
-];
+/// Text the tokenizer is trained on, fixed with the example.
+const CORPUS: &str = include_str!("corpus.txt");
 
 /// Beginning- and end-of-sequence tokens of the built-in tokenizer.
 pub const BOS: &str = "<s>";
@@ -81,8 +79,7 @@ pub fn train_tokenizer(vocab_size: usize) -> Result<Tokenizer> {
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build()
         .into();
-    let lines: Vec<&str> = CORPUS.iter().flat_map(|t| t.lines()).collect();
-    tok.train(&mut trainer, lines.into_iter())
+    tok.train(&mut trainer, CORPUS.lines())
         .map_err(anyhow::Error::msg)?;
     let bos = tok.token_to_id(BOS).context("tokenizer: no <s> token")?;
     let template = TemplateProcessing::builder()

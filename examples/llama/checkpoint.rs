@@ -1,26 +1,35 @@
-//! Loading a Hugging Face LLaMA-family checkpoint directory: `config.json`, the weights
-//! (`model.safetensors`, or shards listed by `model.safetensors.index.json`), `tokenizer.json`
-//! and `generation_config.json`. Nothing is fetched: every file must be in the directory.
+//! A model to run: a Hugging Face LLaMA-family checkpoint directory (`config.json`, the
+//! weights in `model.safetensors` or in shards listed by `model.safetensors.index.json`,
+//! `tokenizer.json`, `generation_config.json`, `tokenizer_config.json` for the chat template),
+//! or weights already in memory (a dequantized GGUF file, see gguf.rs). Nothing is fetched
+//! here: every file must be in the directory.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle::{DType, Device};
+use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use tokenizers::Tokenizer;
 
 use super::model::{AttnImpl, Config, Llama};
 
-/// What a checkpoint directory holds.
+/// What a checkpoint holds.
 pub struct Checkpoint {
+    /// The checkpoint directory, or the file the weights came from.
     pub dir: PathBuf,
     pub config: Config,
+    /// The safetensors files of a directory (empty when the weights are in `tensors`).
     pub weights: Vec<PathBuf>,
+    /// Weights held in memory under their Hugging Face names (f32 on the CPU).
+    pub tensors: Option<HashMap<String, Tensor>>,
     /// `tokenizer.json`, when present.
     pub tokenizer: Option<Tokenizer>,
     /// End-of-sequence ids: `generation_config.json`'s, else `config.json`'s.
     pub eos_ids: Vec<u32>,
+    /// The Jinja chat template of an instruct model (`tokenizer_config.json`'s
+    /// `chat_template`, or `chat_template.jinja`), when there is one.
+    pub chat_template: Option<String>,
 }
 
 fn read(path: &Path) -> Result<String> {
@@ -114,13 +123,19 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             config,
             weights,
+            tensors: None,
             tokenizer,
             eos_ids,
+            chat_template: chat_template(dir)?,
         })
     }
 
-    /// Memory-maps the weights into a builder of `dtype` on `dev`.
+    /// A builder of `dtype` on `dev` over the weights: memory-mapped files, or the tensors
+    /// held in memory (converted when a layer takes them).
     pub fn var_builder(&self, dtype: DType, dev: &Device) -> Result<VarBuilder<'static>> {
+        if let Some(t) = &self.tensors {
+            return Ok(VarBuilder::from_tensors(t.clone(), dtype, dev));
+        }
         // Safety: the files are mapped read-only; they must not change while mapped.
         Ok(unsafe { VarBuilder::from_mmaped_safetensors(&self.weights, dtype, dev)? })
     }
@@ -141,8 +156,36 @@ impl Checkpoint {
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
-        self.tokenizer
-            .as_ref()
-            .with_context(|| format!("{}: no tokenizer.json", self.dir.display()))
+        self.tokenizer.as_ref().with_context(|| {
+            format!(
+                "{}: no tokenizer (give one with --tokenizer tokenizer.json)",
+                self.dir.display()
+            )
+        })
     }
+}
+
+/// The chat template of a checkpoint directory: `chat_template.jinja` (transformers 4.43+
+/// writes it there), else `tokenizer_config.json`'s `chat_template`, a string or a list of
+/// named templates of which the one named "default" is taken.
+fn chat_template(dir: &Path) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        return Ok(Some(read(&jinja)?));
+    }
+    let path = dir.join("tokenizer_config.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let json: serde_json::Value = serde_json::from_str(&read(&path)?)
+        .with_context(|| format!("{}: not JSON", path.display()))?;
+    Ok(match &json["chat_template"] {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(String::from),
+        _ => None,
+    })
 }

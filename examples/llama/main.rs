@@ -3,14 +3,17 @@
 //! cache through the crate's decode kernels.
 //!
 //! ```text
-//! cargo run --release --example llama                                   # built-in model, CPU
+//! scripts/fetch-model.sh                          # SmolLM2-135M-Instruct into the cache, once
+//! cargo run --release --example llama             # that model (or the built-in one), CPU
+//! cargo run --release --example llama -- --chat --prompt "What is the capital of France?"
 //! cargo run --release --features cuda --example llama -- --model DIR --prompt "Once upon a time"
 //! ```
 //!
-//! `--model DIR` takes a Hugging Face LLaMA-family checkpoint (LLaMA 2/3, TinyLlama, SmolLM,
-//! Qwen2); without it the example writes and runs a small built-in model (see builtin.rs).
+//! `--model` takes a Hugging Face LLaMA-family checkpoint directory (LLaMA 2/3, TinyLlama,
+//! SmolLM, Qwen2), a `.gguf` file of the llama architecture (dequantized on load, see
+//! gguf.rs) or a hub id (source.rs); without it the example runs SmolLM2-135M-Instruct when
+//! it is in the cache, else a small built-in model with random weights (see builtin.rs).
 
-use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -20,14 +23,20 @@ use clap::{Parser, ValueEnum};
 
 mod baseline;
 mod builtin;
+mod chat;
 mod checkpoint;
 mod generate;
+mod gguf;
 #[allow(dead_code)] // shared with the fine-tuning example and the tests
 mod model;
+mod source;
+mod stream;
+mod tokenizer_gguf;
 
 use checkpoint::Checkpoint;
 use generate::{GenOpts, Generation};
 use model::{AttnImpl, CacheLayout};
+use source::Source;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Attention {
@@ -46,18 +55,39 @@ enum Impl {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "LLaMA-style generation with candle-flash attention")]
+#[command(
+    about = "LLaMA-style generation with candle-flash attention",
+    after_help = "Models are looked for in the example's cache ($CANDLE_FLASH_CACHE, else \
+                  $XDG_CACHE_HOME/candle-flash, else ~/.cache/candle-flash), where \
+                  scripts/fetch-model.sh puts SmolLM2-135M-Instruct.Q4_1.gguf, and in the \
+                  Hugging Face cache ($HF_HOME/hub, else ~/.cache/huggingface/hub)."
+)]
 struct Args {
-    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json);
-    /// without it a small built-in model is written to a temporary directory and used.
+    /// The model: a Hugging Face checkpoint directory (config.json, *.safetensors,
+    /// tokenizer.json), a .gguf file (llama architecture; F32/F16/BF16 and the Q4/Q5/Q8/K
+    /// quantizations, dequantized on load), or a hub id (owner/name, or owner/name:FILE.gguf)
+    /// taken from the Hugging Face cache or downloaded when the hub can be reached. Without
+    /// it: SmolLM2-135M-Instruct from the cache (scripts/fetch-model.sh fetches it), else a
+    /// small built-in model with random weights.
     #[arg(long)]
-    model: Option<PathBuf>,
+    model: Option<String>,
+    /// A tokenizer.json to use instead of the model's (for GGUF files whose tokenizer this
+    /// example cannot rebuild from their metadata).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// A prompt; repeat for a batch of prompts (of any lengths).
     #[arg(long)]
     prompt: Vec<String>,
     /// A file of prompts, one per line (added to --prompt).
     #[arg(long)]
     prompt_file: Option<PathBuf>,
+    /// Each prompt is a user message of a chat, formatted with the model's chat template
+    /// (instruct models); generation stops at the end of the assistant's turn.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: a system message before each prompt (else the template's default).
+    #[arg(long)]
+    system: Option<String>,
     /// Instead of text: --batch prompts of this many seeded random token ids (benchmarks).
     #[arg(long)]
     random_prompt: Option<usize>,
@@ -137,32 +167,13 @@ fn sampling(args: &Args) -> Sampling {
     }
 }
 
-/// Prints a sequence's text as it grows, on whole UTF-8 characters only.
-struct Streamer<'a> {
-    tok: &'a tokenizers::Tokenizer,
-    ids: Vec<u32>,
-    printed: usize,
+/// The prompts as token ids, and the text shown before each sequence's output.
+struct Prompts {
+    ids: Vec<Vec<u32>>,
+    heads: Vec<String>,
 }
 
-impl Streamer<'_> {
-    fn push(&mut self, id: u32) -> Result<()> {
-        self.ids.push(id);
-        let text = self
-            .tok
-            .decode(&self.ids, true)
-            .map_err(anyhow::Error::msg)?;
-        if text.len() > self.printed && !text.ends_with('\u{FFFD}') {
-            if let Some(new) = text.get(self.printed..) {
-                print!("{new}");
-                std::io::stdout().flush()?;
-            }
-            self.printed = text.len();
-        }
-        Ok(())
-    }
-}
-
-fn prompts(args: &Args, ckpt: &Checkpoint) -> Result<(Vec<String>, Vec<Vec<u32>>)> {
+fn prompts(args: &Args, ckpt: &Checkpoint) -> Result<Prompts> {
     if let Some(len) = args.random_prompt {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
@@ -170,7 +181,10 @@ fn prompts(args: &Args, ckpt: &Checkpoint) -> Result<(Vec<String>, Vec<Vec<u32>>
         let ids = (0..args.batch)
             .map(|_| (0..len).map(|_| rng.random_range(0..v)).collect())
             .collect();
-        return Ok((vec![String::new(); args.batch], ids));
+        return Ok(Prompts {
+            ids,
+            heads: vec![String::new(); args.batch],
+        });
     }
     let mut texts = args.prompt.clone();
     if let Some(f) = &args.prompt_file {
@@ -183,18 +197,112 @@ fn prompts(args: &Args, ckpt: &Checkpoint) -> Result<(Vec<String>, Vec<Vec<u32>>
         );
     }
     if texts.is_empty() {
-        texts.push("FlashAttention computes exact attention".into());
+        texts.push(
+            match args.chat {
+                true => "What is the capital of France?",
+                false => "The three most useful things to know about attention are",
+            }
+            .into(),
+        );
     }
     let tok = ckpt.tokenizer()?;
-    let ids = texts
-        .iter()
-        .map(|t| {
-            tok.encode(t.as_str(), true)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(anyhow::Error::msg)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((texts, ids))
+    let encode = |text: &str, special: bool| -> Result<Vec<u32>> {
+        Ok(tok
+            .encode(text, special)
+            .map_err(anyhow::Error::msg)?
+            .get_ids()
+            .to_vec())
+    };
+    if !args.chat {
+        let ids = texts
+            .iter()
+            .map(|t| encode(t, true))
+            .collect::<Result<_>>()?;
+        return Ok(Prompts { ids, heads: texts });
+    }
+    let template = chat::ChatTemplate::for_model(
+        ckpt.chat_template.as_deref(),
+        tok,
+        ckpt.config.bos_token_id,
+        &ckpt.eos_ids,
+    )?;
+    let mut ids = Vec::new();
+    for t in &texts {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(chat::Message::new("system", s));
+        }
+        messages.push(chat::Message::new("user", t));
+        ids.push(encode(&template.render(&messages)?, false)?);
+    }
+    let heads = texts.iter().map(|t| format!("> {t}\n")).collect();
+    Ok(Prompts { ids, heads })
+}
+
+/// Opens the model and says which it is (stderr), plainly so for the built-in one.
+fn open_model(args: &Args) -> Result<Checkpoint> {
+    let hub = source::Hub::from_env();
+    let src = match &args.model {
+        Some(m) => source::resolve(m, &hub)?,
+        None => source::default_model(&hub),
+    };
+    let cfg_line = |c: &model::Config| {
+        format!(
+            "{} layers, hidden {}, {}/{} heads, vocab {}",
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_kv_heads(),
+            c.vocab_size
+        )
+    };
+    let tokenizer_json = args.tokenizer.as_deref();
+    let ckpt = match src {
+        Source::Gguf(path) => {
+            let (content, file) = gguf::read_content(&path)?;
+            let ckpt = gguf::load(&path, &content, file, tokenizer_json)?;
+            eprintln!(
+                "model: {} ({}; {}, dequantized) from {}",
+                path.file_name().unwrap_or_default().to_string_lossy(),
+                cfg_line(&ckpt.config),
+                gguf::storage_summary(&content),
+                path.display()
+            );
+            ckpt
+        }
+        Source::Dir(dir) => {
+            let mut ckpt = Checkpoint::open(&dir)?;
+            if let Some(p) = tokenizer_json {
+                ckpt.tokenizer = Some(
+                    tokenizers::Tokenizer::from_file(p)
+                        .map_err(|e| anyhow::anyhow!("--tokenizer {}: {e}", p.display()))?,
+                );
+            }
+            eprintln!(
+                "model: {} ({}) from {}",
+                dir.file_name().unwrap_or_default().to_string_lossy(),
+                cfg_line(&ckpt.config),
+                dir.display()
+            );
+            ckpt
+        }
+        Source::Builtin => {
+            let d = std::env::temp_dir().join("candle-flash-builtin-llama");
+            builtin::write(&d, 0).context("writing the built-in model")?;
+            let cache = source::cache_dir()
+                .map(|d| d.display().to_string())
+                .unwrap_or_else(|| "$CANDLE_FLASH_CACHE".into());
+            let ckpt = Checkpoint::open(&d)?;
+            eprintln!(
+                "model: the built-in one ({}). Its weights are RANDOM, so its text is noise.\n\
+                 For real text: scripts/fetch-model.sh (puts SmolLM2-135M-Instruct, 98 MB, in \
+                 {cache}) and run again, or pass --model DIR | FILE.gguf | owner/name.",
+                cfg_line(&ckpt.config)
+            );
+            ckpt
+        }
+    };
+    Ok(ckpt)
 }
 
 fn report(args: &Args, dev: &Device, dt: DType, gen: &Generation, ckpt: &Checkpoint) {
@@ -260,17 +368,12 @@ fn main() -> Result<()> {
     let flash =
         matches!(args.attention, Attention::Flash) && args.implementation == Impl::CandleFlash;
     let dt = generate::choose_dtype(args.dtype.as_deref(), &dev, flash)?;
-    let dir = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            let d = std::env::temp_dir().join("candle-flash-builtin-llama");
-            builtin::write(&d, 0).context("writing the built-in model")?;
-            eprintln!("built-in model written to {}", d.display());
-            d
-        }
-    };
-    let ckpt = Checkpoint::open(&dir)?;
-    let (texts, ids) = prompts(&args, &ckpt)?;
+    if args.repeat == 0 {
+        bail!("--repeat: must be at least 1")
+    }
+    let ckpt = open_model(&args)?;
+    let prompts = prompts(&args, &ckpt)?;
+    let ids = &prompts.ids;
     let opts = GenOpts {
         max_new_tokens: args.max_new_tokens,
         sampling: sampling(&args),
@@ -291,49 +394,53 @@ fn main() -> Result<()> {
         },
         record_logits: args.logits_out.is_some(),
     };
-    let stream = !args.quiet && ids.len() == 1 && args.random_prompt.is_none();
     let warmup_opts = GenOpts {
         max_new_tokens: args.max_new_tokens.min(3),
         record_logits: false,
         ..opts.clone()
     };
+    // Text is printed as it is generated, whole characters only (stream.rs).
+    let show = !args.quiet && args.random_prompt.is_none();
+    let mut printer = match (show, ckpt.tokenizer.as_ref()) {
+        (true, Some(tok)) => Some(stream::Printer::new(
+            tok,
+            ids,
+            &prompts.heads,
+            std::io::stdout(),
+        )?),
+        _ => None,
+    };
     // The warm-up takes the same prompts: the timed run then finds the memory pool grown and
     // every kernel and cuBLAS plan of its shapes loaded.
-    if args.repeat == 0 {
-        bail!("--repeat: must be at least 1")
-    }
     let mut gen = match args.implementation {
         Impl::CandleTransformers => {
             if args.warmup {
-                baseline::generate(&ckpt, dt, &dev, &ids, &warmup_opts)?;
+                baseline::generate(&ckpt, dt, &dev, ids, &warmup_opts)?;
             }
             let mut runs = vec![];
             for _ in 0..args.repeat {
-                runs.push(baseline::generate(&ckpt, dt, &dev, &ids, &opts)?);
+                runs.push(baseline::generate(&ckpt, dt, &dev, ids, &opts)?);
             }
-            generate::median_run(runs)
+            let gen = generate::median_run(runs);
+            if let Some(p) = printer.as_mut() {
+                for (b, toks) in gen.tokens.iter().enumerate() {
+                    for &t in toks {
+                        p.push(b, t)?;
+                    }
+                }
+            }
+            gen
         }
         Impl::CandleFlash => {
             let max_len = ids.iter().map(Vec::len).max().unwrap_or(0) + args.max_new_tokens;
             let model = ckpt.load(attn_impl(&args), dt, &dev, max_len)?;
             if args.warmup {
-                generate::generate(&model, &ids, &warmup_opts, |_, _| {})?;
+                generate::generate(&model, ids, &warmup_opts, |_, _| {})?;
             }
-            let mut streamer = match (stream, ckpt.tokenizer.as_ref()) {
-                (true, Some(tok)) => {
-                    print!("{}", texts[0]);
-                    Some(Streamer {
-                        tok,
-                        ids: Vec::new(),
-                        printed: 0,
-                    })
-                }
-                _ => None,
-            };
             let mut err = None;
-            let gen = generate::generate(&model, &ids, &opts, |_, t| {
-                if let Some(s) = streamer.as_mut() {
-                    if let Err(e) = s.push(t) {
+            let gen = generate::generate(&model, ids, &opts, |b, t| {
+                if let Some(p) = printer.as_mut() {
+                    if let Err(e) = p.push(b, t) {
                         err.get_or_insert(e);
                     }
                 }
@@ -343,21 +450,14 @@ fn main() -> Result<()> {
             }
             let mut runs = vec![gen];
             for _ in 1..args.repeat {
-                runs.push(generate::generate(&model, &ids, &opts, |_, _| {})?);
+                runs.push(generate::generate(&model, ids, &opts, |_, _| {})?);
             }
             generate::median_run(runs)
         }
     };
     gen.stats.runs = args.repeat;
-    if stream {
-        println!();
-    } else if !args.quiet {
-        if let Some(tok) = &ckpt.tokenizer {
-            for (b, toks) in gen.tokens.iter().enumerate() {
-                let text = tok.decode(toks, true).map_err(anyhow::Error::msg)?;
-                println!("[{b}] {}{text}", texts[b]);
-            }
-        }
+    if let Some(p) = printer {
+        p.finish()?;
     }
     if args.print_ids {
         for (b, toks) in gen.tokens.iter().enumerate() {
