@@ -54,13 +54,13 @@ NORM(f16, f16)
     train::embed_bwd_sorted(dy, ids, order, seg, dtable, cols);                              \
   }                                                                                          \
   extern "C" __global__ void train_xent_fwd_##T(const T* logits, const uint32_t* targets,    \
-                                                float* loss, int64_t vocab) {                \
-    train::xent_fwd(logits, targets, loss, vocab);                                           \
+                                                float* loss, float* lse, int64_t vocab) {    \
+    train::xent_fwd(logits, targets, loss, lse, vocab);                                      \
   }                                                                                          \
   extern "C" __global__ void train_xent_bwd_##T(const T* logits, const uint32_t* targets,    \
-                                                const float* loss, const float* dloss,       \
+                                                const float* lse, const float* dloss,        \
                                                 T* dlogits, int64_t vocab) {                 \
-    train::xent_bwd(logits, targets, loss, dloss, dlogits, vocab);                           \
+    train::xent_bwd(logits, targets, lse, dloss, dlogits, vocab);                            \
   }                                                                                          \
   extern "C" __global__ void train_adamw_moments_##T(float* mv, const T* g, int64_t n,       \
                                                      float gscale, float b1, float b2) {     \

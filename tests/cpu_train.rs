@@ -53,6 +53,26 @@ fn cross_entropy_matches_log_softmax() {
 }
 
 #[test]
+fn cross_entropy_at_extreme_logits() {
+    run(train_checks::cross_entropy_extreme)
+}
+
+#[test]
+fn adamw_state_is_a_copy() {
+    run(train_checks::adamw_state::snapshot)
+}
+
+#[test]
+fn adamw_update_is_all_or_nothing() {
+    run(train_checks::adamw_state::all_or_nothing)
+}
+
+#[test]
+fn adamw_load_state_refuses_malformed_states() {
+    run(train_checks::adamw_state::malformed)
+}
+
+#[test]
 fn fixed_order_sums_repeat() {
     run(train_checks::repeatable);
 }
@@ -136,6 +156,18 @@ fn bad_input_names_the_argument() -> candle::Result<()> {
     assert_fails(
         train::AdamW::new(vec![("w".into(), v)], 1e-3, 0.0),
         &["AdamW: variable w", "F32"],
+    );
+    let (a, b) = (
+        Var::zeros(3, DType::F32, &cpu)?,
+        Var::zeros(3, DType::F32, &cpu)?,
+    );
+    assert_fails(
+        train::AdamW::new(vec![("w".into(), a.clone()), ("w".into(), b)], 1e-3, 0.0),
+        &["AdamW: two variables are named w"],
+    );
+    assert_fails(
+        train::AdamW::new(vec![("a".into(), a.clone()), ("b".into(), a)], 1e-3, 0.0),
+        &["AdamW: variables a and b are the same Var"],
     );
     Ok(())
 }

@@ -2,6 +2,8 @@
 //! in f32, gather, mean) writes and reads several `(tokens, vocab)` f32 buffers, forward and
 //! backward: at a 128k vocabulary and 16k tokens, 8 GB each.
 
+use std::sync::Mutex;
+
 use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 
@@ -13,7 +15,12 @@ pub const IGNORE: u32 = u32::MAX;
 /// The loss of each row: `logsumexp(logits[r]) - logits[r, targets[r]]`, `(n,)` F32, 0 where
 /// the target is [`IGNORE`] and NaN where it is past the vocabulary. `logits` `(n, vocab)` in
 /// BF16, F16 or F32 (math in f32), `targets` `(n,)` U32. Differentiable in `logits` (gradient
-/// in their dtype).
+/// in their dtype): `dloss * (softmax(logits[r]) - onehot(targets[r]))`, from the row's
+/// log-sum-exp kept by the forward, so it stays exact however large the loss.
+///
+/// Extreme logits follow PyTorch: a target logit of `-inf` gives a loss of `inf` and the
+/// finite gradient above (`-dloss` at the target); a row holding a NaN or `+inf`, or whose
+/// logits are all `-inf`, gives NaN, its loss and its gradient.
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     host::check_float(logits, "cross_entropy: logits")?;
     host::check_same_device(logits, targets, "cross_entropy: targets")?;
@@ -33,7 +40,7 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     }
     logits
         .contiguous()?
-        .apply_op2(&targets.contiguous()?, CrossEntropy)
+        .apply_op2(&targets.contiguous()?, CrossEntropy::default())
 }
 
 /// The mean of [`cross_entropy_rows`] over the rows whose target is not [`IGNORE`] (0 when
@@ -49,7 +56,28 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     rows.sum_all()?.div(&counted)
 }
 
-struct CrossEntropy;
+/// The op keeps each row's log-sum-exp from its forward for its backward: rebuilt there from
+/// the f32 loss (`loss + logit[target]`), it lost the loss's rounding (with a target logit of
+/// -1e6 a loss near 1e6 is rounded to 1/16, 2.6% off in the softmax) and was NaN for a target
+/// logit of -inf (`inf - inf`).
+#[derive(Default)]
+struct CrossEntropy {
+    /// `(n,)` F32 on the logits' device, NaN for a row holding a NaN or +inf.
+    lse: Mutex<Option<Tensor>>,
+}
+
+impl CrossEntropy {
+    fn keep_lse(&self, lse: Storage, n: usize) {
+        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(host::tensor(lse, n));
+    }
+
+    fn kept_lse(&self) -> Result<Tensor> {
+        match &*self.lse.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(lse) => Ok(lse.clone()),
+            None => bail!("cross_entropy backward: the forward kept no log-sum-exp"),
+        }
+    }
+}
 
 /// `max + ln(sum of exp(x - max))` of a row, or NaN when it holds one. The sum runs in f64:
 /// in f32, one term after another, a vocabulary's thousands of small terms added to a sum
@@ -85,18 +113,20 @@ impl CustomOp2 for CrossEntropy {
         let x = crate::cpu::gather_f32(s1, l1)?;
         let t = host::u32s(s2, l2, "cross_entropy: targets")?;
         let vocab = l1.dims()[1];
+        let lses: Vec<f32> = (0..t.len())
+            .map(|r| lse(&x[r * vocab..][..vocab]))
+            .collect();
         let loss = t
             .iter()
+            .zip(&lses)
             .enumerate()
-            .map(|(r, &t)| {
-                let row = &x[r * vocab..][..vocab];
-                match t {
-                    IGNORE => 0.0,
-                    t if t as usize >= vocab => f32::NAN,
-                    t => lse(row) - row[t as usize],
-                }
+            .map(|(r, (&t, lse))| match t {
+                IGNORE => 0.0,
+                t if t as usize >= vocab => f32::NAN,
+                t => lse - x[r * vocab + t as usize],
             })
             .collect();
+        self.keep_lse(Storage::Cpu(CpuStorage::F32(lses)), t.len());
         Ok((CpuStorage::F32(loss), Shape::from(t.len())))
     }
 
@@ -117,18 +147,22 @@ impl CustomOp2 for CrossEntropy {
         );
         let stream = dev.cuda_stream();
         let mut loss = launch::alloc(dev, DType::F32, n, false)?;
+        let mut lse = launch::alloc(dev, DType::F32, n, false)?;
         {
             let (x, _a) = launch::ptr(s1, l1, &stream)?;
             let (t, _b) = launch::ptr(s2, l2, &stream)?;
             let (lp, _c) = launch::ptr_mut(&mut loss, 0, &stream)?;
+            let (sp, _d) = launch::ptr_mut(&mut lse, 0, &stream)?;
             let args = [
                 Arg::Ptr(x),
                 Arg::Ptr(t),
                 Arg::Ptr(lp),
+                Arg::Ptr(sp),
                 Arg::I64(vocab as i64),
             ];
             launch::launch(dev, &name, n, 256, &args)?;
         }
+        self.keep_lse(Storage::Cuda(lse), n);
         Ok((loss, Shape::from(n)))
     }
 
@@ -136,15 +170,16 @@ impl CustomOp2 for CrossEntropy {
         &self,
         logits: &Tensor,
         targets: &Tensor,
-        loss: &Tensor,
+        _loss: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dloss = grad.contiguous()?;
+        let lse = self.kept_lse()?;
         let (n, vocab) = logits.dims2()?;
         let dx = {
             let (xs, xl) = logits.storage_and_layout();
             let (ts, tl) = targets.storage_and_layout();
-            let (ls, ll) = loss.storage_and_layout();
+            let (ls, ll) = lse.storage_and_layout();
             let (gs, gl) = dloss.storage_and_layout();
             match (&*xs, &*ts, &*ls, &*gs) {
                 (Storage::Cpu(xs), Storage::Cpu(ts), Storage::Cpu(ls), Storage::Cpu(gs)) => {
@@ -161,9 +196,10 @@ impl CustomOp2 for CrossEntropy {
                         }
                         let row = &x[r * vocab..][..vocab];
                         let out = &mut dx[r * vocab..][..vocab];
-                        let lse = match row.get(t[r] as usize) {
-                            Some(xt) => l[r] + xt,
-                            None => f32::NAN,
+                        let lse = if (t[r] as usize) < vocab {
+                            l[r]
+                        } else {
+                            f32::NAN
                         };
                         for (c, (o, xv)) in out.iter_mut().zip(row).enumerate() {
                             let onehot = if c == t[r] as usize { 1.0 } else { 0.0 };

@@ -158,3 +158,9 @@ pub(super) fn stride_blocks(dev: &CudaDevice, n: usize, threads: u32) -> Result<
 pub(super) fn max_stride_blocks(dev: &CudaDevice) -> Result<usize> {
     Ok(crate::cuda::device_facts(dev)?.sms * 16)
 }
+
+/// Loads `name` (and its module) on `dev` ahead of its launches, so that they cannot fail
+/// for that reason later.
+pub(super) fn preload(dev: &CudaDevice, name: &str) -> Result<()> {
+    crate::cuda::prepare_launch(dev, name, (1, 1, 1), 256, 0).map(|_| ())
+}

@@ -17,8 +17,8 @@
 //! - [`cross_entropy`] / [`cross_entropy_rows`]: from logits in any float dtype, no softmax
 //!   stored; targets equal to [`IGNORE`] are left out.
 //! - [`AdamW`]: the optimiser in two fused passes per variable, state readable for
-//!   checkpoints, gradient clipping folded into the update ([`sum_squares`] for the norm,
-//!   summed in a fixed order).
+//!   checkpoints (a copy; a failed update or restore changes nothing), gradient clipping
+//!   folded into the update ([`sum_squares`] for the norm, summed in a fixed order).
 //! - [`retain_freed_device_memory`]: CUDA's memory pool keeps what a step frees for the next
 //!   one, as PyTorch's caching allocator does (10-20 ms per step of a 150M model, H100).
 //!
@@ -35,6 +35,8 @@
 //! ```
 
 mod adamw;
+mod adamw_ops;
+mod adamw_state;
 mod cross_entropy;
 mod embedding;
 mod host;

@@ -4,7 +4,7 @@
 //! the gradients), computed on the CPU in f64 (exact) and in the inputs' dtype (baseline).
 //! The exact side is f64 even for f32 inputs, so that the f32 baseline carries the rounding
 //! of the same math (RMSNorm's one-column dx cancels to ~eps/x^2 of its terms, and a bound
-//! of the floor alone failed once in session 22 on a 2-ulp `rsqrtf`).
+//! of the floor alone failed on a 2-ulp `rsqrtf`).
 //! Rule as for the attention: our error at most 2x (outputs) / 3x (gradients) the baseline's,
 //! plus 1e-5 relative to the largest reference value.
 
@@ -12,6 +12,8 @@ use candle::{DType, Device, Result, Tensor, Var, D};
 use candle_flash::train;
 
 use super::{max_abs, max_abs_diff, randn};
+
+pub mod adamw_state;
 
 /// Reports each named check's outcome.
 pub type Report<'a> = &'a mut dyn FnMut(String, Result<()>);
@@ -371,6 +373,100 @@ pub fn cross_entropy(dev: &Device, report: Report) {
     report(name, r);
 }
 
+/// Extreme logits, checked against f64 from the logits as rounded to `dtype`: target logits
+/// of -1e6 (a loss near 1e6, whose f32 rounding must not reach the gradient; -inf in F16)
+/// and -inf (loss inf, gradient `dloss * (softmax - onehot)`, finite, as in PyTorch), a -inf
+/// beside the target, and rows of NaN (a +inf logit, all logits -inf).
+pub fn cross_entropy_extreme(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        let name = format!("cross_entropy {dtype:?} at extreme logits");
+        report(name, cross_entropy_extreme_case(dev, dtype));
+    }
+}
+
+fn cross_entropy_extreme_case(dev: &Device, dtype: DType) -> Result<()> {
+    let (n, vocab) = (10, 37);
+    let targets: Vec<u32> = (0..n).map(|r| ((r * 7 + 3) % vocab) as u32).collect();
+    let mut x = (randn((n, vocab), DType::F32)? * 3.0)?.to_vec2::<f32>()?;
+    // Row 0 all zeros but the target: lse = ln(36), a loss of 1e6 + 3.58 rounds 2% off.
+    x[0].iter_mut().for_each(|v| *v = 0.0);
+    for (r, row) in x.iter_mut().enumerate() {
+        let t = targets[r] as usize;
+        match r {
+            0..=3 => row[t] = -1e6,
+            4..=6 => row[t] = f32::NEG_INFINITY,
+            _ => {}
+        }
+    }
+    x[6][(targets[6] as usize + 1) % vocab] = f32::NEG_INFINITY;
+    x[7][(targets[7] as usize + 1) % vocab] = f32::INFINITY;
+    x[8].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+    let logits = Tensor::new(x, &Device::Cpu)?.to_dtype(dtype)?;
+    let w = randn(n, DType::F32)?;
+    let var = Var::from_tensor(&logits.to_device(dev)?)?;
+    let t_dev = Tensor::new(targets.clone(), dev)?;
+    let loss = train::cross_entropy_rows(var.as_tensor(), &t_dev)?;
+    let grads = loss.mul(&w.to_device(dev)?)?.sum_all()?.backward()?;
+    let Some(g) = grads.get(var.as_tensor()) else {
+        candle::bail!("no gradient for the logits")
+    };
+    let g = g
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec2::<f32>()?;
+    let loss = loss.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    let x = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let w = w.to_vec1::<f32>()?;
+    // Relative error of the gradient: the output's rounding, and f32 math (CUDA's `__expf`).
+    let rel = match dtype {
+        DType::BF16 => 2f64.powi(-8),
+        DType::F16 => 2f64.powi(-10),
+        _ => 2e-5,
+    };
+    for r in 0..n {
+        let (t, row) = (targets[r] as usize, &x[r]);
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        if row.iter().any(|v| v.is_nan() || *v == f32::INFINITY) || max == f64::NEG_INFINITY {
+            if !loss[r].is_nan() || g[r].iter().any(|v| !v.is_nan()) {
+                candle::bail!("row {r} must be NaN: loss {}, gradient {:?}", loss[r], g[r])
+            }
+            continue;
+        }
+        let lse = max
+            + row
+                .iter()
+                .map(|&v| (v as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let want = lse - row[t] as f64;
+        let loss_ok = if want.is_finite() {
+            (loss[r] as f64 - want).abs() <= 1e-5 * want.abs().max(1.0)
+        } else {
+            loss[r] == f32::INFINITY
+        };
+        if !loss_ok {
+            candle::bail!(
+                "row {r} (target logit {}): loss {}, expected {want}",
+                row[t],
+                loss[r]
+            )
+        }
+        for (c, (&ours, &xc)) in g[r].iter().zip(row).enumerate() {
+            let onehot = if c == t { 1.0 } else { 0.0 };
+            let want = w[r] as f64 * ((xc as f64 - lse).exp() - onehot);
+            let tol = rel * want.abs() + 1e-6 * (w[r] as f64).abs();
+            let err = (ours as f64 - want).abs();
+            if err.is_nan() || err > tol {
+                candle::bail!(
+                    "row {r} (target logit {}): gradient {ours} at column {c}, expected {want}",
+                    row[t]
+                )
+            }
+        }
+    }
+    Ok(())
+}
+
 /// AdamW as the textbook formula in plain ops.
 fn adamw_slow(
     w: &Tensor,
@@ -590,7 +686,11 @@ pub fn all(dev: &Device, report: Report) {
     swiglu(dev, report);
     embedding(dev, report);
     cross_entropy(dev, report);
+    cross_entropy_extreme(dev, report);
     adamw(dev, report);
+    adamw_state::snapshot(dev, report);
+    adamw_state::all_or_nothing(dev, report);
+    adamw_state::malformed(dev, report);
     repeatable(dev, report);
     embedding_past_the_table(dev, report);
 }
