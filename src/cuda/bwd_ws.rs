@@ -13,34 +13,34 @@ use super::{launch_programmatic, AttnParams, BwdParams};
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct BwdTmaParams {
-    q: TmaDesc,
-    k: TmaDesc,
-    v: TmaDesc,
-    dout: TmaDesc,
+    pub(super) q: TmaDesc,
+    pub(super) k: TmaDesc,
+    pub(super) v: TmaDesc,
+    pub(super) dout: TmaDesc,
     /// dK and dV, stored by TMA from the K and V tiles' shared memory, 64 rows a box.
-    dk: TmaDesc,
-    dv: TmaDesc,
+    pub(super) dk: TmaDesc,
+    pub(super) dv: TmaDesc,
     /// dq, stored by the convert kernel, BM rows a box.
-    dq: TmaDesc,
-    b: BwdParams,
-    stats: CUdeviceptr,
+    pub(super) dq: TmaDesc,
+    pub(super) b: BwdParams,
+    pub(super) stats: CUdeviceptr,
     /// Per query tile, the state word of its dq_accum tile (`cuda/dq_tile_state.cuh`); 0
     /// (null) for the split kernel unless deterministic (its dq_accum the prep kernel zeroes).
-    dq_state: CUdeviceptr,
-    m_blocks: i32,
+    pub(super) dq_state: CUdeviceptr,
+    pub(super) m_blocks: i32,
     /// Under a mask, how many (sequence, KV head) pairs end the grid in longest-first order
     /// (`cuda/lpt_tail.cuh`); 0 none.
-    tail_heads: i32,
+    pub(super) tail_heads: i32,
     /// Nonzero: the key blocks add into each dq_accum tile in order (from the last), for a
     /// bitwise repeatable dQ (`cuda/dq_tile_state.cuh`); under a block mask in the
     /// `_sparse_det` kernels.
-    deterministic: i32,
+    pub(super) deterministic: i32,
     /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
     /// order (`interleaved_pairs`); 0 or 1: pair by pair.
-    pair_group: i32,
+    pub(super) pair_group: i32,
     /// The block mask's `next_col` skip table (`BlockMask`'s `Skips`), in deterministic mode
     /// (`DqOrder::sparse_turn`); null elsewhere.
-    block_next_col: CUdeviceptr,
+    pub(super) block_next_col: CUdeviceptr,
 }
 
 // SAFETY: plain-old-data with the C layout of `BwdTmaParams`, passed by value as a kernel

@@ -23,17 +23,17 @@ const INLINE_SEQLENS: usize = 128;
 /// Mirror of `struct DecodeParams` in `cuda/params.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-struct DecodeParams {
-    a: AttnParams,
-    seqlens: CUdeviceptr,
-    block_table: CUdeviceptr,
-    max_pages: i32,
-    page_size: i32,
-    num_splits: i32,
-    o_partial: CUdeviceptr,
-    lse_partial: CUdeviceptr,
-    counters: CUdeviceptr,
-    seqlens_inline: [i32; INLINE_SEQLENS],
+pub(super) struct DecodeParams {
+    pub(super) a: AttnParams,
+    pub(super) seqlens: CUdeviceptr,
+    pub(super) block_table: CUdeviceptr,
+    pub(super) max_pages: i32,
+    pub(super) page_size: i32,
+    pub(super) num_splits: i32,
+    pub(super) o_partial: CUdeviceptr,
+    pub(super) lse_partial: CUdeviceptr,
+    pub(super) counters: CUdeviceptr,
+    pub(super) seqlens_inline: [i32; INLINE_SEQLENS],
 }
 
 // SAFETY: plain-old-data with the C layout of `DecodeParams`, passed by value.
@@ -42,20 +42,20 @@ unsafe impl DeviceRepr for DecodeParams {}
 /// Mirror of `struct AppendParams` in `cuda/params.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct AppendParams {
-    cache: CUdeviceptr,
-    src: CUdeviceptr,
-    cache_page_stride: i64,
-    cache_row_stride: i64,
-    cache_head_stride: i64,
-    src_batch_stride: i64,
-    src_row_stride: i64,
-    src_head_stride: i64,
-    start: CUdeviceptr,
-    block_table: CUdeviceptr,
-    max_pages: i32,
-    page_size: i32,
-    d: i32,
+pub(super) struct AppendParams {
+    pub(super) cache: CUdeviceptr,
+    pub(super) src: CUdeviceptr,
+    pub(super) cache_page_stride: i64,
+    pub(super) cache_row_stride: i64,
+    pub(super) cache_head_stride: i64,
+    pub(super) src_batch_stride: i64,
+    pub(super) src_row_stride: i64,
+    pub(super) src_head_stride: i64,
+    pub(super) start: CUdeviceptr,
+    pub(super) block_table: CUdeviceptr,
+    pub(super) max_pages: i32,
+    pub(super) page_size: i32,
+    pub(super) d: i32,
 }
 
 // SAFETY: as above.

@@ -135,6 +135,24 @@ struct BwdParams {
 // SAFETY: as for `AttnParams`.
 unsafe impl DeviceRepr for BwdParams {}
 
+/// The host-device contract, checked when the crate compiles: every `#[repr(C)]` struct under
+/// `src/cuda` (here and in `decode`, `tma`, `bwd_ws`) is the twin of the C struct of the same
+/// name under `cuda/`, the source of truth, and where the two differ the build fails naming
+/// the struct and the field.
+/// - build.rs (`abi_layout`) reads each C struct's fields from its definition (so C's field
+///   list is parsed, not restated) and has nvcc compile a probe to PTX that records the
+///   struct's `sizeof` and `alignof` and each field's `offsetof` and `sizeof` as the device
+///   compiler lays them out (build machine only: no GPU, nothing run).
+/// - The generated `OUT_DIR/abi_layout.rs` asserts in `const` items the Rust struct's size
+///   and alignment and, per C field, its offset, size and type (the C type mapped to Rust:
+///   any pointer is a `CUdeviceptr`), then destructures the struct with exactly C's fields
+///   and no `..`: a field on one side only fails to compile, even one in tail padding.
+///
+/// Twins in submodules have `pub(super)` fields so that this module sees them.
+mod abi_layout {
+    include!(concat!(env!("OUT_DIR"), "/abi_layout.rs"));
+}
+
 impl AttnParams {
     /// Sizes, strides, scale, mask and dropout of a problem; pointers are filled in by the
     /// launchers. The output (and dO, dQ) are contiguous, like q without its strides.

@@ -13,7 +13,9 @@ use super::AttnParams;
 /// the same).
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct TmaDesc([u64; 16]);
+pub(super) struct TmaDesc {
+    pub(super) opaque: [u64; 16],
+}
 
 /// Mirror of `struct FwdTmaParams` in `cuda/fwd_ws_sm90.cu`.
 #[repr(C)]
@@ -106,7 +108,7 @@ impl TileSource {
         }
         // SAFETY: initialised by the successful call above.
         let map = unsafe { map.assume_init() };
-        Some(TmaDesc(map.opaque))
+        Some(TmaDesc { opaque: map.opaque })
     }
 }
 
