@@ -26,6 +26,10 @@
 //!   paper's Algorithm 5), absent blocks never read, forward and backward.
 //! - [`attention_slow`] / [`attention_slow_dropout`] / [`attention_slow_with`]: the same
 //!   function in plain Candle ops, the test oracle.
+//! - [`compat`]: candle-flash-attn 0.11's API (`flash_attn(q, k, v, softmax_scale, causal)`,
+//!   the windowed, ALiBi, softcap, varlen and paged variants) on this op, so that
+//!   `use candle_flash::compat as candle_flash_attn;` switches a model over; on the CPU too,
+//!   and differentiable.
 //! - [`train`]: the rest of a LLaMA-style training step as fused ops with backward passes
 //!   (RMSNorm, rotary embedding, SwiGLU, embedding, cross-entropy) and a fused AdamW.
 //!
@@ -46,6 +50,7 @@
 
 mod block_sparse;
 mod bwd;
+pub mod compat;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
