@@ -70,6 +70,11 @@ mod score_mod;
 pub mod train;
 mod varlen;
 
+// The README's examples compile and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 pub use block_sparse::BlockMask;
 pub use dropout::dropout_mask;
 #[doc(hidden)]
