@@ -24,7 +24,8 @@
 //!
 //! `--deterministic`: our kernels with `deterministic(true)` (the grid, or with `--mods-only`
 //! or `--sparse-only` their variants); `CANDLE_FLASH_BWD=separate` in a second run times the
-//! separate dK/dV and dQ kernels that mode ran before sessions 27-29.
+//! separate dK/dV and dQ kernels, which that mode runs where the warp-specialized backward
+//! does not.
 //!
 //! ```text
 //! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
@@ -531,7 +532,8 @@ impl Bench {
             Ok(sets) => {
                 if print_addrs() {
                     // Where the inputs lie, to set against the time (some shapes' times are
-                    // bimodal from process to process: docs/PERF.md session 30).
+                    // bimodal from process to process: docs/archive/PERF.md, "The bimodal
+                    // d 128 1k forward: the same addresses, three modes").
                     for (i, set) in sets.iter().enumerate() {
                         let addr =
                             |t: &Tensor| device_addr(t).map_or("-".into(), |a| format!("{a:#x}"));
@@ -628,7 +630,7 @@ impl Bench {
     /// `vs plain` divides by plain attention timed again right before the variant
     /// (`baseline_passes`), `vs first` by the section's first plain lines (the d 128 causal
     /// softcap read 1.16-1.26x against those, 1.06-1.09x beside plain attention; H100,
-    /// docs/PERF.md session 33).
+    /// docs/archive/PERF.md, "The bench's "vs plain" and the card's power limit").
     fn mods_section(&mut self) {
         println!(
             "{:<34} {:>4} {:>6} {:>5} {:<4} {:>9} {:>8} {:>9} {:>9} {:>6}",
@@ -1505,7 +1507,7 @@ fn time_option_passes(
 /// The baseline of a `--mods-only` or `--sparse-only` line, timed again right before it (ms
 /// per pass, `None` where it failed): at its power limit the card's clock moves by up to a
 /// fifth from one second to the next, so a variant compares only with a baseline timed beside
-/// it (docs/PERF.md session 33).
+/// it (docs/archive/PERF.md, "The bench's "vs plain" and the card's power limit").
 fn baseline_passes(
     dev: &Device,
     sets: &[Inputs],

@@ -103,8 +103,9 @@ struct BwdWsTraits {
     static_assert(!DROPOUT || MODS == MODS_NONE, "dropout kernels have no mods");
     // Dropout's Philox calls in flight together (Dropout::keep_fragment): all of a tile's at
     // d = 64 and 256, 2 at d = 128 (all spilled 32 bytes in its `_packed_dropout` kernel, 2
-    // still 8; with 4 entries a call, all and 2 had run level there: H100, docs/PERF.md
-    // session 26).
+    // still 8; with 4 entries a call, all and 2 had run level there: H100;
+    // docs/archive/PERF.md, "Philox calls in flight together" and "8 entries per Philox call,
+    // laid out on the fragment").
     static constexpr int DROP_UNROLL = D == 128 ? 2 : 8;
     static constexpr bool SPLIT = D > 128;
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
@@ -156,7 +157,8 @@ struct BwdWsTraits {
     // (BwdWsConsumer::tile), so that the tensor cores go from one tile's dK to the next
     // tile's S^T without the warpgroups' turn around the loop in between: d = 64 1.2-4.2%
     // faster (plain), 1-4.5% with mods or a block mask; d = 128 level or up to 3.7% slower
-    // (H100, docs/PERF.md session 23).
+    // (H100; docs/archive/PERF.md, "The d 64 backward: the next query tile's S^T and dP^T
+    // issued before this tile's dK is waited for").
     static constexpr bool PIPE_SDP = !SPLIT && D == 64;
     static_assert(D % 64 == 0 && BM == 64, "panel tiles; dS^T is one 64-column panel");
     static_assert(DQ_N % 32 == 0, "dQ halves of whole wgmma n32 tiles");
@@ -313,10 +315,10 @@ template <class K> struct BwdWsBlock {
 // walk as block n or earlier. Under a causal mask earlier (its range starts a row or two of
 // tiles later), so block n finds its turn waiting. Ascending order walked from the last tile
 // down made every causal block start at the same tile, and block k wait k turns there (d 256
-// causal 0.77-0.89x of this order; H100, docs/PERF.md session 28). Staggered, block n would
-// wait for the whole of block n + 1's walk. Under a block mask (`_sparse_det`) block n adds
-// after the next key block above it that sees the tile, and both walk their kept tiles from
-// the first, head by head.
+// causal 0.77-0.89x of this order; H100, docs/archive/PERF.md, "Key blocks in descending
+// order"). Staggered, block n would wait for the whole of block n + 1's walk. Under a block
+// mask (`_sparse_det`) block n adds after the next key block above it that sees the tile, and
+// both walk their kept tiles from the first, head by head.
 template <class K, class F>
 __device__ __forceinline__ void bwd_ws_walk(const BwdTmaParams& P, const BwdWsBlock<K>& blk,
                                             F&& f) {
@@ -540,7 +542,8 @@ __device__ __forceinline__ void bwd_ws_order_dq(const BwdTmaParams& P, const Bwd
 // to t first (PROBS_CAPPED_ALIBI). A template argument, so that the bias's per-score column
 // arithmetic (Mask::capped: 6-7 integer and float instructions, if-converted onto every
 // score) is compiled only where there is a bias: with the run-time test inside the loop, the
-// d 128 `_mods` kernel executed 2.1x the plain kernel's instructions (docs/PERF.md session 22).
+// d 128 `_mods` kernel executed 2.1x the plain kernel's instructions (docs/archive/PERF.md,
+// "The softcap backward's per-score instructions").
 // PROBS_PRESCALED is the `_cap` kernels' PROBS_CAPPED: t is finite at masked entries
 // (CAP_MASKED_T), so P^T (1 - t^2) needs no clamp.
 enum ProbsMode { PROBS_PLAIN, PROBS_CAPPED, PROBS_CAPPED_ALIBI, PROBS_PRESCALED };
@@ -667,7 +670,8 @@ __device__ __forceinline__ void copy_dkdv(const BwdTmaParams& P, const BwdWsSmem
 // last query tile: stmatrix into the tiles' own panel layout, then one TMA store per 64-column
 // panel of each, issued by the warpgroup's first thread (TMA clips rows past seqlen_k and
 // columns past the head dim). From registers, 4-byte stores over 8 rows per warp instruction,
-// the stores cost 11-16% of the backward at 512-1k (docs/PERF.md session 18).
+// the stores cost 11-16% of the backward at 512-1k (docs/archive/PERF.md, "The backward's dK
+// and dV through shared memory").
 template <class K, int DT>
 __device__ __forceinline__ void store_dkdv(const BwdTmaParams& P, const BwdWsSmem<K>& sm,
                                            const BwdWsBlock<K>& blk, const float (&dk)[DT][4],
@@ -829,14 +833,16 @@ template <class K> struct BwdWsConsumer {
         // alone), which compile those capped steps and nothing else: no serialized wgmma (at
         // d 128 8 bytes of spill, two words reloaded per tile, since prescale_k and the
         // unclamped P^T (1 - t^2)); 1.7-2% faster than `_mods` at d 128, 3-6% at d 64 (H100,
-        // H200), and another 3.4% at d 128 (1.5% at d 64) for the scale in K (session 35). In the
-        // d 128 `_mods` kernel any such path, even one its case did not take, made ptxas
-        // serialize the wgmmas (C7512: too few registers; 12-21% slower), and the d 64
-        // `_sparse` kernel spilled 80 bytes instead of 36 (docs/PERF.md session 22): the
+        // H200; docs/archive/PERF.md, "`_cap` backward kernels: a softcap without ALiBi on
+        // its own code"), and another 3.4% at d 128 (1.5% at d 64) for the scale in K ("Kept:
+        // two instructions fewer per score in the `_cap` backward"). In the d 128 `_mods`
+        // kernel any such path, even one its case did not take, made ptxas serialize the
+        // wgmmas (C7512: too few registers; 12-21% slower), and the d 64 `_sparse` kernel
+        // spilled 80 bytes instead of 36 ("dV steps in the `_mods` kernels, once more"): the
         // `_mods` and `_sparse` kernels keep one probs_t pass and the wgmmas after it. The
         // tanh taken in the steps as well (raw scores masked to -inf, each step's tanh
         // arguments tied to the previous step's A fragment so that ptxas kept them after its
-        // dV wgmma) ran level with the `_cap` kernels' (docs/PERF.md session 34).
+        // dV wgmma) ran level with the `_cap` kernels' (the same `_cap` section).
         uint32_t a_p[1][NQ / 2][4];
         sm90::fence_operand(dv);
         if constexpr (K::MODS == MODS_NONE) {

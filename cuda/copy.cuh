@@ -40,7 +40,8 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 // address plus a constant step per chunk. Per-chunk index math, bounds checks and selects
 // were a large part of the forward's integer instructions (Nsight Compute, SASS, H100,
 // d = 128: 44 M against FlashAttention-2's 5 M), which FA2's precomputed copy partitions do
-// not pay. Measured: +1-7% forward (causal, d = 64), +1-5% backward (docs/PERF.md session 10).
+// not pay. Measured: +1-7% forward (causal, d = 64), +1-5% backward (docs/archive/PERF.md,
+// "the sm_80 set next to FlashAttention-2, counter by counter").
 template <typename T, int ROWS, int D, int NTHREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride,
                                           int rows_valid, int cols_valid, int tid) {

@@ -239,7 +239,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     // projection that wrote q, the previous decode step) has completed. It never triggers its
     // own dependents early: blocks of a next decode made resident beside this grid's took
     // its SMs' free slots and upset the block placement (H200: (32, 4k) 0.17 ms against
-    // 0.125 with the implicit trigger at exit; docs/PERF.md).
+    // 0.125 with the implicit trigger at exit; docs/archive/PERF.md).
     pdl_wait();
     // No static shared memory in this kernel: it would come first and push this base off
     // the 128-byte alignment the swizzled K/V rows rely on (every row 16 bytes off a sector

@@ -109,7 +109,8 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
         mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane, MASK, src.rows_per_query());
         // K[nb - 1] is requested before the softmax, so that its copy overlaps the softmax
         // as well as P V (FlashAttention-2's order: +2-3% at d = 128 on the H100 than
-        // requesting it after the softmax, docs/PERF.md session 10).
+        // requesting it after the softmax; docs/archive/PERF.md, "the sm_80 set next to
+        // FlashAttention-2, counter by counter").
         cp_async_wait<0>();
         __syncthreads();  // V[nb] landed; every warp is done reading K[nb]
         if (next >= 0) {

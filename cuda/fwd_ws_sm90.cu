@@ -18,7 +18,8 @@
 //   (stmatrix) and one of its threads issues the TMA store, which runs while the warpgroup
 //   goes on to its next tile; a tile of its own where shared memory has room (d = 64, d = 128
 //   with 128-key tiles), at d = 256 the warpgroup's rows of the Q slot. At 512 keys a build
-//   that skipped the stores from registers ran 1.2-1.35x faster (docs/PERF.md session 18).
+//   that skipped the stores from registers ran 1.2-1.35x faster (docs/archive/PERF.md, "O
+//   through shared memory and TMA stores").
 // Key tiles are visited last first, as in fwd_sm90.cu (under a causal mask only the first
 // need the mask). Packed (variable-length) batches in the `_packed` kernels and dropout in the
 // `_dropout` ones (both: `_packed_dropout`), none with a softcap, ALiBi or block mask:
@@ -94,10 +95,11 @@ struct WsTraits {
     // work tiles end at the sequence's last row (WsTile), so that a partial tile is the
     // first, lightest one: 1024 rows in 192-row tiles then leave 64 rows that see one key
     // tile, where the last tile had 128 rows past the end that saw all eight (1.055x at d 64
-    // causal 1k, H100, docs/PERF.md session 31). Its rows before 0 load as zeros (TMA) and
-    // are never stored (store_staged). Three warpgroups only, whose 192 rows divide no power
-    // of two (the others spilled: d = 256 0 -> 44 bytes); not in packed batches (the rows
-    // before a sequence are another's) nor under a block mask (its tables start at row 0).
+    // causal 1k, H100; docs/archive/PERF.md, "The three-warpgroup forward's partial tile,
+    // first and light under a causal mask"). Its rows before 0 load as zeros (TMA) and are
+    // never stored (store_staged). Three warpgroups only, whose 192 rows divide no power of
+    // two (the others spilled: d = 256 0 -> 44 bytes); not in packed batches (the rows before
+    // a sequence are another's) nor under a block mask (its tables start at row 0).
     static constexpr bool END_ALIGNED = CONSUMERS == 3 && !PACKED && !(MODS & MODS_BLOCKS);
     // Whether a warpgroup's 64 rows may lack a TMA box for their store (WsConsumer::OutTile:
     // packed batches at a sequence's end, END_ALIGNED rows before 0); the others never copy.
@@ -109,9 +111,9 @@ struct WsTraits {
     // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
     // for it once per tile).
     // Three at d = 64 with two consumer warpgroups (the causal 512 kernel, whose work tiles
-    // hold 1-4 key tiles; 512-1k until session 31): the producer may then run two work tiles
-    // ahead (1.011x at 512 and 1.012x at 1k causal, in 6 and 5 of 6 rounds, H100,
-    // docs/PERF.md session 30).
+    // hold 1-4 key tiles): the producer may then run two work tiles ahead (1.011x at 512 and
+    // 1.012x at 1k causal, which it then also ran, in 6 and 5 of 6 rounds, H100;
+    // docs/archive/PERF.md, "Three Q slots in the d 64 two-warpgroup forward").
     static constexpr bool THREE_Q =
         D == 64 && CONSUMERS == 2 &&
         WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
@@ -142,8 +144,9 @@ struct WsTraits {
     // 128 x (168 - 40) / 256 -> 232 with two (128 x (168 - 24) / 256 -> 240 with a 24-register
     // producer), 128 x (128 - 32) / 384 -> 160 with three.
     // d = 128 without mods: the producer keeps 24 and the consumers take 240 (FlashAttention
-    // 3's split): 1.017-1.018x at 2k-4k non-causal (H100, session 23). At d = 64 it lost 2.6% at
-    // 512 causal; the mods and block-mask producers spill at 24, d = 256's below 40.
+    // 3's split): 1.017-1.018x at 2k-4k non-causal (H100); at d = 64 it lost 2.6% at 512
+    // causal (docs/archive/PERF.md, "240 consumer registers in the d 128 forward"). The mods
+    // and block-mask producers spill at 24, d = 256's below 40.
     static constexpr bool LEAN_PRODUCER = CONSUMERS == 2 && MODS == MODS_NONE && D == 128;
     static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
     static constexpr int CONSUMER_REGS = LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
@@ -366,8 +369,9 @@ template <class K> struct WsConsumer {
     static constexpr int D = K::D, BM = K::BM, BN = K::BN, NT = K::NT, DT = K::DT;
     // Work tiles in one stream of key tiles (work()) where that compiles without spilling:
     // the plain d = 64 kernel with two consumers, whose second Q slot lets the next tile's Q
-    // land early (docs/PERF.md session 17: d 128 spilled 12 bytes into the key-tile loop and
-    // ran 3-7% slower at every length, the three-warpgroup d 64 one 136 bytes, 5-8%).
+    // land early (d 128 spilled 12 bytes into the key-tile loop and ran 3-7% slower at every
+    // length, the three-warpgroup d 64 one 136 bytes, 5-8%; docs/archive/PERF.md, "the
+    // forward's work tiles as one stream of key tiles").
     static constexpr bool CARRY =
         K::Q_STAGES > 1 && D == 64 && K::CONSUMERS == 2 && K::MODS == MODS_NONE;
 
@@ -425,8 +429,9 @@ template <class K> struct WsConsumer {
     // the 1 / (1 - p) goes with 1 / l when O is stored).
     // Philox calls in flight together, 8 entries each: 4, the most that kept the d = 64 and
     // 128 kernels free of spills (all 8: 144 and 104 bytes). With 4 entries a call, drawing
-    // them all at once had been 1.05-1.20x faster than one at a time (H100, docs/PERF.md
-    // session 26).
+    // them all at once had been 1.05-1.20x faster than one at a time (H100;
+    // docs/archive/PERF.md, "Philox calls in flight together" and "8 entries per Philox call,
+    // laid out on the fragment").
     static constexpr int DROP_UNROLL = 4;
     __device__ __forceinline__ void draw_keep(uint32_t (&keep)[2], const WsTile<K>& w,
                                               int nb) const {
@@ -482,7 +487,7 @@ template <class K> struct WsConsumer {
     // A softcap's bound replaces the running max where P's type holds the range that leaves
     // (bf16; AttnParams::softcap_max_log2): no max, no rescale. Not in the three-warpgroup
     // d = 64 kernel, whose 160 registers it cost a spill (12 -> 16 bytes) and ALiBi there 2-4%
-    // (H100, docs/PERF.md session 20), with no gain for the cap.
+    // (H100; docs/archive/PERF.md, "The softcap without a row max"), with no gain for the cap.
     static constexpr bool FIXED =
         (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16> && K::CONSUMERS == 2;
     // A key tile without masked entries under a softcap without ALiBi takes its tanh in the
@@ -490,9 +495,11 @@ template <class K> struct WsConsumer {
     // exponentials (OnlineSoftmax: CAP, INTERLEAVE), under FIXED's bound or else a running max
     // taken from the raw scores. Apart, ptxas issued a warp's 64 MUFU.TANH back to back and
     // only then its exponentials; together the two kinds alternate with the adds between them
-    // (d = 128 softcap forward 1.08x, causal 1.11x; H100, docs/PERF.md session 32). Not in the
-    // block-mask kernels, which the tie's code made slower even without a cap, nor in the
-    // three-warpgroup d = 64 one, which it made spill 124 bytes (12 before; session 35).
+    // (d = 128 softcap forward 1.08x, causal 1.11x; H100; docs/archive/PERF.md, "The softcap's
+    // tanh in the exponentials' loop"). Not in the block-mask kernels, which the tie's code
+    // made slower even without a cap, nor in the three-warpgroup d = 64 one, which it made
+    // spill 124 bytes (12 before; "Kept: the forward's tanh in the exponentials' loop under a
+    // running max too").
     __device__ __forceinline__ bool cap_in_softmax(const TileMask& m) const {
         return K::MODS == MODS_SCORES && K::CONSUMERS == 2 && p.softcap_pre != 0.f &&
                p.alibi_slopes == nullptr && !m.masked;
@@ -509,7 +516,8 @@ template <class K> struct WsConsumer {
                 s, alpha, p.scale_log2, p.softcap_max_log2, zero, p.softcap_pre);
         // The kernels whose exponentials ptxas ran back to back (OnlineSoftmax): 1.4-2.3%
         // faster; not dropout's or the block mask's, which the tie made 1.6-2.8% and 6.4%
-        // slower (H100, docs/PERF.md session 32).
+        // slower (H100; docs/archive/PERF.md, "Why ptxas ran the exponentials back to back,
+        // and a tie that stops it" and "The softcap's tanh in the exponentials' loop").
         constexpr bool INTERLEAVE =
             D == 64 && K::CONSUMERS == 2 && !K::DROPOUT && K::MODS == MODS_NONE;
         return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, p.scale_log2,
@@ -851,7 +859,9 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     const int tiles = (p.seqlen_q + K::BM - 1) / K::BM * p.h * p.b;
     // Unlike the backward's (a shuffle from lane 0, so that its descriptors stay on the
     // uniform datapath), not warp-uniform to the compiler: the shuffle cost this kernel 3% at
-    // d 128 16k causal and gained nothing elsewhere beside the descriptor change (session 19).
+    // d 128 16k causal and gained nothing elsewhere beside the descriptor change
+    // (docs/archive/PERF.md, "The backward against cuDNN under Nsight Compute; half of its
+    // instructions built descriptors").
     const int tid = threadIdx.x, warpgroup = tid / 128;
 
     if (tid == 0) {

@@ -27,9 +27,10 @@ __device__ __forceinline__ void gemm_ss_step(float (&acc)[MT][NT][4], uint32_t a
 // acc += A B^T with A (MT*16 x 16*KSTEPS) and B (NT*8 x 16*KSTEPS) both row-major in shared
 // memory: S = Q K^T, dP = dO V^T and their transposes. `a` and `b` point at the first row.
 // The k-loop is unrolled fully (ptxas can then issue the next step's ldmatrix under this
-// step's mma: +1-6% forward, +3-9% d = 128 backward on the H100, docs/PERF.md session 10);
-// FULL = false unrolls it by two, for kernels that need the registers (the d = 64 backward
-// was 2-5% slower fully unrolled; others spilled more).
+// step's mma: +1-6% forward, +3-9% d = 128 backward on the H100; docs/archive/PERF.md, "the
+// sm_80 set next to FlashAttention-2, counter by counter"); FULL = false unrolls it by two,
+// for kernels that need the registers (the d = 64 backward was 2-5% slower fully unrolled;
+// others spilled more).
 template <typename T, int MT, int NT, int KSTEPS, int STRIDE, bool FULL = true>
 __device__ __forceinline__ void gemm_ss(float (&acc)[MT][NT][4], const T* a, const T* b, int lane) {
     static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");

@@ -5,8 +5,9 @@
 // across them (all their heaviest tiles, then all their second-heaviest, ...), the
 // longest-processing-time order: the work left at the end is the lightest tiles. Only the tail:
 // before it, a pair's tiles stay together so that their shared K/V (forward) or Q/dO
-// (backward) stay in L2, and the whole walk in this order was 3-14% slower (docs/PERF.md
-// sessions 11 and 24). The hosts size the tail to about two waves of tiles.
+// (backward) stay in L2, and the whole walk in this order was 3-14% slower
+// (docs/archive/PERF.md, "The dynamic walk's last tiles longest first"). The hosts size the
+// tail to about two waves of tiles.
 #pragma once
 
 // Walk index t of `tiles` -> the index in pair-major order (pair * per_pair + rank).

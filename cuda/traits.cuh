@@ -24,9 +24,9 @@ template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct FwdTraits {
 // rows of O no longer fit in registers. Key tiles are as wide as the registers allow without
 // spills in the unmasked loop body (ptxas -v, sm_90): at d = 64 a 128-key tile spilled 80 B,
 // at d = 128 a 64-key tile spilled 112 B, so those use 64 and 32.
-// d = 128 without dropout ran 64-key tiles until session 10 (docs/PERF.md): with the copies,
-// mask and softmax of that session, 32-key tiles measured +4-7% causal and -2% to +2%
-// non-causal on the H100's sm_80 path, with fewer registers, so both variants take 32.
+// At d = 128 without dropout, 32-key tiles measured +4-7% causal and -2% to +2% non-causal
+// against 64-key ones on the H100's sm_80 path, with fewer registers, so both variants take 32
+// (docs/archive/PERF.md, "d = 128 without dropout back to 32-key tiles").
 template <typename T, int D> struct FwdConfig;
 template <typename T> struct FwdConfig<T, 32> { using Traits = FwdTraits<T, 32, 128, 64, 4>; };
 template <typename T> struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 64, 4>; };

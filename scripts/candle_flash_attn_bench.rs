@@ -16,9 +16,9 @@
 //! ```
 //!
 //! with this file as src/main.rs, `CUDA_COMPUTE_CAP=90 cargo build --release` (CUTLASS from the
-//! cudaforge cache: ../shared/GPU.md). A full build takes ~2 hours on 2 cores; session 15 built
-//! a local copy of the crate (`[patch.crates-io]`) whose kernel files other than the bf16 head
-//! dim 64/128/256 ones had their launch call emptied (only those are called), in 41 minutes.
+//! cudaforge cache: ../shared/GPU.md). A full build takes ~2 hours on 2 cores; a local copy of
+//! the crate (`[patch.crates-io]`) whose kernel files other than the bf16 head dim 64/128/256
+//! ones had their launch call emptied (only those are called) built in 41 minutes.
 //! Prints JSON records for scripts/compare.py (impl "candle-flash-attn", pass "fwd").
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;

@@ -1,9 +1,10 @@
 // Does compute-sanitizer's initcheck see global writes made by cp.async.bulk (shared ->
 // global, the async proxy)? The warp-specialized backward's first key block stores each dq_accum
 // tile that way, and initcheck reports the convert kernel's reads of those tiles. On the lent
-// H100 (compute-sanitizer 2025.3.1), session 20: `./probe 0` (plain stores) 0 errors,
-// `./probe 1` (one bulk store) 1016 errors, "Uninitialized __global__ memory read" for the
-// reads of the data it wrote; the sum (523776) is right either way. On the GPU machine:
+// H100 (compute-sanitizer 2025.3.1; docs/archive/PERF.md, "initcheck and the backward's bulk
+// stores"): `./probe 0` (plain stores) 0 errors, `./probe 1` (one bulk store) 1016 errors,
+// "Uninitialized __global__ memory read" for the reads of the data it wrote; the sum (523776)
+// is right either way. On the GPU machine:
 //   nvcc -arch=sm_90a -o /tmp/probe scripts/initcheck_bulk_probe.cu
 //   compute-sanitizer --tool initcheck /tmp/probe 1
 #include <cstdint>

@@ -11,7 +11,7 @@
 #   KERNEL   an entry point, e.g. flash_bwd_ws_bf16_d256
 #   OFFSET   hex offsets (0x1fb0 or 1fb0): print those instructions with 3 before and after
 #            instead of the whole function
-# Example (session 28, racecheck's PCs): bash scripts/sass.sh fwd_ws_sm90 flash_fwd_ws_f16_d128 0xc00 0xc090
+# Example (racecheck's PCs, docs/archive/PERF.md "racecheck over the backward section"): bash scripts/sass.sh fwd_ws_sm90 flash_fwd_ws_f16_d128 0xc00 0xc090
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

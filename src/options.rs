@@ -39,9 +39,9 @@ pub struct FlashAttn {
     pub causal: bool,
     /// Makes the CUDA backward pass bitwise reproducible: dQ's sums run in a fixed order (on
     /// Hopper without a block mask the key blocks add into each dQ tile one at a time;
-    /// elsewhere kernels without atomics), at some cost in speed (0.84-0.98x the
-    /// default on the H100, docs/PERF.md session 28). The forward pass and the CPU backward
-    /// are always deterministic.
+    /// elsewhere kernels without atomics), at some cost in speed (0.84-0.98x the default on
+    /// the H100; docs/archive/PERF.md, "Key blocks in descending order"). The forward pass and
+    /// the CPU backward are always deterministic.
     pub deterministic: bool,
     /// Probability of dropping each attention probability (after the softmax), in `[0, 1)`;
     /// kept ones are scaled by `1 / (1 - dropout_p)`. 0 (the default) disables dropout.

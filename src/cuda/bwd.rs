@@ -17,8 +17,9 @@
 //! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
 //! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
-//! even at d 128, docs/PERF.md session 9), else 64 keys over 4 warps: at hd 128, seqlen 8k the
-//! 128-key shape measured 207 against 192 TFLOP/s (H200, docs/PERF.md).
+//! even at d 128; docs/archive/PERF.md, "a taller 128-key backward"), else 64 keys over 4
+//! warps: at hd 128, seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200;
+//! docs/archive/PERF.md, "backward: dQ by atomics in the dK/dV kernel, double-buffered Q/dO").
 //!
 //! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
 //! accuracy: `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma

@@ -61,8 +61,9 @@ impl BwdWsShape {
     /// The kernel for padded head dim `d`, if there is one.
     pub fn for_head_dim(d: usize) -> Option<Self> {
         match d {
-            // d 64 with 4 Q/dO slots: +1-2% over 3 (H200, session 16); d 128 with 3 (226.6
-            // of 227 KB) was 0-2% slower than with 2.
+            // d 64 with 4 Q/dO slots: +1-2% over 3 (H200); d 128 with 3 (226.6 of 227 KB) was
+            // 0-2% slower than with 2 (docs/archive/PERF.md, "Q slots, and three ideas
+            // measured and dropped").
             64 => Some(Self { d, stages: 4 }),
             128 | 256 => Some(Self { d, stages: 2 }),
             _ => None,
@@ -207,9 +208,11 @@ pub(super) fn supported(
 /// `tma::ws_variant` for `b` and `packed`; at d = 64 and 128 a softcap without ALiBi takes the
 /// `_cap` kernels, compiled with the capped probabilities' code alone. There dV is issued a
 /// k16 step at a time under the tanh and exponentials, which the `_mods` kernel at d = 128
-/// cannot do without ptxas serializing its wgmmas (docs/PERF.md sessions 22 and 34), and the
-/// K tile is multiplied by the softcap's scale once per block (`prescale_k`), so only where
-/// that scale (softmax scale / cap) is at most 1: f16 keys cannot overflow.
+/// cannot do without ptxas serializing its wgmmas (docs/archive/PERF.md, "dV steps in the
+/// `_mods` kernels, once more" and "`_cap` backward kernels: a softcap without ALiBi on its
+/// own code"), and the K tile is multiplied by the softcap's scale once per block
+/// (`prescale_k`), so only where that scale (softmax scale / cap) is at most 1: f16 keys
+/// cannot overflow.
 /// `CANDLE_FLASH_BWD_CAP=0` (read once) keeps them on `_mods` (A/B runs, and the tests of the
 /// `_mods` kernels' capped path).
 fn variant(
@@ -284,9 +287,10 @@ pub(super) fn run(
         // Block n waits for block n + 1 (cuda/dq_tile_state.cuh), so each pair's key blocks
         // start from the last and the grid has no longest-first tail. The pairs go interleaved
         // in groups of about one wave of blocks, so that each wave's blocks end in the order
-        // the next wave's chains need (1.05-1.13x at 1k-4k in session 27's ascending order,
-        // H100, docs/PERF.md). `CANDLE_FLASH_DET_GROUP=0` (read once) keeps the pair-by-pair
-        // order (A/B runs).
+        // the next wave's chains need (1.05-1.13x at 1k-4k, measured with the key blocks in
+        // ascending order; H100, docs/archive/PERF.md, "The grid's pairs interleaved by
+        // wave"). `CANDLE_FLASH_DET_GROUP=0` (read once) keeps the pair-by-pair order (A/B
+        // runs).
         static PAIR_BY_PAIR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let group = (sms / grid.0).clamp(1, grid.1 * grid.2);
         if group > 1 && !tma::switched_off(&PAIR_BY_PAIR, "CANDLE_FLASH_DET_GROUP") {

@@ -240,7 +240,7 @@ fn four_warps_forced() -> bool {
 /// Warps per decode block, and the split count that goes with them. A split launch fills
 /// the SMs once with one block each (see [`num_splits`]), so its blocks get 8 warps: twice
 /// the K/V tiles in flight per SM (H200, hd 128: (8, 8k) 0.0670 ms against 0.0683 with 4
-/// warps, same run; docs/PERF.md). Unsplit grids fill the SMs with several 4-warp blocks
+/// warps, same run; docs/archive/PERF.md). Unsplit grids fill the SMs with several 4-warp blocks
 /// (6 warps measured no faster at (32, 4k)). Head dims above `SPLIT_WARPS_MAX_D` keep 4
 /// warps: at 224 and 256 eight warps' rings do not fit in shared memory, and 160 and 192
 /// (which would fit) were not measured.
@@ -284,8 +284,8 @@ static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
 /// `blocks` = batch x K/V heads x row tiles, `key_tiles` 16-key tiles in the longest
 /// sequence, `sms` multiprocessors and `slots` = SMs x resident blocks per SM.
 ///
-/// Measured (H200, GQA 32/8, hd 128, docs/PERF.md): one block per SM streams K and V as fast
-/// as three, and any grid a little past the SM count pays a tail (at (1, 64k): 16 splits =
+/// Measured (H200, GQA 32/8, hd 128, docs/archive/PERF.md): one block per SM streams K and V
+/// as fast as three, and any grid a little past the SM count pays a tail (at (1, 64k): 16 splits =
 /// 128 blocks 0.074 ms, 17 = 136 blocks 0.086 ms, 49 = 392 blocks, 0.080 ms). So the splits
 /// fill the SMs once, never past them; a grid that fills half the slots on its own runs
 /// unsplit ((32, 4k): 256 blocks, 0.134 ms against 0.147 ms with 3 splits). At least
@@ -464,7 +464,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         // A decode step is a few tens of microseconds, so the launch gap after the kernel
         // before it (the append, q's projection, the previous step) is a few percent of it;
         // launched programmatically the kernel waits in `pdl_wait` instead (H200, (8, 8k):
-        // 0.0683 ms against 0.0707; docs/PERF.md).
+        // 0.0683 ms against 0.0707; docs/archive/PERF.md).
         launch_programmatic(
             &dev,
             &kernel,

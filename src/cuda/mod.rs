@@ -559,7 +559,7 @@ impl Sm90Shape {
     }
 
     /// The block shape for head dim `d`, `seqlen_q` query rows and the mask. Measured on the
-    /// H200 (bf16, docs/PERF.md, same-run A/B):
+    /// H200 (bf16, docs/archive/PERF.md, same-run A/B):
     /// - one warpgroup (`_g1_n<keys per tile>`; three blocks per SM at d = 64, four with
     ///   64-key tiles, three at d = 128 with 48-key tiles) wherever blocks have few key tiles
     ///   or unequal work, since co-resident blocks hide each other's first loads, softmax and

@@ -117,8 +117,9 @@ impl TileSource {
 /// 129-224) run the next one up, their columns past the head dim zero (TMA's fill), as 97-127
 /// and 225-255 do in theirs. At 129-192 the d = 256 kernels, a quarter to half of their
 /// matmul work on zero columns, still ran 1.56-2.23x the older kernels forward and
-/// 1.43-2.65x backward (H100, docs/PERF.md session 29); `CANDLE_FLASH_WS_WIDE=0` (read
-/// once) sends those head dims back to the older kernels (A/B runs).
+/// 1.43-2.65x backward (H100; docs/archive/PERF.md, "Head dims 129-192 on the d 256
+/// kernels"); `CANDLE_FLASH_WS_WIDE=0` (read once) sends those head dims back to the older
+/// kernels (A/B runs).
 pub(super) fn ws_head_dim(d: usize) -> Option<usize> {
     static WIDE_OFF: OnceLock<bool> = OnceLock::new();
     match d {
@@ -136,14 +137,16 @@ pub(super) fn switched_off(cell: &'static OnceLock<bool>, var: &str) -> bool {
 }
 
 /// Whether packed batches may take the `_packed` warp-specialized kernels (forward and
-/// backward): `CANDLE_FLASH_WS_PACKED=0` sends them to the older kernels, as before session 25.
+/// backward): `CANDLE_FLASH_WS_PACKED=0` sends them to the older kernels (A/B runs; the two
+/// measured in docs/archive/PERF.md, "Packed batches on the warp-specialized kernels").
 fn packed_kernels() -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     !switched_off(&OFF, "CANDLE_FLASH_WS_PACKED")
 }
 
 /// Whether dropout may take the `_dropout` warp-specialized kernels (forward and backward):
-/// `CANDLE_FLASH_WS_DROPOUT=0` sends it to the older kernels, as before session 26.
+/// `CANDLE_FLASH_WS_DROPOUT=0` sends it to the older kernels (A/B runs; the two measured in
+/// docs/archive/PERF.md, "Against the older kernels and PyTorch").
 fn dropout_kernels() -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     !switched_off(&OFF, "CANDLE_FLASH_WS_DROPOUT")
@@ -189,9 +192,9 @@ impl WsShape {
     /// warpgroups), `n192` 128 x 192, `n176` 128 x 176, `n80` 128 x 80; `mods` selects the
     /// variant's `_mods` / `_sparse` entry point, compiled for one variant per head dim.
     fn compiled(d: usize, variant: &str, mods: &'static str) -> Option<Self> {
-        // d = 64 128 x 128 has 4 K/V slots (causal 512 since session 31, 512-1k before;
-        // 1.015-1.028x over 3, H100 session 21); its `_sparse` kernel keeps 3
-        // (FLASH_FWD_WS_MODS_BOTH).
+        // d = 64 128 x 128 (causal up to 512) has 4 K/V slots (1.015-1.028x over 3 at causal
+        // 512 and 1k, H100; docs/archive/PERF.md, "A fourth K/V slot for the d 64 128 x 128
+        // kernel"); its `_sparse` kernel keeps 3 (FLASH_FWD_WS_MODS_BOTH).
         let base64_stages = if matches!(mods, "" | "_packed" | "_dropout" | "_packed_dropout") {
             4
         } else {
@@ -218,15 +221,16 @@ impl WsShape {
     }
 
     /// The kernel for padded head dim `d`, if there is one (`None`: the older kernels run).
-    /// Measured on the H100 (bf16, docs/PERF.md session 11, same-run A/B of every compiled
-    /// shape): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128 from
-    /// seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal up to 512 128 x 128,
-    /// with its work tiles in one stream, is 2% faster, H100, session 31; up to 1k before the
-    /// three warpgroups' tiles ended at the last row, session 17), d = 128 with
-    /// 176-key tiles without a mask from 8k keys (+8% at 16k; 128 x 128 was as fast or faster
-    /// up to 4k) and 128 with one, d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key
-    /// tiles, 2-8% faster, H200, session 16; session 18 only up to 512, session 21 up to 1k
-    /// again, where its warpgroups pass over the tiles masked for them).
+    /// Measured on the H100 (bf16, same-run A/B of every compiled shape; docs/archive/PERF.md,
+    /// "the warp-specialized Hopper forward"): d = 64 on three consumer warpgroups (192 x 128:
+    /// +10-25% over 128 x 128 from seqlen 512 to 16k without a mask, +0-15% causal from 2k;
+    /// causal up to 512 128 x 128, with its work tiles in one stream, is 2% faster: "The
+    /// three-warpgroup forward's partial tile, first and light under a causal mask"), d = 128
+    /// with 176-key tiles without a mask from 8k keys (+8% at 16k; 128 x 128 was as fast or
+    /// faster up to 4k) and 128 with one, d = 256 with 80-key tiles (+0-5%; causal up to 1k
+    /// 64-key tiles, 2-8% faster on the H200, where its warpgroups pass over the tiles masked
+    /// for them: "d 256 causal up to 1k on 64-key tiles", "Key tiles masked for a whole
+    /// warpgroup").
     /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled variants
     /// where it exists (read once; A/B runs).
     ///
@@ -257,7 +261,8 @@ impl WsShape {
         }
         // d = 64 causal below 512 rows: the one-warpgroup kernel of fwd_sm90.cu, four blocks
         // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
-        // tiles as one stream: 0.158 against 0.171 ms since, session 17; shorter not measured).
+        // tiles as one stream: 0.158 against 0.171 ms since; docs/archive/PERF.md, "the
+        // forward's work tiles as one stream of key tiles"; shorter not measured).
         if forced.is_empty() && d == 64 && causal && seqlen_q < 512 {
             return None;
         }
@@ -272,17 +277,19 @@ impl WsShape {
         let variant = match d {
             // Causal up to 512: 128 x 128, whose kernel runs its work tiles as one stream of
             // key tiles (fwd_ws_sm90.cu: CARRY; 512 0.1425 against 0.1450 ms for 192 x 128,
-            // H100, session 31); above, the three warpgroups, whose partial tile (1024 rows:
-            // 64) is the first and lightest under the mask since session 31 (END_ALIGNED):
-            // 1k 0.217 against 0.2285 ms, 6 of 6 rounds (session 17, before that: 0.280
-            // against 0.244).
+            // H100); above, the three warpgroups, whose partial tile (1024 rows: 64) is the
+            // first and lightest under the mask (END_ALIGNED): 1k 0.217 against 0.2285 ms, 6
+            // of 6 rounds (with the partial tile last: 0.280 against 0.244;
+            // docs/archive/PERF.md, "The three-warpgroup forward's partial tile, first and
+            // light under a causal mask").
             64 if causal && seqlen_q <= 512 => "base",
             64 => "g3",
             128 if !causal && seqlen_k >= 8192 => "n176",
             // Causal up to 1k: 64-key tiles, which never straddle a 64-row diagonal, so that
             // the upper warpgroup passes over the tile its rows cannot see (fwd_ws_sm90.cu:
             // SKIP, which the 80-key kernel spilled with). 1k 0.164 against 0.170 ms, 2k 0.296
-            // against 0.286 (H100, session 21).
+            // against 0.286 (H100; docs/archive/PERF.md, "Key tiles masked for a whole
+            // warpgroup").
             256 if causal && seqlen_q <= 1024 => "base",
             256 => "n80",
             _ => "base",

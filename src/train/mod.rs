@@ -4,7 +4,7 @@
 //! In a Candle training graph every op costs its own kernel and, in the backward, a zeroed
 //! gradient buffer plus an addition per input. Written op by op, RMSNorm, rotary embeddings,
 //! SwiGLU, the embedding lookup (whose `index_select` backward is a slow `index_add`) and
-//! the cross-entropy make up most of a step's time (docs/PERF.md has the profile). Each
+//! the cross-entropy make up most of a step's time (docs/archive/PERF.md has the profile). Each
 //! function here is one op with a hand-written backward, on CUDA (kernels in `cuda/train.cu`)
 //! and on the CPU (f32 arithmetic), and computes in f32 whatever the storage dtype:
 //!

@@ -4,7 +4,7 @@
 //! release threshold is 0: at every synchronisation (a loss read to the host, a gradient
 //! norm) the pool hands all freed memory back to the driver, and the next step maps it again.
 //! In a training step that frees and re-allocates gigabytes, that costs 10-20 ms per step on an
-//! H100 (the LLaMA-150M step of docs/PERF.md). PyTorch's caching allocator keeps what it
+//! H100 (the LLaMA-150M step of docs/archive/PERF.md). PyTorch's caching allocator keeps what it
 //! freed; this does the same for the pool.
 
 use candle::{Device, Result};

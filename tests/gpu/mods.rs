@@ -128,8 +128,8 @@ fn check_inputs(qkvw: [&Tensor; 4], ours: &FlashAttn, reference: &FlashAttn) -> 
 /// 50 - 126 / log2 e = -37.3) and give an output of zeros. d 64 keeps the running max.
 /// Not closer to -50: where every capped score lies within 0.5 of -cap, tanh.approx.f32's
 /// 2^-11 error (0.025 in score units, as with FlashAttention 2's fast tanh) is as large as
-/// the scores' differences, and the case missed the 2x rule once in ~190 runs (docs/PERF.md
-/// session 21).
+/// the scores' differences, and the case missed the 2x rule once in ~190 runs
+/// (docs/archive/PERF.md, "The saturated-softcap test, less saturated").
 fn saturated_softcap_case(dev: &Device, d: usize, causal: bool) -> Result<()> {
     let (b, sq, sk, h, hk) = (2, 203, 203, 4, 2);
     let near = |shape: (usize, usize, usize, usize), sign: f64| -> Result<Tensor> {
