@@ -1,6 +1,7 @@
 //! The fine-tuning example's pieces on the CPU with a tiny model: the schedule and clipping,
 //! flash and naive attention giving the same gradients, LoRA training only its adapters,
-//! save + resume continuing exactly, and the loss falling on the built-in task.
+//! save + resume continuing exactly, and the loss falling on the built-in task; then the
+//! example's binary itself: what it prints when stderr is not a terminal, and what it writes.
 #![allow(dead_code)] // the example's modules are shared with other programs
 
 #[path = "../examples/llama/builtin.rs"]
@@ -17,6 +18,10 @@ mod optim;
 mod task;
 #[path = "../examples/finetune/train.rs"]
 mod train;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
 
 use candle::{DType, Device, Tensor, Var};
 use model::{AttnImpl, Config};
@@ -337,4 +342,138 @@ fn a_short_run_learns_the_copy_task() {
         acc0 < 0.01 && acc > 0.9 && loss < loss0 - 4.0,
         "eval loss {loss0} -> {loss}, accuracy {acc0} -> {acc}"
     );
+}
+
+/// The example's binary, built (once per test run) by the cargo that runs these tests, with
+/// their profile and features, so it is never a stale one.
+fn example_binary() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let mut cargo = Command::new(env!("CARGO"));
+        // Without the variables cargo set for this test (CARGO_PKG_NAME, OUT_DIR, ...): build
+        // scripts that read them (ring's) would rerun here, then again in the next plain build.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            let per_crate = [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+            ];
+            if per_crate.iter().any(|p| name.starts_with(p))
+                || name == "CARGO_PRIMARY_PACKAGE"
+                || name == "CARGO_TARGET_TMPDIR"
+                || name == "OUT_DIR"
+            {
+                cargo.env_remove(&*name);
+            }
+        }
+        cargo.args(["build", "--example", "finetune", "--message-format=json"]);
+        cargo.args([
+            "--manifest-path",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+        ]);
+        // This test's profile: the name of the directory above its `deps/` (`debug` is `dev`).
+        let exe = std::env::current_exe().unwrap();
+        let profile = exe
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::file_name);
+        match profile.and_then(|p| p.to_str()).unwrap() {
+            "debug" => {}
+            name => {
+                cargo.args(["--profile", name]);
+            }
+        }
+        if cfg!(feature = "cuda") {
+            cargo.args(["--features", "cuda"]);
+        }
+        let out = cargo.stderr(Stdio::inherit()).output().unwrap();
+        assert!(
+            out.status.success(),
+            "cargo build --example finetune failed"
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "finetune")
+            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+            .expect("cargo reported no finetune executable")
+    })
+}
+
+/// Runs the example with its progress bar on and stderr a pipe (not a terminal: indicatif
+/// hides the bar there), on a tiny model for a few steps; `(stderr, success)`.
+fn run_example(out_dir: &Path, extra: &[&str]) -> (String, bool) {
+    let _ = std::fs::remove_dir_all(out_dir);
+    let Output { status, stderr, .. } = Command::new(example_binary())
+        .args("--device cpu --config tiny --context 32 --batch 4 --steps 6".split(' '))
+        .args("--eval-every 3 --eval-batches 1 --out".split(' '))
+        .arg(out_dir)
+        .args(extra)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (String::from_utf8(stderr).unwrap(), status.success())
+}
+
+#[test]
+fn the_example_prints_its_evaluations_to_a_non_terminal_stderr() {
+    let dir = std::env::temp_dir().join(format!("candle-flash-ft-pipe-{}", std::process::id()));
+    let (err, ok) = run_example(&dir, &[]);
+    assert!(ok, "{err}");
+    for step in [
+        "step 0/6: eval loss",
+        "step 3/6: eval loss",
+        "step 6/6: eval loss",
+    ] {
+        assert!(
+            err.lines().any(|l| l.starts_with(step)),
+            "no {step:?} line in:\n{err}"
+        );
+    }
+    let summary = err.lines().last().unwrap_or_default();
+    assert!(
+        summary.starts_with("done: 6 steps in ")
+            && summary.contains("tokens/s")
+            && summary.ends_with(&format!("checkpoint and loss.svg in {}", dir.display())),
+        "the last line is the summary:\n{err}"
+    );
+    // What the summary claims was written, was.
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "optimizer.safetensors",
+        "loss.svg",
+    ] {
+        assert!(dir.join(f).is_file(), "{f} missing from {}", dir.display());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_example_with_no_save_writes_nothing_and_claims_nothing() {
+    let dir = std::env::temp_dir().join(format!("candle-flash-ft-nosave-{}", std::process::id()));
+    let (err, ok) = run_example(&dir, &["--no-save"]);
+    assert!(ok, "{err}");
+    assert!(!dir.exists(), "--no-save created {}", dir.display());
+    assert!(
+        err.lines()
+            .last()
+            .unwrap_or_default()
+            .ends_with("nothing written (--no-save)"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("checkpoint") && !err.contains("loss.svg"),
+        "--no-save output mentions a file:\n{err}"
+    );
+    let (err, ok) = run_example(&dir, &["--no-save", "--save-every", "2"]);
+    assert!(
+        !ok && err.contains("--no-save") && err.contains("--save-every 2"),
+        "{err}"
+    );
+    assert!(!dir.exists());
 }
