@@ -47,17 +47,19 @@ pub(crate) fn gather_f32(storage: &CpuStorage, layout: &Layout) -> Result<Vec<f3
 }
 
 fn gather<T: Copy>(src: &[T], layout: &Layout, f: impl Fn(T) -> f32) -> Vec<f32> {
+    let len = layout.shape().elem_count();
+    if len == 0 {
+        // Before the offsets: an empty view (a narrow of a tensor with no rows) may start
+        // past the end of its storage.
+        return Vec::new();
+    }
     if let Some((start, end)) = layout.contiguous_offsets() {
         return src[start..end].iter().map(|&x| f(x)).collect();
     }
     // Not contiguous, so rank >= 1. Walk the outer indices like an odometer and copy the
     // last dimension (stride 1 after validation, but any stride works) in one go.
     let (dims, stride) = (layout.dims(), layout.stride());
-    let len = layout.shape().elem_count();
     let mut out = Vec::with_capacity(len);
-    if len == 0 {
-        return out;
-    }
     let rank = dims.len();
     let (inner, inner_stride) = (dims[rank - 1], stride[rank - 1]);
     let mut index = vec![0usize; rank - 1];

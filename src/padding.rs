@@ -110,6 +110,12 @@ impl Padding {
             )
         }
         let mut flat = dims[1..].to_vec();
+        if x.elem_count() == 0 {
+            // Nothing to gather, and Candle's index_select would read an empty view (a
+            // narrow of a tensor with no heads) at its offset, past the end of its storage.
+            flat[0] = self.total();
+            return Tensor::zeros(flat, x.dtype(), x.device());
+        }
         flat[0] = self.batch * self.seqlen;
         x.reshape(flat)?
             .index_select(&self.index_tensor(x.device())?, 0)

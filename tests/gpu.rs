@@ -12,7 +12,8 @@
 //! runs only those sections: fwd, bwd, mods (window, softcap, ALiBi), sparse (block-sparse), varlen (varlen,
 //! padding, dropout), kvcache, misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
-//! reliability, train (the fused training ops); `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
+//! reliability, train (the fused training ops), property (random configurations over every
+//! option, tests/gpu/property.rs); `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
 //! computes every reference on the CPU, so that the device runs only our kernels, copies and
 //! Candle's element-wise kernels (see `cuda_suite::reference_device`), and shrinks the
 //! reliability checks. Each section prints its time.
@@ -55,7 +56,12 @@ mod mods;
 #[path = "gpu/deterministic.rs"]
 mod deterministic;
 
-// The CPU tests' helpers, for the `train` section's shared checks (tests/common/train.rs).
+#[cfg(feature = "cuda")]
+#[path = "gpu/property.rs"]
+mod property;
+
+// The CPU tests' helpers, for the `train` section's shared checks (tests/common/train.rs)
+// and the `property` section's generator (tests/common/property.rs).
 #[cfg(feature = "cuda")]
 mod common;
 
@@ -934,7 +940,7 @@ mod cuda_suite {
     type Section = fn(&Device, bool, &mut Suite);
 
     /// The sections in the order they run; `--only` picks among them.
-    const SECTIONS: [(&str, Section); 9] = [
+    const SECTIONS: [(&str, Section); 10] = [
         ("fwd", fwd_section),
         ("bwd", bwd_section),
         ("mods", crate::mods::run),
@@ -944,6 +950,7 @@ mod cuda_suite {
         ("misc", misc_section),
         ("reliability", crate::reliability::run),
         ("train", train_section),
+        ("property", crate::property::run),
     ];
 
     /// The fused training ops (`candle_flash::train`) on the device against plain Candle ops

@@ -7,6 +7,7 @@ use candle_flash::{attention_slow, FlashAttn};
 
 pub mod nan;
 pub mod options;
+pub mod property;
 pub mod train;
 pub mod varlen;
 
