@@ -84,14 +84,18 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
 
     // Double-buffered: the row statistics travel raw with the tile's cp.async group (no
     // registers held across an iteration); the LSE is converted where it is read. Rows past
-    // the end read LSE 0 and dsum 0, which is harmless there: their Q and dO rows are zero,
-    // so P^T dO, dS = P (0 - 0) and dQ (never stored) add nothing.
+    // the end get LSE -inf, so P = 0 there: their Q rows are zero, but a score is not, under
+    // an ALiBi bias (a negative slope raises far scores), and exp2 of it can overflow f16
+    // into inf x (dO = 0) = NaN in dV. Their dsum is 0.
     const auto load_row_stats = [&](int bidh, int m0, int stage) {
         if (tid >= BM) return;
         const int row = m0 + tid;
         const int64_t off = seq.lse_offset(p, bidb, bidh) + min(row, seq.seqlen_q - 1);
         const bool valid = row < seq.seqlen_q;
-        cp_async_4(sLse_all + stage * BM + tid, p.lse + off, valid);
+        if (valid)
+            cp_async_4(sLse_all + stage * BM + tid, p.lse + off, true);
+        else
+            sLse_all[stage * BM + tid] = -INFINITY;
         cp_async_4(sDsum_all + stage * BM + tid, bp.dsum + off, valid);
     };
     int bidh = bidh_k * p.h_h_k_ratio, m0 = tiles.m0_begin;  // tile it

@@ -65,8 +65,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
     const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, K::MODS);
     const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);  // (bidh, m0) follows it
     // Q, dO and the row statistics of tile (bidh, m0) into `stage`, one cp.async group with
-    // whatever was requested before. Rows past the end read LSE 0 and dsum 0: their Q and dO
-    // rows are zero, so they add nothing to dV, dK, and their dQ is never stored.
+    // whatever was requested before. Rows past the end get LSE -inf (P = 0) and dsum 0: their
+    // Q and dO rows are zero, but under an ALiBi bias (a negative slope raises far scores)
+    // their scores are not, and exp2 of one can overflow into inf x (dO = 0) = NaN in dV.
+    // Their dQ is never stored.
     const auto load_tile_into = [&](int bidh, int m0, int stage) {
         const int64_t qo =
             seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
@@ -83,7 +85,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_sm90(const BwdParam
             const int row = m0 + tid;
             const int64_t off = seq.lse_offset(p, bidb, bidh) + min(row, seq.seqlen_q - 1);
             const bool valid = row < seq.seqlen_q;
-            cp_async_4(sStats + 2 * stage * BM + tid, p.lse + off, valid);
+            if (valid)
+                cp_async_4(sStats + 2 * stage * BM + tid, p.lse + off, true);
+            else
+                sStats[2 * stage * BM + tid] = -INFINITY;
             cp_async_4(sStats + 2 * stage * BM + BM + tid, bp.dsum + off, valid);
         }
     };

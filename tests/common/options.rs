@@ -35,6 +35,9 @@ pub fn lse_host(q: &Tensor, k: &Tensor, opts: &FlashAttn) -> Result<Vec<f32>> {
         }
         None => None,
     };
+    // A side of -1, or at or past the keys (FlashAttention 2's rule), is open; i128 sums, as
+    // sides reach i64::MAX.
+    let open = |w: i64| w == -1 || w as i128 >= sk as i128;
     let (left, right) = opts.window_size;
     let right = if opts.causal { 0 } else { right };
     let mut out = Vec::with_capacity(b * h * sq);
@@ -46,7 +49,10 @@ pub fn lse_host(q: &Tensor, k: &Tensor, opts: &FlashAttn) -> Result<Vec<f32>> {
                 let mut sum = 0f64;
                 for j in 0..sk {
                     let jj = j as i64;
-                    if (left != -1 && jj < diag - left) || (right != -1 && jj > diag + right) {
+                    let (di, ji) = (diag as i128, jj as i128);
+                    if (!open(left) && ji < di - left as i128)
+                        || (!open(right) && ji > di + right as i128)
+                    {
                         continue;
                     }
                     if let Some((m, heads)) = &blocks {
