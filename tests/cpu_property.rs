@@ -473,7 +473,9 @@ fn the_ci_cases_cover_the_option_space() {
         ("direct backward", &|c| c.grad == Grad::Direct),
         ("invalid", &|c| c.expected_error(Target::Cpu).is_some()),
         ("window near sk", &|c| {
-            c.window.is_some_and(|(l, _, _)| matches!(l, Side::Size(n) if n + 1 >= c.sk as u64 && n <= c.sk as u64 + 1))
+            c.window.is_some_and(|(l, _, _)| {
+                matches!(l, Side::Size(n) if n.saturating_add(1) >= c.sk as u64 && n <= c.sk as u64 + 1)
+            })
         }),
     ];
     for (name, f) in features {
