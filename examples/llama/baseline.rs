@@ -51,10 +51,19 @@ pub fn generate(
     let ids: Vec<u32> = prompts.iter().flatten().copied().collect();
     let mut logits = model.forward(&Tensor::from_vec(ids, (batch, len), dev)?, 0, &mut cache)?;
     let mut decode_start = start;
+    // The same end-of-sequence rule as ours (generate.rs), so that both stop where the
+    // model ends its turn and their token counts and speeds compare.
+    let mut done = vec![false; batch];
     for (step, pos) in (0..opts.max_new_tokens).zip(len..) {
         let next = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
         for (b, &t) in next.iter().enumerate() {
+            if done[b] {
+                continue;
+            }
             tokens[b].push(t);
+            if !opts.ignore_eos && opts.eos_ids.contains(&t) {
+                done[b] = true;
+            }
         }
         if step == 0 {
             stats.time_to_first_token = start.elapsed();
@@ -62,7 +71,7 @@ pub fn generate(
         } else {
             stats.decode_steps += 1;
         }
-        if step + 1 == opts.max_new_tokens {
+        if step + 1 == opts.max_new_tokens || done.iter().all(|&d| d) {
             break;
         }
         let input = Tensor::from_vec(next, (batch, 1), dev)?;
