@@ -8,7 +8,7 @@ use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use crate::cpu;
-use crate::fwd::contiguous_aligned;
+use crate::layout::contiguous_aligned;
 use crate::params::Problem;
 
 pub(crate) struct FlashAttnBwdOp {

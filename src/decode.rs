@@ -17,8 +17,8 @@ use candle::{bail, CpuStorage, CustomOp3, InplaceOp2, Layout, Result, Shape, Ten
 use half::{bf16, f16};
 
 use crate::cpu;
+use crate::params::cumulative;
 use crate::params::{AppendProblem, AttnShape, DecodeProblem, Paging, Problem, SeqOffsets};
-use crate::varlen::cumulative;
 
 /// Row of the cache (in units of `hk · d` elements from the cache's first element) that holds
 /// token `j` of sequence `b`.

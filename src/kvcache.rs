@@ -16,7 +16,7 @@
 use candle::{bail, DType, Device, Result, Tensor};
 
 use crate::decode::{AppendOp, DecodeOp};
-use crate::fwd::aligned;
+use crate::layout::aligned;
 use crate::options::FlashAttn;
 use crate::params::{self, AppendProblem, AttnShape, DecodeProblem, Paging};
 

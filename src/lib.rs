@@ -59,6 +59,7 @@ mod dropout;
 mod failpoint;
 mod fwd;
 mod kvcache;
+mod layout;
 mod options;
 mod padding;
 mod params;
@@ -67,6 +68,7 @@ mod philox;
 mod ptx;
 mod reference;
 mod score_mod;
+mod shape;
 pub mod train;
 mod varlen;
 

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle::{bail, Result, Tensor};
 
 use crate::bwd::FlashAttnBwdOp;
-use crate::fwd::{aligned, FlashAttnOp};
+use crate::fwd::FlashAttnOp;
+use crate::layout::aligned;
 use crate::padding::Padding;
 use crate::params::{self, AttnShape, Dropout, Problem};
 use crate::varlen::VarLen;
@@ -373,7 +374,7 @@ impl FlashAttn {
         }
         let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
         // The CUDA kernels read the LSE with its contiguous layout (as the forward writes it).
-        let lse = crate::fwd::contiguous_aligned(lse)?;
+        let lse = crate::layout::contiguous_aligned(lse)?;
         FlashAttnBwdOp::new(problem, self.deterministic).run(&q, &k, &v, out, grad_out, &lse)
     }
 

@@ -3,7 +3,7 @@
 
 use candle::{bail, Device, Result, Tensor};
 
-use crate::varlen::cumulative;
+use crate::params::cumulative;
 
 /// Which positions of a padded `(batch, seqlen, ...)` batch hold real tokens.
 ///

@@ -6,48 +6,7 @@ use candle::{bail, DType, Device, Result, Shape, Tensor};
 /// Largest head dimension the kernels are instantiated for.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// Sizes of one attention call. Fixed length: q is `(b, sq, h, d)`, k and v are
-/// `(b, sk, hk, d)`. Variable length (packed): q is `(total_q, h, d)`, k and v are
-/// `(total_k, hk, d)`, `b` is the number of sequences and `sq`, `sk` their maximum lengths.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct AttnShape {
-    pub b: usize,
-    pub sq: usize,
-    pub sk: usize,
-    pub h: usize,
-    pub hk: usize,
-    pub d: usize,
-    /// Query rows over all sequences: `b * sq` for fixed length.
-    pub total_q: usize,
-    /// Key rows over all sequences: `b * sk` for fixed length.
-    pub total_k: usize,
-}
-
-impl AttnShape {
-    /// A fixed-length problem.
-    pub fn fixed(b: usize, sq: usize, sk: usize, h: usize, hk: usize, d: usize) -> Self {
-        Self {
-            b,
-            sq,
-            sk,
-            h,
-            hk,
-            d,
-            total_q: b * sq,
-            total_k: b * sk,
-        }
-    }
-    pub fn q_elems(&self) -> usize {
-        self.total_q * self.h * self.d
-    }
-    pub fn kv_elems(&self) -> usize {
-        self.total_k * self.hk * self.d
-    }
-    /// Query heads that share one K/V head.
-    pub fn group(&self) -> usize {
-        self.h / self.hk
-    }
-}
+pub(crate) use crate::shape::AttnShape;
 
 /// Attention dropout: kept probabilities are scaled by `1 / (1 - p)`. Entry (query i, key j)
 /// of sequence `b`, head `h` is kept iff [`crate::philox::RowKeep`] says so for the counter
@@ -65,6 +24,21 @@ pub(crate) struct Dropout {
 pub(crate) struct SeqOffsets {
     pub cu_q: Vec<u32>,
     pub cu_k: Vec<u32>,
+}
+
+/// `[0, l0, l0 + l1, ...]`, checked to fit u32.
+pub(crate) fn cumulative(lengths: &[usize], name: &str) -> Result<Vec<u32>> {
+    let mut cu = Vec::with_capacity(lengths.len() + 1);
+    let mut total = 0u32;
+    cu.push(total);
+    for &len in lengths {
+        total = match u32::try_from(len).ok().and_then(|l| total.checked_add(l)) {
+            Some(t) => t,
+            None => bail!("{name}: the total length exceeds u32::MAX"),
+        };
+        cu.push(total);
+    }
+    Ok(cu)
 }
 
 /// Everything the kernels need besides the data: sizes, scale, mask, dropout, packing.

@@ -13,7 +13,7 @@
 
 use candle::{bail, DType, Result, Tensor};
 
-use crate::params::AttnShape;
+use crate::shape::AttnShape;
 
 /// The score modifications of one call, validated. `right` already includes the causal mask.
 #[derive(Clone, Debug, Default, PartialEq)]

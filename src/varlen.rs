@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle::{bail, DType, Device, Result, Tensor};
 
 use crate::padding::Padding;
-use crate::params::SeqOffsets;
+use crate::params::{cumulative, SeqOffsets};
 
 /// The layout of a packed batch of `num_seqs` sequences, for [`crate::FlashAttn::forward_varlen`].
 ///
@@ -151,21 +151,6 @@ impl VarLen {
     pub(crate) fn offsets(&self) -> Arc<SeqOffsets> {
         self.offsets.clone()
     }
-}
-
-/// `[0, l0, l0 + l1, ...]`, checked to fit u32.
-pub(crate) fn cumulative(lengths: &[usize], name: &str) -> Result<Vec<u32>> {
-    let mut cu = Vec::with_capacity(lengths.len() + 1);
-    let mut total = 0u32;
-    cu.push(total);
-    for &len in lengths {
-        total = match u32::try_from(len).ok().and_then(|l| total.checked_add(l)) {
-            Some(t) => t,
-            None => bail!("{name}: the total length exceeds u32::MAX"),
-        };
-        cu.push(total);
-    }
-    Ok(cu)
 }
 
 fn check_offsets(cu: &[u32], name: &str) -> Result<()> {

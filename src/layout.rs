@@ -1,0 +1,33 @@
+//! Tensor layouts the CUDA kernels can read in place, shared by every op: the forward, the
+//! backward and KV-cache decoding.
+
+use candle::{Result, Tensor};
+
+/// The CUDA kernels read 16-byte chunks: every stride but the last, and the start offset, must
+/// be a multiple of 8 elements. A tensor that is not is copied once into a contiguous one.
+pub(crate) fn aligned(t: &Tensor) -> Result<Tensor> {
+    if !t.device().is_cuda() {
+        return Ok(t.clone());
+    }
+    let ok = t.layout().start_offset().is_multiple_of(8)
+        && t.stride()[..t.rank() - 1]
+            .iter()
+            .all(|s| s.is_multiple_of(8));
+    if ok {
+        Ok(t.clone())
+    } else {
+        // Not `contiguous()`: it returns a contiguous tensor unchanged whatever its offset.
+        t.force_contiguous()
+    }
+}
+
+/// `t` contiguous and, on CUDA, starting at a multiple of 8 elements, for the tensors the
+/// kernels read with the output's contiguous layout (out, dO, LSE).
+pub(crate) fn contiguous_aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    if t.device().is_cuda() && !t.layout().start_offset().is_multiple_of(8) {
+        t.force_contiguous()
+    } else {
+        Ok(t)
+    }
+}
