@@ -54,6 +54,12 @@ pub mod compat;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+// The CUDA path's overrides parse without a GPU: their unit tests run in the CPU build too
+// (a `cuda` test binary needs the driver to start).
+#[cfg(all(test, not(feature = "cuda")))]
+#[allow(dead_code)]
+#[path = "cuda/overrides.rs"]
+mod cuda_overrides;
 mod decode;
 mod dropout;
 mod failpoint;

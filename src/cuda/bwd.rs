@@ -187,13 +187,10 @@ impl FusedShape {
     }
 }
 
-/// The `CANDLE_FLASH_BWD` override (read once): `separate`, `bn64`, `bn128`, `bn128t` or
+/// The `CANDLE_FLASH_BWD` override (overrides.rs): `separate`, `bn64`, `bn128`, `bn128t` or
 /// unset.
 fn bwd_override() -> Option<&'static str> {
-    static OVERRIDE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    OVERRIDE
-        .get_or_init(|| std::env::var("CANDLE_FLASH_BWD").ok())
-        .as_deref()
+    super::overrides::overrides().bwd.as_deref()
 }
 
 /// What the backward's kernel choice depends on.

@@ -220,14 +220,13 @@ fn variant(
     shape: &BwdWsShape,
     packed: Option<(usize, usize)>,
 ) -> Option<&'static str> {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let variant = tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)?;
     let cap_alone = b.a.softcap_pre != 0.0 && b.a.softcap_pre <= 1.0 && b.a.alibi_slopes == 0;
     Some(
         if variant == "_mods"
             && cap_alone
             && !shape.split()
-            && !tma::switched_off(&OFF, "CANDLE_FLASH_BWD_CAP")
+            && !super::overrides::overrides().bwd_cap_off
         {
             "_cap"
         } else {
@@ -291,9 +290,8 @@ pub(super) fn run(
         // ascending order; H100, docs/archive/PERF.md, "The grid's pairs interleaved by
         // wave"). `CANDLE_FLASH_DET_GROUP=0` (read once) keeps the pair-by-pair order (A/B
         // runs).
-        static PAIR_BY_PAIR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let group = (sms / grid.0).clamp(1, grid.1 * grid.2);
-        if group > 1 && !tma::switched_off(&PAIR_BY_PAIR, "CANDLE_FLASH_DET_GROUP") {
+        if group > 1 && !super::overrides::overrides().det_group_off {
             p.pair_group = group as i32;
         }
     } else if a.window_left >= 0 || a.window_right >= 0 || a.block_q != 0 {

@@ -219,22 +219,15 @@ fn residency(
 }
 
 /// `CANDLE_FLASH_DECODE_SPLITS=n` forces n splits (capped by `MAX_SPLITS`): a tuning aid for
-/// measuring the heuristic against its alternatives. Read once.
+/// measuring the heuristic against its alternatives (overrides.rs).
 fn forced_splits() -> Option<usize> {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| {
-        std::env::var("CANDLE_FLASH_DECODE_SPLITS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n| n > 0)
-    })
+    super::overrides::overrides().decode_splits
 }
 
 /// `CANDLE_FLASH_DECODE_WARPS=4` keeps split launches at 4-warp blocks (a tuning aid for
-/// measuring [`block_warps`] against the alternative). Read once.
+/// measuring [`block_warps`] against the alternative; overrides.rs).
 fn four_warps_forced() -> bool {
-    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_DECODE_WARPS").is_ok_and(|v| v == "4"))
+    super::overrides::overrides().decode_four_warps
 }
 
 /// Warps per decode block, and the split count that goes with them. A split launch fills

@@ -2,9 +2,7 @@
 //! (`cuda/lpt_tail.cuh`): the forward's masked walk over query blocks, the backward's grid of
 //! key blocks.
 
-use std::sync::OnceLock;
-
-/// Which kernel's tail: each reads its own environment variable, for A/B runs in one binary.
+/// Which kernel's tail: each has its own override (overrides.rs), for A/B runs in one binary.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Tail {
     /// `CANDLE_FLASH_WS_LPT`.
@@ -14,20 +12,13 @@ pub(super) enum Tail {
 }
 
 impl Tail {
-    /// Waves of tiles in the tail: two unless the variable says otherwise, 0 none (read once).
+    /// Waves of tiles in the tail: two unless the variable says otherwise, 0 none.
     fn waves(self) -> usize {
-        static FWD: OnceLock<usize> = OnceLock::new();
-        static BWD: OnceLock<usize> = OnceLock::new();
-        let (cell, var) = match self {
-            Tail::Forward => (&FWD, "CANDLE_FLASH_WS_LPT"),
-            Tail::Backward => (&BWD, "CANDLE_FLASH_BWD_LPT"),
-        };
-        *cell.get_or_init(|| {
-            std::env::var(var)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(2)
-        })
+        let o = super::overrides::overrides();
+        match self {
+            Tail::Forward => o.fwd_tail_waves,
+            Tail::Backward => o.bwd_tail_waves,
+        }
     }
 
     /// The tail's pair count for `pairs` pairs of `per_pair` tiles each, `slots` tiles running

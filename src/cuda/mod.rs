@@ -6,12 +6,13 @@ mod bwd;
 mod bwd_ws;
 mod decode;
 mod lpt_tail;
+mod overrides;
 mod tma;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::{append, decode};
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::result::memset_d8_async;
@@ -576,9 +577,7 @@ impl Sm90Shape {
     /// `CANDLE_FLASH_SM90_SHAPE=g1|g1n64|g2|g3` forces one (read once; A/B runs; g1 is the
     /// 48-key kernel at d = 128, g1n64 and g3 exist only at d = 64).
     fn choose(d: usize, seqlen_q: usize, causal: bool) -> Self {
-        static FORCED: OnceLock<String> = OnceLock::new();
-        let forced =
-            FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_SHAPE").unwrap_or_default());
+        let forced = &overrides::overrides().sm90_shape;
         let (groups, bn) = match (forced.as_str(), d) {
             ("g1n64", 64) => (1, 64),
             ("g1", 128) => (1, 48),
@@ -651,12 +650,12 @@ pub(crate) fn device_facts(dev: &candle::CudaDevice) -> Result<DeviceFacts> {
              anywhere."
         )
     }
-    let smem_cap = std::env::var("CANDLE_FLASH_SMEM_KB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .map_or(usize::MAX, |kb| kb * 1024);
+    let forced = overrides::overrides();
+    let smem_cap = forced
+        .smem_kb
+        .map_or(usize::MAX, |kb| kb.saturating_mul(1024));
     let facts = DeviceFacts {
-        major: if forced_arch() == "sm80" { 8 } else { major },
+        major: if forced.arch_sm80 { 8 } else { major },
         sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize,
         smem: (attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             as usize)
@@ -664,13 +663,6 @@ pub(crate) fn device_facts(dev: &candle::CudaDevice) -> Result<DeviceFacts> {
     };
     known.push((ordinal, facts));
     Ok(facts)
-}
-
-/// `CANDLE_FLASH_ARCH=sm80` runs the sm_80 kernels (no wgmma, no programmatic launch) on a
-/// Hopper GPU, for testing the Ampere/Ada path there; read once.
-fn forced_arch() -> &'static str {
-    static FORCED: OnceLock<String> = OnceLock::new();
-    FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_ARCH").unwrap_or_default())
 }
 
 /// A kernel source file of cuda/, whose PTX exists per architecture set.
@@ -814,18 +806,15 @@ fn use_ws(dev: &candle::CudaDevice) -> Result<bool> {
     Ok(!matches!(forced_fwd(), "mma" | "sm90") && device_facts(dev)?.hopper())
 }
 
-/// `CANDLE_FLASH_FWD=mma|sm90` forces the mma.sync or the first wgmma forward kernels, read
-/// once.
+/// `CANDLE_FLASH_FWD=mma|sm90` forces the mma.sync or the first wgmma forward kernels.
 fn forced_fwd() -> &'static str {
-    static FORCED: OnceLock<String> = OnceLock::new();
-    FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_FWD").unwrap_or_default())
+    &overrides::overrides().fwd
 }
 
 /// Whether outputs are filled with NaN before each launch, so that elements a kernel fails to
-/// write show up in tests (`CANDLE_FLASH_POISON=1`; read once).
+/// write show up in tests (`CANDLE_FLASH_POISON=1`).
 fn poison_outputs() -> bool {
-    static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *POISON.get_or_init(|| std::env::var("CANDLE_FLASH_POISON").is_ok_and(|v| v == "1"))
+    overrides::overrides().poison
 }
 
 /// Fills a fresh allocation with 0xFF bytes: NaN in f16, bf16 and f32.
@@ -877,9 +866,7 @@ fn launch_programmatic<P: DeviceRepr>(
     params: &P,
 ) -> Result<()> {
     use candle::cuda_backend::cudarc::driver::sys;
-    static OFF: OnceLock<bool> = OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("CANDLE_FLASH_PDL").is_ok_and(|v| v == "0"));
-    if off || !device_facts(dev)?.hopper() {
+    if overrides::overrides().pdl_off || !device_facts(dev)?.hopper() {
         return launch(dev, name, grid, threads, smem, params);
     }
     let Some((func, cfg)) = prepare_launch(dev, name, grid, threads, smem)? else {

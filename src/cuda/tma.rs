@@ -4,8 +4,8 @@
 use candle::cuda_backend::cudarc::driver::sys;
 use candle::cuda_backend::cudarc::driver::DeviceRepr;
 use candle::DType;
-use std::sync::OnceLock;
 
+use super::overrides::overrides;
 use super::AttnParams;
 
 /// Mirror of `struct TmaDesc` in `cuda/tma.cuh`: an encoded `CUtensorMap`, 64-byte aligned as
@@ -121,35 +121,27 @@ impl TileSource {
 /// kernels"); `CANDLE_FLASH_WS_WIDE=0` (read once) sends those head dims back to the older
 /// kernels (A/B runs).
 pub(super) fn ws_head_dim(d: usize) -> Option<usize> {
-    static WIDE_OFF: OnceLock<bool> = OnceLock::new();
     match d {
         64 | 128 | 256 => Some(d),
         96 => Some(128),
         224 => Some(256),
-        160 | 192 if !switched_off(&WIDE_OFF, "CANDLE_FLASH_WS_WIDE") => Some(256),
+        160 | 192 if !overrides().ws_wide_off => Some(256),
         _ => None,
     }
-}
-
-/// Whether the A/B switch `var` (read once into `cell`) is set to `0`.
-pub(super) fn switched_off(cell: &'static OnceLock<bool>, var: &str) -> bool {
-    *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "0"))
 }
 
 /// Whether packed batches may take the `_packed` warp-specialized kernels (forward and
 /// backward): `CANDLE_FLASH_WS_PACKED=0` sends them to the older kernels (A/B runs; the two
 /// measured in docs/archive/PERF.md, "Packed batches on the warp-specialized kernels").
 fn packed_kernels() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    !switched_off(&OFF, "CANDLE_FLASH_WS_PACKED")
+    !overrides().ws_packed_off
 }
 
 /// Whether dropout may take the `_dropout` warp-specialized kernels (forward and backward):
 /// `CANDLE_FLASH_WS_DROPOUT=0` sends it to the older kernels (A/B runs; the two measured in
 /// docs/archive/PERF.md, "Against the older kernels and PyTorch").
 fn dropout_kernels() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    !switched_off(&OFF, "CANDLE_FLASH_WS_DROPOUT")
+    !overrides().ws_dropout_off
 }
 
 /// The part of a warp-specialized entry point's name (forward and backward) that names its
@@ -250,9 +242,7 @@ impl WsShape {
         packed: bool,
         dropout: bool,
     ) -> Option<Self> {
-        static FORCED: OnceLock<String> = OnceLock::new();
-        let forced =
-            FORCED.get_or_init(|| std::env::var("CANDLE_FLASH_WS_SHAPE").unwrap_or_default());
+        let forced = &overrides().ws_shape;
         let d = ws_head_dim(d)?;
         let variant_suffix = ws_variant(mods, packed, dropout)?;
         if dropout {
@@ -370,10 +360,7 @@ impl WsShape {
     /// next tile from a counter. `CANDLE_FLASH_WS_PERSISTENT=0` launches one block per tile
     /// instead (read once; A/B runs). Returns (blocks, dynamic).
     pub fn grid(tiles: usize, sms: usize, masked: bool) -> (usize, bool) {
-        static OFF: OnceLock<bool> = OnceLock::new();
-        let off = *OFF
-            .get_or_init(|| std::env::var("CANDLE_FLASH_WS_PERSISTENT").is_ok_and(|v| v == "0"));
-        if off || tiles <= sms {
+        if overrides().ws_persistent_off || tiles <= sms {
             (tiles, false)
         } else {
             (sms, masked)

@@ -1,0 +1,129 @@
+//! Every `CANDLE_FLASH_*` variable the CUDA path reads at run time, read once (at the first
+//! launch) into one typed struct. None is needed in normal use: they force a kernel family
+//! (to test the Ampere/Ada kernels on a Hopper GPU), switch a choice off so that one binary can
+//! time both sides of it (A/B runs), or poison outputs for the tests. An unknown value is the
+//! same as an unset variable.
+//!
+//! | variable | values | effect |
+//! |---|---|---|
+//! | `CANDLE_FLASH_ARCH` | `sm80` | the sm_80 kernels on any GPU (no wgmma, no programmatic launch) |
+//! | `CANDLE_FLASH_SMEM_KB` | KB | caps the shared memory per block the kernels may use (99: Ada, 163: A100) |
+//! | `CANDLE_FLASH_FWD` | `mma`, `sm90` | the mma.sync forward, or the first (not warp-specialized) wgmma forward |
+//! | `CANDLE_FLASH_SM90_SHAPE` | `g1`, `g1n64`, `g2`, `g3` | the first wgmma forward's consumer groups and key tile |
+//! | `CANDLE_FLASH_WS_SHAPE` | a shape name of `tma.rs` | the warp-specialized forward's tile shape |
+//! | `CANDLE_FLASH_WS_PERSISTENT` | `0` | one block per tile instead of persistent blocks |
+//! | `CANDLE_FLASH_WS_WIDE` | `0` | head dims 160/192 off the head dim 256 warp-specialized kernels |
+//! | `CANDLE_FLASH_WS_PACKED` | `0` | packed batches off the `_packed` warp-specialized kernels |
+//! | `CANDLE_FLASH_WS_DROPOUT` | `0` | dropout off the `_dropout` warp-specialized kernels |
+//! | `CANDLE_FLASH_WS_LPT` | waves | the forward's longest-first tail (default 2, 0 none) |
+//! | `CANDLE_FLASH_BWD_LPT` | waves | the backward's longest-first tail (default 2, 0 none) |
+//! | `CANDLE_FLASH_BWD` | `separate`, `bn64`, `bn128`, `bn128t` | the mma.sync backward's kernels and key tile |
+//! | `CANDLE_FLASH_BWD_CAP` | `0` | a softcap's backward on the `_mods` kernels instead of `_cap` |
+//! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
+//! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |
+//! | `CANDLE_FLASH_DECODE_WARPS` | `4` | split decode launches on 4-warp blocks |
+//! | `CANDLE_FLASH_PDL` | `0` | no programmatic dependent launch |
+//! | `CANDLE_FLASH_POISON` | `1` | outputs filled with NaN before each launch (unwritten elements show) |
+
+use std::sync::OnceLock;
+
+/// The overrides, as the environment gave them when first asked.
+#[derive(Debug, Default)]
+pub(crate) struct Overrides {
+    pub arch_sm80: bool,
+    pub smem_kb: Option<usize>,
+    /// `CANDLE_FLASH_FWD`, empty when unset.
+    pub fwd: String,
+    /// `CANDLE_FLASH_SM90_SHAPE`, empty when unset.
+    pub sm90_shape: String,
+    /// `CANDLE_FLASH_WS_SHAPE`, empty when unset.
+    pub ws_shape: String,
+    pub ws_persistent_off: bool,
+    pub ws_wide_off: bool,
+    pub ws_packed_off: bool,
+    pub ws_dropout_off: bool,
+    pub fwd_tail_waves: usize,
+    pub bwd_tail_waves: usize,
+    /// `CANDLE_FLASH_BWD`, if set.
+    pub bwd: Option<String>,
+    pub bwd_cap_off: bool,
+    pub det_group_off: bool,
+    pub decode_splits: Option<usize>,
+    pub decode_four_warps: bool,
+    pub pdl_off: bool,
+    pub poison: bool,
+}
+
+/// The overrides of this process (read at the first call).
+pub(crate) fn overrides() -> &'static Overrides {
+    static READ: OnceLock<Overrides> = OnceLock::new();
+    READ.get_or_init(|| Overrides::from(|name| std::env::var(name).ok()))
+}
+
+impl Overrides {
+    /// From a lookup of variable names (the environment, or a table in tests).
+    fn from(var: impl Fn(&str) -> Option<String>) -> Self {
+        let get = |name: &str| var(&format!("CANDLE_FLASH_{name}"));
+        let is = |name: &str, value: &str| get(name).is_some_and(|v| v == value);
+        let number = |name: &str| get(name).and_then(|v| v.parse::<usize>().ok());
+        Self {
+            arch_sm80: is("ARCH", "sm80"),
+            smem_kb: number("SMEM_KB"),
+            fwd: get("FWD").unwrap_or_default(),
+            sm90_shape: get("SM90_SHAPE").unwrap_or_default(),
+            ws_shape: get("WS_SHAPE").unwrap_or_default(),
+            ws_persistent_off: is("WS_PERSISTENT", "0"),
+            ws_wide_off: is("WS_WIDE", "0"),
+            ws_packed_off: is("WS_PACKED", "0"),
+            ws_dropout_off: is("WS_DROPOUT", "0"),
+            fwd_tail_waves: number("WS_LPT").unwrap_or(2),
+            bwd_tail_waves: number("BWD_LPT").unwrap_or(2),
+            bwd: get("BWD"),
+            bwd_cap_off: is("BWD_CAP", "0"),
+            det_group_off: is("DET_GROUP", "0"),
+            decode_splits: number("DECODE_SPLITS").filter(|&n| n > 0),
+            decode_four_warps: is("DECODE_WARPS", "4"),
+            pdl_off: is("PDL", "0"),
+            poison: is("POISON", "1"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unset_is_the_default_choice() {
+        let o = Overrides::from(|_| None);
+        assert!(!o.arch_sm80 && !o.poison && !o.pdl_off && o.bwd.is_none());
+        assert_eq!((o.fwd_tail_waves, o.bwd_tail_waves), (2, 2));
+        assert_eq!((o.smem_kb, o.decode_splits), (None, None));
+    }
+
+    #[test]
+    fn values_are_read_by_their_names() {
+        let env = [
+            ("CANDLE_FLASH_ARCH", "sm80"),
+            ("CANDLE_FLASH_SMEM_KB", "99"),
+            ("CANDLE_FLASH_WS_PACKED", "0"),
+            ("CANDLE_FLASH_WS_LPT", "0"),
+            ("CANDLE_FLASH_DECODE_SPLITS", "0"),
+            ("CANDLE_FLASH_DECODE_WARPS", "8"),
+            ("CANDLE_FLASH_BWD", "bn64"),
+        ];
+        let o = Overrides::from(|name| {
+            env.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        });
+        assert!(o.arch_sm80 && o.ws_packed_off && !o.ws_dropout_off);
+        assert_eq!(
+            (o.smem_kb, o.fwd_tail_waves, o.bwd_tail_waves),
+            (Some(99), 0, 2)
+        );
+        // 0 splits and 8 warps are not overrides: the heuristics decide.
+        assert_eq!((o.decode_splits, o.decode_four_warps), (None, false));
+        assert_eq!(o.bwd.as_deref(), Some("bn64"));
+    }
+}
