@@ -9,7 +9,9 @@
 
 use candle::{bail, Result, Tensor};
 
-use super::{KvCache, PagedKvCache};
+use super::call::check_new_kv_apart;
+use super::contiguous::KvCache;
+use super::paged::PagedKvCache;
 
 /// The checked shape of a ragged append: the new length of every sequence.
 fn check(
@@ -48,7 +50,7 @@ fn check(
             bail!("{name}: on another device than the cache")
         }
     }
-    super::check_new_kv_apart(
+    check_new_kv_apart(
         [(k_new, "k_new"), (v_new, "v_new")],
         [(cache, "the cache's keys"), (v_cache, "the cache's values")],
     )?;

@@ -1,0 +1,41 @@
+//! The sizes, dtype and device given to the cache constructors, checked before anything is
+//! allocated.
+
+use candle::{bail, DType, Device, Result};
+
+use crate::params;
+
+/// Checks a cache size given to a constructor.
+pub(super) fn check_fits_u32(value: usize, name: &str) -> Result<()> {
+    if u32::try_from(value).is_err() {
+        bail!("{name}: {value} tokens do not fit the u32 sequence lengths")
+    }
+    Ok(())
+}
+
+/// What a constructor is given, checked as the first call would check it: the cache
+/// `(outer, rows, num_heads_k, head_dim)` of `dtype` on `device` (rows: capacity or page
+/// size). Absurd sizes are an error here rather than an aborted allocation.
+pub(super) fn check_cache_args(
+    dims: [(usize, &str); 4],
+    dtype: DType,
+    device: &Device,
+) -> Result<()> {
+    let [_, _, (hk, _), (d, _)] = dims;
+    if hk == 0 {
+        bail!("num_heads_k: must be > 0")
+    }
+    params::check_head_dim(device, d, "head_dim:")?;
+    params::check_dtype(device, dtype, "dtype:")?;
+    let mut elems: usize = 1;
+    for (n, name) in dims {
+        elems = match elems.checked_mul(n) {
+            Some(e) if e.saturating_mul(dtype.size_in_bytes()) <= isize::MAX as usize => e,
+            _ => bail!("{name}: the cache of {dims:?} elements does not fit in memory"),
+        };
+    }
+    // Both caches at once, tried on the CPU before candle's allocation (which aborts).
+    let sizes = dims.map(|(n, _)| n);
+    params::alloc_elems_on(&sizes, 2 * dtype.size_in_bytes(), "cache", device)?;
+    Ok(())
+}
