@@ -368,7 +368,7 @@ pub(crate) fn alloc_elems_on(
     };
     match elems {
         Some(n) if fits => Ok(n),
-        _ => bail!("{what}: {dims:?} elements of {elem_bytes} bytes do not fit in memory"),
+        _ => bail!("{what}: {dims:?} elements of {elem_bytes} bytes: does not fit in memory"),
     }
 }
 

@@ -154,14 +154,20 @@ impl VarLen {
 }
 
 fn check_offsets(cu: &[u32], name: &str) -> Result<()> {
+    check_run(cu, name)?;
+    if cu[0] != 0 {
+        bail!("{name}: expected the first offset to be 0, got {}", cu[0])
+    }
+    Ok(())
+}
+
+/// At least 2 offsets (batch + 1), none below the one before.
+pub(crate) fn check_run(cu: &[u32], name: &str) -> Result<()> {
     if cu.len() < 2 {
         bail!(
             "{name}: expected at least 2 entries (batch + 1 cumulative offsets), got {}",
             cu.len()
         )
-    }
-    if cu[0] != 0 {
-        bail!("{name}: expected the first offset to be 0, got {}", cu[0])
     }
     if let Some(b) = cu.windows(2).position(|w| w[1] < w[0]) {
         bail!(
@@ -174,7 +180,8 @@ fn check_offsets(cu: &[u32], name: &str) -> Result<()> {
     Ok(())
 }
 
-fn host_offsets(t: &Tensor, name: &str) -> Result<Vec<u32>> {
+/// A rank-1 U32 tensor of offsets, read to the host.
+pub(crate) fn host_offsets(t: &Tensor, name: &str) -> Result<Vec<u32>> {
     if t.rank() != 1 || t.dtype() != DType::U32 {
         bail!(
             "{name}: expected a rank-1 U32 tensor, got {:?} of shape {:?}",

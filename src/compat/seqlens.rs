@@ -1,7 +1,7 @@
 //! The cumulative `seqlens_q` / `seqlens_k` tensors of a varlen call, read to the host and
 //! checked against q, k and v.
 
-use candle::{bail, DType, Device, Result, Tensor};
+use candle::{bail, Result, Tensor};
 
 /// Checks the ranks, dtypes and devices of a varlen call's q `(total_q, h, d)`, k and v
 /// (rank `k_rank`, `k_what`; v shaped like k). Returns q's and k's first dimensions.
@@ -68,29 +68,10 @@ pub(super) fn offsets(
     Ok((cu_q, cu_k))
 }
 
-/// A rank-1 U32 tensor of at least 2 non-decreasing offsets, read to the host.
+/// A rank-1 U32 tensor of at least 2 non-decreasing offsets, read to the host (`seqlens_k`
+/// may start past 0, so the first offset is not checked here).
 fn host_offsets(t: &Tensor, name: &str) -> Result<Vec<u32>> {
-    if t.rank() != 1 || t.dtype() != DType::U32 {
-        bail!(
-            "{name}: expected a rank-1 U32 tensor, got {:?} of shape {:?}",
-            t.dtype(),
-            t.dims()
-        )
-    }
-    let cu = t.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
-    if cu.len() < 2 {
-        bail!(
-            "{name}: expected at least 2 entries (batch + 1 cumulative offsets), got {}",
-            cu.len()
-        )
-    }
-    if let Some(b) = cu.windows(2).position(|w| w[1] < w[0]) {
-        bail!(
-            "{name}: offsets must be non-decreasing, got {} at index {} after {}",
-            cu[b + 1],
-            b + 1,
-            cu[b]
-        )
-    }
+    let cu = crate::varlen::host_offsets(t, name)?;
+    crate::varlen::check_run(&cu, name)?;
     Ok(cu)
 }

@@ -27,15 +27,9 @@ pub(super) fn check_cache_args(
     }
     params::check_head_dim(device, d, "head_dim:")?;
     params::check_dtype(device, dtype, "dtype:")?;
-    let mut elems: usize = 1;
-    for (n, name) in dims {
-        elems = match elems.checked_mul(n) {
-            Some(e) if e.saturating_mul(dtype.size_in_bytes()) <= isize::MAX as usize => e,
-            _ => bail!("{name}: the cache of {dims:?} elements does not fit in memory"),
-        };
-    }
     // Both caches at once, tried on the CPU before candle's allocation (which aborts).
     let sizes = dims.map(|(n, _)| n);
-    params::alloc_elems_on(&sizes, 2 * dtype.size_in_bytes(), "cache", device)?;
+    let names = dims.map(|(_, name)| name).join(" x ");
+    params::alloc_elems_on(&sizes, 2 * dtype.size_in_bytes(), &names, device)?;
     Ok(())
 }
