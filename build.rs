@@ -3,7 +3,7 @@
 //! - `sm80` (virtual arch compute_80): every file but the wgmma ones. Ampere and Ada run it,
 //!   newer GPUs too (their driver compiles its PTX), and Hopper takes from it the files whose
 //!   code does not change for sm_90 (the mma.sync forward, the training ops).
-//! - `sm90a` (Hopper): the wgmma files (`*_sm90.cu`) and the files with sm_90-only code paths
+//! - `sm90a` (Hopper): the wgmma files (`cuda/sm90/`) and the files with sm_90-only code paths
 //!   (`__CUDA_ARCH__` tests in their headers: vector dQ atomics, programmatic launch).
 //!
 //! What goes into each file's image depends on the GPUs the build targets:
@@ -63,15 +63,13 @@ mod cuda {
         println!("cargo:rerun-if-changed=cuda");
         let mut sources = vec![];
         let mut newest = std::fs::metadata("build.rs")?.modified()?;
-        for entry in std::fs::read_dir("cuda")? {
-            let path = entry?.path();
+        for path in crate::abi_layout::files(Path::new("cuda"), &["cu", "cuh", "rs"])? {
             println!("cargo:rerun-if-changed={}", path.display());
             newest = newest.max(std::fs::metadata(&path)?.modified()?);
             if path.extension().is_some_and(|e| e == "cu") {
                 sources.push(path);
             }
         }
-        sources.sort();
         let targets = targets()?;
         let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
         let mut common: Vec<String> = ["-std=c++17", "-O3", "--use_fast_math", "-Icuda"]
@@ -275,7 +273,7 @@ mod cuda {
     struct Source {
         path: PathBuf,
         stem: String,
-        /// A wgmma file (`*_sm90.cu`): sm_90a only.
+        /// A wgmma file (under `cuda/sm90/`): sm_90a only.
         wgmma: bool,
         /// It or a header it includes (transitively) tests `__CUDA_ARCH__`: Hopper loads it
         /// from the sm90a set.
@@ -288,10 +286,16 @@ mod cuda {
 
     impl Source {
         fn read(path: &Path) -> anyhow::Result<Self> {
-            let stem = path
-                .file_stem()
-                .and_then(|s| s.to_str())
-                .unwrap_or_default();
+            // `sm90/fwd_ws.cu` -> `sm90_fwd_ws`, `decode/decode.cu` -> `decode`: unique
+            // across the folders.
+            let mut parts: Vec<String> = path
+                .strip_prefix("cuda")?
+                .with_extension("")
+                .iter()
+                .map(|p| p.to_string_lossy().into_owned())
+                .collect();
+            parts.dedup();
+            let stem = parts.join("_");
             let by_dtype = std::fs::read_to_string(path)?.contains("CANDLE_FLASH_ONLY_BF16");
             let (mut bytes, mut arch_tests) = (0, false);
             let mut seen = BTreeSet::new();
@@ -317,7 +321,7 @@ mod cuda {
             Ok(Self {
                 path: path.to_path_buf(),
                 stem: stem.to_string(),
-                wgmma: stem.ends_with("_sm90"),
+                wgmma: path.starts_with("cuda/sm90"),
                 arch_tests,
                 by_dtype,
                 bytes,
@@ -539,7 +543,7 @@ mod abi_layout {
     }
 
     /// The files under `dir` (recursively) with one of `exts`, sorted.
-    fn files(dir: &Path, exts: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
+    pub fn files(dir: &Path, exts: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
         let mut out = vec![];
         for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
             let path = entry?.path();

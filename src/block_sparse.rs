@@ -467,7 +467,7 @@ impl HostBlockMask {
 }
 
 /// The multiplier and shift of division by `d` (>= 1) as the kernels do it (`FastDiv` in
-/// cuda/params.cuh): `n / d == (umulhi(n, mul) + n) >> shift` for `0 <= n < 2^31`.
+/// cuda/common/params.cuh): `n / d == (umulhi(n, mul) + n) >> shift` for `0 <= n < 2^31`.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn fast_div(d: u32) -> (u32, i32) {
     let shift = d.next_power_of_two().trailing_zeros();

@@ -10,7 +10,7 @@ pub(crate) use crate::shape::AttnShape;
 
 /// Attention dropout: kept probabilities are scaled by `1 / (1 - p)`. Entry (query i, key j)
 /// of sequence `b`, head `h` is kept iff [`crate::philox::RowKeep`] says so for the counter
-/// `(seed, offset, b, h, i, j)`, on the CPU and on CUDA alike (src/philox.rs, cuda/philox.cuh).
+/// `(seed, offset, b, h, i, j)`, on the CPU and on CUDA alike (src/philox.rs, cuda/common/philox.cuh).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Dropout {
     pub p: f32,

@@ -1,5 +1,5 @@
 //! Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), the
-//! counter-based generator behind attention dropout. `cuda/philox.cuh` is the same function;
+//! counter-based generator behind attention dropout. `cuda/common/philox.cuh` is the same function;
 //! the two must agree bit for bit so that CPU and GPU drop the same entries and the backward
 //! pass regenerates the forward's mask from (seed, offset) with O(1) extra memory.
 
@@ -51,7 +51,7 @@ pub(crate) fn keep_scale(p: f32) -> f32 {
 /// by keys `j0`, `j0 + 1`, `j0 + 8` and `j0 + 9`, with `i0 = 16 (i / 16) + i % 8` and
 /// `j0 = 16 (j / 16) + 2 ((j % 8) / 2)`. Those are the 8 entries a lane of an MMA
 /// accumulator fragment (rows g and g + 8, column pairs 2t in two neighbouring n8 tiles) holds,
-/// so that a kernel draws each call once (`Dropout::keep_fragment` in cuda/philox.cuh):
+/// so that a kernel draws each call once (`Dropout::keep_fragment` in cuda/common/philox.cuh):
 /// counter = (4 (j / 16) + (j % 8) / 2, 8 (i / 16) + i % 8, b * num_heads + h, offset_lo),
 /// key = (seed_lo, seed_hi ^ offset_hi), word = 2 ((i % 16) / 8) + (j % 16) / 8, its low half
 /// for even j, its high half for odd j. The library draws through [`RowKeep`] (each call once

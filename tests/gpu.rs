@@ -1003,7 +1003,7 @@ mod cuda_suite {
 
     /// Causal shapes with more work tiles than the H100's and H200's 132 SMs: the Hopper
     /// forward's dynamic walk, whose last heads go query block by query block, heaviest
-    /// first (fwd_ws_sm90.cu `WsTile`); a partial last query block, GQA.
+    /// first (sm90/fwd_ws.cu `WsTile`); a partial last query block, GQA.
     fn many_tile_cases() -> Vec<Case> {
         causal_cases(&[
             // (b, sq, sk, h, hk, d): 128-row tiles
@@ -1015,7 +1015,7 @@ mod cuda_suite {
 
     /// Causal shapes with more than two waves of key blocks on 132 SMs: the Hopper backward's
     /// grid, whose last heads go key block by key block, heaviest first
-    /// (bwd_ws_sm90.cu `BwdWsBlock::launch_order`), after heads in launch order; a partial last
+    /// (sm90/bwd_ws.cu `BwdWsBlock::launch_order`), after heads in launch order; a partial last
     /// key block, seqlen_q != seqlen_k, GQA.
     fn many_key_block_cases() -> Vec<Case> {
         causal_cases(&[

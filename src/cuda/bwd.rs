@@ -1,14 +1,14 @@
-//! Backward launchers (`cuda/bwd.cu`): dsum, then either
+//! Backward launchers (`cuda/sm80/bwd.cu`): dsum, then either
 //! - the dK/dV kernel and the dQ kernel (deterministic; any head dim), or
 //! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
 //!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
 //!
 //! On Hopper at d 64 and 128, for batches whose tensors TMA can address, the fused kernel is
-//! the warp-specialized one (`cuda/bwd_ws_sm90.cu`, launched by [`super::bwd_ws`]; packed
+//! the warp-specialized one (`cuda/sm90/bwd_ws.cu`, launched by [`super::bwd_ws`]; packed
 //! batches in its `_packed` kernels, dropout in its `_dropout` and `_packed_dropout` ones, a
 //! softcap without ALiBi at d 64 and 128 in its `_cap` ones);
 //! packed batches with a softcap, ALiBi or block mask there take the first wgmma kernel
-//! (`cuda/bwd_sm90.cu`), dropout with one the mma.sync `_dropout` kernel.
+//! (`cuda/sm90/bwd.cu`), dropout with one the mma.sync `_dropout` kernel.
 //! At head dims 65-96 its d = 128 kernel and at 129-256 its d = 256 kernel also run (the
 //! columns past the head dim zero), under the same conditions (65-96: without a block mask or
 //! a `CANDLE_FLASH_BWD` override). It has a deterministic mode (the key blocks add dQ in
@@ -40,7 +40,7 @@ use super::{
 use crate::params::Problem;
 
 /// Backward tile shapes for one compiled head dim; mirror of `BwdConfig` and
-/// `BwdFusedConfig` in `cuda/bwd_traits.cuh`.
+/// `BwdFusedConfig` in `cuda/sm80/bwd_traits.cuh`.
 #[derive(Clone, Copy, Debug)]
 struct BwdTile {
     d: usize,
@@ -121,7 +121,7 @@ impl BwdTile {
     }
 }
 
-/// Keys per block of the wgmma backward kernel (`BwdSm90Traits` in `cuda/bwd_sm90.cu`).
+/// Keys per block of the wgmma backward kernel (`BwdSm90Traits` in `cuda/sm90/bwd.cu`).
 const SM90_BN: usize = 128;
 
 /// K, V (128 keys), two stages of Q, dO (64 rows) and their row statistics, the dS^T tile
@@ -137,17 +137,17 @@ enum BwdPath {
     Separate,
     /// dK/dV/dQ kernel with atomic dQ + convert kernel, of one block shape.
     Fused(FusedShape),
-    /// The wgmma dK/dV/dQ kernel (`cuda/bwd_sm90.cu`) + convert kernel: d 64 and 128 on
+    /// The wgmma dK/dV/dQ kernel (`cuda/sm90/bwd.cu`) + convert kernel: d 64 and 128 on
     /// Hopper, no dropout.
     Sm90,
-    /// The warp-specialized kernels (`cuda/bwd_ws_sm90.cu`): where `Sm90` runs, and at head
+    /// The warp-specialized kernels (`cuda/sm90/bwd_ws.cu`): where `Sm90` runs, and at head
     /// dims 65-96 and 129-256 on Hopper, for batches whose tensors TMA can address
     /// (`bwd_ws::supported`), with dropout too, deterministic too (under a block mask its
     /// `_sparse_det` kernels).
     Ws(BwdWsShape),
 }
 
-/// Block shapes of the mma.sync fused kernel (`BwdFusedConfig` in `cuda/bwd_traits.cuh`).
+/// Block shapes of the mma.sync fused kernel (`BwdFusedConfig` in `cuda/sm80/bwd_traits.cuh`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum FusedShape {
     /// 64 keys over 4 warps; the only shape with a dropout variant.
@@ -437,7 +437,7 @@ fn run_path(
     // SAFETY: the dsum kernel writes every row before the others read it.
     let mut dsum = unsafe { dev.alloc::<f32>(s.h * s.total_q)? };
     // The fused kernels add into it; rows that no key reaches keep their zeros. The mma.sync
-    // ones tile it (`dq_tile_offset` in cuda/bwd_dq_accum.cuh): per query head, total_q rows
+    // ones tile it (`dq_tile_offset` in cuda/common/bwd_dq_accum.cuh): per query head, total_q rows
     // plus one tile of rows per sequence, of the kernel's head dim.
     let mut dq_accum = match path {
         BwdPath::Fused(shape) => {

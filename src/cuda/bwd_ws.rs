@@ -1,4 +1,4 @@
-//! The warp-specialized Hopper backward (`cuda/bwd_ws_sm90.cu`): its parameter block, its
+//! The warp-specialized Hopper backward (`cuda/sm90/bwd_ws.cu`): its parameter block, its
 //! buffers and its three launches (row statistics + dq_accum's tile states, dK/dV/dQ, dq).
 
 use candle::cuda_backend::cudarc::driver::sys::CUdeviceptr;
@@ -9,7 +9,7 @@ use super::lpt_tail::Tail;
 use super::tma::{self, TileSource, TmaDesc};
 use super::{launch_programmatic, AttnParams, BwdParams};
 
-/// Mirror of `struct BwdTmaParams` in `cuda/bwd_ws_sm90.cu`.
+/// Mirror of `struct BwdTmaParams` in `cuda/sm90/bwd_ws.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct BwdTmaParams {
@@ -24,15 +24,15 @@ pub(super) struct BwdTmaParams {
     pub(super) dq: TmaDesc,
     pub(super) b: BwdParams,
     pub(super) stats: CUdeviceptr,
-    /// Per query tile, the state word of its dq_accum tile (`cuda/dq_tile_state.cuh`); 0
+    /// Per query tile, the state word of its dq_accum tile (`cuda/sm90/dq_tile_state.cuh`); 0
     /// (null) for the split kernel unless deterministic (its dq_accum the prep kernel zeroes).
     pub(super) dq_state: CUdeviceptr,
     pub(super) m_blocks: i32,
     /// Under a mask, how many (sequence, KV head) pairs end the grid in longest-first order
-    /// (`cuda/lpt_tail.cuh`); 0 none.
+    /// (`cuda/common/lpt_tail.cuh`); 0 none.
     pub(super) tail_heads: i32,
     /// Nonzero: the key blocks add into each dq_accum tile in order (from the last), for a
-    /// bitwise repeatable dQ (`cuda/dq_tile_state.cuh`); under a block mask in the
+    /// bitwise repeatable dQ (`cuda/sm90/dq_tile_state.cuh`); under a block mask in the
     /// `_sparse_det` kernels.
     pub(super) deterministic: i32,
     /// Deterministic mode: (sequence, KV head) pairs per group of the grid's interleaved
@@ -124,7 +124,7 @@ impl BwdWsBuffers {
         // SAFETY: flash_bwd_ws_prep writes every element of the statistics, of the state
         // words where the kernels use them and (with `split`) of dq_accum before any other
         // kernel reads them; without `split` a dq_accum tile is read only after the main
-        // kernel stored all of it, which its state word records (cuda/dq_tile_state.cuh).
+        // kernel stored all of it, which its state word records (cuda/sm90/dq_tile_state.cuh).
         let stats = unsafe { dev.alloc::<f32>(tiles * 2 * BM)? };
         let dq_accum = unsafe { dev.alloc::<f32>(tiles * BM * shape.d)? };
         let dq_state = unsafe { dev.alloc::<i32>(tiles)? };
@@ -283,7 +283,7 @@ pub(super) fn run(
     let grid = grid(b, shape);
     let a = &b.a;
     if deterministic {
-        // Block n waits for block n + 1 (cuda/dq_tile_state.cuh), so each pair's key blocks
+        // Block n waits for block n + 1 (cuda/sm90/dq_tile_state.cuh), so each pair's key blocks
         // start from the last and the grid has no longest-first tail. The pairs go interleaved
         // in groups of about one wave of blocks, so that each wave's blocks end in the order
         // the next wave's chains need (1.05-1.13x at 1k-4k, measured with the key blocks in

@@ -1,4 +1,4 @@
-//! KV-cache launchers: the in-place append and split-KV decoding (`cuda/decode.cu`).
+//! KV-cache launchers: the in-place append and split-KV decoding (`cuda/decode/decode.cu`).
 
 use std::sync::Mutex;
 
@@ -16,11 +16,11 @@ use super::{
 };
 use crate::params::{AppendProblem, DecodeProblem, Paging};
 
-/// `DECODE_INLINE_SEQLENS` in `cuda/params.cuh`: batches up to this size pass their lengths
+/// `DECODE_INLINE_SEQLENS` in `cuda/common/params.cuh`: batches up to this size pass their lengths
 /// inside the parameter block instead of through a host-to-device copy per call.
 const INLINE_SEQLENS: usize = 128;
 
-/// Mirror of `struct DecodeParams` in `cuda/params.cuh`.
+/// Mirror of `struct DecodeParams` in `cuda/common/params.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct DecodeParams {
@@ -39,7 +39,7 @@ pub(super) struct DecodeParams {
 // SAFETY: plain-old-data with the C layout of `DecodeParams`, passed by value.
 unsafe impl DeviceRepr for DecodeParams {}
 
-/// Mirror of `struct AppendParams` in `cuda/params.cuh`.
+/// Mirror of `struct AppendParams` in `cuda/common/params.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct AppendParams {
@@ -61,7 +61,7 @@ pub(super) struct AppendParams {
 // SAFETY: as above.
 unsafe impl DeviceRepr for AppendParams {}
 
-/// Decode block shape, mirror of `DecodeTraits` in `cuda/decode.cu`: 4 warps (8 in split
+/// Decode block shape, mirror of `DecodeTraits` in `cuda/decode/decode.cu`: 4 warps (8 in split
 /// launches, [`block_warps`]) share 16 packed query rows; each warp streams its own 16-key
 /// tiles through a two-stage ring.
 const DECODE_ROWS: usize = 16;
@@ -72,7 +72,7 @@ const SPLIT_WARPS_MAX_D: usize = 128;
 /// Warps of decode blocks where four do not fit in shared memory (`flash_decode_*_w2`).
 const NARROW_WARPS: usize = 2;
 const DECODE_KEYS_PER_TILE: usize = 16;
-/// `MAX_SPLITS` in `cuda/decode.cu` (the merge's weight buffer).
+/// `MAX_SPLITS` in `cuda/decode/decode.cu` (the merge's weight buffer).
 const MAX_SPLITS: usize = 128;
 /// Fewest key tiles per warp worth a split of their own: each split also pays for loading Q,
 /// filling its ring, merging its warps and writing a partial row.
@@ -80,7 +80,7 @@ const MIN_TILES_PER_WARP: usize = 4;
 
 /// `DecodeTraits::SMEM_BYTES`: Q tile (rows padded by 8 elements), per warp 2 stages of K and
 /// V tiles (swizzled rows of `d` rounded up to 64 elements, `SwizzledRows` in
-/// `cuda/decode_block.cuh`; the merge reuses them as f32), then the merge's arrival count.
+/// `cuda/decode/decode_block.cuh`; the merge reuses them as f32), then the merge's arrival count.
 fn decode_smem_bytes(d: usize, warps: usize) -> u32 {
     let q = DECODE_ROWS * (d + 8) * 2;
     let pitch = d.next_multiple_of(64);

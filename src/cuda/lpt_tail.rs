@@ -1,5 +1,5 @@
 //! How many (sequence, head) pairs end a Hopper grid in longest-first order
-//! (`cuda/lpt_tail.cuh`): the forward's masked walk over query blocks, the backward's grid of
+//! (`cuda/common/lpt_tail.cuh`): the forward's masked walk over query blocks, the backward's grid of
 //! key blocks.
 
 /// Which kernel's tail: each has its own override (overrides.rs), for A/B runs in one binary.

@@ -1,4 +1,4 @@
-//! CUDA launchers: the `#[repr(C)]` twin of `cuda/params.cuh`, kernel selection per dtype and
+//! CUDA launchers: the `#[repr(C)]` twin of `cuda/common/params.cuh`, kernel selection per dtype and
 //! head dim, and the launches themselves. Attention forward/backward here; KV-cache append
 //! and decoding in [`decode`].
 
@@ -33,7 +33,7 @@ use crate::params::Problem;
 use crate::score_mod::ScoreMods;
 use crate::{philox, ptx};
 
-/// Mirror of `struct AttnParams` in `cuda/params.cuh`; same field order.
+/// Mirror of `struct AttnParams` in `cuda/common/params.cuh`; same field order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct AttnParams {
@@ -99,7 +99,7 @@ struct AttnParams {
 // SAFETY: plain-old-data with the C layout of `AttnParams`, passed by value as a kernel argument.
 unsafe impl DeviceRepr for AttnParams {}
 
-/// Mirror of `struct FastDiv` in `cuda/params.cuh`: division by a constant the kernels take
+/// Mirror of `struct FastDiv` in `cuda/common/params.cuh`: division by a constant the kernels take
 /// as a multiply-high and a shift ([`crate::block_sparse::fast_div`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -115,7 +115,7 @@ impl FastDiv {
     }
 }
 
-/// Mirror of `struct BwdParams` in `cuda/params.cuh`.
+/// Mirror of `struct BwdParams` in `cuda/common/params.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct BwdParams {
@@ -478,7 +478,7 @@ fn set_seq_offsets<'a>(
     syncs
 }
 
-/// Forward tile shape for one compiled head dim; mirror of `FwdConfig` in `cuda/traits.cuh`.
+/// Forward tile shape for one compiled head dim; mirror of `FwdConfig` in `cuda/sm80/traits.cuh`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct FwdTile {
     d: usize,
@@ -545,7 +545,7 @@ impl FwdTile {
     }
 }
 
-/// One wgmma forward kernel's block (`cuda/fwd_sm90.cu`, mirror of `Sm90Traits`):
+/// One wgmma forward kernel's block (`cuda/sm90/fwd.cu`, mirror of `Sm90Traits`):
 /// warpgroups of 64 query rows and keys per tile, key tiles in two stages.
 #[derive(Clone, Copy, Debug)]
 struct Sm90Shape {
@@ -593,7 +593,7 @@ impl Sm90Shape {
         Self { groups, bn }
     }
 
-    /// `flash_fwd_sm90_<dtype>_d<D><suffix>` (the entry points in cuda/fwd_sm90.cu).
+    /// `flash_fwd_sm90_<dtype>_d<D><suffix>` (the entry points in cuda/sm90/fwd.cu).
     fn suffix(&self) -> String {
         match self.groups {
             1 => format!("_g1_n{}", self.bn),
@@ -682,12 +682,12 @@ impl PtxFile {
     /// `(sm90a, sm80)` images of the file.
     fn sets(self) -> (ptx::Parts, ptx::Parts) {
         match self {
-            Self::Fwd => (ptx::sm90a::FWD, ptx::sm80::FWD),
-            Self::FwdSm90 => (ptx::sm90a::FWD_SM90, ptx::sm80::FWD_SM90),
-            Self::FwdWs => (ptx::sm90a::FWD_WS_SM90, ptx::sm80::FWD_WS_SM90),
-            Self::Bwd => (ptx::sm90a::BWD, ptx::sm80::BWD),
-            Self::BwdSm90 => (ptx::sm90a::BWD_SM90, ptx::sm80::BWD_SM90),
-            Self::BwdWs => (ptx::sm90a::BWD_WS_SM90, ptx::sm80::BWD_WS_SM90),
+            Self::Fwd => (ptx::sm90a::SM80_FWD, ptx::sm80::SM80_FWD),
+            Self::FwdSm90 => (ptx::sm90a::SM90_FWD, ptx::sm80::SM90_FWD),
+            Self::FwdWs => (ptx::sm90a::SM90_FWD_WS, ptx::sm80::SM90_FWD_WS),
+            Self::Bwd => (ptx::sm90a::SM80_BWD, ptx::sm80::SM80_BWD),
+            Self::BwdSm90 => (ptx::sm90a::SM90_BWD, ptx::sm80::SM90_BWD),
+            Self::BwdWs => (ptx::sm90a::SM90_BWD_WS, ptx::sm80::SM90_BWD_WS),
             Self::Decode => (ptx::sm90a::DECODE, ptx::sm80::DECODE),
             Self::Train => (ptx::sm90a::TRAIN, ptx::sm80::TRAIN),
         }
@@ -800,8 +800,8 @@ fn use_sm90(dev: &candle::CudaDevice) -> Result<bool> {
     Ok(forced_fwd() != "mma" && device_facts(dev)?.hopper())
 }
 
-/// The warp-specialized kernel (fwd_ws_sm90.cu) on Hopper, unless `CANDLE_FLASH_FWD=sm90`
-/// (the wgmma kernel of fwd_sm90.cu) or `mma` asks for another.
+/// The warp-specialized kernel (sm90/fwd_ws.cu) on Hopper, unless `CANDLE_FLASH_FWD=sm90`
+/// (the wgmma kernel of sm90/fwd.cu) or `mma` asks for another.
 fn use_ws(dev: &candle::CudaDevice) -> Result<bool> {
     Ok(!matches!(forced_fwd(), "mma" | "sm90") && device_facts(dev)?.hopper())
 }
@@ -855,7 +855,7 @@ fn launch<P: DeviceRepr>(
 
 /// [`launch`] with programmatic stream serialization on Hopper: the kernel's blocks may be
 /// dispatched while the kernel ahead of it in the stream finishes, so the launch overlaps
-/// that tail. Only for kernels that call `pdl_wait` (cuda/pdl.cuh) before they touch global
+/// that tail. Only for kernels that call `pdl_wait` (cuda/common/pdl.cuh) before they touch global
 /// memory. A plain [`launch`] elsewhere, or when `CANDLE_FLASH_PDL=0` (read once).
 fn launch_programmatic<P: DeviceRepr>(
     dev: &candle::CudaDevice,

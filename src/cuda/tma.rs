@@ -1,4 +1,4 @@
-//! The warp-specialized Hopper forward (`cuda/fwd_ws_sm90.cu`): tensor maps for its TMA
+//! The warp-specialized Hopper forward (`cuda/sm90/fwd_ws.cu`): tensor maps for its TMA
 //! copies, its parameter block and its tile shapes.
 
 use candle::cuda_backend::cudarc::driver::sys;
@@ -8,7 +8,7 @@ use candle::DType;
 use super::overrides::overrides;
 use super::AttnParams;
 
-/// Mirror of `struct TmaDesc` in `cuda/tma.cuh`: an encoded `CUtensorMap`, 64-byte aligned as
+/// Mirror of `struct TmaDesc` in `cuda/sm90/tma.cuh`: an encoded `CUtensorMap`, 64-byte aligned as
 /// the TMA unit requires (cudarc's own type is 128-byte aligned under CUDA 13; the bytes are
 /// the same).
 #[repr(C, align(64))]
@@ -17,7 +17,7 @@ pub(super) struct TmaDesc {
     pub(super) opaque: [u64; 16],
 }
 
-/// Mirror of `struct FwdTmaParams` in `cuda/fwd_ws_sm90.cu`.
+/// Mirror of `struct FwdTmaParams` in `cuda/sm90/fwd_ws.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct FwdTmaParams {
@@ -179,7 +179,7 @@ pub(super) struct WsShape {
 }
 
 impl WsShape {
-    /// The compiled variants (cuda/fwd_ws_sm90.cu's entry points; `CANDLE_FLASH_WS_SHAPE`
+    /// The compiled variants (cuda/sm90/fwd_ws.cu's entry points; `CANDLE_FLASH_WS_SHAPE`
     /// names them): `base` 128 x 128 (d = 256: 128 x 64), `g3` 192 x 128 (three consumer
     /// warpgroups), `n192` 128 x 192, `n176` 128 x 176, `n80` 128 x 80; `mods` selects the
     /// variant's `_mods` / `_sparse` entry point, compiled for one variant per head dim.
@@ -249,7 +249,7 @@ impl WsShape {
             let variant = if d == 256 { "n80" } else { "base" };
             return Self::compiled(d, variant, variant_suffix);
         }
-        // d = 64 causal below 512 rows: the one-warpgroup kernel of fwd_sm90.cu, four blocks
+        // d = 64 causal below 512 rows: the one-warpgroup kernel of sm90/fwd.cu, four blocks
         // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
         // tiles as one stream: 0.158 against 0.171 ms since; docs/archive/PERF.md, "the
         // forward's work tiles as one stream of key tiles"; shorter not measured).
@@ -266,7 +266,7 @@ impl WsShape {
         }
         let variant = match d {
             // Causal up to 512: 128 x 128, whose kernel runs its work tiles as one stream of
-            // key tiles (fwd_ws_sm90.cu: CARRY; 512 0.1425 against 0.1450 ms for 192 x 128,
+            // key tiles (sm90/fwd_ws.cu: CARRY; 512 0.1425 against 0.1450 ms for 192 x 128,
             // H100); above, the three warpgroups, whose partial tile (1024 rows: 64) is the
             // first and lightest under the mask (END_ALIGNED): 1k 0.217 against 0.2285 ms, 6
             // of 6 rounds (with the partial tile last: 0.280 against 0.244;
@@ -276,7 +276,7 @@ impl WsShape {
             64 => "g3",
             128 if !causal && seqlen_k >= 8192 => "n176",
             // Causal up to 1k: 64-key tiles, which never straddle a 64-row diagonal, so that
-            // the upper warpgroup passes over the tile its rows cannot see (fwd_ws_sm90.cu:
+            // the upper warpgroup passes over the tile its rows cannot see (sm90/fwd_ws.cu:
             // SKIP, which the 80-key kernel spilled with). 1k 0.164 against 0.170 ms, 2k 0.296
             // against 0.286 (H100; docs/archive/PERF.md, "Key tiles masked for a whole
             // warpgroup").
@@ -304,7 +304,7 @@ impl WsShape {
         128 * (self.consumers as u32 + 1)
     }
 
-    /// `flash_fwd_ws_<dtype>_d<D><suffix><mods>` (the entry points of cuda/fwd_ws_sm90.cu).
+    /// `flash_fwd_ws_<dtype>_d<D><suffix><mods>` (the entry points of cuda/sm90/fwd_ws.cu).
     pub fn kernel(&self, dtype: &str) -> String {
         format!(
             "flash_fwd_ws_{dtype}_d{}{}{}",
@@ -371,7 +371,7 @@ impl WsShape {
 /// The batches and rows the Hopper kernels' tensor maps span, `(batch, rows of q, rows of k)`:
 /// fixed length `(b, seqlen_q, seqlen_k)`; packed batches (`packed`: total query and key rows)
 /// one tensor of every sequence's rows, batch 1 (the kernels add each sequence's first row:
-/// `tma_seq` in cuda/seq_info.cuh).
+/// `tma_seq` in cuda/common/seq_info.cuh).
 pub(super) fn extents(a: &AttnParams, packed: Option<(usize, usize)>) -> (usize, usize, usize) {
     match packed {
         Some((total_q, total_k)) => (1, total_q, total_k),

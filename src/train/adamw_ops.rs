@@ -1,5 +1,5 @@
 //! The in-place passes of [`super::AdamW`] and [`super::sum_squares`]: each an `InplaceOp2`
-//! writing its first operand, on the CPU (f32 loops) and on CUDA (`cuda/train_adamw.cuh`).
+//! writing its first operand, on the CPU (f32 loops) and on CUDA (`cuda/train/adamw.cuh`).
 
 use candle::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result};
 

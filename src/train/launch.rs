@@ -1,4 +1,4 @@
-//! Launching the kernels of `cuda/train.cu`: raw device pointers of contiguous storages (their
+//! Launching the kernels of `cuda/train/train.cu`: raw device pointers of contiguous storages (their
 //! start offsets applied), fresh outputs, and one launch per call with a 1-D grid.
 
 use std::sync::Arc;

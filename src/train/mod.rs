@@ -5,7 +5,7 @@
 //! gradient buffer plus an addition per input. Written op by op, RMSNorm, rotary embeddings,
 //! SwiGLU, the embedding lookup (whose `index_select` backward is a slow `index_add`) and
 //! the cross-entropy make up most of a step's time (docs/archive/PERF.md has the profile). Each
-//! function here is one op with a hand-written backward, on CUDA (kernels in `cuda/train.cu`)
+//! function here is one op with a hand-written backward, on CUDA (kernels in `cuda/train/train.cu`)
 //! and on the CPU (f32 arithmetic), and computes in f32 whatever the storage dtype:
 //!
 //! - [`rms_norm`]: `x * rsqrt(mean(x^2) + eps) * weight`, gradients for both (the weight's

@@ -190,7 +190,7 @@ fn cuda_backward(
     );
     let stream = dev.cuda_stream();
     let mut dx = launch::alloc(dev, xs.dtype(), rows * cols, false)?;
-    // NORM_BWD_ROWS = 32 rows per block (cuda/train_norm.cuh), each writing its partial dw
+    // NORM_BWD_ROWS = 32 rows per block (cuda/train/norm.cuh), each writing its partial dw
     // (f32) per column; train_rms_dw sums them in block order (a weight of another dtype
     // gets a cast afterwards).
     // (The first launch bails past CUDA's grid limit, before `blocks` goes in as an i32.)

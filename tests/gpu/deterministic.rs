@@ -1,7 +1,7 @@
 //! GPU tests for `deterministic(true)` backwards. On Hopper without a block mask they run the
 //! warp-specialized kernel's deterministic mode (`_mods` under a softcap or ALiBi), where the
 //! key blocks that see a query tile add their dQ into it one at a time, from the last
-//! (cuda/dq_tile_state.cuh; at head dims 193-256 the consumers add from registers, in turns
+//! (cuda/sm90/dq_tile_state.cuh; at head dims 193-256 the consumers add from registers, in turns
 //! taken by a warp of their own); elsewhere the separate dK/dV and dQ kernels. The shapes make
 //! tiles whose sets of key blocks differ: causal with seqlen_q above and below seqlen_k (the
 //! first query tiles see no key at all), windows (the first block of a tile is not block 0),

@@ -1,0 +1,94 @@
+// Warp-level matmuls on tensor cores, the three shapes FlashAttention needs (forward and
+// backward alike). Each warp computes MT m16 row tiles x NT n8 column tiles in the mma C
+// layout (see mma.cuh). Shared tiles are row-major with a pitch of STRIDE elements.
+#pragma once
+#include "common/mma.cuh"
+
+// One k-step of gemm_ss: A (MT m16 tiles) and B (NT n8 tiles) of k16 step kk.
+template <typename T, int MT, int NT, int STRIDE>
+__device__ __forceinline__ void gemm_ss_step(float (&acc)[MT][NT][4], uint32_t a_base,
+                                             uint32_t b_base, int kk) {
+    uint32_t af[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(af[mt], a_base + (mt * 16 * STRIDE + kk * 16) * sizeof(T));
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
+        ldmatrix_x4(bf, b_base + (np * 16 * STRIDE + kk * 16) * sizeof(T));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            MmaOp<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
+            MmaOp<T>::run(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+        }
+    }
+}
+
+// acc += A B^T with A (MT*16 x 16*KSTEPS) and B (NT*8 x 16*KSTEPS) both row-major in shared
+// memory: S = Q K^T, dP = dO V^T and their transposes. `a` and `b` point at the first row.
+// The k-loop is unrolled fully (ptxas can then issue the next step's ldmatrix under this
+// step's mma: +1-6% forward, +3-9% d = 128 backward on the H100; docs/archive/PERF.md, "the
+// sm_80 set next to FlashAttention-2, counter by counter"); FULL = false unrolls it by two,
+// for kernels that need the registers (the d = 64 backward was 2-5% slower fully unrolled;
+// others spilled more).
+template <typename T, int MT, int NT, int KSTEPS, int STRIDE, bool FULL = true>
+__device__ __forceinline__ void gemm_ss(float (&acc)[MT][NT][4], const T* a, const T* b, int lane) {
+    static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");
+    const int mi = lane / 8;  // which 8x8 matrix of an x4 load this lane addresses
+    const uint32_t a_base = opaque(smem_addr(a + (lane % 16) * STRIDE + (lane / 16) * 8));
+    const uint32_t b_base = opaque(smem_addr(b + ((mi / 2) * 8 + lane % 8) * STRIDE + (mi % 2) * 8));
+    if constexpr (FULL) {
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) gemm_ss_step<T, MT, NT, STRIDE>(acc, a_base, b_base, kk);
+    } else {
+#pragma unroll 2
+        for (int kk = 0; kk < KSTEPS; ++kk) gemm_ss_step<T, MT, NT, STRIDE>(acc, a_base, b_base, kk);
+    }
+}
+
+// A C-layout accumulator (MT x NT n8 tiles, f32) as A fragments (MT x NT/2 k16 tiles, 16-bit):
+// P for O += P V, dS for dQ += dS K, and the transposed ones for dV and dK.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void pack_a(const float (&c)[MT][NT][4], uint32_t (&a)[MT][NT / 2][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            a[mt][kk][0] = MmaOp<T>::pack(c[mt][2 * kk][0], c[mt][2 * kk][1]);
+            a[mt][kk][1] = MmaOp<T>::pack(c[mt][2 * kk][2], c[mt][2 * kk][3]);
+            a[mt][kk][2] = MmaOp<T>::pack(c[mt][2 * kk + 1][0], c[mt][2 * kk + 1][1]);
+            a[mt][kk][3] = MmaOp<T>::pack(c[mt][2 * kk + 1][2], c[mt][2 * kk + 1][3]);
+        }
+}
+
+// acc += A B with A in registers (MT x KT k16 fragments) and B (KT*16 x NT*8) row-major in
+// shared memory, read k-major through ldmatrix.trans: O += P V, dQ += dS K, dV += P^T dO,
+// dK += dS^T Q. `b` points at B's first row and first column.
+template <typename T, int MT, int KT, int NT, int STRIDE>
+__device__ __forceinline__ void gemm_rs(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KT][4],
+                                        const T* b, int lane) {
+    static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");
+    const int mi = lane / 8;
+    const uint32_t b_base = opaque(smem_addr(b + ((mi % 2) * 8 + lane % 8) * STRIDE + (mi / 2) * 8));
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
+            ldmatrix_x4_trans(bf, b_base + (kk * 16 * STRIDE + np * 16) * sizeof(T));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                MmaOp<T>::run(acc[mt][2 * np], a[mt][kk], bf[0], bf[1]);
+                MmaOp<T>::run(acc[mt][2 * np + 1], a[mt][kk], bf[2], bf[3]);
+            }
+        }
+}
+
+template <int MT, int NT> __device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}

@@ -1,0 +1,487 @@
+// KV-cache decoding, launched in this order:
+//   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k, b)
+//   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
+//   flash_decode_<dtype>_d<D>_w8  the same with 8 warps (split launches, D <= 128)
+//   flash_decode_<dtype>_d<D>_w2  with 2 warps, D > 128 on 99 KB devices (sm_86/89)
+// When split, the last split of each row tile to finish merges them by their LSE
+// (flash-decoding; merge_splits, through DecodeParams::counters).
+// The decode kernel reuses the forward's softmax, mask and fragment packing (softmax.cuh,
+// mask.cuh, gemm.cuh's pack_a) but not its block layout: a decode step has a handful of query
+// rows, so the block's warps split the keys instead of the rows (see DecodeTraits), and its
+// K/V tiles are swizzled rows (SwizzledRows), read by gemm_qk / gemm_pv below. The query
+// heads that share a K/V head are folded into the rows of one tile (GQA packing): row r holds
+// token r / group of head h_k * group + r % group, so each K/V element is read once per
+// group, not per head.
+#include "decode/decode_block.cuh"
+#include "common/gemm.cuh"
+#include "common/mask.cuh"
+#include "common/pdl.cuh"
+#include "common/seq_info.cuh"
+#include "common/softmax.cuh"
+
+template <typename T> __device__ __forceinline__ void flash_append(const AppendParams& ap) {
+    const int i = blockIdx.x, h_k = blockIdx.y, b = blockIdx.z;
+    const CacheRows rows{ap.block_table, ap.max_pages, ap.page_size, b, h_k};
+    const int j = ap.start[b] + i;  // checked on the host to fit the cache
+    T* dst = rows.row(static_cast<T*>(ap.cache), ap.cache_page_stride, ap.cache_row_stride,
+                      ap.cache_head_stride, j);
+    const T* src = static_cast<const T*>(ap.src) + b * ap.src_batch_stride +
+                   int64_t(i) * ap.src_row_stride + h_k * ap.src_head_stride;
+    for (int c = threadIdx.x * CHUNK; c < ap.d; c += blockDim.x * CHUNK)
+        *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+}
+
+// Decode tile: ROWS packed query rows shared by NWARPS warps. Each warp streams its own
+// 16-key K/V tiles (tiles w, w + NWARPS, ... of the block's key range) through a private
+// two-stage cp.async ring, synchronising only within the warp, and keeps its own online
+// softmax; the warps' (max, sum, O) are merged through shared memory at the end. Decoding
+// reads every K/V byte once and does little math per byte, so what matters is many copies
+// in flight, no block-wide barrier inside the loop, and few instructions per byte: at 12
+// warps per SM the loop must stay near 300 instructions per 8 KB tile to keep up with HBM.
+template <typename T_, int D_, int NWARPS_ = 4> struct DecodeTraits {
+    using T = T_;
+    static constexpr int D = D_, NWARPS = NWARPS_, THREADS = 32 * NWARPS;
+    static constexpr int ROWS = 16;  // one m16 tile of packed (token, head) rows
+    static constexpr int BN = 16;    // keys per warp tile
+    static constexpr int STRIDE = D + SMEM_PAD;        // Q tile pitch (padded rows)
+    static constexpr int PITCH = SwizzledRows<D>::PITCH;  // K/V tile pitch (swizzled rows)
+    static constexpr int DT = D / 8;
+    // Q's A fragments stay in registers across tiles up to D = 128 (32 registers); larger
+    // head dims need those registers for O and re-read Q from shared memory.
+    static constexpr bool Q_IN_REGS = D <= 128;
+    // Blocks per SM that fit in shared memory (3 up to D = 128); hold registers to that too.
+    // 8-warp blocks run one per SM (split launches, see src/cuda/decode.rs).
+    static constexpr int MIN_BLOCKS = NWARPS == 8 ? 1 : D <= 128 ? 3 : D <= 192 ? 2 : 1;
+    // Partial-O loads in flight per thread in the merge (merge_splits): 4 registers
+    // each, which small head dims would pay for in occupancy.
+    static constexpr int MERGE_UNROLL = D <= 32 ? 8 : 16;
+    static constexpr int RING = 2 * 2 * BN * PITCH;  // per warp: 2 stages x (K, V), elements
+    // The merge reuses the rings as f32: NWARPS x ROWS x D partial O, then row max and sum.
+    static constexpr int MERGE_BYTES = NWARPS * ROWS * (D + 2) * 4;
+    static_assert(ROWS * STRIDE * int(sizeof(T)) % 128 == 0, "K/V rings start 128-byte aligned");
+    // Q tile, rings (or the merge's buffers), then the merge's arrival count.
+    static constexpr int ARRIVED_OFFSET = ROWS * STRIDE * int(sizeof(T)) +
+        (NWARPS * RING * int(sizeof(T)) > MERGE_BYTES ? NWARPS * RING * int(sizeof(T)) : MERGE_BYTES);
+    static constexpr int SMEM_BYTES = ARRIVED_OFFSET + 16;
+};
+
+// S += Q K^T for one m16 row tile and 16 keys of a SwizzledRows K tile. Q's A fragments come
+// from registers (Q_IN_REGS) or from the padded Q tile `q`. The K rows a lane addresses have
+// row % 8 == lane % 8, so logical chunk 2 kk + (lane / 8) % 2 sits at chunk 2 kk ^ y.
+template <typename T, int KSTEPS, int STRIDE, int PITCH, bool Q_IN_REGS, int QF>
+__device__ __forceinline__ void gemm_qk(float (&s)[1][2][4], const uint32_t (&qf)[QF][4],
+                                        const T* q, const T* k, int lane) {
+    const int mi = lane / 8;
+    const uint32_t k_row = opaque(smem_addr(k) + ((mi / 2) * 8 + lane % 8) * PITCH * int(sizeof(T)));
+    const int y = (mi % 2) ^ (lane % 8);
+    const uint32_t q_base = Q_IN_REGS ? 0 : opaque(smem_addr(q + (lane % 16) * STRIDE + (lane / 16) * 8));
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        uint32_t a[4];
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) a[j] = qf[kk][j];
+        } else {
+            ldmatrix_x4(a, q_base + kk * 16 * int(sizeof(T)));
+        }
+        uint32_t bf[4];
+        ldmatrix_x4(bf, k_row + (((2 * kk) ^ y) << 4));
+        MmaOp<T>::run(s[0][0], a, bf[0], bf[1]);
+        MmaOp<T>::run(s[0][1], a, bf[2], bf[3]);
+    }
+}
+
+// O += P V for 16 keys of a SwizzledRows V tile, P's A fragments in registers; V is read
+// k-major through ldmatrix.trans, logical chunk 2 np + lane / 16 at chunk 2 np ^ y.
+template <typename T, int DT, int PITCH>
+__device__ __forceinline__ void gemm_pv(float (&o)[1][DT][4], const uint32_t (&pa)[1][1][4],
+                                        const T* v, int lane) {
+    static_assert(DT % 2 == 0, "V is loaded two n8 tiles at a time");
+    const int mi = lane / 8;
+    const uint32_t v_row = opaque(smem_addr(v) + ((mi % 2) * 8 + lane % 8) * PITCH * int(sizeof(T)));
+    const int y = (mi / 2) ^ (lane % 8);
+#pragma unroll
+    for (int np = 0; np < DT / 2; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, v_row + (((2 * np) ^ y) << 4));
+        MmaOp<T>::run(o[0][2 * np], pa[0][0], bf[0], bf[1]);
+        MmaOp<T>::run(o[0][2 * np + 1], pa[0][0], bf[2], bf[3]);
+    }
+}
+
+constexpr int MAX_SPLITS = 128;  // src/cuda/decode.rs caps num_splits to this
+
+// The merge of the splits, run by the last split of a row tile to finish (weights
+// exp(lse_s - lse) with lse = log sum_s exp(lse_s), -inf splits weigh nothing, rows without
+// keys give 0, a NaN split makes the row NaN) over the tile's rows with a query. One block merges them all, from partials
+// that sit in L2, so its time is L2 round trips:
+// each thread keeps UNROLL 16-byte loads in flight, the first batch issued before the weights
+// are known, and when the tile has fewer float4 columns than threads (few rows, small d) the
+// threads also split the splits. Loads are ld.global.cg: L1 is not coherent across SMs, and
+// the other splits' rows were written by other SMs during this launch.
+template <typename T, int ROWS, int THREADS, int UNROLL>
+__device__ __forceinline__ void merge_splits(const DecodeParams& dp, float* smem, int b, int h_k,
+                                             int m0, int tid) {
+    const AttnParams& p = dp.a;
+    const int group = p.h_h_k_ratio, splits = dp.num_splits;
+    const int n_rows = min(ROWS, p.seqlen_q * group - m0);
+    const int c4 = p.d / 4, n = n_rows * c4;  // float4 outputs of the tile
+    const int groups = max(1, THREADS / n);   // threads per output, each a share of the splits
+    const int grp = tid / n;
+    const bool active = grp < groups;
+    const int64_t split_stride = int64_t(p.b) * p.h * p.seqlen_q * c4;  // float4s
+    float* weights = smem;                                               // (ROWS, MAX_SPLITS)
+    float4* part = reinterpret_cast<float4*>(weights + ROWS * MAX_SPLITS);  // (THREADS)
+    const auto part_row = [&](int r) {  // row r's index within one split's partials
+        const int token = (m0 + r) / group, head = h_k * group + (m0 + r) % group;
+        return (int64_t(b) * p.h + head) * p.seqlen_q + token;
+    };
+    const auto part_o = [&](int e) {
+        return reinterpret_cast<const float4*>(dp.o_partial) + part_row(e / c4) * c4 + e % c4;
+    };
+    float4 x[UNROLL];
+    const auto load = [&](const float4* src, int k0) {  // this thread's splits k0.. of output e
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int s = grp + (k0 + u) * groups;
+            x[u] = active && s < splits ? __ldcg(src + s * split_stride)
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    load(part_o(tid % n), 0);
+
+    const int warp = tid / 32, lane = tid % 32;
+    constexpr int PER_LANE = MAX_SPLITS / 32;
+    for (int r = warp; r < n_rows; r += THREADS / 32) {
+        const float* lse = dp.lse_partial + part_row(r);
+        const int64_t lse_stride = split_stride / c4;
+        float l[PER_LANE];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int s = lane + 32 * i;
+            l[i] = s < splits ? __ldcg(lse + s * lse_stride) : -INFINITY;
+            mx = fmaxf(mx, l[i]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            l[i] = l[i] == -INFINITY ? 0.f : __expf(l[i] - mx);
+            sum += l[i];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;  // NaN stays NaN
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) weights[r * MAX_SPLITS + lane + 32 * i] = l[i] * inv;
+    }
+    __syncthreads();
+
+    const auto sum_splits = [&](int e) {  // x holds the first batch of output e
+        const float* w = weights + (e / c4) * MAX_SPLITS;
+        const float4* src = part_o(e);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k0 = 0;;) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int s = grp + (k0 + u) * groups;
+                const float wu = s < splits ? w[s] : 0.f;
+                acc.x += wu * x[u].x;
+                acc.y += wu * x[u].y;
+                acc.z += wu * x[u].z;
+                acc.w += wu * x[u].w;
+            }
+            k0 += UNROLL;
+            if (grp + k0 * groups >= splits) return acc;
+            load(src, k0);
+        }
+    };
+    const auto store = [&](int e, const float4& acc) {
+        const int r = e / c4, token = (m0 + r) / group, head = h_k * group + (m0 + r) % group;
+        T* out = static_cast<T*>(p.o) + b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
+                 head * p.o_head_stride + 4 * (e % c4);
+        *reinterpret_cast<uint2*>(out) =
+            make_uint2(MmaOp<T>::pack(acc.x, acc.y), MmaOp<T>::pack(acc.z, acc.w));
+    };
+    if (groups == 1) {
+        for (int e = tid; e < n; e += THREADS) {
+            const float4 acc = sum_splits(e);
+            if (e + THREADS < n) load(part_o(e + THREADS), 0);
+            store(e, acc);
+        }
+        return;
+    }
+    part[tid] = active ? sum_splits(tid % n) : make_float4(0.f, 0.f, 0.f, 0.f);
+    __syncthreads();
+    if (tid < n) {
+        float4 acc = part[tid];
+        for (int g = 1; g < groups; ++g) {
+            const float4 y = part[g * n + tid];
+            acc.x += y.x;
+            acc.y += y.y;
+            acc.z += y.z;
+            acc.w += y.w;
+        }
+        store(tid, acc);
+    }
+}
+
+template <class K> __device__ __forceinline__ void flash_decode(const DecodeParams& dp) {
+    using T = typename K::T;
+    constexpr int D = K::D, BN = K::BN, STRIDE = K::STRIDE, PITCH = K::PITCH, DT = K::DT;
+    constexpr int NW = K::NWARPS;
+    constexpr int ROWS = K::ROWS, KSTEPS = D / 16;
+    const AttnParams& p = dp.a;
+    // Launched programmatically (src/cuda/decode.rs): the grid is set up while the kernel
+    // ahead of it finishes, and touches no global memory before that kernel (the append, the
+    // projection that wrote q, the previous decode step) has completed. It never triggers its
+    // own dependents early: blocks of a next decode made resident beside this grid's took
+    // its SMs' free slots and upset the block placement (H200: (32, 4k) 0.17 ms against
+    // 0.125 with the implicit trigger at exit; docs/archive/PERF.md).
+    pdl_wait();
+    // No static shared memory in this kernel: it would come first and push this base off
+    // the 128-byte alignment the swizzled K/V rows rely on (every row 16 bytes off a sector
+    // boundary moved each sector twice: 16.8 M sectors for 8.4 M at (8, 8k)).
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* rings = sQ + ROWS * STRIDE;  // 128-byte aligned (static_assert in DecodeTraits)
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int group = p.h_h_k_ratio;
+    const int rows = p.seqlen_q * group;  // packed (token, head) rows of one K/V head
+    const int tiles = (rows + ROWS - 1) / ROWS;
+    // Heads vary fastest across the grid: blocks resident together read the same token range
+    // of every K/V head, which in a (b, L, h_k, d) cache is one contiguous run of memory.
+    const int split = blockIdx.y, h_k = blockIdx.x / tiles, b = blockIdx.z;
+    const int m0 = (blockIdx.x % tiles) * ROWS;
+    const int seqlen_k = dp.seqlens != nullptr ? dp.seqlens[b] : dp.seqlens_inline[b];
+    SeqInfo seq(p, b);
+    seq.seqlen_q = p.seqlen_q;
+    seq.seqlen_k = seqlen_k;
+    const Mask mask(p, seq, b, h_k * group);
+
+    const auto q_row = [&](int r) -> const T* {
+        const int row = m0 + r, token = row / group;
+        if (token >= p.seqlen_q) return nullptr;
+        const int head = h_k * group + row % group;
+        return static_cast<const T*>(p.q) + b * p.q_batch_stride + int64_t(token) * p.q_row_stride +
+               head * p.q_head_stride;
+    };
+    load_rows<T, ROWS, D, K::THREADS>(sQ, q_row, static_cast<const T*>(p.q), p.d, tid);
+    cp_async_commit();
+
+    // This split's share of the key tiles the block's queries can see.
+    const int q_first = m0 / group, q_last = (min(m0 + ROWS, rows) - 1) / group;
+    int kb_begin, kb_end;
+    mask.template key_blocks<BN>(q_first, q_last, &kb_begin, &kb_end);
+    const int per_split = (kb_end - kb_begin + dp.num_splits - 1) / dp.num_splits;
+    const int my_begin = min(kb_end, kb_begin + split * per_split);
+    const int my_end = min(kb_end, my_begin + per_split);
+
+    // A tile is 16 consecutive rows of one page (a contiguous cache is one page per
+    // sequence), found with one block-table read per tile, done a step ahead so that its
+    // latency hides behind the current tile. Pages of other sizes (not a multiple of 16)
+    // look every row up.
+    const T* k_head = static_cast<const T*>(p.k) + h_k * p.k_head_stride;
+    const T* v_head = static_cast<const T*>(p.v) + h_k * p.v_head_stride;
+    const int* table = dp.block_table;
+    const bool row_lookup = table != nullptr && dp.page_size % BN != 0;
+    const CacheRows cache{table, dp.max_pages, dp.page_size, b, h_k};
+    const int* my_pages = table + int64_t(b) * dp.max_pages;
+    const auto page_of = [&](int tile) -> int {
+        if (table == nullptr) return b;
+        return tile < my_end && !row_lookup ? my_pages[tile * BN / dp.page_size] : 0;
+    };
+    const WarpTileCopy<T, BN, D> copy(lane);
+    const bool full_cols = p.d == D;
+
+    T* ring = rings + warp * K::RING;  // stage s: K at ring + s * 2 * BN * PITCH, V after it
+    const auto prefetch = [&](int tile, int stage, int page) {
+        const int n0 = tile * BN;
+        T* sK = ring + stage * 2 * BN * PITCH;
+        T* sV = sK + BN * PITCH;
+        if (row_lookup) {
+            const int j = n0 + lane % BN;
+            const bool is_v = lane >= BN;
+            const T* my_row = j >= seqlen_k ? nullptr
+                : is_v ? cache.row(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride,
+                                   p.v_head_stride, j)
+                       : cache.row(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
+                                   p.k_head_stride, j);
+            copy.gathered(sK, sV, my_row, static_cast<const T*>(p.k), p.d);
+            return;
+        }
+        const int r0 = table == nullptr ? n0 : n0 % dp.page_size;
+        const T* kt = k_head + page * p.k_batch_stride + int64_t(r0) * p.k_row_stride;
+        const T* vt = v_head + page * p.v_batch_stride + int64_t(r0) * p.v_row_stride;
+        if (full_cols && n0 + BN <= seqlen_k) {
+            copy.full(sK, kt, p.k_row_stride);
+            copy.full(sV, vt, p.v_row_stride);
+        } else {
+            copy.partial(sK, kt, p.k_row_stride, seqlen_k - n0, p.d);
+            copy.partial(sV, vt, p.v_row_stride, seqlen_k - n0, p.d);
+        }
+    };
+
+    float o[1][DT][4];
+    zero(o);
+    OnlineSoftmax<1> softmax;
+    int tile = my_begin + warp;
+    if (tile < my_end) prefetch(tile, 0, page_of(tile));
+    int next_page = page_of(tile + NW);
+    cp_async_commit();  // one group per step, empty or not, so wait<1> always means "this tile"
+    cp_async_wait<1>();  // Q landed (this thread's part) ...
+    __syncthreads();     // ... and everyone's
+    uint32_t qf[K::Q_IN_REGS ? KSTEPS : 1][4];
+    if constexpr (K::Q_IN_REGS) {
+        const uint32_t q_base = smem_addr(sQ + (lane % 16) * STRIDE + (lane / 16) * 8);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) ldmatrix_x4(qf[kk], q_base + kk * 16 * int(sizeof(T)));
+    }
+    for (int stage = 0; tile < my_end; tile += NW, stage ^= 1) {
+        if (tile + NW < my_end) prefetch(tile + NW, stage ^ 1, next_page);
+        next_page = page_of(tile + 2 * NW);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncwarp();  // this tile landed for the whole warp
+        const T* sK = ring + stage * 2 * BN * PITCH;
+        float s[1][2][4];
+        zero(s);
+        gemm_qk<T, KSTEPS, STRIDE, PITCH, K::Q_IN_REGS>(s, qf, sQ, sK, lane);
+        mask.apply<1, 2>(s, m0, tile * BN, lane,
+                         mask.template block_needs_mask<BN>(q_first, q_last, tile * BN), group);
+        softmax.update(s, o, p.scale_log2);
+        uint32_t pa[1][1][4];
+        pack_a<T, 1, 2>(s, pa);
+        gemm_pv<T, DT, PITCH>(o, pa, sK + BN * PITCH, lane);
+        __syncwarp();  // every lane is done with this stage before it is refilled
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with its ring: reuse the rings for the merge
+
+    static_assert((ROWS * MAX_SPLITS + 4 * K::THREADS) * 4 <=
+                      K::SMEM_BYTES - ROWS * STRIDE * int(sizeof(T)),
+                  "merge_splits' weights and partial sums fit in the rings");
+    float* sO = reinterpret_cast<float*>(rings);  // (NW, ROWS, D), unnormalised
+    float* sM = sO + NW * ROWS * D;               // (NW, ROWS) row max of raw scores
+    float* sL = sM + NW * ROWS;                   // (NW, ROWS) row sum
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        float l = softmax.row_sum[0][r];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        if (t == 0) {
+            sM[warp * ROWS + row] = softmax.row_max[0][r];
+            sL[warp * ROWS + row] = l;
+        }
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+            *reinterpret_cast<float2*>(sO + (warp * ROWS + row) * D + dt * 8 + 2 * t) =
+                make_float2(o[0][dt][2 * r], o[0][dt][2 * r + 1]);
+    }
+    __syncthreads();
+    // One thread per row turns the warps' (max, sum) into merge weights, written over sM:
+    // O = sum_w weight_w O_w with weight_w = exp(m_w - m) / l, l = sum_w exp(m_w - m) l_w.
+    const bool split_out = dp.num_splits > 1;
+    if (tid < ROWS) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) m = fmaxf(m, sM[w * ROWS + tid]);
+        const float m_scaled = m == -INFINITY ? 0.f : m * p.scale_log2;
+        float weight[NW], l = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            weight[w] = exp2f(sM[w * ROWS + tid] * p.scale_log2 - m_scaled);
+            l += weight[w] * sL[w * ROWS + tid];
+        }
+        const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
+#pragma unroll
+        for (int w = 0; w < NW; ++w) sM[w * ROWS + tid] = weight[w] * inv;
+        const int token = (m0 + tid) / group;
+        if (split_out && token < p.seqlen_q) {
+            const int head = h_k * group + (m0 + tid) % group;
+            const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;
+            dp.lse_partial[prow] = l == 0.f ? -INFINITY : m * p.scale + logf(l);
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < ROWS * D; e += K::THREADS) {
+        const int row = e / D, col = e % D;
+        const int token = (m0 + row) / group;
+        if (token >= p.seqlen_q || col >= p.d) continue;
+        float x = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) x += sM[w * ROWS + row] * sO[(w * ROWS + row) * D + col];
+        const int head = h_k * group + (m0 + row) % group;
+        if (split_out) {
+            const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;
+            dp.o_partial[prow * p.d + col] = x;
+        } else {
+            static_cast<T*>(p.o)[b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
+                                 head * p.o_head_stride + col] = T(x);
+        }
+    }
+    if (!split_out) return;  // split launches always pass counters (src/cuda/decode.rs)
+
+    // The split of this row tile that finishes last merges all of them, which saves a
+    // separate combine kernel's launch gap and ramp. Every thread fences its own partial
+    // stores before the block counts itself as arrived, so a block that sees the count reach
+    // the end also sees every other split's rows.
+    unsigned int& arrived = *reinterpret_cast<unsigned int*>(smem_raw + K::ARRIVED_OFFSET);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0)  // wraps to 0 on the last arrival: the counter is clean for the next launch
+        arrived = atomicInc(dp.counters + blockIdx.z * gridDim.x + blockIdx.x, dp.num_splits - 1);
+    __syncthreads();
+    if (arrived != unsigned(dp.num_splits - 1)) return;
+    __threadfence();  // acquire side: no load below may be served from before the count
+    merge_splits<T, ROWS, K::THREADS, K::MERGE_UNROLL>(dp, reinterpret_cast<float*>(rings), b,
+                                                       h_k, m0, tid);
+}
+
+#define FLASH_DECODE_DTYPE(NAME, T)                                                           \
+    extern "C" __global__ void flash_append_##NAME(const __grid_constant__ AppendParams ap) { \
+        flash_append<T>(ap);                                                                  \
+    }
+#define FLASH_DECODE(NAME, T, D)                                                              \
+    extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D>::THREADS,                 \
+                                                 DecodeTraits<T, D>::MIN_BLOCKS)              \
+        flash_decode_##NAME##_d##D(const __grid_constant__ DecodeParams dp) {                 \
+        flash_decode<DecodeTraits<T, D>>(dp);                                                 \
+    }
+#define FLASH_DECODE_W(NAME, T, D, W)                                                         \
+    extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D, W>::THREADS,              \
+                                                 DecodeTraits<T, D, W>::MIN_BLOCKS)           \
+        flash_decode_##NAME##_d##D##_w##W(const __grid_constant__ DecodeParams dp) {          \
+        flash_decode<DecodeTraits<T, D, W>>(dp);                                              \
+    }
+#define FLASH_DECODE_ALL(NAME, T)                                                             \
+    FLASH_DECODE_DTYPE(NAME, T)                                                               \
+    FLASH_DECODE(NAME, T, 32)                                                                 \
+    FLASH_DECODE(NAME, T, 64)                                                                 \
+    FLASH_DECODE(NAME, T, 96)                                                                 \
+    FLASH_DECODE(NAME, T, 128)                                                                \
+    FLASH_DECODE(NAME, T, 160)                                                                \
+    FLASH_DECODE(NAME, T, 192)                                                                \
+    FLASH_DECODE(NAME, T, 224)                                                                \
+    FLASH_DECODE(NAME, T, 256)                                                                \
+    FLASH_DECODE_W(NAME, T, 32, 8)                                                            \
+    FLASH_DECODE_W(NAME, T, 64, 8)                                                            \
+    FLASH_DECODE_W(NAME, T, 96, 8)                                                            \
+    FLASH_DECODE_W(NAME, T, 128, 8)                                                           \
+    FLASH_DECODE_W(NAME, T, 160, 2)                                                           \
+    FLASH_DECODE_W(NAME, T, 192, 2)                                                           \
+    FLASH_DECODE_W(NAME, T, 224, 2)                                                           \
+    FLASH_DECODE_W(NAME, T, 256, 2)
+
+// build.rs compiles this file once per dtype (CANDLE_FLASH_ONLY_F16 / _BF16): two nvcc jobs of
+// half the size, which two cores finish sooner than one.
+#ifndef CANDLE_FLASH_ONLY_BF16
+FLASH_DECODE_ALL(f16, __half)
+#endif
+#ifndef CANDLE_FLASH_ONLY_F16
+FLASH_DECODE_ALL(bf16, __nv_bfloat16)
+#endif

@@ -1,0 +1,86 @@
+// Tile shapes of the backward kernels. Both keep one m16 tile per warp (MT = 1): each thread
+// then holds two accumulators (dK and dV, or dQ) plus two score tiles in registers.
+#pragma once
+#include "common/copy.cuh"
+
+// dK/dV kernel: a block owns BN keys and DO of the output columns, and streams BM-row tiles
+// of Q and dO. Above d = 128, dK and dV for all columns no longer fit in registers, so each
+// block takes half of them (and recomputes S and dP for its half: 1.5x the matmuls there).
+//
+// With DQ (only when DO == D), the same kernel also adds each tile's dQ = dS K into an f32
+// buffer with atomics: dS goes through shared memory (key-major, as the warps hold dS^T) and
+// the warps split the BM x D product DQ_WM x DQ_WN ways. STAGES = 2 double-buffers the
+// streamed Q/dO tiles (and their LSE and rowsum(dO O)).
+template <typename T_, int D_, int DO_, int BN_, int BM_, int NWARPS_, bool DQ_ = false,
+          int STAGES_ = 1, int DQ_WN_ = 1>
+struct BwdKvTraits {
+    using T = T_;
+    static constexpr int D = D_, DO = DO_, BN = BN_, BM = BM_, NWARPS = NWARPS_;
+    static constexpr bool DQ = DQ_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int THREADS = NWARPS * 32;
+    static constexpr int MT = BN / (16 * NWARPS);  // m16 key tiles per warp
+    static constexpr int NQ = BM / 8;              // n8 query tiles of S^T per warp
+    static constexpr int DOT = DO / 8;             // n8 tiles of dK, dV per warp
+    static constexpr int SPLITS = D / DO;          // column splits of dK, dV
+    static constexpr int STRIDE = D + SMEM_PAD;
+    static constexpr int DQ_WN = DQ_WN_, DQ_WM = NWARPS / DQ_WN;
+    static constexpr int DQ_MT = BM / (16 * DQ_WM);  // m16 query tiles of dQ per warp
+    static constexpr int DQ_NT = D / (8 * DQ_WN);    // n8 column tiles of dQ per warp
+    static constexpr int DQ_FRAG = DQ_MT * DQ_NT * 4;  // dQ accumulators per thread
+    // First row and column of `warp`'s dQ tile within the BM x D tile.
+    static __device__ __forceinline__ int dq_row0(int warp) { return (warp / DQ_WN) * DQ_MT * 16; }
+    static __device__ __forceinline__ int dq_col0(int warp) { return (warp % DQ_WN) * DQ_NT * 8; }
+    static constexpr int DS_STRIDE = BM + SMEM_PAD;  // dS^T tile: BN rows of BM queries
+    static constexpr int SMEM_BYTES = (2 * BN + 2 * STAGES * BM) * STRIDE * int(sizeof(T)) +
+                                      (DQ ? BN * DS_STRIDE * int(sizeof(T)) : 0) +
+                                      2 * STAGES * BM * 4;
+    static_assert(BN == MT * 16 * NWARPS && D % DO == 0 && DO % 16 == 0, "tile shape");
+    static_assert(BM <= THREADS, "one thread per row loads the LSE and rowsum(dO O)");
+    static_assert(!DQ || (DO == D && NWARPS % DQ_WN == 0 && BM == DQ_MT * 16 * DQ_WM &&
+                          D == DQ_NT * 8 * DQ_WN && DQ_NT % 2 == 0),
+                  "dQ tile shape");
+};
+
+// dQ kernel: a block owns BM query rows and streams BN-key tiles of K and V (the forward's
+// loop, with dP = dO V^T and dQ += dS K in place of the online softmax and O += P V).
+template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct BwdQTraits {
+    using T = T_;
+    static constexpr int D = D_, BM = BM_, BN = BN_, NWARPS = NWARPS_;
+    static constexpr int THREADS = NWARPS * 32;
+    static constexpr int MT = BM / (16 * NWARPS);
+    static constexpr int NT = BN / 8;
+    static constexpr int DT = D / 8;
+    static constexpr int STRIDE = D + SMEM_PAD;
+    static constexpr int SMEM_BYTES = (2 * BM + 2 * BN) * STRIDE * int(sizeof(T));
+    static_assert(BM == MT * 16 * NWARPS && D % 16 == 0, "tile shape");
+};
+
+// The streamed tile shrinks as d grows so that the two score tiles (S and dP, 2 x BM/2 or
+// 2 x BN/2 registers) fit beside the accumulators; with 64-wide tiles ptxas -v (sm_90)
+// reported spills of 104 B (dK/dV, d = 128) up to 528 B (dQ, d = 256).
+template <typename T, int D> struct BwdConfig {
+    static constexpr int DO = D <= 128 ? D : D / 2;
+    using Kv = BwdKvTraits<T, D, DO, 64, (D <= 96 ? 64 : 32), 4>;
+    using Q = BwdQTraits<T, D, 64, (D <= 128 ? 64 : 32), 4>;
+};
+
+// d = 256's dK/dV kernel with 16-row Q/dO tiles (84 KB): its 32-row shape needs 99.3 KB, just
+// past what sm_86/89 allow per block. Mirror: `BwdTile::fit` in src/cuda/bwd.rs.
+template <typename T> struct BwdKvSmall256 { using Kv = BwdKvTraits<T, 256, 128, 64, 16, 4>; };
+
+// The non-deterministic path for d <= 128: dK, dV and (atomically) dQ in one kernel. dQ's
+// warp split keeps its accumulator at 32-48 registers per thread, live only after dS^T is
+// consumed. WIDE: 128 keys per block over 8 warps (FA2's d = 128 shape), which halves the
+// dQ atomics and the Q/dO reads per key but leaves one block per SM. Mirror: `BwdTile` in
+// src/cuda/bwd.rs.
+// TALL (WIDE only): twice the streamed rows (d = 64: 128, d = 128: 64), which halves the
+// barriers and the K/V fragment reloads per query at the price of a few spilled registers
+// (ptxas -v, sm_80: 40-44 B) and 158 KB of shared memory at d = 128 (A100 and Hopper only).
+template <typename T, int D, bool WIDE = false, bool TALL = false> struct BwdFusedConfig {
+    static_assert(WIDE || !TALL, "the tall shape is a wide one");
+    static constexpr int BM = (D <= 96 ? 64 : 32) * (TALL ? 2 : 1);
+    static constexpr int NWARPS = WIDE ? 8 : 4;
+    static constexpr int DQ_WN = NWARPS * 32 / BM;  // dQ warp tiles of 32 rows
+    using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN>;
+};

@@ -1,0 +1,42 @@
+// Tile shapes of the forward kernel, per head dim. Each warp owns MT m16 tiles of query rows;
+// two (MT = 2) halve the shared-memory reads of K and V per tensor-core op, which is what
+// keeps ldmatrix bandwidth below the mma rate (256 B of B operand per 2048 FMAs per tile).
+#pragma once
+#include "common/copy.cuh"
+
+template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct FwdTraits {
+    using T = T_;
+    static constexpr int D = D_;            // head dim the kernel is compiled for (>= actual d)
+    static constexpr int BM = BM_;          // query rows per thread block
+    static constexpr int BN = BN_;          // keys per K/V tile
+    static constexpr int NWARPS = NWARPS_;
+    static constexpr int THREADS = NWARPS * 32;
+    static constexpr int MT = BM / (16 * NWARPS);  // m16 tiles per warp
+    static constexpr int NT = BN / 8;              // n8 tiles of S = Q K^T per warp
+    static constexpr int DT = D / 8;               // n8 tiles of O per warp
+    static constexpr int STRIDE = D + SMEM_PAD;    // shared-memory row pitch in elements
+    static constexpr int SMEM_BYTES = (BM + 2 * BN) * STRIDE * int(sizeof(T));
+    static_assert(BM == MT * 16 * NWARPS, "BM must be a multiple of 16 rows per warp");
+    static_assert(D % 16 == 0 && BN % 16 == 0, "mma k-steps are 16 wide");
+};
+
+// Block sizes per head dim: 4 warps x 32 rows up to d = 128; 8 warps x 16 rows above, where 32
+// rows of O no longer fit in registers. Key tiles are as wide as the registers allow without
+// spills in the unmasked loop body (ptxas -v, sm_90): at d = 64 a 128-key tile spilled 80 B,
+// at d = 128 a 64-key tile spilled 112 B, so those use 64 and 32.
+// At d = 128 without dropout, 32-key tiles measured +4-7% causal and -2% to +2% non-causal
+// against 64-key ones on the H100's sm_80 path, with fewer registers, so both variants take 32
+// (docs/archive/PERF.md, "d = 128 without dropout back to 32-key tiles").
+template <typename T, int D> struct FwdConfig;
+template <typename T> struct FwdConfig<T, 32> { using Traits = FwdTraits<T, 32, 128, 64, 4>; };
+template <typename T> struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 64, 4>; };
+template <typename T> struct FwdConfig<T, 96> { using Traits = FwdTraits<T, 96, 128, 32, 4>; };
+template <typename T> struct FwdConfig<T, 128> { using Traits = FwdTraits<T, 128, 128, 32, 4>; };
+template <typename T> struct FwdConfig<T, 160> { using Traits = FwdTraits<T, 160, 128, 64, 8>; };
+template <typename T> struct FwdConfig<T, 192> { using Traits = FwdTraits<T, 192, 128, 64, 8>; };
+template <typename T> struct FwdConfig<T, 224> { using Traits = FwdTraits<T, 224, 128, 64, 8>; };
+template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 128, 64, 8>; };
+// Where a device allows 99 KB of shared memory per block (sm_86/89), d >= 192 takes 64 query
+// rows and 32-key tiles (52-68 KB instead of 102-135 KB). Mirror: `FwdTile::fit` in
+// src/cuda/mod.rs.
+template <typename T, int D> struct FwdSmallConfig { using Traits = FwdTraits<T, D, 64, 32, 4>; };

@@ -1,0 +1,995 @@
+// The warp-specialized forward kernel on Hopper (sm_90a), FlashAttention-3's structure:
+// - a producer warpgroup, one thread of which issues TMA copies of the Q tile and of each key
+//   tile of K and V into a ring of STAGES slots, each slot with a "full" mbarrier (bytes
+//   landed) and an "empty" one (every consumer warp done with it); it keeps 32-40 registers per
+//   thread and hands the rest to the consumers (setmaxnreg);
+// - two or three consumer warpgroups, 64 query rows each, sharing the key tiles. Within a
+//   warpgroup the softmax of tile j runs while the tensor cores multiply P(j-1) V(j-1)
+//   (issued together with S(j) = Q K(j)^T, then waited for one at a time); between them,
+//   named barriers hand the tensor cores from one warpgroup to the next ("pingpong"), so one's
+//   softmax runs under the others' matmuls.
+// - persistent blocks: block i starts with work tile i (query blocks of one head after
+//   another, the last, heaviest under a causal mask, first) and takes the next either with
+//   the grid's stride (tiles of equal work) or from an atomic counter (masked tiles, whose
+//   work differs); the producer loads the next tile's Q and keys while the consumers finish
+//   the last one and write its output. A grid of one block per tile is the non-persistent
+//   kernel.
+// - O goes out through shared memory: each consumer warpgroup writes its rows there
+//   (stmatrix) and one of its threads issues the TMA store, which runs while the warpgroup
+//   goes on to its next tile; a tile of its own where shared memory has room (d = 64, d = 128
+//   with 128-key tiles), at d = 256 the warpgroup's rows of the Q slot. At 512 keys a build
+//   that skipped the stores from registers ran 1.2-1.35x faster (docs/archive/PERF.md, "O
+//   through shared memory and TMA stores").
+// Key tiles are visited last first, as in sm90/fwd.cu (under a causal mask only the first
+// need the mask). Packed (variable-length) batches in the `_packed` kernels and dropout in the
+// `_dropout` ones (both: `_packed_dropout`), none with a softcap, ALiBi or block mask:
+// src/cuda/mod.rs sends the rest to sm90/fwd.cu and fwd.cu.
+// Packed batches are one tensor of every sequence's rows to TMA; a tile's rows past its
+// sequence's end read the next sequence's Q, K and V (its keys masked, its rows never stored:
+// where a warpgroup's rows cross the end, its threads copy the rows before it from the staged
+// panels instead of a TMA store). Entry points
+// flash_fwd_ws_<dtype>_d<D>[_<shape>][_mods|_sparse|_packed|_dropout|_packed_dropout].
+#include <type_traits>
+
+#include "common/gemm.cuh"
+#include "common/lpt_tail.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+#include "common/pdl.cuh"
+#include "common/philox.cuh"
+#include "common/seq_info.cuh"
+#include "common/softmax.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+
+// The kernel's parameter: tensor maps of q, k, v and o over (d, rows, heads, batch) with boxes
+// of 64 columns x BM (q), BN (k, v) or 64 (o) rows, then the usual parameters (the same struct
+// as in src/cuda/tma.rs).
+struct FwdTmaParams {
+    TmaDesc q, k, v, o;
+    AttnParams a;
+    // Dynamic schedule: blocks take their tiles after the first from tile_counter[0], zero at
+    // launch and left zero (the last fetch resets it); the producer passes each tile's index to
+    // the consumers through 16 bytes per Q slot, tile_counter[4 + 4 * (Q_STAGES * block +
+    // slot)], and a bulk copy into shared memory beside Q. Null: the static walk, which every
+    // warp follows by itself.
+    unsigned int* tile_counter;
+    // Under the dynamic schedule, how many (sequence, head) pairs at the end of the walk
+    // hand out their query blocks heaviest first across all of them (longest_first_tail);
+    // 0: none.
+    int tail_heads;
+};
+
+// Shared memory with q Q slots (src/cuda/tma.rs: WsShape::smem_for): q Q tiles, STAGES K
+// tiles, STAGES V tiles, the O tile staged for its store (o_bytes, or none), then the barriers
+// (full and empty per Q, K and V slot); per Q slot its work tile's index, written by the
+// producer before it fills Q; under a block mask per K slot its key tile (KeyInfo), written by
+// the producer; 1 KB to align the tiles to a swizzle atom.
+struct WsLayout {
+    int o, bar, tile, key, bytes;
+    static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages, int o_bytes) {
+        const int o = q * q_bytes + 2 * stages * kv_bytes, bar = o + o_bytes;
+        const int tile = (bar + (2 * q + 4 * stages) * 8 + 15) / 16 * 16;
+        return {o, bar, tile, tile + 16 * q, tile + 16 * q + 16 + 1024};
+    }
+};
+
+// MODS (mask.cuh): with the softcap and ALiBi code (entry points `..._mods`), also with the
+// block mask's (`..._sparse`); the others are never given such a problem (src/cuda/tma.rs)
+// and keep their registers.
+template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
+          int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false>
+struct WsTraits {
+    using T = T_;
+    static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
+    static constexpr bool PINGPONG = PINGPONG_;
+    static constexpr int MODS = MODS_;
+    // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'
+    // offsets in the addressing cost the fixed-length kernels 16-216 bytes of spills.
+    static constexpr bool PACKED = PACKED_;
+    // Dropout, in kernels of their own (`_dropout`): its Philox rounds and keep bits cost
+    // registers the others keep.
+    static constexpr bool DROPOUT = DROPOUT_;
+    static constexpr int BM = 64 * CONSUMERS, THREADS = 128 * (CONSUMERS + 1);
+    // Under a mask whose rows see keys up to a diagonal (causal, a window's right side), the
+    // work tiles end at the sequence's last row (WsTile), so that a partial tile is the
+    // first, lightest one: 1024 rows in 192-row tiles then leave 64 rows that see one key
+    // tile, where the last tile had 128 rows past the end that saw all eight (1.055x at d 64
+    // causal 1k, H100; docs/archive/PERF.md, "The three-warpgroup forward's partial tile,
+    // first and light under a causal mask"). Its rows before 0 load as zeros (TMA) and are
+    // never stored (store_staged). Three warpgroups only, whose 192 rows divide no power of
+    // two (the others spilled: d = 256 0 -> 44 bytes); not in packed batches (the rows before
+    // a sequence are another's) nor under a block mask (its tables start at row 0).
+    static constexpr bool END_ALIGNED = CONSUMERS == 3 && !PACKED && !(MODS & MODS_BLOCKS);
+    // Whether a warpgroup's 64 rows may lack a TMA box for their store (WsConsumer::OutTile:
+    // packed batches at a sequence's end, END_ALIGNED rows before 0); the others never copy.
+    static constexpr bool O_MAY_COPY = PACKED || END_ALIGNED;
+    static constexpr int NT = BN / 8, DT = D / 8;
+    static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+    // Two Q slots where shared memory has room (d = 64, d = 128 with 128-key tiles): the
+    // producer then loads the next work tile's Q while the consumers still run the last one's
+    // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
+    // for it once per tile).
+    // Three at d = 64 with two consumer warpgroups (the causal 512 kernel, whose work tiles
+    // hold 1-4 key tiles): the producer may then run two work tiles ahead (1.011x at 512 and
+    // 1.012x at 1k causal, which it then also ran, in 6 and 5 of 6 rounds, H100;
+    // docs/archive/PERF.md, "Three Q slots in the d 64 two-warpgroup forward").
+    static constexpr bool THREE_Q =
+        D == 64 && CONSUMERS == 2 &&
+        WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
+    static constexpr int Q_STAGES =
+        THREE_Q ? 3 : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0).bytes <= 232448 ? 2 : 1;
+    // O through shared memory and a TMA store (WsConsumer::store_staged) where the tile fits
+    // beside the Q slots, else straight from registers.
+    static constexpr bool O_STAGED =
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
+    static constexpr WsLayout LAYOUT =
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_STAGED ? Q_BYTES : 0);
+    // d = 256, one Q slot and no room for O: each warpgroup stages its O in its own 64 rows of
+    // the Q tile, free after its last S, and hands the slot back once the store has read them
+    // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
+    // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers).
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256;
+    static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
+    static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
+    static constexpr int KEY_OFFSET = LAYOUT.key, SMEM_BYTES = LAYOUT.bytes;
+    static_assert(SMEM_BYTES <= 232448, "shared memory per block");
+    // The consumers take their key tiles from the producer (KEY_OFFSET) rather than walk
+    // the block mask themselves: its reads and index arithmetic, in each of their threads,
+    // cost the d = 64 forward a third of its time with every block kept.
+    static constexpr bool KEYS_FROM_PRODUCER = (MODS & MODS_BLOCKS) != 0;
+    static_assert(STAGES <= 4, "one 4-byte KeyInfo per K slot");
+    // Registers per thread after the hand-over. The launch gives each thread 65536 / THREADS
+    // rounded down to 8 (168 or 128); the consumers can take what the producer gives up:
+    // 128 x (168 - 40) / 256 -> 232 with two (128 x (168 - 24) / 256 -> 240 with a 24-register
+    // producer), 128 x (128 - 32) / 384 -> 160 with three.
+    // d = 128 without mods: the producer keeps 24 and the consumers take 240 (FlashAttention
+    // 3's split): 1.017-1.018x at 2k-4k non-causal (H100); at d = 64 it lost 2.6% at 512
+    // causal (docs/archive/PERF.md, "240 consumer registers in the d 128 forward"). The mods
+    // and block-mask producers spill at 24, d = 256's below 40.
+    static constexpr bool LEAN_PRODUCER = CONSUMERS == 2 && MODS == MODS_NONE && D == 128;
+    static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
+    static constexpr int CONSUMER_REGS = LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
+    static_assert(D % 64 == 0, "panels are 64 columns wide");
+    static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+};
+
+// Shared-memory addresses of the tiles and barriers.
+template <class K> struct WsSmem {
+    uint32_t base;
+    static constexpr int QB = 2 * K::Q_STAGES;  // Q's barriers, before K's and V's
+    __device__ __forceinline__ uint32_t q(int qs) const { return base + qs * K::Q_BYTES; }
+    __device__ __forceinline__ uint32_t k(int st) const {
+        return base + K::Q_STAGES * K::Q_BYTES + st * K::KV_BYTES;
+    }
+    __device__ __forceinline__ uint32_t v(int st) const {
+        return base + K::Q_STAGES * K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
+    }
+    __device__ __forceinline__ uint32_t full_q(int qs) const {
+        return base + K::BAR_OFFSET + 8 * qs;
+    }
+    __device__ __forceinline__ uint32_t empty_q(int qs) const {
+        return full_q(K::Q_STAGES + qs);
+    }
+    __device__ __forceinline__ uint32_t full_k(int st) const { return full_q(QB + st); }
+    __device__ __forceinline__ uint32_t full_v(int st) const {
+        return full_q(QB + K::STAGES + st);
+    }
+    __device__ __forceinline__ uint32_t empty_k(int st) const {
+        return full_q(QB + 2 * K::STAGES + st);
+    }
+    __device__ __forceinline__ uint32_t empty_v(int st) const {
+        return full_q(QB + 3 * K::STAGES + st);
+    }
+    __device__ __forceinline__ uint32_t tile(int qs) const {
+        return base + K::TILE_OFFSET + 16 * qs;
+    }
+    __device__ __forceinline__ uint32_t key(int st) const { return base + K::KEY_OFFSET + 4 * st; }
+    // Where consumer warpgroup g stages its 64 rows of O (store_staged): a tile of its own
+    // (panels of 64 rows), or with K::O_IN_Q its own rows of Q slot qs (panels of BM rows).
+    __device__ __forceinline__ uint32_t o(int g, int qs) const {
+        return K::O_IN_Q ? q(qs) + g * 64 * 128 : base + K::O_OFFSET + g * 64 * K::D * 2;
+    }
+};
+
+// A key tile as the producer hands it over (K::KEYS_FROM_PRODUCER): its index, its
+// sparse_state and whether it is the work tile's last, in one word.
+struct KeyInfo {
+    int nb, state;
+    bool last;
+    __device__ __forceinline__ int pack() const { return nb << 3 | int(last) << 2 | state; }
+    __device__ __forceinline__ static KeyInfo unpack(int x) { return {x >> 3, x & 3, (x & 4) != 0}; }
+};
+
+__device__ __forceinline__ void st_shared(uint32_t addr, int v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_shared(uint32_t addr) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// A tile's place in a ring of N slots: every block counts the key tiles (N = STAGES) and the
+// work tiles (N = Q_STAGES) it has passed through, the producer and each consumer alike.
+template <int N> struct Ring {
+    int st, phase;
+    __device__ __forceinline__ explicit Ring(int it) : st(it % N), phase((it / N) & 1) {}
+};
+template <class K> using Slot = Ring<K::STAGES>;
+template <class K> using QSlot = Ring<K::Q_STAGES>;
+
+// One work tile: query block m_block of head bidh of sequence bidb, and its key tiles.
+template <class K> struct WsTile {
+    int m_block, bidh, bidb, bidh_k, m0, q_last, nb_begin, nb_end;
+    int last_state;  // the last key tile's sparse_state
+    SeqInfo seq;
+    Mask mask;
+
+    WsTile() = default;
+
+    // The work tile at index t of the grid's walk over its `tiles` tiles. The walk runs the
+    // query blocks of one (sequence, head) after another, from the last (the heaviest under a
+    // causal mask) down, so that the blocks in flight together read the K and V of few heads
+    // (they stay in L2), but for its last tail_heads pairs (longest_first_tail).
+    __device__ __forceinline__ WsTile(const AttnParams& p, int t, int tiles, int tail_heads)
+        : WsTile(p, t, tiles, tail_heads, (p.seqlen_q + K::BM - 1) / K::BM) {}
+
+    // Packed batches: whether the tile at walk index t has rows (its sequence reaches m0).
+    static __device__ __forceinline__ bool has_rows(const AttnParams& p, int t, int tiles,
+                                                    int tail_heads) {
+        const int m_blocks = (p.seqlen_q + K::BM - 1) / K::BM;
+        t = longest_first_tail(t, tiles, tail_heads, m_blocks);
+        const int b = t / m_blocks / p.h, m0 = (m_blocks - 1 - t % m_blocks) * K::BM;
+        return m0 < p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    }
+
+    __device__ __forceinline__ int key_tiles() const { return max(nb_end - nb_begin, 0); }
+    // The key tile after nb (they go last first), -1 after the last, and its sparse_state:
+    // under a block mask, the producer skips absent blocks with it (and hands its consumers
+    // the tiles it kept: KeyInfo).
+    __device__ __forceinline__ int next(int nb, int* state = nullptr) const {
+        return mask.template next_key_block<K::BN>(m0, q_last, nb, nb_begin, state);
+    }
+
+  private:
+    __device__ __forceinline__ WsTile(const AttnParams& p, int t, int tiles, int tail_heads,
+                                      int m_blocks)
+        : WsTile(p, longest_first_tail(t, tiles, tail_heads, m_blocks), m_blocks) {}
+
+    // Tile t in pair-major order: rank t % m_blocks of pair t / m_blocks, rank 0 the last block.
+    __device__ __forceinline__ WsTile(const AttnParams& p, int t, int m_blocks)
+        : seq(p, t / m_blocks / p.h),
+          mask(p, seq, t / m_blocks / p.h, t / m_blocks % p.h, K::MODS) {
+        m_block = m_blocks - 1 - t % m_blocks;
+        bidh = t / m_blocks % p.h;
+        bidb = t / m_blocks / p.h;
+        bidh_k = bidh / p.h_h_k_ratio;
+        m0 = m_block * K::BM;
+        if (K::END_ALIGNED && mask.right >= 0) m0 -= m_blocks * K::BM - seq.seqlen_q;
+        q_last = min(m0 + K::BM, seq.seqlen_q) - 1;
+        mask.template key_blocks<K::BN>(m0, q_last, &nb_begin, &nb_end);
+        nb_end = mask.template next_key_block<K::BN>(m0, q_last, nb_end, nb_begin, &last_state) + 1;
+        // Packed batches: the query blocks past a shorter sequence's end have no rows.
+        if (K::PACKED && m0 >= seq.seqlen_q) nb_end = nb_begin;
+    }
+};
+
+// The producer thread hands the consumers their work tiles one at a time through the Q slots:
+// once they are done with the slot's last Q, it copies the next tile's Q, and under the
+// dynamic schedule the tile's index (an index past the last tile tells them to stop) beside
+// it, both completing on the slot's barrier; then K and V of the tile's key tiles, last
+// first, each into the next slot once the consumers have released it.
+template <class K>
+__device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
+                                           int tiles) {
+    // Each Q slot's index goes through a global slot of its own: with two or three Q slots the
+    // producer may write the next index before the last one's bulk copy has landed.
+    unsigned int* slots = P.tile_counter == nullptr
+                              ? nullptr
+                              : P.tile_counter + 4 + 4 * K::Q_STAGES * blockIdx.x;
+    // The next tile's index under the grid's stride, or from the counter: every block fetches
+    // until it fails once, `tiles` fetches in all (the grid is at most `tiles` blocks), so the
+    // one that gets tiles - 1 is the last and resets.
+    const auto fetch = [&](int t) {
+        if (slots == nullptr) return t + int(gridDim.x);
+        const unsigned int i = atomicAdd(P.tile_counter, 1u);
+        if (i == unsigned(tiles) - 1) atomicExch(P.tile_counter, 0u);
+        return int(gridDim.x) + int(i);
+    };
+    int it = 0;
+    for (int t = blockIdx.x, q_uses = 0;; ++q_uses) {
+        // Packed batches: the tiles past a shorter sequence's end (no rows, nothing to write)
+        // are passed over here under the counter, so the consumers never wait for them.
+        if constexpr (K::PACKED) {
+            while (slots != nullptr && t < tiles &&
+                   !WsTile<K>::has_rows(P.a, t, tiles, P.tail_heads))
+                t = fetch(t);
+        }
+        const bool last = t >= tiles;
+        if (last && slots == nullptr) return;  // the consumers walk the same tiles and stop
+        const QSlot<K> qs(q_uses);
+        tma::wait(sm.empty_q(qs.st), qs.phase ^ 1);
+        const WsTile<K> w(P.a, last ? 0 : t, tiles, P.tail_heads);
+        // No keys: no Q either; the consumers write zeros and move on.
+        const bool q = !last && w.key_tiles() > 0;
+        unsigned int* slot = slots == nullptr ? nullptr : slots + 4 * qs.st;
+        if (slot != nullptr) {
+            *slot = unsigned(t);
+            tma::fence_proxy_global();
+        }
+        const uint32_t bytes = (slot != nullptr ? 16 : 0) + (q ? K::Q_BYTES : 0);
+        if (bytes == 0) {
+            tma::arrive(sm.full_q(qs.st));
+        } else {
+            tma::arrive_expect_tx(sm.full_q(qs.st), bytes);
+        }
+        if (slot != nullptr) tma::load_bulk(sm.tile(qs.st), slot, 16, sm.full_q(qs.st));
+        if (last) return;
+        const TmaSeq ts = tma_seq<K::PACKED>(w.seq, w.bidb);
+        if (q)
+            tma::load_tile<K::BM, K::D / 64>(sm.q(qs.st), P.q, sm.full_q(qs.st), ts.q0 + w.m0,
+                                             w.bidh, ts.batch);
+        int state = w.last_state;
+        for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next, next_state; nb >= 0;
+             nb = next, state = next_state, ++it) {
+            const Slot<K> s(it);
+            // The next tile before the wait for K's slot: under a block mask its skip-table
+            // read then runs during the wait.
+            next = w.next(nb, &next_state);
+            // K, then V, each into its slot once the consumers released it.
+            tma::wait(sm.empty_k(s.st), s.phase ^ 1);
+            if constexpr (K::KEYS_FROM_PRODUCER)
+                st_shared(sm.key(s.st), KeyInfo{nb, state, next < 0}.pack());
+            tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
+            tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st),
+                                             ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
+            tma::wait(sm.empty_v(s.st), s.phase ^ 1);
+            tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
+            tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st),
+                                             ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
+        }
+        t = fetch(t);
+    }
+}
+
+// S(j) is waited for alone, so that the softmax runs while P(j-1) V(j-1) is in flight;
+// -DCANDLE_FLASH_WS_SERIAL waits for both (the A/B build without that overlap).
+#ifdef CANDLE_FLASH_WS_SERIAL
+constexpr int WS_WAIT_S = 0;
+#else
+constexpr int WS_WAIT_S = 1;
+#endif
+
+// One consumer warpgroup: 64 query rows, its O and softmax state in registers.
+template <class K> struct WsConsumer {
+    using T = typename K::T;
+    static constexpr int D = K::D, BM = K::BM, BN = K::BN, NT = K::NT, DT = K::DT;
+    // Work tiles in one stream of key tiles (work()) where that compiles without spilling:
+    // the plain d = 64 kernel with two consumers, whose second Q slot lets the next tile's Q
+    // land early (d 128 spilled 12 bytes into the key-tile loop and ran 3-7% slower at every
+    // length, the three-warpgroup d 64 one 136 bytes, 5-8%; docs/archive/PERF.md, "the
+    // forward's work tiles as one stream of key tiles").
+    static constexpr bool CARRY =
+        K::Q_STAGES > 1 && D == 64 && K::CONSUMERS == 2 && K::MODS == MODS_NONE;
+
+    // Named barriers 1 .. CONSUMERS pass the pingpong turns; EPILOGUE_BAR + g orders
+    // warpgroup g's writes of the staged O tile around its TMA stores.
+    static constexpr int EPILOGUE_BAR = 4;
+
+    const FwdTmaParams& P;
+    const AttnParams& p;  // P.a
+    const WsSmem<K> sm;
+    const int group, warp_row0, lane;
+    int qs;  // the Q slot of the work tile being run
+    float o[1][DT][4];
+    uint32_t pa[1][NT / 2][4];  // P of the previous tile, the A operand of P V
+    OnlineSoftmax<1> softmax;
+
+    // Pingpong: warpgroup g issues its matmuls once barrier 1 + g completes, then lets the
+    // next one (round robin) go. The last warpgroup arrives once before its first turn so
+    // that warpgroup 0 starts; warpgroup 0 takes that arrival back after its last turn.
+    __device__ __forceinline__ void take_turn() const {
+        if (K::PINGPONG) tma::named_sync(1 + group, 128 * 2);
+    }
+    __device__ __forceinline__ void pass_turn() const {
+        if (K::PINGPONG) tma::named_arrive(1 + (group + 1) % K::CONSUMERS, 128 * 2);
+    }
+
+    // S = Q K^T of the tile in slot st, issued (one commit group).
+    __device__ __forceinline__ void issue_s(float (&s)[1][NT][4], int st) const {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            sm90::Wgmma<T, BN>::ss(s[0], sm90::kmajor_desc(sm.q(qs) + group * 64 * 128, BM, kk),
+                                    sm90::kmajor_desc(sm.k(st), BN, kk), kk > 0);
+        sm90::commit();
+    }
+
+    // O += P V of the tile in slot st, issued (one commit group). Head dims past 128 take
+    // two n128 halves (panels 0-1 and 2-3).
+    __device__ __forceinline__ void issue_pv(int st) {
+        constexpr int N = D > 128 ? 128 : D;
+#pragma unroll
+        for (int half = 0; half < D / N; ++half) {
+            float(&oh)[N / 8][4] = *reinterpret_cast<float(*)[N / 8][4]>(&o[0][half * N / 8]);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                sm90::Wgmma<T, N>::rs(oh, pa[0][kk],
+                                      sm90::mnmajor_desc(sm.v(st) + half * 2 * BN * 128, BN, kk),
+                                      1);
+        }
+        sm90::commit();
+    }
+
+    // Dropout (K::DROPOUT): the keep bits of this warp's entries of key tile nb, drawn while
+    // its S runs (Philox is integer work, the tensor cores are busy), and P's dropped entries
+    // zeroed after the row sums have counted them (FlashAttention-2 Algorithm 1 with dropout;
+    // the 1 / (1 - p) goes with 1 / l when O is stored).
+    // Philox calls in flight together, 8 entries each: 4, the most that kept the d = 64 and
+    // 128 kernels free of spills (all 8: 144 and 104 bytes). With 4 entries a call, drawing
+    // them all at once had been 1.05-1.20x faster than one at a time (H100;
+    // docs/archive/PERF.md, "Philox calls in flight together" and "8 entries per Philox call,
+    // laid out on the fragment").
+    static constexpr int DROP_UNROLL = 4;
+    __device__ __forceinline__ void draw_keep(uint32_t (&keep)[2], const WsTile<K>& w,
+                                              int nb) const {
+        if constexpr (K::DROPOUT)
+            Dropout(p, w.bidb, w.bidh)
+                .template keep_fragment<NT, false, DROP_UNROLL>(keep, w.m0 + warp_row0, nb * BN,
+                                                                lane);
+    }
+    __device__ __forceinline__ void drop(float (&s)[1][NT][4], const uint32_t (&keep)[2]) const {
+        if constexpr (K::DROPOUT) Dropout::zero_dropped<NT>(s[0], keep);
+    }
+    // 1 / l, times 1 / (1 - p) with dropout.
+    __device__ __forceinline__ void finalize(int r, float* inv_sum, float* row_lse) const {
+        softmax.finalize(0, r, p.scale, inv_sum, row_lse);
+        if constexpr (K::DROPOUT) *inv_sum *= p.rp_keep;
+    }
+
+    // Each consumer warp arrives once its reads of the slot (its wgmmas) completed.
+    __device__ __forceinline__ void release(uint32_t bar) const {
+        if (lane == 0) tma::arrive(bar);
+    }
+    // The Q slot also holds the tile index every lane read.
+    __device__ __forceinline__ void release_q() const {
+        __syncwarp();
+        release(sm.empty_q(qs));
+    }
+
+    // What the mask does to key tile nb, found before its S is issued: whether it masks any
+    // entry, and the block mask's part (used only if it does and there is a block mask).
+    struct TileMask {
+        bool masked;
+        uint64_t bits[1][2];
+    };
+    __device__ __forceinline__ TileMask tile_mask(const WsTile<K>& w, int nb, int state) const {
+        TileMask m;
+        m.masked = w.mask.template block_needs_mask<BN>(w.m0, w.q_last, nb * BN, state);
+        if (w.mask.sparse && m.masked)
+            w.mask.template sparse_bits<1, NT, false>(m.bits, w.m0 + warp_row0, nb * BN, lane);
+        return m;
+    }
+
+    __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb,
+                                           const TileMask& m) {
+        if (cap_in_softmax(m)) return;
+        // Two calls with constant `masked` (as in bwd_dkdv.cuh): the d = 256 `_mods` kernel
+        // spilled 32 more bytes of loads with the test as argument.
+        if (m.masked)
+            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, true, 1, m.bits);
+        else
+            w.mask.template apply<1, NT>(s, w.m0 + warp_row0, nb * BN, lane, false);
+    }
+
+    // A softcap's bound replaces the running max where P's type holds the range that leaves
+    // (bf16; AttnParams::softcap_max_log2): no max, no rescale. Not in the three-warpgroup
+    // d = 64 kernel, whose 160 registers it cost a spill (12 -> 16 bytes) and ALiBi there 2-4%
+    // (H100; docs/archive/PERF.md, "The softcap without a row max"), with no gain for the cap.
+    static constexpr bool FIXED =
+        (K::MODS & MODS_SCORES) && std::is_same_v<T, __nv_bfloat16> && K::CONSUMERS == 2;
+    // A key tile without masked entries under a softcap without ALiBi takes its tanh in the
+    // exponentials' loop (scores() skips it), each n8 tile's tanh tied to an earlier one's
+    // exponentials (OnlineSoftmax: CAP, INTERLEAVE), under FIXED's bound or else a running max
+    // taken from the raw scores. Apart, ptxas issued a warp's 64 MUFU.TANH back to back and
+    // only then its exponentials; together the two kinds alternate with the adds between them
+    // (d = 128 softcap forward 1.08x, causal 1.11x; H100; docs/archive/PERF.md, "The softcap's
+    // tanh in the exponentials' loop"). Not in the block-mask kernels, which the tie's code
+    // made slower even without a cap, nor in the three-warpgroup d = 64 one, which it made
+    // spill 124 bytes (12 before; "Kept: the forward's tanh in the exponentials' loop under a
+    // running max too").
+    __device__ __forceinline__ bool cap_in_softmax(const TileMask& m) const {
+        return K::MODS == MODS_SCORES && K::CONSUMERS == 2 && p.softcap_pre != 0.f &&
+               p.alibi_slopes == nullptr && !m.masked;
+    }
+
+    // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
+    // the last P V is done.
+    __device__ __forceinline__ bool exp_scores(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
+                                               float (&alpha)[1][2], const TileMask& m) const {
+        // seqlen_q is never negative: the ties' zero is 0.
+        const float zero = __int_as_float(min(p.seqlen_q, 0));
+        if (cap_in_softmax(m))
+            return st.template exp_and_factors<FIXED, true, true>(
+                s, alpha, p.scale_log2, p.softcap_max_log2, zero, p.softcap_pre);
+        // The kernels whose exponentials ptxas ran back to back (OnlineSoftmax): 1.4-2.3%
+        // faster; not dropout's or the block mask's, which the tie made 1.6-2.8% and 6.4%
+        // slower (H100; docs/archive/PERF.md, "Why ptxas ran the exponentials back to back,
+        // and a tie that stops it" and "The softcap's tanh in the exponentials' loop").
+        constexpr bool INTERLEAVE =
+            D == 64 && K::CONSUMERS == 2 && !K::DROPOUT && K::MODS == MODS_NONE;
+        return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, p.scale_log2,
+                                                              p.softcap_max_log2, zero);
+    }
+
+    // Where a work tile's O goes: kept from its last S to its store, which comes after the
+    // next work tile's first S.
+    struct OutTile {
+        T* out;      // the (sequence, head)'s row 0
+        float* lse;  // likewise
+        int row0;    // this warp's first row
+        int seqlen_q;
+        // O's head and third coordinate for the TMA store: the batch, or in packed batches
+        // (batch 0) the sequence's first row; -1 where a TMA box of this warpgroup's 64 rows
+        // may not be stored: in packed batches where they cross the sequence's end (it would
+        // write the next sequence's rows), and where they start before row 0 (END_ALIGNED; a
+        // TMA store at a negative row is an illegal instruction). store_staged copies the
+        // rows in [0, seqlen_q) instead.
+        int bidh, tma_c;
+    };
+    __device__ __forceinline__ OutTile out_tile(const WsTile<K>& w) const {
+        const int first = w.m0 + group * 64;  // the warpgroup's first row
+        const bool copy =
+            (K::PACKED && first + 64 > w.seq.seqlen_q) || (K::END_ALIGNED && first < 0);
+        return {static_cast<T*>(p.o) + w.seq.q_offset(p.o_batch_stride, p.o_row_stride,
+                                                      p.o_head_stride, w.bidb, w.bidh),
+                p.lse + w.seq.lse_offset(p, w.bidb, w.bidh),
+                w.m0 + warp_row0,
+                w.seq.seqlen_q,
+                w.bidh,
+                copy ? -1 : K::PACKED ? w.seq.q_start : w.bidb};
+    }
+
+    // The block's next work tile with keys into w and its index into t (the last one's
+    // before), its Q slot waited for; those without keys are written on the way (zeros, LSE
+    // -inf). False past the last.
+    __device__ __forceinline__ bool next_tile(WsTile<K>& w, int& q_uses, int& t, int tiles,
+                                              bool dynamic) {
+        for (;;) {
+            t += gridDim.x;
+            if (!dynamic && t >= tiles) return false;
+            const QSlot<K> q(q_uses++);
+            qs = q.st;
+            tma::wait(sm.full_q(q.st), q.phase);
+            if (dynamic) t = ld_shared(sm.tile(q.st));
+            if (t >= tiles) return false;
+            w = WsTile<K>(p, t, tiles, P.tail_heads);
+            if (w.key_tiles() > 0) return true;
+            release_q();
+            store(out_tile(w), true);
+        }
+    }
+
+    // Key tile (nb, state) of w that comes in slot `cur`, and whether another follows in w;
+    // `first`: w's first (they go last first).
+    __device__ __forceinline__ void key_tile(const WsTile<K>& w, const Slot<K>& cur, bool first,
+                                             int& nb, int& state, bool& more) const {
+        if constexpr (K::KEYS_FROM_PRODUCER) {
+            tma::wait(sm.full_k(cur.st), cur.phase);
+            const KeyInfo key = KeyInfo::unpack(ld_shared(sm.key(cur.st)));
+            nb = key.nb;
+            state = key.state;
+            more = !key.last;
+        } else {
+            if (first) {
+                nb = w.nb_end - 1;
+                state = w.last_state;
+            } else {
+                nb = w.next(nb, &state);
+            }
+            more = w.next(nb) >= 0;
+        }
+    }
+
+    // Whether this warpgroup passes over the key tiles its rows cannot see at the start of a
+    // work tile (skip_masked). Not in the one-stream kernel (CARRY), whose 128 x 128 tiles
+    // never have them with seqlen_q = seqlen_k, nor where the producer picks the tiles; nor
+    // where it spilled (ptxas -v): the 80-key d = 256 kernels (0 -> 140 bytes, 11-18% slower,
+    // H100) and the three-warpgroup `_mods` one (12 -> 140 bytes).
+    static constexpr bool SKIP = !CARRY && !K::KEYS_FROM_PRODUCER && BN != 80 &&
+                                 !(K::CONSUMERS == 3 && K::MODS != MODS_NONE);
+
+    // The last key tile any of this warpgroup's 64 rows can see (Mask::key_blocks over its
+    // rows), at least w's lowest. A work tile's key tiles reach its last row's; above this
+    // warpgroup's, they are masked for all of its rows (the causal mask or a window's right
+    // side, with the d = 64 three-warpgroup kernel's 192 x 128 tiles, d = 256's 128 x 64).
+    __device__ __forceinline__ int last_visible(const WsTile<K>& w) const {
+        const int first = w.m0 + group * 64;
+        int begin, end;
+        w.mask.template key_blocks<BN>(first, min(first + 63, w.q_last), &begin, &end);
+        return max(end - 1, w.nb_begin);
+    }
+
+    // The key tile of slot `it`, entirely masked for this warpgroup: no S, softmax or P V.
+    // It still waits for both tiles (every consumer keeps every slot's phase) and takes its
+    // pingpong turn empty (the turns alternate strictly).
+    __device__ __forceinline__ void skip_masked(int it) const {
+        const Slot<K> s(it);
+        tma::wait(sm.full_k(s.st), s.phase);
+        take_turn();
+        pass_turn();
+        release(sm.empty_k(s.st));
+        tma::wait(sm.full_v(s.st), s.phase);
+        release(sm.empty_v(s.st));
+    }
+
+    // The first key tile of w that this warpgroup sees, from slot `it` (the tiles before it
+    // passed over, `it` past them): its S alone, then its softmax.
+    __device__ __forceinline__ void first_s(const WsTile<K>& w, int& it, int& nb, int& state,
+                                            bool& more) {
+        key_tile(w, Slot<K>(it), true, nb, state, more);
+        if constexpr (SKIP) {
+            // Without a block mask the key tiles go one by one, each of state 1.
+            // A warpgroup's last row is at most BM - 64 rows before the work tile's.
+            constexpr int MAX_SKIPPED = (BM - 64 + BN - 1) / BN;
+            const int last = last_visible(w);
+#pragma unroll
+            for (int i = 0; i < MAX_SKIPPED; ++i)
+                if (nb > last) {
+                    skip_masked(it++);
+                    more = --nb > w.nb_begin;
+                }
+        }
+        const Slot<K> s0(it);
+        const TileMask m = tile_mask(w, nb, state);
+        float s[1][NT][4];
+        if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(s0.st), s0.phase);
+        take_turn();
+        sm90::fence();
+        issue_s(s, s0.st);
+        pass_turn();
+        uint32_t keep[2];
+        draw_keep(keep, w, nb);
+        sm90::wait<0>();
+        sm90::fence_operand(s[0]);
+        release(sm.empty_k(s0.st));
+        scores(s, w, nb, m);
+        float alpha[1][2];
+        if (exp_scores(softmax, s, alpha, m)) softmax.rescale(o, alpha);
+        drop(s, keep);
+        pack_a<T, 1, NT>(s, pa);
+    }
+
+    // The next key tile of w (with `boundary`, its first: the last one was another work
+    // tile's, whose O goes to `done` once its P V lands): its S and the last P V in flight
+    // together, the softmax of S under the second.
+    __device__ __forceinline__ void step(const WsTile<K>& w, int& it, int& nb, int& state,
+                                         bool& more, bool boundary, const OutTile& done) {
+        const Slot<K> prev(it), cur(it + 1);
+        ++it;
+        key_tile(w, cur, boundary, nb, state, more);
+        const TileMask m = tile_mask(w, nb, state);
+        float s[1][NT][4];
+        if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(cur.st), cur.phase);
+        // V(j-1) came before K(j); waiting for it here keeps the two issues back to back
+        // (ptxas fences between them if a wait loop separates them).
+        tma::wait(sm.full_v(prev.st), prev.phase);
+        take_turn();
+        sm90::fence_operand(o[0]);
+        sm90::fence();
+        issue_s(s, cur.st);
+        issue_pv(prev.st);
+        pass_turn();
+        uint32_t keep[2];
+        draw_keep(keep, w, nb);
+        sm90::wait<WS_WAIT_S>();
+        sm90::fence_operand(s[0]);
+        release(sm.empty_k(cur.st));
+        scores(s, w, nb, m);
+        if (boundary) {
+            OnlineSoftmax<1> next;
+            float alpha[1][2];  // O starts over
+            exp_scores(next, s, alpha, m);
+            sm90::wait<0>();
+            sm90::fence_operand(o[0]);
+            release(sm.empty_v(prev.st));
+            store(done);
+            zero(o);
+            softmax = next;
+        } else {
+            float alpha[1][2];
+            const bool rescale = exp_scores(softmax, s, alpha, m);
+            sm90::wait<0>();
+            sm90::fence_operand(o[0]);
+            release(sm.empty_v(prev.st));
+            if (rescale) softmax.rescale(o, alpha);
+        }
+        drop(s, keep);
+        pack_a<T, 1, NT>(s, pa);
+    }
+
+    // The last P V, alone, from slot `it`.
+    __device__ __forceinline__ void last_pv(int it) {
+        const Slot<K> last(it);
+        tma::wait(sm.full_v(last.st), last.phase);
+        take_turn();
+        sm90::fence_operand(o[0]);
+        sm90::fence();
+        issue_pv(last.st);
+        pass_turn();
+        sm90::wait<0>();
+        sm90::fence_operand(o[0]);
+        release(sm.empty_v(last.st));
+    }
+
+    // Every work tile of the block (CARRY), their key tiles last first, in one stream: a work
+    // tile's last P V goes out with the next one's first S (one pingpong turn, not two half
+    // ones) and its O is stored once that lands, before the new tile's P is packed.
+    __device__ __forceinline__ void work(int tiles, bool dynamic) {
+        int it = 0, q_uses = 0, t = int(blockIdx.x - gridDim.x);  // key tiles, Q slots, tile
+        int nb, state;
+        bool more;  // a key tile of w after nb
+        WsTile<K> w;
+        if (!next_tile(w, q_uses, t, tiles, dynamic)) return;
+        if (K::PINGPONG && group == K::CONSUMERS - 1)
+            tma::named_arrive(1, 128 * 2);  // warpgroup 0 goes first
+        zero(o);
+        first_s(w, it, nb, state, more);
+        OutTile done;  // the work tile whose last P is in pa
+        for (;;) {
+            if (!more) {
+                release_q();  // every S of this tile is done
+                done = out_tile(w);
+                if (!next_tile(w, q_uses, t, tiles, dynamic)) break;
+                step(w, it, nb, state, more, true, done);
+            } else {
+                step(w, it, nb, state, more, false, done);
+            }
+        }
+        last_pv(it);
+        store(done);
+        finish();
+        if (K::PINGPONG && group == 0) tma::named_sync(1, 128 * 2);  // the last arrival back
+    }
+
+    // One work tile on its own: its first S alone, its last P V alone.
+    __device__ __forceinline__ void run(const WsTile<K>& w, int& it) {
+        int nb, state;
+        bool more;
+        first_s(w, it, nb, state, more);
+        while (more) step(w, it, nb, state, more, false, {});
+        if constexpr (!K::O_IN_Q) release_q();  // every S of this tile is done
+        last_pv(it++);
+    }
+
+    // O / l and the LSE; `empty`: a work tile whose rows see no key (zeros and LSE -inf,
+    // whatever O holds). Through shared memory where the kernel has room for it, else (and for
+    // empty tiles, which are rare) straight from registers (4-byte stores).
+    __device__ __forceinline__ void store(const OutTile& to, bool empty = false) const {
+        if constexpr (K::O_STAGED || K::O_IN_Q) {
+            if (!empty) {
+                store_staged(to);
+                return;
+            }
+        }
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float inv_sum = 0.f, row_lse = -INFINITY;
+            if (!empty) finalize(r, &inv_sum, &row_lse);
+            const int row = to.row0 + g + 8 * r;
+            if (row < 0 || row >= to.seqlen_q) continue;
+            if (t == 0) to.lse[row] = row_lse;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                const int col = dt * 8 + 2 * t;
+                if (col < p.d)
+                    *reinterpret_cast<uint32_t*>(to.out + int64_t(row) * p.o_row_stride + col) =
+                        empty ? 0u
+                              : MmaOp<T>::pack(o[0][dt][2 * r] * inv_sum,
+                                               o[0][dt][2 * r + 1] * inv_sum);
+            }
+        }
+    }
+
+    // O / l into this warpgroup's panels of the staged tile (stmatrix, 16 bytes per
+    // instruction and lane, no bank conflict), then one TMA store per panel, issued by the
+    // warpgroup's first thread. With a tile of its own the warpgroup does not wait for it: the
+    // next store's first barrier does, after that tile's key tiles. In the Q slot (O_IN_Q) it
+    // waits until the store has read the rows, then hands the slot back. TMA clips rows past
+    // seqlen_q and columns past the head dim (O's tensor map has the true extents). The LSE
+    // from registers.
+    __device__ __forceinline__ void store_staged(const OutTile& to) const {
+        const bool leader = threadIdx.x % 128 == 0;
+        const uint32_t stage = sm.o(group, qs);
+        constexpr int PANEL_ROWS = K::O_PANEL_ROWS;
+        if (leader) tma::bulk_wait_read<0>();  // the last store has read the tile
+        tma::named_sync(EPILOGUE_BAR + group, 128);
+        float inv[2], row_lse[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) finalize(r, &inv[r], &row_lse[r]);
+        sm90::stage_fragments<T, PANEL_ROWS, DT>(stage, o[0], warp_row0 - group * 64, 0, inv[0],
+                                                 inv[1], lane);
+        sm90::fence_proxy_async();
+        tma::named_sync(EPILOGUE_BAR + group, 128);
+        const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
+        if (K::O_MAY_COPY && to.tma_c < 0) {
+            // No TMA box (OutTile::tma_c): the rows in [0, seqlen_q), copied (the head dim is
+            // a multiple of 8 wherever O has a tensor map).
+            const int first = max(row0, 0), end = min(row0 + 64, to.seqlen_q);
+            if (end > first)
+                sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
+                    stage, first - row0, 0, end - first, p.d / 8,
+                    to.out + int64_t(first) * p.o_row_stride, p.o_row_stride, threadIdx.x % 128,
+                    128);
+        } else if (leader) {
+            if constexpr (K::PACKED)
+                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, to.tma_c + row0, to.bidh, 0);
+            else
+                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, row0, to.bidh, to.tma_c);
+            tma::bulk_commit();
+        }
+        if constexpr (K::O_IN_Q) {
+            if (leader) tma::bulk_wait_read<0>();
+            tma::named_sync(EPILOGUE_BAR + group, 128);
+            release_q();
+        }
+        if (lane % 4 == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q_row = to.row0 + lane / 4 + 8 * r;
+                if (q_row >= 0 && q_row < to.seqlen_q)
+                    to.lse[q_row] = row_lse[r];
+            }
+        }
+    }
+
+    // Before the block exits: its last TMA store done.
+    __device__ __forceinline__ void finish() const {
+        if ((K::O_STAGED || K::O_IN_Q) && threadIdx.x % 128 == 0) tma::bulk_wait_all();
+    }
+};
+
+template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaParams& P) {
+    const AttnParams& p = P.a;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const WsSmem<K> sm{(smem_addr(smem_raw) + 1023) & ~1023u};  // swizzle atoms: 1 KB aligned
+    const int tiles = (p.seqlen_q + K::BM - 1) / K::BM * p.h * p.b;
+    // Unlike the backward's (a shuffle from lane 0, so that its descriptors stay on the
+    // uniform datapath), not warp-uniform to the compiler: the shuffle cost this kernel 3% at
+    // d 128 16k causal and gained nothing elsewhere beside the descriptor change
+    // (docs/archive/PERF.md, "The backward against cuDNN under Nsight Compute; half of its
+    // instructions built descriptors").
+    const int tid = threadIdx.x, warpgroup = tid / 128;
+
+    if (tid == 0) {
+        for (int qs = 0; qs < K::Q_STAGES; ++qs) {
+            tma::mbar_init(sm.full_q(qs), 1);
+            tma::mbar_init(sm.empty_q(qs), 4 * K::CONSUMERS);
+        }
+        for (int st = 0; st < K::STAGES; ++st) {
+            tma::mbar_init(sm.full_k(st), 1);
+            tma::mbar_init(sm.full_v(st), 1);
+            tma::mbar_init(sm.empty_k(st), 4 * K::CONSUMERS);
+            tma::mbar_init(sm.empty_v(st), 4 * K::CONSUMERS);
+        }
+        tma::fence_barrier_init();
+    }
+    // Launched programmatically (src/cuda/mod.rs): the set-up above overlaps the end of the
+    // kernel before, whose outputs may be Q, K or V (or whose inputs O's memory held).
+    pdl_wait();
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        tma::regs_dealloc<K::PRODUCER_REGS>();
+        if (tid == 0) {
+            ws_produce<K>(P, sm, tiles);
+            // No more loads: the next kernel's blocks may take the SMs this grid leaves.
+            pdl_launch_dependents();
+        }
+        return;
+    }
+    tma::regs_alloc<K::CONSUMER_REGS>();
+    const int group = warpgroup - 1;
+    WsConsumer<K> c{P, p, sm, group, group * 64 + (tid % 128) / 32 * 16, tid % 32, 0, {}, {}, {}};
+    const bool dynamic = P.tile_counter != nullptr;
+    if constexpr (WsConsumer<K>::CARRY) {
+        c.work(tiles, dynamic);
+        return;
+    }
+    bool started = false;  // took a pingpong turn yet
+    for (int it = 0, q_uses = 0, t = blockIdx.x;; ++q_uses, t += gridDim.x) {
+        if (!dynamic && t >= tiles) break;
+        const QSlot<K> qs(q_uses);
+        c.qs = qs.st;
+        tma::wait(sm.full_q(qs.st), qs.phase);
+        if (dynamic) t = ld_shared(sm.tile(qs.st));
+        if (t >= tiles) break;
+        const WsTile<K> w(p, t, tiles, P.tail_heads);
+        zero(c.o);
+        c.softmax = OnlineSoftmax<1>();
+        // A tile without keys: zeros and LSE -inf from registers, its Q slot released here
+        // (store_staged releases it with O_IN_Q).
+        const bool empty = w.key_tiles() == 0;
+        if (!empty) {
+            if (K::PINGPONG && !started && group == K::CONSUMERS - 1)
+                tma::named_arrive(1, 128 * 2);  // warpgroup 0 goes first
+            started = true;
+            c.run(w, it);
+        } else {
+            c.release_q();
+        }
+        c.store(c.out_tile(w), empty);
+    }
+    c.finish();
+    if (K::PINGPONG && started && group == 0) tma::named_sync(1, 128 * 2);
+}
+
+// Tiles per head dim (src/cuda/tma.rs: WsShape): 64 query rows per consumer warpgroup, keys
+// per tile and ring slots as shared memory and registers allow.
+#define FLASH_FWD_WS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
+    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX(const __grid_constant__ FwdTmaParams p) {           \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, PINGPONG>>(p);                     \
+    }
+#define FLASH_FWD_WS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                         \
+    FLASH_FWD_WS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
+    FLASH_FWD_WS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)
+// `_mods` (MODS_SCORES) and `_sparse` (MODS_SPARSE) kernels.
+#define FLASH_FWD_WS_MODS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)      \
+    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX##LEVEL_SUFFIX(const __grid_constant__ FwdTmaParams p) { \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, LEVEL>>(p);                  \
+    }
+#define FLASH_FWD_WS_MODS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)         \
+    FLASH_FWD_WS_MODS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)     \
+    FLASH_FWD_WS_MODS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)
+
+#ifndef CANDLE_FLASH_WS_PINGPONG
+#define CANDLE_FLASH_WS_PINGPONG true  // -DCANDLE_FLASH_WS_PINGPONG=false: the A/B build
+#endif
+FLASH_FWD_WS_BOTH(64, , 128, 4, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(64, _g3, 128, 3, 3, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(64, _n192, 192, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(128, , 128, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(128, _n176, 176, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(256, , 64, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+FLASH_FWD_WS_BOTH(256, _n80, 80, 2, 2, CANDLE_FLASH_WS_PINGPONG)
+// One shape per head dim with the cap and the bias, and with the block mask too
+// (WsShape::choose).
+FLASH_FWD_WS_MODS_BOTH(64, _g3, 128, 3, 3, MODS_SCORES, _mods)
+FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SCORES, _mods)
+FLASH_FWD_WS_MODS_BOTH(256, _n80, 80, 2, 2, MODS_SCORES, _mods)
+// d = 64 with two consumer warpgroups: the three of _g3 have 160 registers each, and its block
+// mask variant spilled 208 bytes (ran at 1.7x the time of dense attention with every block).
+FLASH_FWD_WS_MODS_BOTH(64, , 128, 3, 2, MODS_SPARSE, _sparse)
+FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SPARSE, _sparse)
+// d = 256 with 64-key tiles, which block sizes (multiples of 64) never straddle: the 80 keys
+// of _n80 touched 1.6 tiles per block kept, some of them masked entry by entry.
+FLASH_FWD_WS_MODS_BOTH(256, , 64, 2, 2, MODS_SPARSE, _sparse)
+// Packed batches (`_packed`) and dropout (`_dropout`, `_packed_dropout`): the shapes
+// WsShape::choose takes for them.
+#define FLASH_FWD_WS_VAR(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)       \
+    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
+        flash_fwd_ws_##NAME##_d##D##SUFFIX##VAR(const __grid_constant__ FwdTmaParams p) {      \
+        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_NONE, PACKED, DROPOUT>>( \
+            p);                                                                                \
+    }
+#define FLASH_FWD_WS_VAR_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)           \
+    FLASH_FWD_WS_VAR(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)       \
+    FLASH_FWD_WS_VAR(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)
+FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(64, _g3, 128, 3, 3, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(256, , 64, 2, 2, true, false, _packed)
+FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, true, false, _packed)
+// Dropout: one shape per head dim, two consumer warpgroups (the three of _g3 have 160
+// registers each).
+FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, false, true, _dropout)
+FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, false, true, _dropout)
+FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, false, true, _dropout)
+FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, true, true, _packed_dropout)
+FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, true, true, _packed_dropout)
+FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, true, true, _packed_dropout)
