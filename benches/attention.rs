@@ -7,8 +7,8 @@
 //! - `fwd`: [`FlashAttn::forward`] on detached inputs (no graph).
 //! - `bwd`: [`FlashAttn::backward`] called directly on the `(out, lse)` of one
 //!   [`FlashAttn::forward_with_lse`] per input set (run outside the timed region): the
-//!   backward kernels alone, like scripts/torch_bench.py's `torch.autograd.grad(out, (q, k, v),
-//!   dout)`, so the two compare kernel for kernel.
+//!   backward kernels alone, like scripts/bench/torch_bench.py's
+//!   `torch.autograd.grad(out, (q, k, v), dout)`, so the two compare kernel for kernel.
 //! - `bwd-autograd`: `loss.backward()` re-run on one kept graph per input set, i.e. the same
 //!   kernels plus Candle's autograd bookkeeping (a `zeros_like` + `add` per gradient, ~0.7 ms on
 //!   an H200); the line under it estimates that bookkeeping by timing the same backward with the
@@ -18,7 +18,7 @@
 //! Candle's own attention has `fwd` and `fwd+bwd` (through autograd).
 //!
 //! `--dropout P`: the grid's passes of candle-flash with dropout `P` (one fixed RNG offset),
-//! without Candle's attention; `scripts/torch_bench.py --dropout P` times SDPA likewise, and
+//! without Candle's attention; `scripts/bench/torch_bench.py --dropout P` times SDPA likewise, and
 //! `CANDLE_FLASH_WS_DROPOUT=0` in a second run times the kernels dropout had before the
 //! warp-specialized ones.
 //!
@@ -30,20 +30,21 @@
 //! ```text
 //! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
 //! ```
-//! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/stage-gpu.sh
-//! builds it, scripts/gpu-suite.sh --bench runs it). Built without the `cuda` feature, or run
+//! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/gpu/stage.sh
+//! builds it, scripts/gpu/suite.sh --bench runs it). Built without the `cuda` feature, or run
 //! without a CUDA device, it prints a SKIPPED line and exits 0.
 //!
-//! Grid, FLOP counts and JSON records match scripts/torch_bench.py, so scripts/compare.py can
-//! put both side by side: batch·seqlen = 16k tokens, hidden 2048 (hd 64/128/256 → 32/16/8
-//! heads), seqlen 512..16k, causal and not, plus GQA 32/8 heads at hd 128.
+//! Grid, FLOP counts and JSON records match scripts/bench/torch_bench.py, so
+//! scripts/bench/compare.py can put both side by side: batch·seqlen = 16k tokens, hidden 2048
+//! (hd 64/128/256 → 32/16/8 heads), seqlen 512..16k, causal and not, plus GQA 32/8 heads at
+//! hd 128.
 //!
 //! Decode (always run after the grid; `--decode-only` runs only it): GQA 32/8 heads, hd 128,
 //! one query token per sequence attending to all `L` cached tokens, (batch, L) in
 //! {(1, 8k), (8, 8k), (1, 64k), (32, 4k)}; no append in the timed loop. GB/s counts the K and
 //! V bytes read, `2·b·L·8·128·2`, and is also given as a % of the device-to-device copy
-//! bandwidth (bytes read + written by a 2 GiB copy). scripts/torch_bench.py times PyTorch SDPA
-//! on the same shapes.
+//! bandwidth (bytes read + written by a 2 GiB copy). scripts/bench/torch_bench.py times PyTorch
+//! SDPA on the same shapes.
 //!
 //! Everything below compiles without `cuda` too (candle's dummy CUDA backend has the same
 //! types), so a CPU-only build type-checks all of it; only [`gpu_name`] needs the feature.
@@ -285,7 +286,7 @@ impl fmt::Display for Case {
     }
 }
 
-/// The shapes, in the order scripts/torch_bench.py measures them (its `--quick` grid too).
+/// The shapes, in the order scripts/bench/torch_bench.py measures them (its `--quick` grid too).
 fn grid(quick: bool) -> Vec<Case> {
     let (hds, seqlens, gqa_seqlens): (&[usize], &[usize], &[usize]) = if quick {
         (&[64, 128], &[1024, 4096], &[2048])
@@ -393,7 +394,7 @@ fn flop_factor(pass: &str) -> f64 {
     }
 }
 
-/// One JSON record, the schema scripts/compare.py reads.
+/// One JSON record, the schema scripts/bench/compare.py reads.
 struct Record {
     imp: &'static str,
     pass: &'static str,
@@ -438,7 +439,7 @@ impl Record {
 
 fn run(args: &Args, dev: &Device) {
     // Keep freed memory in CUDA's pool between repetitions, as PyTorch's caching allocator
-    // (which scripts/torch_bench.py runs under) does; the pool's default hands it back to the
+    // (which scripts/bench/torch_bench.py runs under) does; the pool's default hands it back to the
     // driver at each synchronisation and the next call maps it again (the backward's 128-320 MB
     // of buffers at batch x seqlen = 16k). CANDLE_FLASH_BENCH_POOL=0 leaves the default.
     if std::env::var("CANDLE_FLASH_BENCH_POOL").is_ok_and(|v| v == "0") {
@@ -518,7 +519,7 @@ struct Bench {
     bwd_only: bool,
     /// `--dropout P`: our kernels with dropout (a fixed RNG offset, so that the direct
     /// backward may run), no naive rows (Candle's attention has no dropout here);
-    /// scripts/torch_bench.py takes the same flag.
+    /// scripts/bench/torch_bench.py takes the same flag.
     dropout: f32,
     /// `--deterministic`: our kernels with `deterministic(true)` (a bitwise repeatable
     /// backward).

@@ -1,5 +1,5 @@
 //! The GPU test suite: one binary (`harness = false`), run on the lent GPU by
-//! `scripts/gpu-suite.sh`. It prints one line per failure and a closing summary
+//! `scripts/gpu/suite.sh`. It prints one line per failure and a closing summary
 //! `gpu: N passed, N failed`. Built without the `cuda` feature (the CPU test run) it prints an
 //! explicit SKIPPED line and exits 0; built with it, no CUDA device or no test run is a
 //! failure, so a script cannot report success over nothing.
@@ -13,7 +13,7 @@
 //! padding, dropout), kvcache, misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
 //! reliability, train (the fused training ops), property (random configurations over every
-//! option, tests/gpu/property.rs); `--sanitize` (scripts/sanitize.sh, with `--quick`) draws random inputs and
+//! option, tests/gpu/property.rs); `--sanitize` (scripts/gpu/sanitize.sh, with `--quick`) draws random inputs and
 //! computes every reference on the CPU, so that the device runs only our kernels, copies and
 //! Candle's element-wise kernels (see `cuda_suite::reference_device`), and shrinks the
 //! reliability checks. Each section prints its time.
@@ -116,7 +116,7 @@ mod cuda_suite {
         }
     }
 
-    /// Whether the binary runs under compute-sanitizer (`--sanitize`, from scripts/sanitize.sh).
+    /// Whether the binary runs under compute-sanitizer (`--sanitize`, from scripts/gpu/sanitize.sh).
     pub(crate) fn sanitize() -> bool {
         static SANITIZE: OnceLock<bool> = OnceLock::new();
         *SANITIZE.get_or_init(|| std::env::args().any(|a| a == "--sanitize"))
@@ -915,7 +915,7 @@ mod cuda_suite {
             }
             let (passed, failed, section_start) = (suite.passed, suite.failed, Instant::now());
             section(&dev, quick, &mut suite);
-            // Per section, so that scripts/sanitize.sh can size its per-section time limit.
+            // Per section, so that scripts/gpu/sanitize.sh can size its per-section time limit.
             println!(
                 "section {name}: {} passed, {} failed, {:.1}s",
                 suite.passed - passed,

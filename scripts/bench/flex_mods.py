@@ -15,11 +15,11 @@ Shapes: benches/attention.rs `mods_section`: (hd, seqlen, heads) = (128, 16k, 16
 attention with the same mask. Windows (the bench's): (seqlen / 4, 0) causal and
 (seqlen / 8, seqlen / 8), against plain non-causal attention, `ideal` being the share of
 visible (query, key) pairs. Passes fwd and bwd (backward alone on a kept graph), timed as
-scripts/torch_bench.py times (rotating input sets, median of repeats); TFLOP/s counts the
+scripts/bench/torch_bench.py times (rotating input sets, median of repeats); TFLOP/s counts the
 visible pairs. Before timing, each flex variant's output for 64 query rows from the middle of
 the sequence is checked against float32 math.
 
-Usage: python3 scripts/flex_mods.py [--hds 64,128,256] [--cap 50] [--exact-tanh]
+Usage: python3 scripts/bench/flex_mods.py [--hds 64,128,256] [--cap 50] [--exact-tanh]
                                     [--no-softcap] [--windows] [--json PATH]
 """
 import argparse

@@ -1,5 +1,5 @@
 # Sourced by the scripts that run ON the lent GPU machine: the binaries that
-# scripts/stage-gpu.sh put in .gpu/ (xz-compressed), unpacked once into $BIN.
+# scripts/gpu/stage.sh put in .gpu/ (xz-compressed), unpacked once into $BIN.
 # shellcheck shell=bash
 
 BIN=${CANDLE_FLASH_BIN:-/tmp/candle-flash-bin}
@@ -13,7 +13,7 @@ staged_bin() {
     xz -dc ".gpu/$name.xz" > "$BIN/$name" && chmod +x "$BIN/$name" || return 1
   fi
   if [ ! -x "$BIN/$name" ]; then
-    echo "error: neither $BIN/$name nor .gpu/$name.xz: run scripts/stage-gpu.sh here and carry .gpu" >&2
+    echo "error: neither $BIN/$name nor .gpu/$name.xz: run scripts/gpu/stage.sh here and carry .gpu" >&2
     return 1
   fi
 }

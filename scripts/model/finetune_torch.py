@@ -6,7 +6,7 @@ precision), sdpa attention, torch.optim.AdamW, random tokens with the loss on ev
 (the example's --task random). Prints one JSON line per configuration:
 tokens/s over the timed steps (after 2 warm-up steps) and torch.cuda.max_memory_allocated.
 
-  python3 scripts/finetune_torch.py --config 150m --seq-len 2048 --batch 8 --steps 12
+  python3 scripts/model/finetune_torch.py --config 150m --seq-len 2048 --batch 8 --steps 12
 """
 import argparse
 import json

@@ -6,14 +6,14 @@
 # `CANDLE_FLASH_SASS=90 cargo build --release --features cuda`: the offsets then match those
 # that compute-sanitizer and ncu report for a `CANDLE_FLASH_SASS=90` build of the same source.
 #
-# Usage: bash scripts/sass.sh FILE KERNEL [OFFSET...]
+# Usage: bash scripts/gpu/sass.sh FILE KERNEL [OFFSET...]
 #   FILE     a fatbin's stem: fwd_ws_sm90, bwd_ws_sm90, fwd_sm90, bwd_sm90, ...
 #   KERNEL   an entry point, e.g. flash_bwd_ws_bf16_d256
 #   OFFSET   hex offsets (0x1fb0 or 1fb0): print those instructions with 3 before and after
 #            instead of the whole function
-# Example (racecheck's PCs, docs/archive/PERF.md "racecheck over the backward section"): bash scripts/sass.sh fwd_ws_sm90 flash_fwd_ws_f16_d128 0xc00 0xc090
+# Example (racecheck's PCs, docs/archive/PERF.md "racecheck over the backward section"): bash scripts/gpu/sass.sh fwd_ws_sm90 flash_fwd_ws_f16_d128 0xc00 0xc090
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 if [ $# -lt 2 ]; then
   sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'

@@ -2,7 +2,7 @@
 """The LLaMA example against Hugging Face transformers, on the lent GPU machine (torch,
 transformers and tokenizers are installed there; nothing is downloaded).
 
-  python3 scripts/llama_hf.py parity BIN [--out DIR]
+  python3 scripts/model/llama_hf.py parity BIN [--out DIR]
       Makes small random checkpoints (LlamaForCausalLM with GQA and LLaMA 3 rope scaling;
       Qwen2ForCausalLM with q/k/v biases and tied embeddings) and a BPE tokenizer trained on
       this repository's README, runs transformers' greedy generate and the example binary BIN
@@ -11,7 +11,7 @@ transformers and tokenizers are installed there; nothing is downloaded).
       and the first step's logits in bf16/f16 within 2x the error of transformers' own bf16/f16
       against its f32 (the FlashAttention rule). Prints PASS/FAIL lines; exit 1 on a FAIL.
 
-  python3 scripts/llama_hf.py bench BIN [--out DIR] [--shapes 512x1,512x16,4096x1,4096x16]
+  python3 scripts/model/llama_hf.py bench BIN [--out DIR] [--shapes 512x1,512x16,4096x1,4096x16]
       Makes a LLaMA-3.2-1B-shaped checkpoint with random bf16 weights (hidden 2048, 16 layers,
       32/8 heads, head_dim 64, vocab 128256, tied, sharded safetensors) and measures prefill
       and decode tokens/s, time to first token and peak memory for: the example with flash
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [
     "FlashAttention computes exact attention",
     "The KV cache",

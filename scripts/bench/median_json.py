@@ -4,7 +4,7 @@
 The lent GPUs drift by 3-10% between runs of one binary (clocks, neighbours), on our side and
 on PyTorch's alike, so one run per side puts a coin flip into every ratio near 1.0. Runs
 alternated within one `run` (ours, torch, ours, torch, ...) and merged by this script give
-each side's median over the same stretch of time; scripts/compare.py then reads the merged
+each side's median over the same stretch of time; scripts/bench/compare.py then reads the merged
 files like single runs.
 
 Records are matched on (impl, pass, hd, seqlen, batch, heads, heads_k, causal) and any other
@@ -12,7 +12,7 @@ non-measurement field; `ms` becomes the median over the runs that have the recor
 middle one, or the mean of the two middle ones), and `tflops` / `gbps` are rescaled to it.
 A `runs` field says how many runs had it.
 
-Usage: python3 scripts/median_json.py OUT.json RUN1.json RUN2.json [...]
+Usage: python3 scripts/bench/median_json.py OUT.json RUN1.json RUN2.json [...]
 """
 import json
 import statistics

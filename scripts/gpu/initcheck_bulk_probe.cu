@@ -5,7 +5,7 @@
 // stores"): `./probe 0` (plain stores) 0 errors, `./probe 1` (one bulk store) 1016 errors,
 // "Uninitialized __global__ memory read" for the reads of the data it wrote; the sum (523776)
 // is right either way. On the GPU machine:
-//   nvcc -arch=sm_90a -o /tmp/probe scripts/initcheck_bulk_probe.cu
+//   nvcc -arch=sm_90a -o /tmp/probe scripts/gpu/initcheck_bulk_probe.cu
 //   compute-sanitizer --tool initcheck /tmp/probe 1
 #include <cstdint>
 #include <cstdio>

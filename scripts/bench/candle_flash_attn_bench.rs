@@ -19,7 +19,7 @@
 //! cudaforge cache: ../shared/GPU.md). A full build takes ~2 hours on 2 cores; a local copy of
 //! the crate (`[patch.crates-io]`) whose kernel files other than the bf16 head dim 64/128/256
 //! ones had their launch call emptied (only those are called) built in 41 minutes.
-//! Prints JSON records for scripts/compare.py (impl "candle-flash-attn", pass "fwd").
+//! Prints JSON records for scripts/bench/compare.py (impl "candle-flash-attn", pass "fwd").
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 

@@ -7,7 +7,7 @@
 # the CPU, so that the device runs only our kernels, copies and Candle's element-wise kernels
 # (no cuBLAS, whose writes initcheck does not see, no curand).
 #
-# Usage: bash scripts/sanitize.sh [-j N | --serial] [--all-kernels] [--sections LIST]
+# Usage: bash scripts/gpu/sanitize.sh [-j N | --serial] [--all-kernels] [--sections LIST]
 #                                 [TOOL...] [-- ARGS for gpu]
 #   TOOL             memcheck, racecheck, synccheck, initcheck (default: all four)
 #   --sections LIST  comma-separated, from fwd,bwd,mods,varlen,kvcache,misc,reliability,train (default:
@@ -29,7 +29,7 @@
 # instrumented, was clean. Short processes keep the sanitizer's accumulated state small, and
 # a crash or a timeout costs one section instead of every section after it.
 #
-# The binary is /tmp/candle-flash-bin/gpu, where scripts/gpu-suite.sh unpacks it; this script
+# The binary is /tmp/candle-flash-bin/gpu, where scripts/gpu/suite.sh unpacks it; this script
 # unpacks .gpu/gpu.xz itself when that is absent or older (carry `.gpu` in the `run` call).
 #
 # Prints one line per tool, e.g. "memcheck: ERROR SUMMARY: 0 errors (...)", its errors summed
@@ -39,13 +39,13 @@
 # section reports an error, produces no summary (crash, timeout, not run) or its tests fail
 # under the tool; 2 on bad usage.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 
 OUT=${OUT:-./out}
 TIMEOUT=${SANITIZE_TIMEOUT:-240}
 BUDGET=${SANITIZE_BUDGET:-540}
-# shellcheck source=scripts/staged-bin.sh
-source scripts/staged-bin.sh
+# shellcheck source=scripts/gpu/staged-bin.sh
+source scripts/gpu/staged-bin.sh
 ALL_SECTIONS=(fwd bwd mods sparse varlen kvcache misc reliability train)
 T0=$(date +%s)
 

@@ -4,18 +4,14 @@
 # mma.sync generation) for the bench shapes given, so that the two can be compared counter by
 # counter: registers, shared-memory wavefronts and bank conflicts, issue slots, stalls.
 #
-# Usage: bash scripts/profile-vs-fa2.sh [--sass] [HD/SEQLEN/c|n ...]   (default: 128/4096/n)
+# Usage: bash scripts/profile/vs-fa2.sh [--sass] [HD/SEQLEN/c|n ...]   (default: 128/4096/n)
 #   --sass  per-instruction (SASS) stall samples and counts instead of the section counters,
 #           one CSV per (case, pass, side): which instructions the warps wait on
 # Environment: PASSES (default "fwd bwd").
 # Writes $OUT/ncu-vs-fa2.txt, or with --sass $OUT/sass-{ours,fa2}-PASS-HD-SEQLEN-C.csv.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-# shellcheck source=scripts/staged-bin.sh
-source scripts/staged-bin.sh
-staged_bin bench-attention || exit 1
+# shellcheck source=scripts/profile/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 SASS=0
 if [ "${1:-}" = --sass ]; then SASS=1; shift; fi
 cases=("$@")
@@ -44,13 +40,12 @@ for c in "${cases[@]}"; do
       out_ours=$log out_fa2=$log
       echo "### $c $pass ours (sm80 path)" >> "$log"
     fi
-    CANDLE_FLASH_ARCH=sm80 CANDLE_FLASH_BENCH_CASES=$c timeout 150 ncu --clock-control none \
+    CANDLE_FLASH_ARCH=sm80 CANDLE_FLASH_BENCH_CASES=$c ncu_to "$out_ours" 150 \
       --kernel-name regex:"$ours" --launch-skip 4 --launch-count 1 "${opts[@]}" \
-      "$BIN/bench-attention" --no-decode --no-naive 2>&1 | grep -v "^==PROF==" >> "$out_ours"
+      "$BIN/bench-attention" --no-decode --no-naive
     [ "$SASS" = 1 ] || echo "### $c $pass FA2 (PyTorch)" >> "$log"
-    timeout 150 ncu --clock-control none --kernel-name regex:"$theirs" --launch-skip 2 \
-      --launch-count 1 "${opts[@]}" python3 scripts/profile_fa2.py "$hd" "$seqlen" "$causal" \
-      2>&1 | grep -v "^==PROF==" >> "$out_fa2"
+    ncu_to "$out_fa2" 150 --kernel-name regex:"$theirs" --launch-skip 2 --launch-count 1 \
+      "${opts[@]}" python3 scripts/profile/fa2.py "$hd" "$seqlen" "$causal"
   done
 done
-if [ "$SASS" = 1 ]; then wc -l "$OUT"/sass-*.csv; else echo "wrote $log ($(wc -l < "$log") lines)"; fi
+if [ "$SASS" = 1 ]; then wc -l "$OUT"/sass-*.csv; else wrote "$log"; fi

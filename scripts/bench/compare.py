@@ -3,7 +3,7 @@
 
 Inputs are JSON lists of records {impl, pass, hd, seqlen, batch, heads, heads_k, causal, ms,
 tflops} as written by benches/attention.rs (impl "candle-flash", "candle-naive") and
-scripts/torch_bench.py ("torch-flash", "torch-cudnn"). Records without `tflops` but with
+scripts/bench/torch_bench.py ("torch-flash", "torch-cudnn"). Records without `tflops` but with
 `gbps` are shown in GB/s.
 
 Our "bwd" is `FlashAttn::backward` called directly (the kernels alone, as torch's
@@ -21,7 +21,15 @@ and as a % of the device copy bandwidth (pass "copy": the higher of our bench's 
 against the fastest eager torch form, as our own timing is eager; the CUDA-graph figures
 follow in their own columns.
 
-Usage: python3 scripts/compare.py OURS.json TORCH.json [MORE.json ...] [--png PATH]
+A/B mode (--ab): one TFLOP/s table for runs of our bench side by side (kernel A/B runs).
+Each argument is LABEL=PATH, a JSON of benches/attention.rs or scripts/bench/torch_bench.py;
+rows are (pass, hd, seqlen, heads, causal), columns the labels (a torch JSON gives one column
+per backend, torch-flash and torch-cudnn), and the last columns each label's ratio to
+torch-flash. --passes picks the passes (default fwd,bwd). A file that is missing is an error
+here, not skipped.
+
+Usage: python3 scripts/bench/compare.py OURS.json TORCH.json [MORE.json ...] [--png PATH]
+       python3 scripts/bench/compare.py --ab LABEL=PATH [LABEL=PATH ...] [--passes fwd,bwd]
 """
 import argparse
 import json
@@ -53,14 +61,19 @@ DECODE_TARGET_PCT = 80.0
 OURS = "candle-flash"
 
 
+def read(path):
+    """The records of one bench JSON file (a list)."""
+    with open(path) as f:
+        return json.load(f)
+
+
 def load(paths):
     records = []
     for path in paths:
         if not os.path.exists(path):
             print(f"compare: {path} not found, skipped", file=sys.stderr)
             continue
-        with open(path) as f:
-            records += json.load(f)
+        records += read(path)
     return records
 
 
@@ -230,6 +243,46 @@ def decode_markdown(records):
     return "\n".join(lines)
 
 
+def ab_markdown(labelled, ab_passes):
+    """The --ab table. labelled: [(label, records)]; ab_passes: the passes shown, in order.
+    Our records (impl candle-flash) go to the label's column; torch-flash and torch-cudnn
+    records to a column of their own; other impls are left out."""
+    cols, rows, vals = [], [], {}
+    for label, records in labelled:
+        for r in records:
+            if r.get("pass") not in ab_passes or "tflops" not in r:
+                continue
+            imp = r["impl"]
+            if imp.startswith("torch-"):
+                if imp not in ("torch-flash", "torch-cudnn"):
+                    continue
+                col = imp
+            elif imp == OURS:
+                col = label
+            else:
+                continue
+            key = (r["pass"], r["hd"], r["seqlen"], f'{r["heads"]}/{r["heads_k"]}',
+                   "yes" if r["causal"] else "no")
+            if key not in vals:
+                rows.append(key)
+                vals[key] = {}
+            if col not in cols:
+                cols.append(col)
+            vals[key][col] = r["tflops"]
+    ours = [c for c in cols if not c.startswith("torch-")]
+    theirs = [c for c in cols if c.startswith("torch-")]
+    head = ["pass", "hd", "seqlen", "heads", "causal"] + ours + theirs + [f"{c}/FA2" for c in ours]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in sorted(rows, key=lambda k: (ab_passes.index(k[0]), k[1], k[3], k[2], k[4])):
+        v = vals[key]
+        cells = [str(x) for x in key]
+        cells += [f"{v[c]:.0f}" if c in v else "-" for c in ours + theirs]
+        fa2 = v.get("torch-flash")
+        cells += [f"{v[c] / fa2:.2f}" if c in v and fa2 else "-" for c in ours]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(records, tab, path):
     try:
         import matplotlib
@@ -279,9 +332,22 @@ def plot(records, tab, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="+", help="record files (ours, torch, ...)")
+    ap.add_argument("json", nargs="+", help="record files (ours, torch, ...); LABEL=PATH with --ab")
     ap.add_argument("--png", metavar="PATH", help="also draw TFLOP/s vs seqlen")
+    ap.add_argument("--ab", action="store_true", help="one A/B table of LABEL=PATH runs")
+    ap.add_argument("--passes", default="fwd,bwd", help="the --ab table's passes (default fwd,bwd)")
     args = ap.parse_args()
+    if args.ab:
+        if args.png:
+            ap.error("--png does not apply to --ab")
+        labelled = []
+        for arg in args.json:
+            label, sep, path = arg.partition("=")
+            if not sep:
+                ap.error(f"--ab takes LABEL=PATH, not {arg}")
+            labelled.append((label, read(path)))
+        print(ab_markdown(labelled, args.passes.split(",")))
+        return
     records = load(args.json)
     tab = table(records)
     decode = decode_markdown(records)

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Runs ON the lent GPU machine, from the repo root, with the binaries that
-# scripts/stage-gpu.sh put in .gpu/ (carry `.gpu` in the `run` call).
+# scripts/gpu/stage.sh put in .gpu/ (carry `.gpu` in the `run` call).
 #
-# Usage: bash scripts/gpu-suite.sh [--bench] [--torch] [--sanitize] [ARGS for the gpu binary]
+# Usage: bash scripts/gpu/suite.sh [--bench] [--torch] [--sanitize] [ARGS for the gpu binary]
 #   --bench     also run the staged bench binary      -> $OUT/bench.log, $OUT/bench.json
-#   --torch     also run scripts/torch_bench.py        -> $OUT/bench.log (appended), $OUT/torch.json
-#               and scripts/compare.py on both JSONs   -> $OUT/compare.md, $OUT/bench.png
+#   --torch     also run scripts/bench/torch_bench.py        -> $OUT/bench.log (appended), $OUT/torch.json
+#               and scripts/bench/compare.py on both JSONs   -> $OUT/compare.md, $OUT/bench.png
 #   --sanitize  compute-sanitizer memcheck on `gpu --quick` -> $OUT/sanitizer.log
 # At most 7 files land in $OUT (the run tool brings back 8). Exits with the gpu tests' status.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 OUT=${OUT:-./out}
-# shellcheck source=scripts/staged-bin.sh
-source scripts/staged-bin.sh
+# shellcheck source=scripts/gpu/staged-bin.sh
+source scripts/gpu/staged-bin.sh
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
@@ -29,7 +29,7 @@ for arg in "$@"; do
 done
 
 if [ ! -f .gpu/gpu.xz ]; then
-  echo "error: .gpu/gpu.xz missing: run scripts/stage-gpu.sh here and carry .gpu" >&2
+  echo "error: .gpu/gpu.xz missing: run scripts/gpu/stage.sh here and carry .gpu" >&2
   exit 1
 fi
 for f in .gpu/*.xz; do
@@ -72,10 +72,10 @@ fi
 
 if [ "$TORCH" = 1 ]; then
   run_step torch "$OUT/bench.log" --append \
-    python3 scripts/torch_bench.py --json "$OUT/torch.json" || true
+    python3 scripts/bench/torch_bench.py --json "$OUT/torch.json" || true
   if [ -f "$OUT/bench.json" ] && [ -f "$OUT/torch.json" ]; then
     run_step compare "$OUT/compare.md" \
-      python3 scripts/compare.py "$OUT/bench.json" "$OUT/torch.json" --png "$OUT/bench.png" || true
+      python3 scripts/bench/compare.py "$OUT/bench.json" "$OUT/torch.json" --png "$OUT/bench.png" || true
   fi
 fi
 

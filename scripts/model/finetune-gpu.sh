@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Runs ON the lent GPU machine, from the repo root, with the staged fine-tuning example
-# (scripts/stage-gpu.sh; carry .gpu): the built-in copy task at context 2048 (the default run),
-# then training tokens/s and peak memory for flash, naive and PyTorch (scripts/finetune_torch.py)
+# (scripts/gpu/stage.sh; carry .gpu): the built-in copy task at context 2048 (the default run),
+# then training tokens/s and peak memory for flash, naive and PyTorch (scripts/model/finetune_torch.py)
 # at 16k tokens per step.
-# Usage: bash scripts/finetune-gpu.sh [learn] [speed] [packed-ab] [no-naive] [CONFIGS...]
+# Usage: bash scripts/model/finetune-gpu.sh [learn] [speed] [packed-ab] [no-naive] [CONFIGS...]
 #   (configs: 150m 1b; packed-ab: flash also with CANDLE_FLASH_WS_PACKED=0, the older kernels
 #   for packed batches, its JSON line prefixed "packed_ws=0 "; no-naive: skip naive attention)
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# shellcheck source=scripts/staged-bin.sh
-source scripts/staged-bin.sh
+# shellcheck source=scripts/gpu/staged-bin.sh
+source scripts/gpu/staged-bin.sh
 staged_bin example-finetune || exit 1
 FT=$BIN/example-finetune
 what=() configs=() attns=(flash naive)
@@ -44,7 +44,7 @@ for w in "${what[@]}"; do
             2> /tmp/ft-err.log | tail -n 1 | sed "s/^/$prefix/" ||
             echo "{\"attention\": \"$attn\", \"config\": \"$cfg\", \"context\": $ctx, \"error\": \"$(grep -m1 -E '^Error' /tmp/ft-err.log | cut -c1-150 | tr -d '"')\"}"
         done
-        python3 scripts/finetune_torch.py --config "$cfg" --seq-len "$ctx" --batch "$b" --steps 8
+        python3 scripts/model/finetune_torch.py --config "$cfg" --seq-len "$ctx" --batch "$b" --steps 8
       done
     done 2>&1 | tee -a "$OUT/finetune-speed.log"
   fi

@@ -28,7 +28,7 @@ copy_) is recorded as impl "torch-copy", pass "copy".
 
 --dropout P times the grid with dropout_p = P (benches/attention.rs takes the same flag).
 
-Usage: python3 scripts/torch_bench.py [--quick] [--decode-only | --no-decode] [--no-graph]
+Usage: python3 scripts/bench/torch_bench.py [--quick] [--decode-only | --no-decode] [--no-graph]
                                       [--passes fwd,bwd,fwd+bwd] [--dropout P] [--dtype bf16|fp16]
                                       [--json PATH]
 """

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the GPU binaries here (no GPU needed) and stages them, stripped and xz-compressed,
 # in .gpu/ for the lent GPU machine, which has no Rust. Carry `.gpu` in the `run` call and
-# run `bash scripts/gpu-suite.sh` there.
+# run `bash scripts/gpu/suite.sh` there.
 #
-# Usage: scripts/stage-gpu.sh [--ptxas | --ptxas-only] [--no-examples]
+# Usage: scripts/gpu/stage.sh [--ptxas | --ptxas-only] [--no-examples]
 #   --ptxas        also compile cuda/*.cu to cubin and write the register/spill report
 #                  to .gpu/ptxas.txt (PTXAS_ARCH overrides the arch, default sm_90)
 #   --ptxas-only   only the ptxas report, no cargo build
@@ -12,7 +12,7 @@
 #
 # Staged names: .gpu/gpu.xz (test target `gpu`), .gpu/bench-NAME.xz, .gpu/example-NAME.xz.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 PTXAS=0 BUILD=1 EXAMPLES=1
 for arg in "$@"; do

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The decode call of scripts/torch_bench.py, alone, for Nsight Compute: GQA 32/8 heads, hd 128,
+"""The decode call of scripts/bench/torch_bench.py, alone, for Nsight Compute: GQA 32/8 heads, hd 128,
 bf16, one query token over a (b, 8, L, 128) cache, through one SDPA backend, CALLS times.
 Meant to run under `ncu --launch-skip` so that the profiled launch is past the warm-up, to set
-PyTorch's fastest decode kernel (cuDNN) side by side with ours (scripts/profile-decode.sh).
+PyTorch's fastest decode kernel (cuDNN) side by side with ours (scripts/profile/decode.sh).
 
-Usage: python3 scripts/profile-torch-decode.py B L [cudnn|flash] [gqa|packed] [bhsd|bshd]
+Usage: python3 scripts/profile/torch-decode.py B L [cudnn|flash] [gqa|packed] [bhsd|bshd]
 (bshd: the cache memory in candle-flash's (b, L, h_k, d) order, passed as a transposed view)
 """
 import sys
