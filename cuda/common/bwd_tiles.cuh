@@ -4,7 +4,7 @@
 // numbered 0, 1, ... head-major; `next` steps a (query head, first row) cursor along them,
 // past the tiles a block mask leaves out (jumping with its skip table).
 #pragma once
-#include "common/mask.cuh"
+#include "common/mask/visibility.cuh"
 #include "common/params.cuh"
 
 template <int BM, int BN> struct QueryTiles {

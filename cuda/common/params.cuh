@@ -1,4 +1,4 @@
-// The parameter block shared with Rust (`src/cuda.rs`, `#[repr(C)] struct AttnParams`).
+// The parameter block shared with Rust (`src/cuda/abi.rs`, `#[repr(C)] struct AttnParams`).
 // It is the only contract between the host and the kernels: keep both in the same order.
 #pragma once
 #include <cstdint>

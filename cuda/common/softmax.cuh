@@ -52,7 +52,7 @@ template <int MT> struct OnlineSoftmax {
     // and alpha holds the factors O must be multiplied by once that matmul is done (1 for a
     // row that kept its max). Returns whether O needs them (the same for every lane).
     // FIXED (a compile-time option) with fixed_log2 != 0: a row max (log2 units) known to bound
-    // every score well enough (a softcap's, src/cuda/mod.rs: softcap_max_log2) is taken
+    // every score well enough (a softcap's, src/cuda/abi.rs: softcap_max_log2) is taken
     // instead: no max to find, O never rescaled.
     // INTERLEAVE (compile-time) with `zero` a run-time 0 (one the compiler cannot fold): every
     // second n8 tile's exponentials wait for the row sum of three tiles before (their max

@@ -6,15 +6,15 @@
 // When split, the last split of each row tile to finish merges them by their LSE
 // (flash-decoding; merge_splits, through DecodeParams::counters).
 // The decode kernel reuses the forward's softmax, mask and fragment packing (softmax.cuh,
-// mask.cuh, gemm.cuh's pack_a) but not its block layout: a decode step has a handful of query
-// rows, so the block's warps split the keys instead of the rows (see DecodeTraits), and its
-// K/V tiles are swizzled rows (SwizzledRows), read by gemm_qk / gemm_pv below. The query
-// heads that share a K/V head are folded into the rows of one tile (GQA packing): row r holds
-// token r / group of head h_k * group + r % group, so each K/V element is read once per
-// group, not per head.
+// mask/visibility.cuh, gemm.cuh's pack_a) but not its block layout: a decode step has a
+// handful of query rows, so the block's warps split the keys instead of the rows (see
+// DecodeTraits), and its K/V tiles are swizzled rows (SwizzledRows), read by gemm_qk / gemm_pv
+// below. The query heads that share a K/V head are folded into the rows of one tile (GQA
+// packing): row r holds token r / group of head h_k * group + r % group, so each K/V element
+// is read once per group, not per head.
 #include "decode/decode_block.cuh"
 #include "common/gemm.cuh"
-#include "common/mask.cuh"
+#include "common/mask/visibility.cuh"
 #include "common/pdl.cuh"
 #include "common/seq_info.cuh"
 #include "common/softmax.cuh"
@@ -50,7 +50,7 @@ template <typename T_, int D_, int NWARPS_ = 4> struct DecodeTraits {
     // head dims need those registers for O and re-read Q from shared memory.
     static constexpr bool Q_IN_REGS = D <= 128;
     // Blocks per SM that fit in shared memory (3 up to D = 128); hold registers to that too.
-    // 8-warp blocks run one per SM (split launches, see src/cuda/decode.rs).
+    // 8-warp blocks run one per SM (split launches, see src/cuda/plan/decode.rs).
     static constexpr int MIN_BLOCKS = NWARPS == 8 ? 1 : D <= 128 ? 3 : D <= 192 ? 2 : 1;
     // Partial-O loads in flight per thread in the merge (merge_splits): 4 registers
     // each, which small head dims would pay for in occupancy.
@@ -109,7 +109,7 @@ __device__ __forceinline__ void gemm_pv(float (&o)[1][DT][4], const uint32_t (&p
     }
 }
 
-constexpr int MAX_SPLITS = 128;  // src/cuda/decode.rs caps num_splits to this
+constexpr int MAX_SPLITS = 128;  // src/cuda/plan/decode.rs caps num_splits to this
 
 // The merge of the splits, run by the last split of a row tile to finish (weights
 // exp(lse_s - lse) with lse = log sum_s exp(lse_s), -inf splits weigh nothing, rows without
@@ -442,46 +442,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                                                        h_k, m0, tid);
 }
 
-#define FLASH_DECODE_DTYPE(NAME, T)                                                           \
-    extern "C" __global__ void flash_append_##NAME(const __grid_constant__ AppendParams ap) { \
-        flash_append<T>(ap);                                                                  \
-    }
-#define FLASH_DECODE(NAME, T, D)                                                              \
-    extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D>::THREADS,                 \
-                                                 DecodeTraits<T, D>::MIN_BLOCKS)              \
-        flash_decode_##NAME##_d##D(const __grid_constant__ DecodeParams dp) {                 \
-        flash_decode<DecodeTraits<T, D>>(dp);                                                 \
-    }
-#define FLASH_DECODE_W(NAME, T, D, W)                                                         \
-    extern "C" __global__ void __launch_bounds__(DecodeTraits<T, D, W>::THREADS,              \
-                                                 DecodeTraits<T, D, W>::MIN_BLOCKS)           \
-        flash_decode_##NAME##_d##D##_w##W(const __grid_constant__ DecodeParams dp) {          \
-        flash_decode<DecodeTraits<T, D, W>>(dp);                                              \
-    }
-#define FLASH_DECODE_ALL(NAME, T)                                                             \
-    FLASH_DECODE_DTYPE(NAME, T)                                                               \
-    FLASH_DECODE(NAME, T, 32)                                                                 \
-    FLASH_DECODE(NAME, T, 64)                                                                 \
-    FLASH_DECODE(NAME, T, 96)                                                                 \
-    FLASH_DECODE(NAME, T, 128)                                                                \
-    FLASH_DECODE(NAME, T, 160)                                                                \
-    FLASH_DECODE(NAME, T, 192)                                                                \
-    FLASH_DECODE(NAME, T, 224)                                                                \
-    FLASH_DECODE(NAME, T, 256)                                                                \
-    FLASH_DECODE_W(NAME, T, 32, 8)                                                            \
-    FLASH_DECODE_W(NAME, T, 64, 8)                                                            \
-    FLASH_DECODE_W(NAME, T, 96, 8)                                                            \
-    FLASH_DECODE_W(NAME, T, 128, 8)                                                           \
-    FLASH_DECODE_W(NAME, T, 160, 2)                                                           \
-    FLASH_DECODE_W(NAME, T, 192, 2)                                                           \
-    FLASH_DECODE_W(NAME, T, 224, 2)                                                           \
-    FLASH_DECODE_W(NAME, T, 256, 2)
-
-// build.rs compiles this file once per dtype (CANDLE_FLASH_ONLY_F16 / _BF16): two nvcc jobs of
-// half the size, which two cores finish sooner than one.
-#ifndef CANDLE_FLASH_ONLY_BF16
-FLASH_DECODE_ALL(f16, __half)
-#endif
-#ifndef CANDLE_FLASH_ONLY_F16
-FLASH_DECODE_ALL(bf16, __nv_bfloat16)
-#endif
+// build.rs compiles this file once per dtype (CANDLE_FLASH_ONLY_F16 / CANDLE_FLASH_ONLY_BF16,
+// which the instances test): two nvcc jobs of half the size, which two cores finish sooner.
+// The kernels of this file: one per row of cuda/catalogue.rs (generated by build.rs).
+#include "instances/decode.inc"

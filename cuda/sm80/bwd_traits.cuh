@@ -66,14 +66,15 @@ template <typename T, int D> struct BwdConfig {
 };
 
 // d = 256's dK/dV kernel with 16-row Q/dO tiles (84 KB): its 32-row shape needs 99.3 KB, just
-// past what sm_86/89 allow per block. Mirror: `BwdTile::fit` in src/cuda/bwd.rs.
+// past what sm_86/89 allow per block. The planner (src/cuda/plan/bwd.rs)
+// takes it where the other does not fit.
 template <typename T> struct BwdKvSmall256 { using Kv = BwdKvTraits<T, 256, 128, 64, 16, 4>; };
 
 // The non-deterministic path for d <= 128: dK, dV and (atomically) dQ in one kernel. dQ's
 // warp split keeps its accumulator at 32-48 registers per thread, live only after dS^T is
 // consumed. WIDE: 128 keys per block over 8 warps (FA2's d = 128 shape), which halves the
-// dQ atomics and the Q/dO reads per key but leaves one block per SM. Mirror: `BwdTile` in
-// src/cuda/bwd.rs.
+// dQ atomics and the Q/dO reads per key but leaves one block per SM. Chosen in
+// src/cuda/plan/bwd.rs.
 // TALL (WIDE only): twice the streamed rows (d = 64: 128, d = 128: 64), which halves the
 // barriers and the K/V fragment reloads per query at the price of a few spilled registers
 // (ptxas -v, sm_80: 40-44 B) and 158 KB of shared memory at d = 128 (A100 and Hopper only).

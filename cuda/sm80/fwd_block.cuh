@@ -1,22 +1,21 @@
-// One query row block of the forward pass over a range of key blocks: FlashAttention-2
-// Algorithm 1, lines 6-11, for one thread block. The forward kernel runs it over all visible
-// key blocks; the split-KV decode kernel runs it over a slice of them and merges by LSE.
+// One query row block of the mma.sync forward pass (sm80/fwd.cu) over its visible key blocks:
+// FlashAttention-2 Algorithm 1, lines 6-13, for one thread block.
 #pragma once
 #include "common/copy.cuh"
 #include "common/gemm.cuh"
-#include "common/mask.cuh"
+#include "common/mask/visibility.cuh"
 #include "common/mma.cuh"
 #include "common/params.cuh"
 #include "common/philox.cuh"
 #include "common/seq_info.cuh"
 #include "common/softmax.cuh"
 
-// Where a block's tiles come from. The forward reads one (sequence, head) of q and one
-// (sequence, K/V head) of k and v with even row strides; the decode kernel supplies its own
-// source (GQA-packed query rows, paged K/V rows). A source provides load_q(sQ, m0, tid),
-// load_k(sK, n0, tid), load_v(sV, n0, tid) (cp.async, zero-filling rows past the end) and
-// rows_per_query() (tile rows that belong to one query token).
-template <class K> struct DenseSource {
+// Where a block's tiles come from: one (sequence, head) of q and one (sequence, K/V head) of k
+// and v, with even row strides. load_q(sQ, m0, tid), load_k(sK, n0, tid) and
+// load_v(sV, n0, tid) copy a tile with cp.async, zero-filling rows past the end.
+// rows_per_query(), the tile rows of one query token (Mask::apply's), is 1: the block's rows
+// are its query rows.
+template <class K> struct FwdRows {
     using T = typename K::T;
     const T* q;  // row 0 of this (sequence, head)
     const T* k;  // row 0 of this (sequence, K/V head)
@@ -41,14 +40,14 @@ template <class K> struct DenseSource {
 
 // DROPOUT = false compiles the dropout code out: the Philox rounds cost registers in the loop
 // body even when never run, and those registers are what wider key tiles need.
-template <class K, class Source, bool DROPOUT> struct FwdBlock {
+template <class K, bool DROPOUT> struct FwdBlock {
     using T = typename K::T;
     using Mma = MmaOp<T>;
     static constexpr int D = K::D, BM = K::BM, BN = K::BN, MT = K::MT, NT = K::NT, DT = K::DT;
     static constexpr int STRIDE = K::STRIDE;
 
     const AttnParams& p;
-    const Source src;
+    const FwdRows<K> src;
     const Mask mask;
     const Dropout dropout;
     T* sQ;  // (BM, STRIDE)
@@ -61,10 +60,11 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
     float o[MT][DT][4];  // (MT, DT, mma C) unnormalised output rows of this warp
     OnlineSoftmax<MT> softmax;
 
-    // rows: tile rows in use (query rows, or packed (token, head) rows); bidb is the sequence
-    // index and bidh the query head (for dropout's counter).
-    __device__ __forceinline__ FwdBlock(const AttnParams& p_, const Source& src_, const Mask& mask_,
-                                        int bidb, int bidh, int m0_, int rows, T* smem)
+    // rows: the sequence's query rows; bidb is the sequence index and bidh the query head (for
+    // dropout's counter).
+    __device__ __forceinline__ FwdBlock(const AttnParams& p_, const FwdRows<K>& src_,
+                                        const Mask& mask_, int bidb, int bidh, int m0_, int rows,
+                                        T* smem)
         : p(p_), src(src_), mask(mask_), dropout(p_, bidb, bidh), sQ(smem), sK(smem + BM * STRIDE),
           sV(smem + (BM + BN) * STRIDE), m0(m0_), q_first(m0_ / src_.rows_per_query()),
           q_last((min(m0_ + BM, rows) - 1) / src_.rows_per_query()),
@@ -148,8 +148,8 @@ template <class K, class Source, bool DROPOUT> struct FwdBlock {
     }
 
     // Normalises O by 1/l (line 12), writes it through this warp's rows of sQ (only this warp
-    // ever read them) as 16-byte coalesced stores, and writes the LSE (line 13). For tiles
-    // of evenly spaced rows of one head (the forward); seqlen_q rows exist.
+    // ever read them) as 16-byte coalesced stores, and writes the LSE (line 13); seqlen_q rows
+    // exist.
     __device__ __forceinline__ void store(T* out, int64_t out_row_stride, float* lse,
                                           int seqlen_q) {
         const int g = lane / 4, t = lane % 4;

@@ -37,6 +37,6 @@ template <typename T> struct FwdConfig<T, 192> { using Traits = FwdTraits<T, 192
 template <typename T> struct FwdConfig<T, 224> { using Traits = FwdTraits<T, 224, 128, 64, 8>; };
 template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 128, 64, 8>; };
 // Where a device allows 99 KB of shared memory per block (sm_86/89), d >= 192 takes 64 query
-// rows and 32-key tiles (52-68 KB instead of 102-135 KB). Mirror: `FwdTile::fit` in
-// src/cuda/mod.rs.
+// rows and 32-key tiles (52-68 KB instead of 102-135 KB). The planner
+// (src/cuda/plan/fwd.rs) takes it where the other does not fit.
 template <typename T, int D> struct FwdSmallConfig { using Traits = FwdTraits<T, D, 64, 32, 4>; };

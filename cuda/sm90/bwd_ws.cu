@@ -30,14 +30,17 @@
 // batches in the `_packed` ones (both: `_packed_dropout`), without a softcap, ALiBi or block
 // mask. Packed batches are one tensor of every sequence's rows to TMA, the rows crossing a
 // sequence's end written from shared memory by the threads (copy_dkdv, the convert kernel).
-// src/cuda/bwd.rs runs the older kernels for the rest.
+// src/cuda/plan/bwd.rs runs the older kernels for the rest.
 // Entry points flash_bwd_ws_*.
 #include "common/bwd_dq_accum.cuh"
 #include "common/bwd_tiles.cuh"
 #include "sm90/dq_tile_state.cuh"
+#include "sm90/ring.cuh"
 #include "common/gemm.cuh"
 #include "common/lpt_tail.cuh"
-#include "common/mask.cuh"
+#include "common/mask/levels.cuh"
+#include "common/mask/score_mods.cuh"
+#include "common/mask/visibility.cuh"
 #include "common/params.cuh"
 #include "common/pdl.cuh"
 #include "common/philox.cuh"
@@ -71,7 +74,7 @@ struct BwdTmaParams {
     // from the last (dq_tile_state.cuh), walking their query tiles from the first
     // (bwd_ws_walk) and starting from the last within each pair (launch_order). Read by the
     // kernels with K::HAS_ORDERED but the `_sparse_det` ones, which are always in this mode
-    // (src/cuda/bwd_ws.rs runs them instead of `_sparse` when it is set).
+    // (src/cuda/plan/bwd.rs takes them instead of `_sparse` when it is set).
     int deterministic;
     // Deterministic mode: the grid's (sequence, KV head) pairs go in groups of this many, key
     // block by key block across each group (interleaved_pairs); 0 or 1: pair by pair.
@@ -83,9 +86,9 @@ struct BwdTmaParams {
     const unsigned int* block_next_col;
 };
 
-// MODS (mask.cuh): with the softcap and ALiBi code (`_mods`), also with the block mask's
-// (`_sparse`), or the softcap's alone (`_cap`); without them, d = 128 kept no spill (112
-// bytes with the first).
+// MODS (common/mask/levels.cuh): with the softcap and ALiBi code (`_mods`), also with the
+// block mask's (`_sparse`), or the softcap's alone (`_cap`); without them, d = 128 kept no
+// spill (112 bytes with the first).
 // SPLIT (d = 256): 64 keys per block, and the consumer warpgroups split the head dim instead
 // of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
@@ -123,7 +126,7 @@ struct BwdWsTraits {
     // K, V, STAGES x (Q, dO), two dS^T tiles (one per tile parity: a warpgroup may write the
     // next while the other still reads this one), with SPLIT two P^T tiles likewise, the dQ
     // tile, STAGES x statistics, barriers; plus 1 KB to align the panels to a swizzle atom
-    // (src/cuda/bwd_ws.rs: smem_bytes).
+    // (read back for the host by the geometry probe, build/catalogue.rs).
     static constexpr int Q_OFFSET = 2 * KV_BYTES;
     static constexpr int DS_OFFSET = Q_OFFSET + 2 * STAGES * Q_BYTES;
     static constexpr int P_OFFSET = DS_OFFSET + 2 * DS_BYTES;
@@ -375,6 +378,8 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& P, const BwdW
                                      ts.batch);
     tma::load_tile<K::BN, K::D / 64>(sm.v(), P.v, sm.full_kv(), ts.k0 + blk.n0, blk.bidh_k,
                                      ts.batch);
+    // Ring<K::STAGES>'s slot and phase, stepped fill by fill instead of divided out of a count
+    // (the same values; as a Ring they compile to a different instruction order here).
     int slot = 0, phase = 0;
     const auto issue = [&](int bidh, int m0, int64_t tile, bool last) {
         tma::wait(sm.empty(slot), phase ^ 1);
@@ -733,7 +738,8 @@ template <class K> struct BwdWsConsumer {
     template <typename F>
     __device__ __forceinline__ void issue_sdp(float (&s)[1][NQ][4], float (&dpt)[1][NQ][4], int it,
                                               F&& between) const {
-        const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+        const Ring<K::STAGES> fill(it);
+        const int slot = fill.st, phase = fill.phase;
         tma::wait(sm.full_q(slot), phase);
         sm90::fence();
         issue_ss(s, sm.k() + group * 64 * 128, sm.q(slot));
@@ -824,7 +830,7 @@ template <class K> struct BwdWsConsumer {
         if constexpr (EARLY)
             head_mask.template apply<1, NQ, true>(s, row0, m0, lane, masked, 1, bits);
         else
-            head_mask.template apply<1, NQ, true, K::MODS == MODS_CAP>(
+            head_mask.template apply<1, NQ, true, (K::MODS & MODS_CAP) != 0>(
                 s, row0, m0, lane, head_mask.template block_needs_mask<BN>(m0, m0 + BM - 1, blk.n0));
         // P^T (line 13) and dV += P^T dO (line 16), which runs while dS^T is computed. The
         // plain kernels issue dV a k16 step at a time, as soon as that step's P^T is packed,
@@ -847,7 +853,7 @@ template <class K> struct BwdWsConsumer {
         sm90::fence_operand(dv);
         if constexpr (K::MODS == MODS_NONE) {
             probs_dv<PROBS_PLAIN>(s, a_p, lse, head_mask, row0, m0, sdO, drop);
-        } else if constexpr (K::MODS == MODS_CAP) {
+        } else if constexpr ((K::MODS & MODS_CAP) != 0) {
             probs_dv<PROBS_PRESCALED>(s, a_p, lse, head_mask, row0, m0, sdO);
         } else {
             probs_t<T, NQ>(s, a_p, lse, head_mask, row0, m0, lane, p.scale_log2);
@@ -982,7 +988,8 @@ template <class K> struct BwdWsSplitConsumer {
 
     __device__ __forceinline__ void tile(const BwdTmaParams& P, const BwdWsBlock<K>& blk, int it,
                                          int bidh, int m0, int64_t tile_index) {
-        const int slot = it % K::STAGES, phase = (it / K::STAGES) & 1;
+        const Ring<K::STAGES> fill(it);
+        const int slot = fill.st, phase = fill.phase;
         const int t = lane % 4, wrow = tid / 32 * 16;
         const uint32_t sQ = sm.q(slot), sdO = sm.dout(slot);
         const uint32_t sdS = sm.ds(it & 1), sP = sm.p(it & 1);
@@ -1170,13 +1177,13 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws(const BwdTmaPara
     int tiles = 0;  // query tiles run
     if (any) {
         tma::wait(sm.full_kv(), 0);
-        if constexpr (K::MODS == MODS_CAP) c.prescale_k();
+        if constexpr ((K::MODS & MODS_CAP) != 0) c.prescale_k();
         if constexpr (K::TILES_FROM_PRODUCER) {
 #pragma unroll 1
             for (bool last = false; !last; ++tiles) {
-                const int slot = tiles % K::STAGES, phase = (tiles / K::STAGES) & 1;
-                tma::wait(sm.full_q(slot), phase);  // its TileInfo was written before
-                const TileInfo t = ld_tile_info(sm.info(slot));
+                const Ring<K::STAGES> fill(tiles);
+                tma::wait(sm.full_q(fill.st), fill.phase);  // its TileInfo was written before
+                const TileInfo t = ld_tile_info(sm.info(fill.st));
                 run_tile(tiles, t.bidh, t.m0, blk.tile_index(P, t.bidh, t.m0));
                 last = t.last;
             }
@@ -1296,58 +1303,5 @@ template <class K> __device__ __forceinline__ void flash_bwd_ws_convert(const Bw
     }
 }
 
-#define FLASH_BWD_WS(NAME, T, D, STAGES)                                                      \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {                  \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES>>(p);                                           \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D##_mods(const __grid_constant__ BwdTmaParams p) {           \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SCORES>>(p);                              \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D##_sparse(const __grid_constant__ BwdTmaParams p) {         \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SPARSE>>(p);                              \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D##_sparse_det(const __grid_constant__ BwdTmaParams p) {     \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_SPARSE, false, false, true>>(p);          \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D##_packed(const __grid_constant__ BwdTmaParams p) {         \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_NONE, true>>(p);                          \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D##_dropout(const __grid_constant__ BwdTmaParams p) {        \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_NONE, false, true>>(p);                   \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D##_packed_dropout(const __grid_constant__ BwdTmaParams p) { \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_NONE, true, true>>(p);                    \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256)                                         \
-        flash_bwd_ws_prep_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {             \
-        flash_bwd_ws_prep<BwdWsTraits<T, D, STAGES>>(p);                                      \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256)                                         \
-        flash_bwd_ws_convert_##NAME##_d##D(const __grid_constant__ BwdTmaParams p) {          \
-        flash_bwd_ws_convert<BwdWsTraits<T, D, STAGES>>(p);                                   \
-    }
-#define FLASH_BWD_WS_BOTH(D, STAGES)                                                          \
-    FLASH_BWD_WS(f16, __half, D, STAGES)                                                      \
-    FLASH_BWD_WS(bf16, __nv_bfloat16, D, STAGES)
-
-FLASH_BWD_WS_BOTH(64, 4)
-FLASH_BWD_WS_BOTH(128, 2)
-FLASH_BWD_WS_BOTH(256, 2)
-
-// A softcap without ALiBi or a block mask (src/cuda/bwd_ws.rs picks them), d = 64 and 128.
-#define FLASH_BWD_WS_CAP(NAME, T, D, STAGES)                                                  \
-    extern "C" __global__ void __launch_bounds__(BwdWsTraits<T, D, STAGES>::THREADS, 1)       \
-        flash_bwd_ws_##NAME##_d##D##_cap(const __grid_constant__ BwdTmaParams p) {            \
-        flash_bwd_ws<BwdWsTraits<T, D, STAGES, MODS_CAP>>(p);                                 \
-    }
-FLASH_BWD_WS_CAP(f16, __half, 64, 4)
-FLASH_BWD_WS_CAP(bf16, __nv_bfloat16, 64, 4)
-FLASH_BWD_WS_CAP(f16, __half, 128, 2)
-FLASH_BWD_WS_CAP(bf16, __nv_bfloat16, 128, 2)
+// The kernels of this file: one per row of cuda/catalogue.rs (generated by build.rs).
+#include "instances/sm90_bwd_ws.inc"

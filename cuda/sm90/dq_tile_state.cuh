@@ -15,7 +15,7 @@
 // sums the same values in the same order on every run. The state word then holds one past the
 // index of the key block that added last (0: none yet); block n waits until it reads m + 1,
 // m the next key block above n that sees the tile. Without a block mask those blocks are
-// consecutive (mask.cuh query_blocks: both ends grow with the key block), so m = n + 1
+// consecutive (Mask::query_blocks: both ends grow with the key block), so m = n + 1
 // (bwd_ws_walk's order in this mode keeps each wait to about one add's latency); under one,
 // the block mask's next present column (DqOrder::sparse_turn). A block
 // waits only for higher-numbered blocks of its own (sequence, KV head), which start before

@@ -23,7 +23,7 @@
 // Key tiles are visited last first, as in sm90/fwd.cu (under a causal mask only the first
 // need the mask). Packed (variable-length) batches in the `_packed` kernels and dropout in the
 // `_dropout` ones (both: `_packed_dropout`), none with a softcap, ALiBi or block mask:
-// src/cuda/mod.rs sends the rest to sm90/fwd.cu and fwd.cu.
+// src/cuda/plan/fwd.rs sends the rest to sm90/fwd.cu and sm80/fwd.cu.
 // Packed batches are one tensor of every sequence's rows to TMA; a tile's rows past its
 // sequence's end read the next sequence's Q, K and V (its keys masked, its rows never stored:
 // where a warpgroup's rows cross the end, its threads copy the rows before it from the staged
@@ -33,12 +33,14 @@
 
 #include "common/gemm.cuh"
 #include "common/lpt_tail.cuh"
-#include "common/mask.cuh"
+#include "common/mask/levels.cuh"
+#include "common/mask/visibility.cuh"
 #include "common/params.cuh"
 #include "common/pdl.cuh"
 #include "common/philox.cuh"
 #include "common/seq_info.cuh"
 #include "common/softmax.cuh"
+#include "sm90/ring.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -60,7 +62,7 @@ struct FwdTmaParams {
     int tail_heads;
 };
 
-// Shared memory with q Q slots (src/cuda/tma.rs: WsShape::smem_for): q Q tiles, STAGES K
+// Shared memory with q Q slots (read back for the host by the geometry probe, build/catalogue.rs): q Q tiles, STAGES K
 // tiles, STAGES V tiles, the O tile staged for its store (o_bytes, or none), then the barriers
 // (full and empty per Q, K and V slot); per Q slot its work tile's index, written by the
 // producer before it fills Q; under a block mask per K slot its key tile (KeyInfo), written by
@@ -74,9 +76,9 @@ struct WsLayout {
     }
 };
 
-// MODS (mask.cuh): with the softcap and ALiBi code (entry points `..._mods`), also with the
-// block mask's (`..._sparse`); the others are never given such a problem (src/cuda/tma.rs)
-// and keep their registers.
+// MODS (common/mask/levels.cuh): with the softcap and ALiBi code (entry points `..._mods`),
+// also with the block mask's (`..._sparse`); the others are never given such a problem
+// (src/cuda/plan/fwd.rs) and keep their registers.
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
           int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false>
 struct WsTraits {
@@ -212,12 +214,9 @@ __device__ __forceinline__ int ld_shared(uint32_t addr) {
     return v;
 }
 
-// A tile's place in a ring of N slots: every block counts the key tiles (N = STAGES) and the
-// work tiles (N = Q_STAGES) it has passed through, the producer and each consumer alike.
-template <int N> struct Ring {
-    int st, phase;
-    __device__ __forceinline__ explicit Ring(int it) : st(it % N), phase((it / N) & 1) {}
-};
+// A tile's place in its ring (sm90/ring.cuh): every block counts the key tiles (N = STAGES)
+// and the work tiles (N = Q_STAGES) it has passed through, the producer and each consumer
+// alike.
 template <class K> using Slot = Ring<K::STAGES>;
 template <class K> using QSlot = Ring<K::Q_STAGES>;
 
@@ -877,7 +876,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         }
         tma::fence_barrier_init();
     }
-    // Launched programmatically (src/cuda/mod.rs): the set-up above overlaps the end of the
+    // Launched programmatically (src/cuda/fwd.rs): the set-up above overlaps the end of the
     // kernel before, whose outputs may be Q, K or V (or whose inputs O's memory held).
     pdl_wait();
     __syncthreads();
@@ -927,69 +926,8 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     if (K::PINGPONG && started && group == 0) tma::named_sync(1, 128 * 2);
 }
 
-// Tiles per head dim (src/cuda/tma.rs: WsShape): 64 query rows per consumer warpgroup, keys
-// per tile and ring slots as shared memory and registers allow.
-#define FLASH_FWD_WS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
-    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
-        flash_fwd_ws_##NAME##_d##D##SUFFIX(const __grid_constant__ FwdTmaParams p) {           \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, PINGPONG>>(p);                     \
-    }
-#define FLASH_FWD_WS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                         \
-    FLASH_FWD_WS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)                     \
-    FLASH_FWD_WS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PINGPONG)
-// `_mods` (MODS_SCORES) and `_sparse` (MODS_SPARSE) kernels.
-#define FLASH_FWD_WS_MODS(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)      \
-    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
-        flash_fwd_ws_##NAME##_d##D##SUFFIX##LEVEL_SUFFIX(const __grid_constant__ FwdTmaParams p) { \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, LEVEL>>(p);                  \
-    }
-#define FLASH_FWD_WS_MODS_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)         \
-    FLASH_FWD_WS_MODS(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)     \
-    FLASH_FWD_WS_MODS(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, LEVEL, LEVEL_SUFFIX)
-
 #ifndef CANDLE_FLASH_WS_PINGPONG
 #define CANDLE_FLASH_WS_PINGPONG true  // -DCANDLE_FLASH_WS_PINGPONG=false: the A/B build
 #endif
-FLASH_FWD_WS_BOTH(64, , 128, 4, 2, CANDLE_FLASH_WS_PINGPONG)
-FLASH_FWD_WS_BOTH(64, _g3, 128, 3, 3, CANDLE_FLASH_WS_PINGPONG)
-FLASH_FWD_WS_BOTH(64, _n192, 192, 2, 2, CANDLE_FLASH_WS_PINGPONG)
-FLASH_FWD_WS_BOTH(128, , 128, 2, 2, CANDLE_FLASH_WS_PINGPONG)
-FLASH_FWD_WS_BOTH(128, _n176, 176, 2, 2, CANDLE_FLASH_WS_PINGPONG)
-FLASH_FWD_WS_BOTH(256, , 64, 2, 2, CANDLE_FLASH_WS_PINGPONG)
-FLASH_FWD_WS_BOTH(256, _n80, 80, 2, 2, CANDLE_FLASH_WS_PINGPONG)
-// One shape per head dim with the cap and the bias, and with the block mask too
-// (WsShape::choose).
-FLASH_FWD_WS_MODS_BOTH(64, _g3, 128, 3, 3, MODS_SCORES, _mods)
-FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SCORES, _mods)
-FLASH_FWD_WS_MODS_BOTH(256, _n80, 80, 2, 2, MODS_SCORES, _mods)
-// d = 64 with two consumer warpgroups: the three of _g3 have 160 registers each, and its block
-// mask variant spilled 208 bytes (ran at 1.7x the time of dense attention with every block).
-FLASH_FWD_WS_MODS_BOTH(64, , 128, 3, 2, MODS_SPARSE, _sparse)
-FLASH_FWD_WS_MODS_BOTH(128, , 128, 2, 2, MODS_SPARSE, _sparse)
-// d = 256 with 64-key tiles, which block sizes (multiples of 64) never straddle: the 80 keys
-// of _n80 touched 1.6 tiles per block kept, some of them masked entry by entry.
-FLASH_FWD_WS_MODS_BOTH(256, , 64, 2, 2, MODS_SPARSE, _sparse)
-// Packed batches (`_packed`) and dropout (`_dropout`, `_packed_dropout`): the shapes
-// WsShape::choose takes for them.
-#define FLASH_FWD_WS_VAR(NAME, T, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)       \
-    extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)                     \
-        flash_fwd_ws_##NAME##_d##D##SUFFIX##VAR(const __grid_constant__ FwdTmaParams p) {      \
-        flash_fwd_ws<WsTraits<T, D, BN, STAGES, CONSUMERS, true, MODS_NONE, PACKED, DROPOUT>>( \
-            p);                                                                                \
-    }
-#define FLASH_FWD_WS_VAR_BOTH(D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)           \
-    FLASH_FWD_WS_VAR(f16, __half, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)       \
-    FLASH_FWD_WS_VAR(bf16, __nv_bfloat16, D, SUFFIX, BN, STAGES, CONSUMERS, PACKED, DROPOUT, VAR)
-FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, true, false, _packed)
-FLASH_FWD_WS_VAR_BOTH(64, _g3, 128, 3, 3, true, false, _packed)
-FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, true, false, _packed)
-FLASH_FWD_WS_VAR_BOTH(256, , 64, 2, 2, true, false, _packed)
-FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, true, false, _packed)
-// Dropout: one shape per head dim, two consumer warpgroups (the three of _g3 have 160
-// registers each).
-FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, false, true, _dropout)
-FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, false, true, _dropout)
-FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, false, true, _dropout)
-FLASH_FWD_WS_VAR_BOTH(64, , 128, 4, 2, true, true, _packed_dropout)
-FLASH_FWD_WS_VAR_BOTH(128, , 128, 2, 2, true, true, _packed_dropout)
-FLASH_FWD_WS_VAR_BOTH(256, _n80, 80, 2, 2, true, true, _packed_dropout)
+// The kernels of this file: one per row of cuda/catalogue.rs (generated by build.rs).
+#include "instances/sm90_fwd_ws.inc"

@@ -1,7 +1,9 @@
 // Fused training ops with their backward passes (src/train/): RMSNorm, rotary embedding,
 // SwiGLU, embedding, cross-entropy and AdamW. Each replaces a chain of Candle element-wise
-// ops and, in a training graph, the per-op gradient bookkeeping of that chain. Entry points
-// are named `train_<op>_<dtypes>`; the launchers pick them by dtype.
+// ops and, in a training graph, the per-op gradient bookkeeping of that chain. One macro per
+// kernel kind holds its signature; the kernels themselves, their names and element types,
+// come from the catalogue (cuda/train/catalogue.rs), which build.rs turns into the
+// `instances/train.inc` included at the end. The launchers find them there by op and dtypes.
 #include "train/norm.cuh"
 #include "train/rotary.cuh"
 #include "train/swiglu.cuh"
@@ -13,83 +15,79 @@ using bf16 = __nv_bfloat16;
 using f16 = __half;
 using f32 = float;
 
-#define NORM(T, W)                                                                           \
-  extern "C" __global__ void train_rms_fwd_##T##_##W(const T* x, const W* w, T* y,           \
-                                                     int64_t rows, int cols, float eps) {    \
+// RMSNorm: x in T, the weight in W (f32 or T).
+#define TRAIN_RMS_FWD(NAME, T, W)                                                            \
+  extern "C" __global__ void NAME(const T* x, const W* w, T* y, int64_t rows, int cols,      \
+                                  float eps) {                                               \
     train::rms_norm_fwd(x, w, y, rows, cols, eps);                                           \
-  }                                                                                          \
-  extern "C" __global__ void train_rms_bwd_##T##_##W(const T* x, const W* w, const T* dy,    \
-                                                     T* dx, float* dw_part, int64_t rows,    \
-                                                     int cols, float eps) {                  \
+  }
+#define TRAIN_RMS_BWD(NAME, T, W)                                                            \
+  extern "C" __global__ void NAME(const T* x, const W* w, const T* dy, T* dx, float* dw_part, \
+                                  int64_t rows, int cols, float eps) {                       \
     train::rms_norm_bwd(x, w, dy, dx, dw_part, rows, cols, eps);                             \
   }
-NORM(bf16, f32)
-NORM(f16, f32)
-NORM(f32, f32)
-NORM(bf16, bf16)
-NORM(f16, f16)
-
-#define PER_DTYPE(T)                                                                         \
-  extern "C" __global__ void train_rotary_##T(const T* x, const float* c, const float* s,    \
-                                              T* y, int64_t n, int heads, int half,          \
-                                              float sign) {                                  \
-    train::rotary(x, c, s, y, n, heads, half, sign);                                         \
-  }                                                                                          \
-  extern "C" __global__ void train_swiglu_fwd_##T(const T* g, const T* u, T* y, int64_t n) { \
-    train::swiglu_fwd(g, u, y, n);                                                           \
-  }                                                                                          \
-  extern "C" __global__ void train_swiglu_bwd_##T(const T* g, const T* u, const T* dy,       \
-                                                  T* dg, T* du, int64_t n) {                 \
-    train::swiglu_bwd(g, u, dy, dg, du, n);                                                  \
-  }                                                                                          \
-  extern "C" __global__ void train_embed_bwd_##T(const T* dy, const uint32_t* ids,           \
-                                                 float* dtable, int64_t n, int64_t vocab,    \
-                                                 int cols) {                                 \
-    train::embed_bwd(dy, ids, dtable, n, vocab, cols);                                       \
-  }                                                                                          \
-  extern "C" __global__ void train_embed_bwd_sorted_##T(const T* dy, const uint32_t* ids,    \
-                                                        const uint32_t* order,               \
-                                                        const uint32_t* seg, float* dtable,  \
-                                                        int cols) {                          \
-    train::embed_bwd_sorted(dy, ids, order, seg, dtable, cols);                              \
-  }                                                                                          \
-  extern "C" __global__ void train_xent_fwd_##T(const T* logits, const uint32_t* targets,    \
-                                                float* loss, float* lse, int64_t vocab) {    \
-    train::xent_fwd(logits, targets, loss, lse, vocab);                                      \
-  }                                                                                          \
-  extern "C" __global__ void train_xent_bwd_##T(const T* logits, const uint32_t* targets,    \
-                                                const float* lse, const float* dloss,        \
-                                                T* dlogits, int64_t vocab) {                 \
-    train::xent_bwd(logits, targets, lse, dloss, dlogits, vocab);                            \
-  }                                                                                          \
-  extern "C" __global__ void train_adamw_moments_##T(float* mv, const T* g, int64_t n,       \
-                                                     float gscale, float b1, float b2) {     \
-    train::adamw_moments(mv, g, n, gscale, b1, b2);                                          \
-  }                                                                                          \
-  extern "C" __global__ void train_sum_squares_##T(const T* x, float* acc, int64_t n) {      \
-    train::sum_squares(x, acc, n);                                                           \
+#define TRAIN_RMS_DW(NAME)                                                                   \
+  extern "C" __global__ void NAME(const float* dw_part, float* dw, int blocks, int cols) {   \
+    train::rms_norm_dw(dw_part, dw, blocks, cols);                                           \
   }
-PER_DTYPE(bf16)
-PER_DTYPE(f16)
-PER_DTYPE(f32)
 
-#define EMBED(W, T)                                                                          \
-  extern "C" __global__ void train_embed_fwd_##W##_##T(const W* table, const uint32_t* ids,  \
-                                                       T* y, int64_t n, int64_t vocab,       \
-                                                       int cols) {                           \
+#define TRAIN_ROTARY(NAME, T)                                                                \
+  extern "C" __global__ void NAME(const T* x, const float* c, const float* s, T* y,          \
+                                  int64_t n, int heads, int half, float sign) {              \
+    train::rotary(x, c, s, y, n, heads, half, sign);                                         \
+  }
+
+#define TRAIN_SWIGLU_FWD(NAME, T)                                                            \
+  extern "C" __global__ void NAME(const T* g, const T* u, T* y, int64_t n) {                 \
+    train::swiglu_fwd(g, u, y, n);                                                           \
+  }
+#define TRAIN_SWIGLU_BWD(NAME, T)                                                            \
+  extern "C" __global__ void NAME(const T* g, const T* u, const T* dy, T* dg, T* du,         \
+                                  int64_t n) {                                               \
+    train::swiglu_bwd(g, u, dy, dg, du, n);                                                  \
+  }
+
+// Embedding: a table in W gathered into rows of T.
+#define TRAIN_EMBED_FWD(NAME, W, T)                                                          \
+  extern "C" __global__ void NAME(const W* table, const uint32_t* ids, T* y, int64_t n,      \
+                                  int64_t vocab, int cols) {                                 \
     train::embed_fwd(table, ids, y, n, vocab, cols);                                         \
   }
-EMBED(f32, bf16)
-EMBED(f32, f16)
-EMBED(f32, f32)
-EMBED(bf16, bf16)
-EMBED(f16, f16)
+#define TRAIN_EMBED_BWD(NAME, T)                                                             \
+  extern "C" __global__ void NAME(const T* dy, const uint32_t* ids, float* dtable, int64_t n, \
+                                  int64_t vocab, int cols) {                                 \
+    train::embed_bwd(dy, ids, dtable, n, vocab, cols);                                       \
+  }
+#define TRAIN_EMBED_BWD_SORTED(NAME, T)                                                      \
+  extern "C" __global__ void NAME(const T* dy, const uint32_t* ids, const uint32_t* order,   \
+                                  const uint32_t* seg, float* dtable, int cols) {            \
+    train::embed_bwd_sorted(dy, ids, order, seg, dtable, cols);                              \
+  }
 
-extern "C" __global__ void train_rms_dw(const float* dw_part, float* dw, int blocks, int cols) {
-  train::rms_norm_dw(dw_part, dw, blocks, cols);
-}
+#define TRAIN_XENT_FWD(NAME, T)                                                              \
+  extern "C" __global__ void NAME(const T* logits, const uint32_t* targets, float* loss,     \
+                                  float* lse, int64_t vocab) {                               \
+    train::xent_fwd(logits, targets, loss, lse, vocab);                                      \
+  }
+#define TRAIN_XENT_BWD(NAME, T)                                                              \
+  extern "C" __global__ void NAME(const T* logits, const uint32_t* targets, const float* lse, \
+                                  const float* dloss, T* dlogits, int64_t vocab) {           \
+    train::xent_bwd(logits, targets, lse, dloss, dlogits, vocab);                            \
+  }
 
-extern "C" __global__ void train_adamw_apply(float* w, const float* mv, int64_t n, float lr,
-                                             float decay, float c1, float c2, float eps) {
-  train::adamw_apply(w, mv, n, lr, decay, c1, c2, eps);
-}
+#define TRAIN_ADAMW_MOMENTS(NAME, T)                                                         \
+  extern "C" __global__ void NAME(float* mv, const T* g, int64_t n, float gscale, float b1,  \
+                                  float b2) {                                                \
+    train::adamw_moments(mv, g, n, gscale, b1, b2);                                          \
+  }
+#define TRAIN_ADAMW_APPLY(NAME)                                                              \
+  extern "C" __global__ void NAME(float* w, const float* mv, int64_t n, float lr,            \
+                                  float decay, float c1, float c2, float eps) {              \
+    train::adamw_apply(w, mv, n, lr, decay, c1, c2, eps);                                    \
+  }
+#define TRAIN_SUM_SQUARES(NAME, T)                                                           \
+  extern "C" __global__ void NAME(const T* x, float* acc, int64_t n) {                       \
+    train::sum_squares(x, acc, n);                                                           \
+  }
+
+#include "instances/train.inc"

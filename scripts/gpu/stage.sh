@@ -82,6 +82,8 @@ if [ "$BUILD" = 1 ]; then
   while IFS=$'\t' read -r kind name exe; do
     case $kind in
       test) [ "$name" = gpu ] || continue; out=gpu ;;
+      # The library's unit tests: the catalogue check that loads every kernel on the device.
+      lib) [ "$name" = candle_flash ] || continue; out=unit ;;
       bench) out=bench-$name ;;
       # `cargo test --no-run` builds the examples too: staged only when asked for.
       example) [ "$EXAMPLES" = 1 ] || continue; out=example-$name ;;

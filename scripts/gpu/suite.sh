@@ -60,6 +60,13 @@ if [ ${#args[@]} = 0 ]; then
   run_step tests-mods-nocap "$OUT/gpu-tests.log" --append \
     env CANDLE_FLASH_BWD_CAP=0 "$BIN/gpu" --only mods || rc=$?
   [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
+  # Every catalogue kernel of the device's set loads with the launch bounds of its geometry.
+  if [ -x "$BIN/unit" ]; then
+    rc=0
+    run_step catalogue "$OUT/gpu-tests.log" --append \
+      "$BIN/unit" --ignored --nocapture every_kernel_loads_with_its_geometry || rc=$?
+    [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
+  fi
 fi
 
 if [ "$BENCH" = 1 ]; then

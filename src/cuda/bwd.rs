@@ -1,30 +1,6 @@
-//! Backward launchers (`cuda/sm80/bwd.cu`): dsum, then either
-//! - the dK/dV kernel and the dQ kernel (deterministic; any head dim), or
-//! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
-//!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
-//!
-//! On Hopper at d 64 and 128, for batches whose tensors TMA can address, the fused kernel is
-//! the warp-specialized one (`cuda/sm90/bwd_ws.cu`, launched by [`super::bwd_ws`]; packed
-//! batches in its `_packed` kernels, dropout in its `_dropout` and `_packed_dropout` ones, a
-//! softcap without ALiBi at d 64 and 128 in its `_cap` ones);
-//! packed batches with a softcap, ALiBi or block mask there take the first wgmma kernel
-//! (`cuda/sm90/bwd.cu`), dropout with one the mma.sync `_dropout` kernel.
-//! At head dims 65-96 its d = 128 kernel and at 129-256 its d = 256 kernel also run (the
-//! columns past the head dim zero), under the same conditions (65-96: without a block mask or
-//! a `CANDLE_FLASH_BWD` override). It has a deterministic mode (the key blocks add dQ in
-//! order; under a block mask in its `_sparse_det` kernels): `deterministic(true)` runs it
-//! there, and the dK/dV and dQ kernels elsewhere.
-//! Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
-//! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
-//! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
-//! even at d 128; docs/archive/PERF.md, "a taller 128-key backward"), else 64 keys over 4
-//! warps: at hd 128, seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200;
-//! docs/archive/PERF.md, "backward: dQ by atomics in the dK/dV kernel, double-buffered Q/dO").
-//!
-//! `CANDLE_FLASH_BWD` (read once) overrides the choice for A/B comparisons of speed and
-//! accuracy: `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma
-//! kernel on Hopper; `bn64`, `bn128` and `bn128t` (128 keys, twice the query rows per tile)
-//! force the mma.sync fused kernel of that shape.
+//! The backward's launcher: the parameter block and gradient buffer, then the path
+//! `plan_bwd` chose (see `plan::bwd` for which runs where): dsum and the separate, fused or
+//! wgmma kernels here, the warp-specialized ones in [`super::bwd_ws`].
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
@@ -32,254 +8,15 @@ use candle::cuda_backend::CudaDType;
 use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
-use super::bwd_ws::{self, BwdWsBuffers, BwdWsShape};
-use super::{
-    device_facts, dtype_name, launch, lock_slopes, lock_sparse, locked_ptr, poison, seq_offsets,
-    set_seq_offsets, sparse_ptrs, tma, AttnParams, BwdParams, FwdTile,
+use super::abi::{AttnParams, BwdParams};
+use super::buffers::{
+    lock_slopes, lock_sparse, locked_ptr, seq_offsets, set_seq_offsets, sparse_ptrs,
 };
+use super::bwd_ws::{self, BwdWsBuffers};
+use super::catalogue::{Family, Kernel};
+use super::plan::{plan_bwd, BwdPlan, BwdQuery};
+use super::runtime::{device_facts, poison, Launch};
 use crate::params::Problem;
-
-/// Backward tile shapes for one compiled head dim; mirror of `BwdConfig` and
-/// `BwdFusedConfig` in `cuda/sm80/bwd_traits.cuh`.
-#[derive(Clone, Copy, Debug)]
-struct BwdTile {
-    d: usize,
-    /// dK/dV output columns per block.
-    d_out: usize,
-    kv_bn: usize,
-    kv_bm: usize,
-    q_bm: usize,
-    q_bn: usize,
-    /// Streamed query rows per tile of the fused dK/dV/dQ kernel.
-    fused_bm: usize,
-    /// d = 256's dK/dV kernel with 16-row tiles (`BwdKvSmall256`), for 99 KB devices.
-    kv_small: bool,
-}
-
-/// The fused kernel double-buffers its Q/dO tiles (and their row statistics).
-const FUSED_STAGES: usize = 2;
-
-impl BwdTile {
-    fn for_head_dim(d: usize) -> Self {
-        let d = FwdTile::for_head_dim(d).d;
-        Self {
-            d,
-            d_out: if d <= 128 { d } else { d / 2 },
-            kv_bn: 64,
-            kv_bm: if d <= 96 { 64 } else { 32 },
-            q_bm: 64,
-            q_bn: if d <= 128 { 64 } else { 32 },
-            fused_bm: if d <= 96 { 64 } else { 32 },
-            kv_small: false,
-        }
-    }
-
-    /// This tile, or where its dK/dV kernel needs more than `smem` bytes of shared memory
-    /// (d = 256 on a 99 KB device: 99.3 KB), the 16-row one (84 KB).
-    fn fit(self, smem: usize) -> Self {
-        if self.kv_smem_bytes() as usize <= smem || self.d != 256 {
-            return self;
-        }
-        Self {
-            kv_bm: 16,
-            kv_small: true,
-            ..self
-        }
-    }
-
-    /// The dK/dV kernel's name suffix.
-    fn kv_suffix(&self) -> &'static str {
-        if self.kv_small {
-            "_s16"
-        } else {
-            ""
-        }
-    }
-    /// Whether the fused kernel exists: one block must own all of dK and dV's columns.
-    fn has_fused(&self) -> bool {
-        self.d <= 128
-    }
-    fn has_fused_wide(&self) -> bool {
-        self.d == 64 || self.d == 128
-    }
-    const THREADS: u32 = 128;
-    fn splits(&self) -> usize {
-        self.d / self.d_out
-    }
-    fn kv_smem_bytes(&self) -> u32 {
-        ((2 * self.kv_bn + 2 * self.kv_bm) * (self.d + 8) * 2 + 2 * self.kv_bm * 4) as u32
-    }
-    fn q_smem_bytes(&self) -> u32 {
-        ((2 * self.q_bm + 2 * self.q_bn) * (self.d + 8) * 2) as u32
-    }
-    /// K, V (`bn` keys); per stage Q, dO (`bm` rows), LSE and dsum; the dS^T tile
-    /// (`bn` x `bm` + 8).
-    fn fused_smem_bytes(&self, bn: usize, bm: usize) -> u32 {
-        ((2 * bn + 2 * FUSED_STAGES * bm) * (self.d + 8) * 2
-            + bn * (bm + 8) * 2
-            + 2 * FUSED_STAGES * bm * 4) as u32
-    }
-}
-
-/// Keys per block of the wgmma backward kernel (`BwdSm90Traits` in `cuda/sm90/bwd.cu`).
-const SM90_BN: usize = 128;
-
-/// K, V (128 keys), two stages of Q, dO (64 rows) and their row statistics, the dS^T tile
-/// (128 x 64), unpadded (swizzled) rows, plus 1 KB for the alignment.
-fn sm90_smem_bytes(d: usize) -> u32 {
-    (2 * SM90_BN * d * 2 + 4 * 64 * d * 2 + SM90_BN * 64 * 2 + 4 * 64 * 4 + 1024) as u32
-}
-
-/// Which backward kernels run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BwdPath {
-    /// dK/dV kernel + dQ kernel: deterministic, every head dim.
-    Separate,
-    /// dK/dV/dQ kernel with atomic dQ + convert kernel, of one block shape.
-    Fused(FusedShape),
-    /// The wgmma dK/dV/dQ kernel (`cuda/sm90/bwd.cu`) + convert kernel: d 64 and 128 on
-    /// Hopper, no dropout.
-    Sm90,
-    /// The warp-specialized kernels (`cuda/sm90/bwd_ws.cu`): where `Sm90` runs, and at head
-    /// dims 65-96 and 129-256 on Hopper, for batches whose tensors TMA can address
-    /// (`bwd_ws::supported`), with dropout too, deterministic too (under a block mask its
-    /// `_sparse_det` kernels).
-    Ws(BwdWsShape),
-}
-
-/// Block shapes of the mma.sync fused kernel (`BwdFusedConfig` in `cuda/sm80/bwd_traits.cuh`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum FusedShape {
-    /// 64 keys over 4 warps; the only shape with a dropout variant.
-    Bn64,
-    /// 128 keys over 8 warps (FA2's d = 128 shape).
-    Bn128,
-    /// 128 keys over 8 warps and twice the streamed query rows.
-    Bn128Tall,
-}
-
-/// One fused shape's launch geometry (for the head dim's tile, with or without dropout).
-#[derive(Clone, Copy, Debug)]
-struct FusedGeometry {
-    /// Keys per block.
-    bn: usize,
-    warps: u32,
-    /// Streamed query rows per tile: also the row tile of its dq_accum.
-    bm: usize,
-    /// The shape's name suffix; its dK/dV/dQ kernel adds `_dropout` with dropout, its
-    /// convert kernel (one per warp layout) does not.
-    suffix: &'static str,
-}
-
-impl FusedShape {
-    fn geometry(self, tile: &BwdTile) -> FusedGeometry {
-        let (bn, warps, bm, suffix) = match self {
-            Self::Bn64 => (64, 4, tile.fused_bm, ""),
-            Self::Bn128 => (128, 8, tile.fused_bm, "_bn128"),
-            Self::Bn128Tall => (128, 8, 2 * tile.fused_bm, "_bn128t"),
-        };
-        FusedGeometry {
-            bn,
-            warps,
-            bm,
-            suffix,
-        }
-    }
-}
-
-/// The `CANDLE_FLASH_BWD` override (overrides.rs): `separate`, `bn64`, `bn128`, `bn128t` or
-/// unset.
-fn bwd_override() -> Option<&'static str> {
-    super::overrides::overrides().bwd.as_deref()
-}
-
-/// What the backward's kernel choice depends on.
-#[derive(Clone, Copy)]
-struct BwdProblem<'a> {
-    tile: &'a BwdTile,
-    deterministic: bool,
-    dropout: bool,
-    /// A block mask.
-    sparse: bool,
-    /// Hopper, whatever CANDLE_FLASH_FWD says: that switch is the forward's.
-    hopper: bool,
-    /// The bytes of shared memory a block may use on the device.
-    smem: usize,
-}
-
-impl BwdPath {
-    /// The warp-specialized kernel where one runs the head dim (`tma::ws_head_dim`: 65-96 on
-    /// d = 128, 129-224 on d = 256), else `without_ws`.
-    fn choose(c: &BwdProblem) -> Self {
-        Self::ws(c).map_or_else(|| Self::without_ws(c), Self::Ws)
-    }
-
-    /// The warp-specialized kernel of the head dim's class, on Hopper, deterministic or not
-    /// (`bwd_ws::supported` then says whether a kernel of the problem's variant runs it).
-    /// `CANDLE_FLASH_BWD` (A/B runs) keeps it off: `separate` everywhere; `sm90`, `bn64`, `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a
-    /// block mask at 64/128 still runs it (the fused mma.sync kernels have no `_sparse`
-    /// variant). Head dims 65-96 under a block mask keep the mma.sync kernels (measured only
-    /// without one).
-    fn ws(c: &BwdProblem) -> Option<BwdWsShape> {
-        let env = bwd_override();
-        let d = tma::ws_head_dim(c.tile.d)?;
-        let allowed = match env {
-            None => !(c.sparse && c.tile.d == 96),
-            Some("separate") => false,
-            Some("sm90") => c.tile.d > 192,
-            Some(_) => c.tile.d > 192 || (c.sparse && c.tile.has_fused_wide()),
-        };
-        if !c.hopper || !allowed {
-            return None;
-        }
-        BwdWsShape::for_head_dim(d)
-    }
-
-    /// The kernels before the warp-specialized one; also where it was chosen but cannot run
-    /// (packed batches, tensors TMA cannot address). The first wgmma kernel at 64/128, else
-    /// the mma.sync fused kernels up to 128, else the dK/dV and dQ kernels. The 128-key fused
-    /// shapes (115 and 158 KB at d = 128) run only where they fit in `smem`, the tall one
-    /// first. Under a block mask the mma.sync kernels run the separate path, whose dK/dV
-    /// kernel has the `_sparse` variant (the fused ones have none: the walk cost them
-    /// registers).
-    fn without_ws(c: &BwdProblem) -> Self {
-        let BwdProblem {
-            tile,
-            deterministic,
-            dropout,
-            sparse,
-            hopper,
-            smem,
-            ..
-        } = *c;
-        let env = bwd_override();
-        let wgmma = hopper && tile.has_fused_wide() && !dropout;
-        if deterministic || !tile.has_fused() || env == Some("separate") || (sparse && !wgmma) {
-            Self::Separate
-        } else if wgmma && (env.is_none() || env == Some("sm90") || sparse) {
-            Self::Sm90
-        } else {
-            let fits = |shape: FusedShape| {
-                let g = shape.geometry(tile);
-                tile.has_fused_wide()
-                    && !dropout
-                    && tile.fused_smem_bytes(g.bn, g.bm) as usize <= smem
-            };
-            // The first that fits of the allowed 128-key shapes; 64 keys otherwise.
-            let wide: &[FusedShape] = match env {
-                Some("bn64") => &[],
-                Some("bn128") => &[FusedShape::Bn128],
-                _ => &[FusedShape::Bn128Tall, FusedShape::Bn128],
-            };
-            Self::Fused(
-                wide.iter()
-                    .copied()
-                    .find(|&s| fits(s))
-                    .unwrap_or(FusedShape::Bn64),
-            )
-        }
-    }
-}
 
 fn cuda_storage<'a>(storage: &'a candle::Storage, name: &str) -> Result<&'a CudaStorage> {
     match storage {
@@ -325,8 +62,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
     let dev = q.device.clone();
     let stream = dev.cuda_stream();
     let facts = device_facts(&dev)?;
-    let tile = BwdTile::for_head_dim(s.d).fit(facts.smem);
-    let dtype = dtype_name(q.dtype())?;
+    let dtype = q.dtype();
 
     let (o_storage, o_layout) = out.storage_and_layout();
     let (do_storage, do_layout) = grad_out.storage_and_layout();
@@ -360,16 +96,20 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         dq_accum_len: nq as i64,
         ..BwdParams::default()
     };
-    let dropout = params.a.drop_threshold != 0;
-    let choice = BwdProblem {
-        tile: &tile,
-        deterministic,
-        dropout,
-        sparse: problem.mods.sparse.is_some(),
-        hopper: facts.hopper(),
-        smem: facts.smem,
-    };
-    let path = BwdPath::choose(&choice);
+    let mods = params.a.mods();
+    let (ws_plan, plan) = plan_bwd(
+        &BwdQuery {
+            d: s.d,
+            deterministic,
+            dropout: params.a.drop_threshold != 0,
+            mods,
+            cap_alone: params.a.softcap_pre != 0.0
+                && params.a.softcap_pre <= 1.0
+                && problem.mods.alibi.is_none(),
+            packed,
+        },
+        &facts,
+    )?;
     let offsets = seq_offsets(problem, &dev)?;
     {
         let _offset_syncs = set_seq_offsets(&mut params.a, &offsets, &stream);
@@ -392,14 +132,23 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         params.a.alibi_slopes = alibi;
         let sparse = lock_sparse(&problem.mods);
         let (_sparse_syncs, next_col) = sparse_ptrs(&mut params.a, &sparse, &stream)?;
-        match path {
-            BwdPath::Ws(shape) if bwd_ws::supported(&params, &shape, q.dtype(), totals) => {
-                let mut buffers = BwdWsBuffers::new(&dev, &shape, s.b, s.h, s.sq)?;
+        let ws = match ws_plan {
+            Some(BwdPlan::Ws {
+                prep,
+                main,
+                convert,
+            }) if bwd_ws::supported(&params, main, dtype, totals) => Some((prep, main, convert)),
+            // Tensors TMA cannot address, or a grid past its index range: what runs there
+            // without the warp-specialized kernels.
+            _ => None,
+        };
+        match ws {
+            Some(kernels) => {
+                let mut buffers = BwdWsBuffers::new(&dev, kernels.1, s.b, s.h, s.sq)?;
                 bwd_ws::run(
                     &dev,
                     facts.sms,
-                    &shape,
-                    q.dtype(),
+                    kernels,
                     dtype,
                     &params,
                     totals,
@@ -408,27 +157,19 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
                     &mut buffers,
                 )?;
             }
-            // Packed batches or dropout with a softcap, ALiBi or block mask, an A/B switch
-            // (`tma::ws_variant`), or tensors TMA cannot address: what runs there without the
-            // warp-specialized kernels.
-            BwdPath::Ws(_) => {
-                let path = BwdPath::without_ws(&choice);
-                run_path(&dev, path, &tile, problem, dtype, &mut params)?
-            }
-            path => run_path(&dev, path, &tile, problem, dtype, &mut params)?,
+            None => run_path(&dev, plan, problem, dtype, &mut params)?,
         }
     }
     Ok(CudaStorage::wrap_cuda_slice(grads, dev))
 }
 
-/// dsum, then the kernels of `path` (not `Ws`) on `params` (every pointer but dsum and
+/// dsum, then the kernels of `plan` (not `Ws`) on `params` (every pointer but dsum and
 /// dq_accum set).
 fn run_path(
     dev: &candle::CudaDevice,
-    path: BwdPath,
-    tile: &BwdTile,
+    plan: BwdPlan,
     problem: &Problem,
-    dtype: &str,
+    dtype: DType,
     params: &mut BwdParams,
 ) -> Result<()> {
     let s = problem.shape;
@@ -437,106 +178,62 @@ fn run_path(
     // SAFETY: the dsum kernel writes every row before the others read it.
     let mut dsum = unsafe { dev.alloc::<f32>(s.h * s.total_q)? };
     // The fused kernels add into it; rows that no key reaches keep their zeros. The mma.sync
-    // ones tile it (`dq_tile_offset` in cuda/common/bwd_dq_accum.cuh): per query head, total_q rows
-    // plus one tile of rows per sequence, of the kernel's head dim.
-    let mut dq_accum = match path {
-        BwdPath::Fused(shape) => {
-            let rows = s.total_q + shape.geometry(tile).bm * s.b;
+    // ones tile it (`dq_tile_offset` in cuda/common/bwd_dq_accum.cuh): per query head,
+    // total_q rows plus one tile of rows per sequence, of the kernel's head dim.
+    let mut dq_accum = match plan {
+        BwdPlan::Fused { dkdvq, .. } => {
+            let rows = s.total_q + dkdvq.geometry().bm as usize * s.b;
             params.dq_tile_rows = rows as i64;
-            Some(dev.alloc_zeros::<f32>(s.h * rows * tile.d)?)
+            let d = usize::from(dkdvq.variant().d);
+            Some(dev.alloc_zeros::<f32>(s.h * rows * d)?)
         }
-        BwdPath::Sm90 => Some(dev.alloc_zeros::<f32>(nq)?),
-        BwdPath::Separate => None,
-        BwdPath::Ws(_) => bail!("flash-attn backward: the warp-specialized path is run by bwd_ws"),
+        BwdPlan::Sm90 { .. } => Some(dev.alloc_zeros::<f32>(nq)?),
+        BwdPlan::Separate { .. } => None,
+        BwdPlan::Ws { .. } => {
+            bail!("flash-attn backward: the warp-specialized path is run by bwd_ws")
+        }
     };
     let (dsum_ptr, _dsum_sync) = dsum.device_ptr_mut(&stream);
     let dq_accum_ptr = dq_accum.as_mut().map(|b| b.device_ptr_mut(&stream));
     params.dsum = dsum_ptr;
     params.dq_accum = dq_accum_ptr.as_ref().map_or(0, |(ptr, _)| *ptr);
     let params = &*params;
-    let dropout = params.a.drop_threshold != 0;
-    let rows_per_block = 8; // one warp per row, 256 threads
-    launch(
-        dev,
-        &format!("flash_bwd_dsum_{dtype}"),
+    // One warp per row, 256 threads.
+    let rows_per_block = 8;
+    let Some(dsum_kernel) = Kernel::of(Family::BwdDsum, 0, |_| true) else {
+        bail!("flash-attn backward: no dsum kernel")
+    };
+    Launch::new(
+        dsum_kernel,
+        dtype,
         (s.sq.div_ceil(rows_per_block), s.h, s.b),
-        32 * rows_per_block as u32,
-        0,
-        params,
-    )?;
-    match path {
-        BwdPath::Separate => {
-            launch(
-                dev,
-                &format!(
-                    "flash_bwd_dkdv_{dtype}_d{}{}{}",
-                    tile.d,
-                    tile.kv_suffix(),
-                    if params.a.block_q != 0 { "_sparse" } else { "" }
-                ),
-                (s.sk.div_ceil(tile.kv_bn), s.hk * tile.splits(), s.b),
-                BwdTile::THREADS,
-                tile.kv_smem_bytes(),
-                params,
-            )?;
-            launch(
-                dev,
-                &format!("flash_bwd_dq_{dtype}_d{}", tile.d),
-                (s.sq.div_ceil(tile.q_bm), s.h, s.b),
-                BwdTile::THREADS,
-                tile.q_smem_bytes(),
-                params,
-            )?;
+    )
+    .threads(32 * rows_per_block as u32)
+    .run(dev, params)?;
+    match plan {
+        BwdPlan::Separate { dkdv, dq } => {
+            let g = dkdv.geometry();
+            let grid = (s.sk.div_ceil(g.bn as usize), s.hk * g.splits as usize, s.b);
+            Launch::new(dkdv, dtype, grid).run(dev, params)?;
+            let grid = (s.sq.div_ceil(dq.geometry().bm as usize), s.h, s.b);
+            Launch::new(dq, dtype, grid).run(dev, params)?;
         }
-        BwdPath::Sm90 => {
-            launch(
-                dev,
-                &format!(
-                    "flash_bwd_sm90_{dtype}_d{}{}",
-                    tile.d,
-                    params.a.mods_suffix()
-                ),
-                (s.sk.div_ceil(SM90_BN), s.hk, s.b),
-                256,
-                sm90_smem_bytes(tile.d),
-                params,
-            )?;
+        BwdPlan::Sm90 { dkdvq, convert } => {
+            let grid = (s.sk.div_ceil(dkdvq.geometry().bn as usize), s.hk, s.b);
+            Launch::new(dkdvq, dtype, grid).run(dev, params)?;
             let (threads, per_thread) = (256, 8);
-            launch(
-                dev,
-                &format!("flash_bwd_dq_convert_{dtype}"),
-                (nq.div_ceil(threads * per_thread), 1, 1),
-                threads as u32,
-                0,
-                params,
-            )?;
+            Launch::new(convert, dtype, (nq.div_ceil(threads * per_thread), 1, 1))
+                .threads(threads as u32)
+                .run(dev, params)?;
         }
-        BwdPath::Fused(shape) => {
-            // Dropout has a kernel of its own (its Philox code costs registers);
-            // `choose` picks the 128-key shapes only without dropout.
-            let g = shape.geometry(tile);
-            let dropout_suffix = if dropout { "_dropout" } else { "" };
-            launch(
-                dev,
-                &format!(
-                    "flash_bwd_dkdvq_{dtype}_d{}{}{dropout_suffix}",
-                    tile.d, g.suffix
-                ),
-                (s.sk.div_ceil(g.bn), s.hk, s.b),
-                32 * g.warps,
-                tile.fused_smem_bytes(g.bn, g.bm),
-                params,
-            )?;
-            launch(
-                dev,
-                &format!("flash_bwd_dq_convert_{dtype}_d{}{}", tile.d, g.suffix),
-                (s.sq.div_ceil(g.bm), s.h, s.b),
-                32 * g.warps,
-                0,
-                params,
-            )?;
+        BwdPlan::Fused { dkdvq, convert } => {
+            let g = dkdvq.geometry();
+            let grid = (s.sk.div_ceil(g.bn as usize), s.hk, s.b);
+            Launch::new(dkdvq, dtype, grid).run(dev, params)?;
+            let grid = (s.sq.div_ceil(convert.geometry().bm as usize), s.h, s.b);
+            Launch::new(convert, dtype, grid).run(dev, params)?;
         }
-        BwdPath::Ws(_) => {} // refused above
+        BwdPlan::Ws { .. } => {} // refused above
     }
     Ok(())
 }

@@ -1,13 +1,16 @@
 //! The warp-specialized Hopper backward (`cuda/sm90/bwd_ws.cu`): its parameter block, its
-//! buffers and its three launches (row statistics + dq_accum's tile states, dK/dV/dQ, dq).
+//! buffers and its three launches (row statistics + dq_accum's tile states, dK/dV/dQ, dq),
+//! the kernels `plan_bwd` chose.
 
 use candle::cuda_backend::cudarc::driver::sys::CUdeviceptr;
 use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr};
 use candle::{DType, Result};
 
+use super::abi::{AttnParams, BwdParams};
+use super::catalogue::{Kernel, Mods};
 use super::lpt_tail::Tail;
+use super::runtime::Launch;
 use super::tma::{self, TileSource, TmaDesc};
-use super::{launch_programmatic, AttnParams, BwdParams};
 
 /// Mirror of `struct BwdTmaParams` in `cuda/sm90/bwd_ws.cu`.
 #[repr(C)]
@@ -47,58 +50,10 @@ pub(super) struct BwdTmaParams {
 // argument (__grid_constant__).
 unsafe impl DeviceRepr for BwdTmaParams {}
 
-/// Query rows per streamed tile (`BwdWsTraits`).
-const BM: usize = 64;
-
-/// One compiled warp-specialized backward: head dim 64 (four Q/dO slots), 128 or 256 (two).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct BwdWsShape {
-    d: usize,
-    stages: usize,
-}
-
-impl BwdWsShape {
-    /// The kernel for padded head dim `d`, if there is one.
-    pub fn for_head_dim(d: usize) -> Option<Self> {
-        match d {
-            // d 64 with 4 Q/dO slots: +1-2% over 3 (H200); d 128 with 3 (226.6 of 227 KB) was
-            // 0-2% slower than with 2 (docs/archive/PERF.md, "Q slots, and three ideas
-            // measured and dropped").
-            64 => Some(Self { d, stages: 4 }),
-            128 | 256 => Some(Self { d, stages: 2 }),
-            _ => None,
-        }
-    }
-
-    /// d = 256 splits the head dim between the consumer warpgroups (`BwdWsTraits::SPLIT`).
-    fn split(&self) -> bool {
-        self.d > 128
-    }
-
-    /// Keys per block.
-    fn bn(&self) -> usize {
-        if self.split() {
-            64
-        } else {
-            128
-        }
-    }
-
-    /// `BwdWsTraits::SMEM_BYTES`: K, V, the Q/dO slots, two dS^T tiles, the f32 dQ tile (with
-    /// `split`, two P^T tiles instead), the slots' row statistics, the barriers, the slots'
-    /// `TileInfo`, 1 KB of alignment.
-    fn smem_bytes(&self) -> u32 {
-        let bn = self.bn();
-        let (kv, q, ds) = (bn * self.d * 2, BM * self.d * 2, bn * BM * 2);
-        let dq = if self.split() {
-            2 * ds
-        } else {
-            BM * self.d * 4
-        };
-        let stats = 2 * BM * 4;
-        let bytes = 2 * kv + 2 * self.stages * q + 2 * ds + dq + self.stages * stats;
-        (bytes + (1 + 2 * 2 + 3 * self.stages) * 8 + self.stages * 8 + 1024) as u32
-    }
+/// d = 256 splits the head dim between the consumer warpgroups (`BwdWsTraits::SPLIT`): its
+/// consumers add dQ into dq_accum themselves.
+fn split(main: Kernel) -> bool {
+    main.variant().d > 128
 }
 
 /// The backward's buffers of this path: per (sequence, head, query tile) the row statistics
@@ -114,19 +69,21 @@ pub(super) struct BwdWsBuffers {
 impl BwdWsBuffers {
     pub fn new(
         dev: &candle::CudaDevice,
-        shape: &BwdWsShape,
+        main: Kernel,
         b: usize,
         h: usize,
         sq: usize,
     ) -> Result<Self> {
-        let m_blocks = sq.div_ceil(BM);
+        let bm = main.geometry().bm as usize;
+        let d = usize::from(main.variant().d);
+        let m_blocks = sq.div_ceil(bm);
         let tiles = b * h * m_blocks;
         // SAFETY: flash_bwd_ws_prep writes every element of the statistics, of the state
         // words where the kernels use them and (with `split`) of dq_accum before any other
         // kernel reads them; without `split` a dq_accum tile is read only after the main
         // kernel stored all of it, which its state word records (cuda/sm90/dq_tile_state.cuh).
-        let stats = unsafe { dev.alloc::<f32>(tiles * 2 * BM)? };
-        let dq_accum = unsafe { dev.alloc::<f32>(tiles * BM * shape.d)? };
+        let stats = unsafe { dev.alloc::<f32>(tiles * 2 * bm)? };
+        let dq_accum = unsafe { dev.alloc::<f32>(tiles * bm * d)? };
         let dq_state = unsafe { dev.alloc::<i32>(tiles)? };
         Ok(Self {
             stats,
@@ -141,11 +98,13 @@ impl BwdWsBuffers {
 /// cannot address q, k, v, dO, dK or dV; `packed` as in `tma::extents`.
 fn params(
     b: &BwdParams,
-    shape: &BwdWsShape,
+    main: Kernel,
     dtype: DType,
     packed: Option<(usize, usize)>,
 ) -> Option<BwdTmaParams> {
     let a: &AttnParams = &b.a;
+    let g = main.geometry();
+    let (bm, bn) = (g.bm as usize, g.bn as usize);
     let (batch, rows_q, rows_k) = tma::extents(a, packed);
     let source = |ptr, rows: usize, heads: i32, [batch_stride, row, head]: [i64; 3]| TileSource {
         ptr,
@@ -165,13 +124,13 @@ fn params(
     let row = i64::from(a.h) * i64::from(a.d);
     let dq = [i64::from(a.seqlen_q) * row, row, i64::from(a.d)];
     Some(BwdTmaParams {
-        q: source(a.q, rows_q, a.h, q).encode(BM)?,
-        k: source(a.k, rows_k, a.h_k, k).encode(shape.bn())?,
-        v: source(a.v, rows_k, a.h_k, v).encode(shape.bn())?,
-        dout: source(b.dout, rows_q, a.h, o).encode(BM)?,
+        q: source(a.q, rows_q, a.h, q).encode(bm)?,
+        k: source(a.k, rows_k, a.h_k, k).encode(bn)?,
+        v: source(a.v, rows_k, a.h_k, v).encode(bn)?,
+        dout: source(b.dout, rows_q, a.h, o).encode(bm)?,
         dk: source(b.dk, rows_k, a.h_k, dkv).encode(64)?,
         dv: source(b.dv, rows_k, a.h_k, dkv).encode(64)?,
-        dq: source(b.dq, rows_q, a.h, dq).encode(BM)?,
+        dq: source(b.dq, rows_q, a.h, dq).encode(bm)?,
         b: *b,
         stats: 0,
         dq_state: 0,
@@ -184,55 +143,22 @@ fn params(
 }
 
 /// The main kernel's grid: (key blocks, KV heads, sequences).
-fn grid(b: &BwdParams, shape: &BwdWsShape) -> (usize, usize, usize) {
+fn grid(b: &BwdParams, main: Kernel) -> (usize, usize, usize) {
     let a = &b.a;
-    let key_blocks = (a.seqlen_k as usize).div_ceil(shape.bn());
+    let key_blocks = (a.seqlen_k as usize).div_ceil(main.geometry().bn as usize);
     (key_blocks, a.h_k as usize, a.b as usize)
 }
 
-/// Whether this path can run `b`: TMA can address its tensors, the kernel's linear block
-/// index (`BwdWsBlock::launch_order`) fits an int, and a kernel of the problem's variant is
-/// compiled and switched on (`tma::ws_variant`; `packed`: total query and key rows).
+/// Whether `main` can run `b`: TMA can address its tensors and the kernel's linear block
+/// index (`BwdWsBlock::launch_order`) fits an int (`packed`: total query and key rows).
 pub(super) fn supported(
     b: &BwdParams,
-    shape: &BwdWsShape,
+    main: Kernel,
     dtype: DType,
     packed: Option<(usize, usize)>,
 ) -> bool {
-    let (x, y, z) = grid(b, shape);
-    variant(b, shape, packed).is_some()
-        && x * y * z <= i32::MAX as usize
-        && params(b, shape, dtype, packed).is_some()
-}
-
-/// `tma::ws_variant` for `b` and `packed`; at d = 64 and 128 a softcap without ALiBi takes the
-/// `_cap` kernels, compiled with the capped probabilities' code alone. There dV is issued a
-/// k16 step at a time under the tanh and exponentials, which the `_mods` kernel at d = 128
-/// cannot do without ptxas serializing its wgmmas (docs/archive/PERF.md, "dV steps in the
-/// `_mods` kernels, once more" and "`_cap` backward kernels: a softcap without ALiBi on its
-/// own code"), and the K tile is multiplied by the softcap's scale once per block
-/// (`prescale_k`), so only where that scale (softmax scale / cap) is at most 1: f16 keys
-/// cannot overflow.
-/// `CANDLE_FLASH_BWD_CAP=0` (read once) keeps them on `_mods` (A/B runs, and the tests of the
-/// `_mods` kernels' capped path).
-fn variant(
-    b: &BwdParams,
-    shape: &BwdWsShape,
-    packed: Option<(usize, usize)>,
-) -> Option<&'static str> {
-    let variant = tma::ws_variant(b.a.mods_suffix(), packed.is_some(), b.a.drop_threshold != 0)?;
-    let cap_alone = b.a.softcap_pre != 0.0 && b.a.softcap_pre <= 1.0 && b.a.alibi_slopes == 0;
-    Some(
-        if variant == "_mods"
-            && cap_alone
-            && !shape.split()
-            && !super::overrides::overrides().bwd_cap_off
-        {
-            "_cap"
-        } else {
-            variant
-        },
-    )
+    let (x, y, z) = grid(b, main);
+    x * y * z <= i32::MAX as usize && params(b, main, dtype, packed).is_some()
 }
 
 /// Runs the three kernels on `b` (every pointer but dq_accum set), writing dq, dk and dv, on
@@ -244,27 +170,22 @@ fn variant(
 pub(super) fn run(
     dev: &candle::CudaDevice,
     sms: usize,
-    shape: &BwdWsShape,
+    (prep, main, convert): (Kernel, Kernel, Kernel),
     dtype: DType,
-    dtype_name: &str,
     b: &BwdParams,
     packed: Option<(usize, usize)>,
     deterministic: bool,
     next_col: CUdeviceptr,
     buffers: &mut BwdWsBuffers,
 ) -> Result<()> {
-    let Some(mut p) = params(b, shape, dtype, packed) else {
+    let Some(mut p) = params(b, main, dtype, packed) else {
         candle::bail!("flash-attn backward: TMA cannot address q, k, v or grad_out")
     };
-    let Some(variant) = variant(b, shape, packed) else {
-        candle::bail!("flash-attn backward: no warp-specialized kernel for this problem's options")
-    };
-    let variant = if deterministic && variant == "_sparse" {
+    let v = main.variant();
+    if v.deterministic {
+        // Under a block mask the deterministic kernels read the `next_col` skip table.
         p.block_next_col = next_col;
-        "_sparse_det"
-    } else {
-        variant
-    };
+    }
     let stream = dev.cuda_stream();
     let (stats_ptr, _stats_sync) = buffers.stats.device_ptr_mut(&stream);
     let (dq_accum_ptr, _dq_accum_sync) = buffers.dq_accum.device_ptr_mut(&stream);
@@ -273,14 +194,14 @@ pub(super) fn run(
     p.b.dq_accum = dq_accum_ptr;
     // The split kernel's consumers add into the zeroed dq_accum; its state words order them
     // in deterministic mode only (null: the convert kernel reads every tile).
-    p.dq_state = if shape.split() && !deterministic {
+    p.dq_state = if split(main) && !deterministic {
         0
     } else {
         dq_state_ptr
     };
     p.m_blocks = buffers.m_blocks as i32;
     p.deterministic = i32::from(deterministic);
-    let grid = grid(b, shape);
+    let grid = grid(b, main);
     let a = &b.a;
     if deterministic {
         // Block n waits for block n + 1 (cuda/sm90/dq_tile_state.cuh), so each pair's key blocks
@@ -300,38 +221,24 @@ pub(super) fn run(
         p.tail_heads = Tail::Backward.pairs(grid.1 * grid.2, grid.0, sms);
     }
     let (bsz, h) = (b.a.b as usize, b.a.h as usize);
-    let d = shape.d;
-    // 256 threads: 8 warps of 256 / d rows (d / 8 lanes per row).
-    let rows_per_block = 8 * (256 / d);
-    launch_programmatic(
-        dev,
-        &format!("flash_bwd_ws_prep_{dtype_name}_d{d}"),
-        ((buffers.m_blocks * BM).div_ceil(rows_per_block), h, bsz),
-        256,
-        0,
-        &p,
-    )?;
+    let d = usize::from(v.d);
+    let bm = main.geometry().bm as usize;
+    // The prep kernel's 256 threads: 8 warps of 256 / d rows (d / 8 lanes per row).
+    let rows_per_block = 8 * (prep.geometry().threads as usize / d);
+    Launch::new(
+        prep,
+        dtype,
+        ((buffers.m_blocks * bm).div_ceil(rows_per_block), h, bsz),
+    )
+    .run_programmatic(dev, &p)?;
     // The main and convert kernels are launched programmatically too: each waits in
     // `pdl_wait` for the kernel before it, its launch overlapping that kernel's last blocks.
-    launch_programmatic(
-        dev,
-        &format!("flash_bwd_ws_{dtype_name}_d{d}{variant}"),
-        grid,
-        384,
-        shape.smem_bytes(),
-        &p,
-    )?;
-    // 256 threads: the main kernel's two consumer warpgroups, thread for thread. The `_cap`
-    // kernels' dQ came from K times the softcap's scale (`prescale_k`): divided out here.
-    if variant == "_cap" {
+    Launch::new(main, dtype, grid).run_programmatic(dev, &p)?;
+    // The convert kernel's 256 threads: the main kernel's two consumer warpgroups, thread for
+    // thread. The `_cap` kernels' dQ came from K times the softcap's scale (`prescale_k`):
+    // divided out here.
+    if v.mods == Mods::Cap {
         p.b.a.grad_scale /= p.b.a.softcap_pre;
     }
-    launch_programmatic(
-        dev,
-        &format!("flash_bwd_ws_convert_{dtype_name}_d{d}"),
-        (buffers.m_blocks, h, bsz),
-        256,
-        0,
-        &p,
-    )
+    Launch::new(convert, dtype, (buffers.m_blocks, h, bsz)).run_programmatic(dev, &p)
 }

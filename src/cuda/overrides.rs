@@ -10,14 +10,14 @@
 //! | `CANDLE_FLASH_SMEM_KB` | KB | caps the shared memory per block the kernels may use (99: Ada, 163: A100) |
 //! | `CANDLE_FLASH_FWD` | `mma`, `sm90` | the mma.sync forward, or the first (not warp-specialized) wgmma forward |
 //! | `CANDLE_FLASH_SM90_SHAPE` | `g1`, `g1n64`, `g2`, `g3` | the first wgmma forward's consumer groups and key tile |
-//! | `CANDLE_FLASH_WS_SHAPE` | a shape name of `tma.rs` | the warp-specialized forward's tile shape |
+//! | `CANDLE_FLASH_WS_SHAPE` | `base`, `g3`, `n192`, `n176`, `n80` | the warp-specialized forward's tile shape (where compiled; plan/fwd.rs) |
 //! | `CANDLE_FLASH_WS_PERSISTENT` | `0` | one block per tile instead of persistent blocks |
 //! | `CANDLE_FLASH_WS_WIDE` | `0` | head dims 160/192 off the head dim 256 warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_PACKED` | `0` | packed batches off the `_packed` warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_DROPOUT` | `0` | dropout off the `_dropout` warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_LPT` | waves | the forward's longest-first tail (default 2, 0 none) |
 //! | `CANDLE_FLASH_BWD_LPT` | waves | the backward's longest-first tail (default 2, 0 none) |
-//! | `CANDLE_FLASH_BWD` | `separate`, `bn64`, `bn128`, `bn128t` | the mma.sync backward's kernels and key tile |
+//! | `CANDLE_FLASH_BWD` | `separate`, `sm90`, `bn64`, `bn128`, `bn128t` | the older backward kernels: deterministic pair, first wgmma, mma.sync fused key tile |
 //! | `CANDLE_FLASH_BWD_CAP` | `0` | a softcap's backward on the `_mods` kernels instead of `_cap` |
 //! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
 //! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |

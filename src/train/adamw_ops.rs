@@ -9,13 +9,11 @@ use candle::{bail, CpuStorage, DType, Device, InplaceOp2, Layout, Result};
 pub(super) fn preload(dev: &Device, grad: DType) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = dev {
+        use super::kernels::{Op, TrainKernel};
         use super::launch;
-        let moments = format!(
-            "train_adamw_moments_{}",
-            launch::suffix(grad, "AdamW: gradient")?
-        );
-        launch::preload(dev, &moments)?;
-        return launch::preload(dev, "train_adamw_apply");
+        let moments = TrainKernel::name(Op::AdamwMoments, &[("AdamW: gradient", grad)])?;
+        launch::preload(dev, moments)?;
+        return launch::preload(dev, TrainKernel::name(Op::AdamwApply, &[])?);
     }
     let _ = (dev, grad);
     Ok(())
@@ -67,14 +65,12 @@ impl InplaceOp2 for Moments {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch::{self, Arg};
         use candle::backend::BackendStorage;
         let dev = s2.device.clone();
         let n = l2.shape().elem_count();
-        let name = format!(
-            "train_adamw_moments_{}",
-            launch::suffix(s2.dtype(), "AdamW: gradient")?
-        );
+        let name = TrainKernel::name(Op::AdamwMoments, &[("AdamW: gradient", s2.dtype())])?;
         let stream = dev.cuda_stream();
         let (mv, _a) = launch::ptr_mut(s1, l1.start_offset(), &stream)?;
         let (g, _b) = launch::ptr(s2, l2, &stream)?;
@@ -86,13 +82,7 @@ impl InplaceOp2 for Moments {
             Arg::F32(self.beta1),
             Arg::F32(self.beta2),
         ];
-        launch::launch(
-            &dev,
-            &name,
-            launch::stride_blocks(&dev, n, 256)?,
-            256,
-            &args,
-        )
+        launch::launch(&dev, name, launch::stride_blocks(&dev, n, 256)?, 256, &args)
     }
 }
 
@@ -135,6 +125,7 @@ impl InplaceOp2 for Apply {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch::{self, Arg};
         let dev = s2.device.clone();
         let n = l1.shape().elem_count();
@@ -153,7 +144,7 @@ impl InplaceOp2 for Apply {
         ];
         launch::launch(
             &dev,
-            "train_adamw_apply",
+            TrainKernel::name(Op::AdamwApply, &[])?,
             launch::stride_blocks(&dev, n, 256)?,
             256,
             &args,
@@ -191,14 +182,12 @@ impl InplaceOp2 for SumSquares {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch::{self, Arg};
         use candle::backend::BackendStorage;
         let dev = s2.device.clone();
         let n = l2.shape().elem_count();
-        let name = format!(
-            "train_sum_squares_{}",
-            launch::suffix(s2.dtype(), "sum_squares")?
-        );
+        let name = TrainKernel::name(Op::SumSquares, &[("sum_squares", s2.dtype())])?;
         let blocks = launch::stride_blocks(&dev, n, 256)?;
         if l1.shape().elem_count() < 2 + blocks {
             bail!("sum_squares: the accumulator holds no partial per block (use `sum_squares`)")
@@ -207,6 +196,6 @@ impl InplaceOp2 for SumSquares {
         let (acc, _a) = launch::ptr_mut(s1, l1.start_offset(), &stream)?;
         let (x, _b) = launch::ptr(s2, l2, &stream)?;
         let args = [Arg::Ptr(x), Arg::Ptr(acc), Arg::I64(n as i64)];
-        launch::launch(&dev, &name, blocks, 256, &args)
+        launch::launch(&dev, name, blocks, 256, &args)
     }
 }

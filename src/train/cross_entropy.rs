@@ -138,13 +138,11 @@ impl CustomOp2 for CrossEntropy {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch::{self, Arg};
         let dev = &s1.device;
         let (n, vocab) = (l1.dims()[0], l1.dims()[1]);
-        let name = format!(
-            "train_xent_fwd_{}",
-            launch::suffix(s1.dtype(), "cross_entropy: logits")?
-        );
+        let name = TrainKernel::name(Op::XentFwd, &[("cross_entropy: logits", s1.dtype())])?;
         let stream = dev.cuda_stream();
         let mut loss = launch::alloc(dev, DType::F32, n, false)?;
         let mut lse = launch::alloc(dev, DType::F32, n, false)?;
@@ -160,7 +158,7 @@ impl CustomOp2 for CrossEntropy {
                 Arg::Ptr(sp),
                 Arg::I64(vocab as i64),
             ];
-            launch::launch(dev, &name, n, 256, &args)?;
+            launch::launch(dev, name, n, 256, &args)?;
         }
         self.keep_lse(Storage::Cuda(lse), n);
         Ok((loss, Shape::from(n)))
@@ -210,12 +208,11 @@ impl CustomOp2 for CrossEntropy {
                 }
                 #[cfg(feature = "cuda")]
                 (Storage::Cuda(xs), Storage::Cuda(ts), Storage::Cuda(ls), Storage::Cuda(gs)) => {
+                    use super::kernels::{Op, TrainKernel};
                     use super::launch::{self, Arg};
                     let dev = &xs.device;
-                    let name = format!(
-                        "train_xent_bwd_{}",
-                        launch::suffix(xs.dtype(), "cross_entropy: logits")?
-                    );
+                    let name =
+                        TrainKernel::name(Op::XentBwd, &[("cross_entropy: logits", xs.dtype())])?;
                     let stream = dev.cuda_stream();
                     let mut dx = launch::alloc(dev, xs.dtype(), n * vocab, false)?;
                     {
@@ -232,7 +229,7 @@ impl CustomOp2 for CrossEntropy {
                             Arg::Ptr(dxp),
                             Arg::I64(vocab as i64),
                         ];
-                        launch::launch(dev, &name, n, 256, &args)?;
+                        launch::launch(dev, name, n, 256, &args)?;
                     }
                     Storage::Cuda(dx)
                 }

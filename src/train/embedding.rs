@@ -99,7 +99,7 @@ fn rows_by_id(ids: &[u32], vocab: usize) -> Result<Option<(Vec<u32>, Vec<u32>)>>
     Ok(Some((order, seg)))
 }
 
-/// `train_embed_fwd_*` / `train_embed_bwd_*`: three pointers (rows in, ids, rows out), then
+/// The `EmbedFwd` / `EmbedBwd` kernels: three pointers (rows in, ids, rows out), then
 /// `n` ids of a `vocab`-row table with `hidden` columns, a grid-stride loop over the elements.
 #[cfg(feature = "cuda")]
 fn launch_rows(
@@ -159,23 +159,26 @@ impl CustomOp2 for Embedding {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch;
         use candle::backend::BackendStorage;
         let dev = &s1.device;
         let (vocab, hidden) = (l1.dims()[0], l1.dims()[1]);
         let n = l2.shape().elem_count();
-        let name = format!(
-            "train_embed_fwd_{}_{}",
-            launch::suffix(s1.dtype(), "embedding: table")?,
-            launch::suffix(self.dtype, "embedding: dtype")?
-        );
+        let name = TrainKernel::name(
+            Op::EmbedFwd,
+            &[
+                ("embedding: table", s1.dtype()),
+                ("embedding: dtype", self.dtype),
+            ],
+        )?;
         let stream = dev.cuda_stream();
         let mut y = launch::alloc(dev, self.dtype, n * hidden, false)?;
         {
             let (t, _a) = launch::ptr(s1, l1, &stream)?;
             let (i, _b) = launch::ptr(s2, l2, &stream)?;
             let (yp, _c) = launch::ptr_mut(&mut y, 0, &stream)?;
-            launch_rows(dev, &name, [t, i, yp], n, vocab, hidden)?;
+            launch_rows(dev, name, [t, i, yp], n, vocab, hidden)?;
         }
         Ok((y, Shape::from((n, hidden))))
     }
@@ -209,11 +212,16 @@ impl CustomOp2 for Embedding {
                 }
                 #[cfg(feature = "cuda")]
                 (Storage::Cuda(is), Storage::Cuda(ds)) => {
+                    use super::kernels::{Op, TrainKernel};
                     use super::launch::{self, Arg};
                     use candle::backend::BackendStorage;
                     let dev = &ds.device;
                     let n = il.shape().elem_count();
-                    let suffix = launch::suffix(ds.dtype(), "embedding")?;
+                    let op = match self.deterministic {
+                        true => Op::EmbedBwdSorted,
+                        false => Op::EmbedBwd,
+                    };
+                    let name = TrainKernel::name(op, &[("embedding", ds.dtype())])?;
                     let stream = dev.cuda_stream();
                     // Deterministic: the ids on the host, sorted, and back as two slices.
                     let sorted = match self.deterministic {
@@ -249,15 +257,14 @@ impl CustomOp2 for Embedding {
                             let ids_in_table = seg.len() - 1;
                             launch::launch(
                                 dev,
-                                &format!("train_embed_bwd_sorted_{suffix}"),
+                                name,
                                 ids_in_table * hidden.div_ceil(256),
                                 256,
                                 &args,
                             )?;
                         } else if !self.deterministic {
                             // (Deterministic with no id in the table: dtable stays zero.)
-                            let name = format!("train_embed_bwd_{suffix}");
-                            launch_rows(dev, &name, [d, i, dtp], n, vocab, hidden)?;
+                            launch_rows(dev, name, [d, i, dtp], n, vocab, hidden)?;
                         }
                     }
                     Storage::Cuda(dt)

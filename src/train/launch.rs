@@ -1,5 +1,6 @@
-//! Launching the kernels of `cuda/train/train.cu`: raw device pointers of contiguous storages (their
-//! start offsets applied), fresh outputs, and one launch per call with a 1-D grid.
+//! Launching the kernels of `cuda/train/train.cu` (by the names `super::kernels` finds): raw
+//! device pointers of contiguous storages (their start offsets applied), fresh outputs, and
+//! one launch per call with a 1-D grid.
 
 use std::sync::Arc;
 
@@ -12,15 +13,7 @@ use candle::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
 use candle::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
-/// `bf16`, `f16` or `f32`: the suffix of a kernel instantiated for that dtype.
-pub(super) fn suffix(dtype: DType, what: &str) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::F32 => "f32",
-        dt => bail!("{what}: dtype {dt:?} is not supported, expected BF16, F16 or F32"),
-    })
-}
+use crate::cuda::Source;
 
 /// The device address of element `start` of a storage, with the guard that orders the
 /// stream's use of it (keep it alive until the launch is queued).
@@ -127,7 +120,8 @@ pub(super) fn launch(
     threads: u32,
     args: &[Arg],
 ) -> Result<()> {
-    let Some((func, cfg)) = crate::cuda::prepare_launch(dev, name, (blocks, 1, 1), threads, 0)?
+    let Some((func, cfg)) =
+        crate::cuda::prepare_launch(dev, Source::Train, name, (blocks, 1, 1), threads, 0)?
     else {
         return Ok(());
     };
@@ -162,5 +156,5 @@ pub(super) fn max_stride_blocks(dev: &CudaDevice) -> Result<usize> {
 /// Loads `name` (and its module) on `dev` ahead of its launches, so that they cannot fail
 /// for that reason later.
 pub(super) fn preload(dev: &CudaDevice, name: &str) -> Result<()> {
-    crate::cuda::prepare_launch(dev, name, (1, 1, 1), 256, 0).map(|_| ())
+    crate::cuda::prepare_launch(dev, Source::Train, name, (1, 1, 1), 256, 0).map(|_| ())
 }

@@ -41,6 +41,8 @@ mod cross_entropy;
 mod embedding;
 mod host;
 #[cfg(feature = "cuda")]
+mod kernels;
+#[cfg(feature = "cuda")]
 mod launch;
 mod pool;
 mod rms_norm;

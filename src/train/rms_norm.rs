@@ -77,15 +77,18 @@ impl CustomOp2 for RmsNorm {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch::{self, Arg};
         let dev = &s1.device;
         let cols = l2.shape().elem_count();
         let rows = l1.shape().elem_count() / cols.max(1);
-        let name = format!(
-            "train_rms_fwd_{}_{}",
-            launch::suffix(s1.dtype(), "rms_norm: x")?,
-            launch::suffix(s2.dtype(), "rms_norm: weight")?
-        );
+        let name = TrainKernel::name(
+            Op::RmsFwd,
+            &[
+                ("rms_norm: x", s1.dtype()),
+                ("rms_norm: weight", s2.dtype()),
+            ],
+        )?;
         let stream = dev.cuda_stream();
         let mut y = launch::alloc(dev, s1.dtype(), rows * cols, false)?;
         {
@@ -100,7 +103,7 @@ impl CustomOp2 for RmsNorm {
                 Arg::I32(cols as i32),
                 Arg::F32(self.eps),
             ];
-            launch::launch(dev, &name, rows.div_ceil(8), 256, &args)?;
+            launch::launch(dev, name, rows.div_ceil(8), 256, &args)?;
         }
         Ok((y, l1.shape().clone()))
     }
@@ -181,13 +184,17 @@ fn cuda_backward(
     cols: usize,
     eps: f32,
 ) -> Result<(candle::CudaStorage, candle::CudaStorage)> {
+    use super::kernels::{Op, TrainKernel};
     use super::launch::{self, Arg};
     let dev = &xs.device;
-    let name = format!(
-        "train_rms_bwd_{}_{}",
-        launch::suffix(xs.dtype(), "rms_norm: x")?,
-        launch::suffix(ws.dtype(), "rms_norm: weight")?
-    );
+    let name = TrainKernel::name(
+        Op::RmsBwd,
+        &[
+            ("rms_norm: x", xs.dtype()),
+            ("rms_norm: weight", ws.dtype()),
+        ],
+    )?;
+    let dw_name = TrainKernel::name(Op::RmsDw, &[])?;
     let stream = dev.cuda_stream();
     let mut dx = launch::alloc(dev, xs.dtype(), rows * cols, false)?;
     // NORM_BWD_ROWS = 32 rows per block (cuda/train/norm.cuh), each writing its partial dw
@@ -213,7 +220,7 @@ fn cuda_backward(
             Arg::I32(cols as i32),
             Arg::F32(eps),
         ];
-        launch::launch(dev, &name, blocks, 256, &args)?;
+        launch::launch(dev, name, blocks, 256, &args)?;
         let (dwp, _f) = launch::ptr_mut(&mut dw, 0, &stream)?;
         let args = [
             Arg::Ptr(partp),
@@ -222,7 +229,7 @@ fn cuda_backward(
             Arg::I32(cols as i32),
         ];
         // NORM_DW_COLS = 32 columns per block of 8 x 32 threads.
-        launch::launch(dev, "train_rms_dw", cols.div_ceil(32), 256, &args)?;
+        launch::launch(dev, dw_name, cols.div_ceil(32), 256, &args)?;
     }
     Ok((dx, dw))
 }

@@ -95,11 +95,12 @@ impl CustomOp3 for Rotary {
         s3: &candle::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch::{self, Arg};
         let dev = &s1.device;
         let dims = l1.dims();
         let (n, heads, half) = (dims[0], dims[1], dims[2] / 2);
-        let name = format!("train_rotary_{}", launch::suffix(s1.dtype(), "rotary: x")?);
+        let name = TrainKernel::name(Op::Rotary, &[("rotary: x", s1.dtype())])?;
         let stream = dev.cuda_stream();
         let mut y = launch::alloc(dev, s1.dtype(), l1.shape().elem_count(), false)?;
         {
@@ -117,7 +118,7 @@ impl CustomOp3 for Rotary {
                 Arg::I32(half as i32),
                 Arg::F32(self.sign),
             ];
-            launch::launch(dev, &name, (n * heads * half).div_ceil(256), 256, &args)?;
+            launch::launch(dev, name, (n * heads * half).div_ceil(256), 256, &args)?;
         }
         Ok((y, l1.shape().clone()))
     }

@@ -56,10 +56,11 @@ impl CustomOp2 for SwiGlu {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
+        use super::kernels::{Op, TrainKernel};
         use super::launch::{self, Arg};
         let dev = &s1.device;
         let n = l1.shape().elem_count();
-        let name = format!("train_swiglu_fwd_{}", launch::suffix(s1.dtype(), "swiglu")?);
+        let name = TrainKernel::name(Op::SwigluFwd, &[("swiglu", s1.dtype())])?;
         let stream = dev.cuda_stream();
         let mut y = launch::alloc(dev, s1.dtype(), n, false)?;
         {
@@ -67,7 +68,7 @@ impl CustomOp2 for SwiGlu {
             let (u, _b) = launch::ptr(s2, l2, &stream)?;
             let (yp, _c) = launch::ptr_mut(&mut y, 0, &stream)?;
             let args = [Arg::Ptr(g), Arg::Ptr(u), Arg::Ptr(yp), Arg::I64(n as i64)];
-            launch::launch(dev, &name, launch::stride_blocks(dev, n, 256)?, 256, &args)?;
+            launch::launch(dev, name, launch::stride_blocks(dev, n, 256)?, 256, &args)?;
         }
         Ok((y, l1.shape().clone()))
     }
@@ -106,10 +107,10 @@ impl CustomOp2 for SwiGlu {
                 }
                 #[cfg(feature = "cuda")]
                 (Storage::Cuda(gs), Storage::Cuda(us), Storage::Cuda(ds)) => {
+                    use super::kernels::{Op, TrainKernel};
                     use super::launch::{self, Arg};
                     let dev = &gs.device;
-                    let name =
-                        format!("train_swiglu_bwd_{}", launch::suffix(gs.dtype(), "swiglu")?);
+                    let name = TrainKernel::name(Op::SwigluBwd, &[("swiglu", gs.dtype())])?;
                     let stream = dev.cuda_stream();
                     let mut dg = launch::alloc(dev, gs.dtype(), n, false)?;
                     let mut du = launch::alloc(dev, gs.dtype(), n, false)?;
@@ -127,13 +128,7 @@ impl CustomOp2 for SwiGlu {
                             Arg::Ptr(dup),
                             Arg::I64(n as i64),
                         ];
-                        launch::launch(
-                            dev,
-                            &name,
-                            launch::stride_blocks(dev, n, 256)?,
-                            256,
-                            &args,
-                        )?;
+                        launch::launch(dev, name, launch::stride_blocks(dev, n, 256)?, 256, &args)?;
                     }
                     (Storage::Cuda(dg), Storage::Cuda(du))
                 }

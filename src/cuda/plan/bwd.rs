@@ -1,0 +1,194 @@
+//! The backward's kernel choice. dsum, then either
+//! - the dK/dV kernel and the dQ kernel (deterministic; any head dim), or
+//! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
+//!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
+//!
+//! On Hopper at d 64 and 128, for batches whose tensors TMA can address, the fused kernel is
+//! the warp-specialized one (packed batches in its `_packed` kernels, dropout in its
+//! `_dropout` and `_packed_dropout` ones, a softcap without ALiBi at d 64 and 128 in its
+//! `_cap` ones); packed batches with a softcap, ALiBi or block mask there take the first
+//! wgmma kernel, dropout with one the mma.sync `_dropout` kernel. At head dims 65-96 its
+//! d = 128 kernel and at 129-256 its d = 256 kernel also run (the columns past the head dim
+//! zero), under the same conditions (65-96: without a block mask or a `CANDLE_FLASH_BWD`
+//! override). It has a deterministic mode (the key blocks add dQ in order; under a block mask
+//! in its `_sparse_det` kernels): `deterministic(true)` runs it there, and the dK/dV and dQ
+//! kernels elsewhere. Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
+//! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
+//! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
+//! even at d 128; docs/archive/PERF.md, "a taller 128-key backward"), else 64 keys over 4
+//! warps: at hd 128, seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200;
+//! docs/archive/PERF.md, "backward: dQ by atomics in the dK/dV kernel, double-buffered Q/dO").
+//!
+//! `CANDLE_FLASH_BWD` overrides the choice for A/B comparisons of speed and accuracy:
+//! `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma kernel on
+//! Hopper; `bn64`, `bn128` and `bn128t` (128 keys, twice the query rows per tile) force the
+//! mma.sync fused kernel of that shape.
+
+use candle::{bail, Result};
+
+use super::super::catalogue::{Family, Kernel, Mods, Tile};
+use super::super::overrides::overrides;
+use super::super::runtime::DeviceFacts;
+use super::{head_dim_class, ws_head_dim, ws_variant_allowed};
+
+/// What the backward's choice depends on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BwdQuery {
+    pub d: usize,
+    pub deterministic: bool,
+    pub dropout: bool,
+    pub mods: Mods,
+    /// A softcap without ALiBi whose scale (softmax scale / cap) is at most 1 (the `_cap`
+    /// kernels' condition, see [`ws_kernel`]).
+    pub cap_alone: bool,
+    pub packed: bool,
+}
+
+/// The kernels of one backward path (dsum runs before each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BwdPlan {
+    /// dK/dV kernel + dQ kernel: deterministic, every head dim.
+    Separate { dkdv: Kernel, dq: Kernel },
+    /// dK/dV/dQ kernel with atomic dQ into its tiled dq_accum + convert kernel.
+    Fused { dkdvq: Kernel, convert: Kernel },
+    /// The wgmma dK/dV/dQ kernel + the flat dq_accum's convert kernel.
+    Sm90 { dkdvq: Kernel, convert: Kernel },
+    /// The warp-specialized kernels: prep, main, convert.
+    Ws {
+        prep: Kernel,
+        main: Kernel,
+        convert: Kernel,
+    },
+}
+
+/// The backward's path for `q`: the warp-specialized one where a kernel is compiled for it
+/// (the launcher then checks that TMA can address the tensors, else takes `fallback`).
+pub(crate) fn plan_bwd(q: &BwdQuery, facts: &DeviceFacts) -> Result<(Option<BwdPlan>, BwdPlan)> {
+    Ok((ws_plan(q, facts), without_ws(q, facts)?))
+}
+
+fn bwd_override() -> Option<&'static str> {
+    overrides().bwd.as_deref()
+}
+
+/// The warp-specialized kernels of the head dim's class, on Hopper, deterministic or not.
+/// `CANDLE_FLASH_BWD` (A/B runs) keeps them off: `separate` everywhere; `sm90`, `bn64`,
+/// `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a block mask at
+/// 64/128 still runs them (the fused mma.sync kernels have no `_sparse` variant). Head dims
+/// 65-96 under a block mask keep the mma.sync kernels (measured only without one).
+fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
+    let class = head_dim_class(q.d);
+    let sparse = q.mods == Mods::Sparse;
+    let d = ws_head_dim(class)?;
+    let allowed = match bwd_override() {
+        None => !(sparse && class == 96),
+        Some("separate") => false,
+        Some("sm90") => class > 192,
+        Some(_) => class > 192 || (sparse && matches!(class, 64 | 128)),
+    };
+    if !facts.hopper() || !allowed || !ws_variant_allowed(q.mods, q.packed, q.dropout) {
+        return None;
+    }
+    let main = ws_kernel(d, q)?;
+    let helper = |family| Kernel::of(family, d, |_| true);
+    Some(BwdPlan::Ws {
+        prep: helper(Family::BwdWsPrep)?,
+        main,
+        convert: helper(Family::BwdWsConvert)?,
+    })
+}
+
+/// The warp-specialized main kernel. At d = 64 and 128 a softcap without ALiBi takes the
+/// `_cap` kernels, compiled with the capped probabilities' code alone. There dV is issued a
+/// k16 step at a time under the tanh and exponentials, which the `_mods` kernel at d = 128
+/// cannot do without ptxas serializing its wgmmas (docs/archive/PERF.md, "dV steps in the
+/// `_mods` kernels, once more" and "`_cap` backward kernels: a softcap without ALiBi on its
+/// own code"), and the K tile is multiplied by the softcap's scale once per block
+/// (`prescale_k`), so only where that scale is at most 1: f16 keys cannot overflow.
+/// `CANDLE_FLASH_BWD_CAP=0` keeps them on `_mods` (A/B runs, and the tests of the `_mods`
+/// kernels' capped path). Deterministic under a block mask: the `_sparse_det` kernels (the
+/// others have a run-time deterministic mode).
+fn ws_kernel(d: usize, q: &BwdQuery) -> Option<Kernel> {
+    let find = |mods: Mods| {
+        Kernel::of(Family::BwdWs, d, |v| {
+            v.mods == mods
+                && v.packed == q.packed
+                && v.dropout == q.dropout
+                && v.deterministic == (q.deterministic && mods == Mods::Sparse)
+        })
+    };
+    if q.mods == Mods::Scores && q.cap_alone && !overrides().bwd_cap_off {
+        if let Some(k) = find(Mods::Cap) {
+            return Some(k);
+        }
+    }
+    find(q.mods)
+}
+
+/// The kernels before the warp-specialized ones; also where those were chosen but cannot run
+/// (tensors TMA cannot address). The first wgmma kernel at 64/128 on Hopper, else the
+/// mma.sync fused kernels up to 128, else the dK/dV and dQ kernels. The 128-key fused shapes
+/// run only where they fit in the device's shared memory, the tall one first. Under a block
+/// mask the mma.sync kernels run the separate path, whose dK/dV kernel has the `_sparse`
+/// variant (the fused ones have none: the walk cost them registers).
+fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
+    let d = head_dim_class(q.d);
+    let sparse = q.mods == Mods::Sparse;
+    let env = bwd_override();
+    let sm90 = Kernel::of(Family::BwdSm90, d, |v| {
+        v.mods == if sparse { Mods::Sparse } else { q.mods }
+    });
+    let wgmma = facts.hopper() && sm90.is_some() && !q.dropout;
+    let fused = |tile: Tile, dropout: bool| {
+        Kernel::of(Family::BwdFused, d, |v| {
+            v.tile == tile && v.dropout == dropout
+        })
+    };
+    let has_fused = fused(Tile::Base, false).is_some();
+    if q.deterministic || !has_fused || env == Some("separate") || (sparse && !wgmma) {
+        return separate(d, sparse, facts.smem);
+    }
+    if wgmma && (env.is_none() || env == Some("sm90") || sparse) {
+        if let (Some(dkdvq), Some(convert)) =
+            (sm90, Kernel::of(Family::BwdSm90Convert, 0, |_| true))
+        {
+            return Ok(BwdPlan::Sm90 { dkdvq, convert });
+        }
+    }
+    // The first that fits of the allowed 128-key shapes; 64 keys otherwise.
+    let wide: &[Tile] = match env {
+        Some("bn64") => &[],
+        Some("bn128") => &[Tile::Wide],
+        _ => &[Tile::Tall, Tile::Wide],
+    };
+    let fits =
+        |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
+    let tile = wide
+        .iter()
+        .copied()
+        .find(|&t| !q.dropout && fits(t).is_some())
+        .unwrap_or(Tile::Base);
+    match (
+        fused(tile, q.dropout),
+        Kernel::of(Family::BwdFusedConvert, d, |v| v.tile == tile),
+    ) {
+        (Some(dkdvq), Some(convert)) => Ok(BwdPlan::Fused { dkdvq, convert }),
+        _ => bail!("flash-attn backward: no fused kernel for head dim {d}"),
+    }
+}
+
+/// The deterministic pair; at d = 256 on a device where its dK/dV kernel does not fit (99
+/// KB), the one with 16-row tiles.
+fn separate(d: usize, sparse: bool, smem: usize) -> Result<BwdPlan> {
+    let mods = if sparse { Mods::Sparse } else { Mods::Scores };
+    let dkdv = |tile| Kernel::of(Family::BwdDkdv, d, |v| v.tile == tile && v.mods == mods);
+    let dkdv = match (dkdv(Tile::Base), dkdv(Tile::Small)) {
+        (Some(base), Some(small)) if base.geometry().smem as usize > smem => small,
+        (Some(base), _) => base,
+        _ => bail!("flash-attn backward: no dK/dV kernel for head dim {d}"),
+    };
+    match Kernel::of(Family::BwdDq, d, |_| true) {
+        Some(dq) => Ok(BwdPlan::Separate { dkdv, dq }),
+        None => bail!("flash-attn backward: no dQ kernel for head dim {d}"),
+    }
+}

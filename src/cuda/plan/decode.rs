@@ -1,0 +1,118 @@
+//! The decode kernel's choice: warps per block and how many slices of each sequence's keys
+//! run in parallel (flash-decoding).
+
+use candle::{bail, Result};
+
+use super::super::catalogue::{Family, Kernel};
+use super::super::overrides::overrides;
+use super::head_dim_class;
+
+/// Warps of the unsplit decode blocks.
+const BASE_WARPS: u8 = 4;
+/// `MAX_SPLITS` in `cuda/decode/decode.cu` (the merge's weight buffer).
+const MAX_SPLITS: usize = 128;
+/// Fewest key tiles per warp worth a split of their own: each split also pays for loading Q,
+/// filling its ring, merging its warps and writing a partial row.
+const MIN_TILES_PER_WARP: usize = 4;
+
+/// What the decode choice depends on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecodeQuery {
+    pub d: usize,
+    /// Query rows per K/V head: seqlen_q x (num_heads / num_heads_k).
+    pub rows: usize,
+    /// Batch x K/V heads.
+    pub pairs: usize,
+    /// Keys of the longest sequence.
+    pub max_len: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecodePlan {
+    pub kernel: Kernel,
+    pub splits: usize,
+    /// Packed query row tiles per K/V head.
+    pub row_tiles: usize,
+}
+
+/// The decode launch for `q` on a device with `sms` multiprocessors allowing `smem` bytes of
+/// shared memory per block; `residency(kernel)` asks the driver how many blocks of a kernel
+/// one multiprocessor holds.
+pub(crate) fn plan_decode(
+    q: &DecodeQuery,
+    sms: usize,
+    smem: usize,
+    residency: impl Fn(Kernel) -> Result<usize>,
+) -> Result<DecodePlan> {
+    let d = head_dim_class(q.d);
+    let of = |warps: u8| Kernel::of(Family::Decode, d, |v| v.groups == warps);
+    let fits = |k: &Kernel| k.geometry().smem as usize <= smem;
+    // Four warps, or where their K/V rings do not fit (d > 128 on a 99 KB sm_86/89 device)
+    // the narrower block compiled for the head dim.
+    let base = match of(BASE_WARPS) {
+        Some(k) if fits(&k) => k,
+        Some(k) => Kernel::find(|v| {
+            v.family == Family::Decode && usize::from(v.d) == d && v.groups < BASE_WARPS
+        })
+        .unwrap_or(k),
+        None => bail!("flash-attn decode: no kernel for head dim {d}"),
+    };
+    let geometry = base.geometry();
+    let row_tiles = q.rows.div_ceil(geometry.bm as usize);
+    let blocks = q.pairs * row_tiles;
+    let key_tiles = q.max_len.div_ceil(geometry.bn as usize);
+    let slots = sms * residency(base)?.max(1);
+    let base_warps = geometry.threads as usize / 32;
+    let splits = num_splits(blocks, key_tiles, sms, slots, base_warps);
+    // A split launch fills the SMs once with one block each, so its blocks get the wider
+    // shape compiled for the head dim (8 warps up to 128): twice the K/V tiles in flight per
+    // SM (H200, hd 128: (8, 8k) 0.0670 ms against 0.0683 with 4 warps, same run;
+    // docs/archive/PERF.md). Unsplit grids fill the SMs with several 4-warp blocks (6 warps
+    // measured no faster at (32, 4k)). Above 128 the rings of 8 warps do not fit (224, 256)
+    // or were not measured (160, 192). `CANDLE_FLASH_DECODE_WARPS=4` keeps split launches at
+    // 4-warp blocks (a tuning aid).
+    let wide = Kernel::find(|v| {
+        v.family == Family::Decode && usize::from(v.d) == d && v.groups > BASE_WARPS
+    })
+    .filter(fits);
+    if let (Some(wide), false) = (wide, splits == 1 || overrides().decode_four_warps) {
+        let warps = wide.geometry().threads as usize / 32;
+        match num_splits(blocks, key_tiles, sms, slots, warps) {
+            1 => {}
+            n => {
+                return Ok(DecodePlan {
+                    kernel: wide,
+                    splits: n,
+                    row_tiles,
+                })
+            }
+        }
+    }
+    Ok(DecodePlan {
+        kernel: base,
+        splits,
+        row_tiles,
+    })
+}
+
+/// How many slices of each sequence's key range run in parallel, for `blocks` = batch x K/V
+/// heads x row tiles, `key_tiles` tiles in the longest sequence, `sms` multiprocessors and
+/// `slots` = SMs x resident blocks per SM.
+///
+/// Measured (H200, GQA 32/8, hd 128, docs/archive/PERF.md): one block per SM streams K and V
+/// as fast as three, and any grid a little past the SM count pays a tail (at (1, 64k): 16
+/// splits = 128 blocks 0.074 ms, 17 = 136 blocks 0.086 ms, 49 = 392 blocks, 0.080 ms). So the
+/// splits fill the SMs once, never past them; a grid that fills half the slots on its own
+/// runs unsplit ((32, 4k): 256 blocks, 0.134 ms against 0.147 ms with 3 splits). At least
+/// `MIN_TILES_PER_WARP` key tiles per warp. `CANDLE_FLASH_DECODE_SPLITS=n` forces n (a tuning
+/// aid).
+fn num_splits(blocks: usize, key_tiles: usize, sms: usize, slots: usize, warps: usize) -> usize {
+    if let Some(n) = overrides().decode_splits {
+        return n.min(MAX_SPLITS);
+    }
+    if blocks * 2 >= slots {
+        return 1;
+    }
+    let most = (key_tiles / (MIN_TILES_PER_WARP * warps)).clamp(1, MAX_SPLITS);
+    (sms / blocks.max(1)).clamp(1, most)
+}

@@ -1,0 +1,191 @@
+//! The forward's kernel choice: the warp-specialized kernel where one is compiled for the
+//! problem (and TMA can address its tensors, which the launcher learns when it encodes the
+//! tensor maps), else the first wgmma kernel on Hopper, else the mma.sync kernel.
+
+use candle::{bail, Result};
+
+use super::super::catalogue::{Family, Kernel, Mods, Tile};
+use super::super::overrides::overrides;
+use super::super::runtime::DeviceFacts;
+use super::{head_dim_class, ws_head_dim, ws_variant_allowed};
+
+/// What the forward's choice depends on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FwdQuery {
+    /// The problem's head dim.
+    pub d: usize,
+    /// Query and key rows (packed batches: the longest sequence's).
+    pub sq: usize,
+    pub sk: usize,
+    pub causal: bool,
+    pub mods: Mods,
+    pub packed: bool,
+    pub dropout: bool,
+    /// Work tiles' (sequence, head) pairs: batch x heads.
+    pub pairs: usize,
+}
+
+/// The kernels a forward may run, in order of preference.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FwdPlan {
+    /// The warp-specialized kernel, where TMA can address the tensors.
+    pub ws: Option<Kernel>,
+    /// Otherwise.
+    pub fallback: Kernel,
+}
+
+/// The forward's kernels for `q` on a device with `facts`.
+pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
+    let forced = overrides().fwd.as_str();
+    let hopper = facts.hopper();
+    let ws = if hopper && !matches!(forced, "mma" | "sm90") {
+        // Its tile index is a 32-bit int.
+        ws_kernel(q)
+            .filter(|k| q.sq.div_ceil(k.geometry().bm as usize) * q.pairs <= i32::MAX as usize)
+    } else {
+        None
+    };
+    let d = head_dim_class(q.d);
+    let sm90 = if !q.dropout && hopper && forced != "mma" {
+        sm90_kernel(d, q)
+    } else {
+        None
+    };
+    let fallback = match sm90 {
+        Some(k) => k,
+        None => mma_kernel(d, q.dropout, facts.smem)?,
+    };
+    Ok(FwdPlan { ws, fallback })
+}
+
+/// The mma.sync kernel of head dim class `d`: its own tile, or where that needs more than
+/// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one.
+fn mma_kernel(d: usize, dropout: bool, smem: usize) -> Result<Kernel> {
+    let of = |tile| Kernel::of(Family::Fwd, d, |v| v.tile == tile && v.dropout == dropout);
+    let Some(base) = of(Tile::Base) else {
+        bail!("flash-attn: no forward kernel for head dim {d}")
+    };
+    Ok(match of(Tile::Small) {
+        Some(small) if base.geometry().smem as usize > smem => small,
+        _ => base,
+    })
+}
+
+/// The wgmma kernel's block shape (`sm90/fwd.cu`) for head dims 64 and 128. Measured on the
+/// H200 (bf16, docs/archive/PERF.md, same-run A/B):
+/// - one warpgroup (`_g1_n<keys per tile>`; three blocks per SM at d = 64, four with
+///   64-key tiles, three at d = 128 with 48-key tiles) wherever blocks have few key tiles
+///   or unequal work, since co-resident blocks hide each other's first loads, softmax and
+///   epilogue: at d = 64 every causal length (211 against 141 TFLOP/s at 1k, 333 against
+///   307 at 8k; with 64-key tiles up to 2k: 241-244 at 1k, 282-285 against 266-269 at 2k)
+///   and non-causal below 4k (323 against 272 at 1k), at d = 128 causal up to 2k (243-246
+///   against 213-216 at 1k with two warpgroups, 235 with one and 64-key tiles at two
+///   blocks per SM);
+/// - three warpgroups (`_g3`, 192 rows sharing each K/V tile) at d = 64 non-causal from 4k
+///   (364 against 339 at 8k);
+/// - two otherwise (d = 128: 325 against 303 at 1k non-causal, 320 against 308 at 4k
+///   causal).
+///
+/// With a softcap, ALiBi or a block mask: the two-warpgroup shape, the one compiled with them.
+/// `CANDLE_FLASH_SM90_SHAPE=g1|g1n64|g2|g3` forces one (A/B runs; g1 is the 48-key kernel at
+/// d = 128, g1n64 and g3 exist only at d = 64).
+fn sm90_kernel(d: usize, q: &FwdQuery) -> Option<Kernel> {
+    let (groups, bn) = if q.mods != Mods::None {
+        (2, 128)
+    } else {
+        match (overrides().sm90_shape.as_str(), d) {
+            ("g1n64", 64) => (1, 64),
+            ("g1", 128) => (1, 48),
+            ("g1", _) => (1, 128),
+            ("g2", _) => (2, 128),
+            ("g3", 64) => (3, 128),
+            (_, 64) if q.causal && q.sq <= 2048 => (1, 64),
+            (_, 64) if q.causal || q.sq < 4096 => (1, 128),
+            (_, 64) => (3, 128),
+            _ if q.causal && q.sq <= 2048 => (1, 48),
+            _ => (2, 128),
+        }
+    };
+    Kernel::of(Family::FwdSm90, d, |v| {
+        v.groups == groups && usize::from(v.bn) == bn && v.mods == q.mods
+    })
+}
+
+/// The warp-specialized kernel for the problem, if one is compiled. Measured on the H100
+/// (bf16, same-run A/B of every compiled shape; docs/archive/PERF.md, "the warp-specialized
+/// Hopper forward"): d = 64 on three consumer warpgroups (192 x 128: +10-25% over 128 x 128
+/// from seqlen 512 to 16k without a mask, +0-15% causal from 2k; causal up to 512 128 x 128,
+/// with its work tiles in one stream, is 2% faster: "The three-warpgroup forward's partial
+/// tile, first and light under a causal mask"), d = 128 with 176-key tiles without a mask
+/// from 8k keys (+8% at 16k; 128 x 128 was as fast or faster up to 4k) and 128 with one,
+/// d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key tiles, 2-8% faster on the H200,
+/// where its warpgroups pass over the tiles masked for them: "d 256 causal up to 1k on 64-key
+/// tiles", "Key tiles masked for a whole warpgroup").
+/// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled shapes where it
+/// exists (A/B runs).
+///
+/// With a softcap or ALiBi, or a block mask, and with dropout: the one kernel per head dim
+/// compiled with it (the catalogue's row). Packed batches: the same choice among the
+/// `_packed` kernels, base where the chosen shape has none.
+fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
+    let d = ws_head_dim(q.d)?;
+    if !ws_variant_allowed(q.mods, q.packed, q.dropout) {
+        return None;
+    }
+    let features = |v: &crate::cuda::catalogue::Variant| {
+        v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout
+    };
+    if q.dropout || q.mods != Mods::None {
+        return Kernel::of(Family::FwdWs, d, features);
+    }
+    let forced = overrides().ws_shape.as_str();
+    // d = 64 causal below 512 rows: the one-warpgroup kernel of sm90/fwd.cu, four blocks
+    // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
+    // tiles as one stream: 0.158 against 0.171 ms since; docs/archive/PERF.md, "the
+    // forward's work tiles as one stream of key tiles"; shorter not measured).
+    if forced.is_empty() && d == 64 && q.causal && q.sq < 512 {
+        return None;
+    }
+    let base_bn = if d == 256 { 64 } else { 128 };
+    let shape = |name: &str| -> Option<(u8, usize)> {
+        match (name, d) {
+            ("base", _) => Some((2, base_bn)),
+            ("g3", 64) => Some((3, 128)),
+            ("n192", 64) => Some((2, 192)),
+            ("n176", 128) => Some((2, 176)),
+            ("n80", 256) => Some((2, 80)),
+            _ => None,
+        }
+    };
+    let chosen = match d {
+        // Causal up to 512: 128 x 128, whose kernel runs its work tiles as one stream of key
+        // tiles (fwd_ws.cu: CARRY; 512 0.1425 against 0.1450 ms for 192 x 128, H100); above,
+        // the three warpgroups, whose partial tile (1024 rows: 64) is the first and lightest
+        // under the mask (END_ALIGNED): 1k 0.217 against 0.2285 ms, 6 of 6 rounds
+        // (docs/archive/PERF.md, "The three-warpgroup forward's partial tile, first and light
+        // under a causal mask").
+        64 if q.causal && q.sq <= 512 => "base",
+        64 => "g3",
+        128 if !q.causal && q.sk >= 8192 => "n176",
+        // Causal up to 1k: 64-key tiles, which never straddle a 64-row diagonal, so that the
+        // upper warpgroup passes over the tile its rows cannot see (fwd_ws.cu: SKIP, which the
+        // 80-key kernel spilled with). 1k 0.164 against 0.170 ms, 2k 0.296 against 0.286
+        // (H100; docs/archive/PERF.md, "Key tiles masked for a whole warpgroup").
+        256 if q.causal && q.sq <= 1024 => "base",
+        256 => "n80",
+        _ => "base",
+    };
+    let find = |(groups, bn): (u8, usize)| {
+        Kernel::of(Family::FwdWs, d, |v| {
+            features(v) && v.groups == groups && usize::from(v.bn) == bn
+        })
+    };
+    let forced_kernel = if q.packed {
+        None
+    } else {
+        shape(forced).and_then(find)
+    };
+    forced_kernel
+        .or_else(|| shape(chosen).and_then(find))
+        .or_else(|| shape("base").and_then(find))
+}

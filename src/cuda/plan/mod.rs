@@ -1,0 +1,55 @@
+//! The planners: a problem and the device's facts in, the kernels to launch out, chosen from
+//! the catalogue by their fields. One per pass: [`plan_fwd`], [`plan_bwd`], [`plan_decode`].
+//! The A/B switches they honour are read once (`super::overrides`).
+
+mod bwd;
+mod decode;
+mod fwd;
+
+pub(crate) use bwd::{plan_bwd, BwdPlan, BwdQuery};
+pub(crate) use decode::{plan_decode, DecodeQuery};
+pub(crate) use fwd::{plan_fwd, FwdQuery};
+
+use super::catalogue::{Family, Kernel, Mods};
+use super::overrides::overrides;
+
+/// The smallest compiled head dim class of the mma.sync forward at or above `d` (every
+/// kernel family compiles the same classes; d <= 256 was validated).
+pub(crate) fn head_dim_class(d: usize) -> usize {
+    Kernel::ALL
+        .iter()
+        .map(|k| k.variant())
+        .filter(|v| v.family == Family::Fwd && usize::from(v.d) >= d)
+        .map(|v| usize::from(v.d))
+        .min()
+        .unwrap_or(256)
+}
+
+/// The head dim of the warp-specialized kernels (forward and backward) that run head dim
+/// `d`, if one does: the classes between the compiled ones (96: 65-96; 160, 192 and 224:
+/// 129-224) run the next one up, their columns past the head dim zero (TMA's fill), as 97-127
+/// and 225-255 do in theirs. At 129-192 the d = 256 kernels, a quarter to half of their
+/// matmul work on zero columns, still ran 1.56-2.23x the older kernels forward and
+/// 1.43-2.65x backward (H100; docs/archive/PERF.md, "Head dims 129-192 on the d 256
+/// kernels"); `CANDLE_FLASH_WS_WIDE=0` sends those head dims back to the older kernels (A/B
+/// runs).
+pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
+    match head_dim_class(d) {
+        64 => Some(64),
+        96 | 128 => Some(128),
+        224 | 256 => Some(256),
+        160 | 192 if !overrides().ws_wide_off => Some(256),
+        _ => None,
+    }
+}
+
+/// Whether packed batches and dropout may take the warp-specialized kernels (forward and
+/// backward): `CANDLE_FLASH_WS_PACKED=0` and `CANDLE_FLASH_WS_DROPOUT=0` send them to the
+/// older kernels (A/B runs; docs/archive/PERF.md, "Packed batches on the warp-specialized
+/// kernels", "Against the older kernels and PyTorch"). Whether a kernel is compiled for the
+/// combination is the catalogue's to say (none has packed batches or dropout with mods).
+pub(crate) fn ws_variant_allowed(mods: Mods, packed: bool, dropout: bool) -> bool {
+    let o = overrides();
+    let off = (packed && o.ws_packed_off) || (dropout && o.ws_dropout_off);
+    !off && !((packed || dropout) && mods != Mods::None)
+}
