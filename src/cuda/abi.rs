@@ -189,28 +189,23 @@ impl AttnParams {
     }
 }
 
+/// The score modifiers a kernel must be compiled with for `mods`: the block mask (with the
+/// softcap and ALiBi code), else the softcap and ALiBi; the kernels without them keep their
+/// registers. From the problem, not the parameter block, whose ALiBi pointer is set only
+/// when the launch locks the slopes.
+pub(crate) fn mods_level(mods: &ScoreMods) -> Mods {
+    if mods.sparse.is_some() {
+        Mods::Sparse
+    } else if mods.softcap.is_some() || mods.alibi.is_some() {
+        Mods::Scores
+    } else {
+        Mods::None
+    }
+}
+
 impl AttnParams {
-    /// Whether the scores are capped or biased, or a block mask applies (the pointers are set
-    /// at launch, the block sizes with the rest of the problem).
-    pub(crate) fn has_mods(&self) -> bool {
-        self.softcap_pre != 0.0 || self.alibi_slopes != 0 || self.block_q != 0
-    }
-
-    /// The score modifiers a kernel must be compiled with for this problem: the block mask
-    /// (with the softcap and ALiBi code), else the softcap and ALiBi; the kernels without
-    /// them keep their registers.
-    pub(crate) fn mods(&self) -> Mods {
-        if self.block_q != 0 {
-            Mods::Sparse
-        } else if self.has_mods() {
-            Mods::Scores
-        } else {
-            Mods::None
-        }
-    }
-
     /// The scale, window, softcap and ALiBi fields (the slopes' pointer is set at launch, see
-    /// [`alibi_view`]) for sequences of at most `sq` queries and `sk` keys.
+    /// `buffers::lock_slopes`) for sequences of at most `sq` queries and `sk` keys.
     pub(crate) fn set_mods(&mut self, mods: &ScoreMods, scale: f32, sq: usize, sk: usize) {
         // The kernels compare the window against row + (sk - sq) + window in i32: a side that
         // reaches past every row's keys is unbounded (-1), so no sum overflows. A side at or

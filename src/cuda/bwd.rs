@@ -8,7 +8,7 @@ use candle::cuda_backend::CudaDType;
 use candle::{bail, CudaStorage, DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
-use super::abi::{AttnParams, BwdParams};
+use super::abi::{mods_level, AttnParams, BwdParams};
 use super::buffers::{
     lock_slopes, lock_sparse, locked_ptr, seq_offsets, set_seq_offsets, sparse_ptrs,
 };
@@ -96,7 +96,7 @@ fn bwd_typed<T: CudaDType + DeviceRepr>(
         dq_accum_len: nq as i64,
         ..BwdParams::default()
     };
-    let mods = params.a.mods();
+    let mods = mods_level(&problem.mods);
     let (ws_plan, plan) = plan_bwd(
         &BwdQuery {
             d: s.d,

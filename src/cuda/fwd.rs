@@ -10,7 +10,7 @@ use candle::cuda_backend::CudaDType;
 use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
-use super::abi::AttnParams;
+use super::abi::{mods_level, AttnParams};
 use super::buffers::{
     lock_slopes, lock_sparse, locked_ptr, seq_offsets, set_seq_offsets, sparse_ptrs,
 };
@@ -61,7 +61,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
             sq: s.sq,
             sk: s.sk,
             causal: problem.causal,
-            mods: params.mods(),
+            mods: mods_level(&problem.mods),
             packed: problem.varlen.is_some(),
             // Dropout has kernels of its own (its Philox code costs registers in the loop).
             dropout: params.drop_threshold != 0,

@@ -1,6 +1,8 @@
 //! The decode kernel's choice: warps per block and how many slices of each sequence's keys
 //! run in parallel (flash-decoding).
 
+use std::sync::OnceLock;
+
 use candle::{bail, Result};
 
 use super::super::catalogue::{Family, Kernel};
@@ -45,17 +47,15 @@ pub(crate) fn plan_decode(
     residency: impl Fn(Kernel) -> Result<usize>,
 ) -> Result<DecodePlan> {
     let d = head_dim_class(q.d);
-    let of = |warps: u8| Kernel::of(Family::Decode, d, |v| v.groups == warps);
+    let Some(shapes) = shapes(d) else {
+        bail!("flash-attn decode: no kernel for head dim {d}")
+    };
     let fits = |k: &Kernel| k.geometry().smem as usize <= smem;
     // Four warps, or where their K/V rings do not fit (d > 128 on a 99 KB sm_86/89 device)
     // the narrower block compiled for the head dim.
-    let base = match of(BASE_WARPS) {
-        Some(k) if fits(&k) => k,
-        Some(k) => Kernel::find(|v| {
-            v.family == Family::Decode && usize::from(v.d) == d && v.groups < BASE_WARPS
-        })
-        .unwrap_or(k),
-        None => bail!("flash-attn decode: no kernel for head dim {d}"),
+    let base = match shapes.narrow {
+        Some(narrow) if !fits(&shapes.base) => narrow,
+        _ => shapes.base,
     };
     let geometry = base.geometry();
     let row_tiles = q.rows.div_ceil(geometry.bm as usize);
@@ -71,10 +71,7 @@ pub(crate) fn plan_decode(
     // measured no faster at (32, 4k)). Above 128 the rings of 8 warps do not fit (224, 256)
     // or were not measured (160, 192). `CANDLE_FLASH_DECODE_WARPS=4` keeps split launches at
     // 4-warp blocks (a tuning aid).
-    let wide = Kernel::find(|v| {
-        v.family == Family::Decode && usize::from(v.d) == d && v.groups > BASE_WARPS
-    })
-    .filter(fits);
+    let wide = shapes.wide.filter(fits);
     if let (Some(wide), false) = (wide, splits == 1 || overrides().decode_four_warps) {
         let warps = wide.geometry().threads as usize / 32;
         match num_splits(blocks, key_tiles, sms, slots, warps) {
@@ -93,6 +90,41 @@ pub(crate) fn plan_decode(
         splits,
         row_tiles,
     })
+}
+
+/// The decode kernels of one head dim class: 4-warp blocks, and the narrower and wider ones
+/// where compiled.
+#[derive(Clone, Copy, Debug)]
+struct Shapes {
+    base: Kernel,
+    narrow: Option<Kernel>,
+    wide: Option<Kernel>,
+}
+
+/// [`Shapes`] of head dim class `d`, found in the catalogue once per class (a decode step asks
+/// per layer).
+fn shapes(d: usize) -> Option<Shapes> {
+    static BY_CLASS: OnceLock<Vec<(usize, Shapes)>> = OnceLock::new();
+    let table = BY_CLASS.get_or_init(|| {
+        let mut table = vec![];
+        for k in Kernel::ALL {
+            let v = k.variant();
+            if v.family != Family::Decode || v.groups != BASE_WARPS {
+                continue;
+            }
+            let other = |pred: fn(u8) -> bool| {
+                Kernel::find(|w| w.family == Family::Decode && w.d == v.d && pred(w.groups))
+            };
+            let shapes = Shapes {
+                base: k,
+                narrow: other(|g| g < BASE_WARPS),
+                wide: other(|g| g > BASE_WARPS),
+            };
+            table.push((usize::from(v.d), shapes));
+        }
+        table
+    });
+    table.iter().find(|(c, _)| *c == d).map(|(_, s)| *s)
 }
 
 /// How many slices of each sequence's key range run in parallel, for `blocks` = batch x K/V

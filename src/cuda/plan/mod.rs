@@ -10,18 +10,31 @@ pub(crate) use bwd::{plan_bwd, BwdPlan, BwdQuery};
 pub(crate) use decode::{plan_decode, DecodeQuery};
 pub(crate) use fwd::{plan_fwd, FwdQuery};
 
+use std::sync::OnceLock;
+
 use super::catalogue::{Family, Kernel, Mods};
 use super::overrides::overrides;
 
 /// The smallest compiled head dim class of the mma.sync forward at or above `d` (every
-/// kernel family compiles the same classes; d <= 256 was validated).
+/// kernel family compiles the same classes; d <= 256 was validated). A table built once: the
+/// decode path asks per layer and step.
 pub(crate) fn head_dim_class(d: usize) -> usize {
-    Kernel::ALL
+    static CLASSES: OnceLock<Vec<u16>> = OnceLock::new();
+    let classes = CLASSES.get_or_init(|| {
+        let mut ds: Vec<u16> = Kernel::ALL
+            .iter()
+            .map(|k| k.variant())
+            .filter(|v| v.family == Family::Fwd)
+            .map(|v| v.d)
+            .collect();
+        ds.sort_unstable();
+        ds.dedup();
+        ds
+    });
+    classes
         .iter()
-        .map(|k| k.variant())
-        .filter(|v| v.family == Family::Fwd && usize::from(v.d) >= d)
-        .map(|v| usize::from(v.d))
-        .min()
+        .map(|&c| usize::from(c))
+        .find(|&c| c >= d)
         .unwrap_or(256)
 }
 
