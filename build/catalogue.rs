@@ -80,7 +80,13 @@ fn name(v: &Variant, dt: &str) -> String {
             format!("flash_fwd_sm90_{dt}_d{d}{shape}{}", mods_suffix(v.mods))
         }
         Family::FwdWs => {
-            let base_bn = if d == 256 { 64 } else { 128 };
+            // The head dim's base shape (no suffix): two warpgroups, its fewest keys per tile.
+            let base_bn = CATALOGUE
+                .iter()
+                .filter(|w| w.family == Family::FwdWs && w.d == d && w.groups == 2)
+                .map(|w| w.bn)
+                .min()
+                .unwrap_or(v.bn);
             let shape = if v.groups != 2 {
                 format!("_g{}", v.groups)
             } else if v.bn != base_bn {

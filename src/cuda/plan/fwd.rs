@@ -146,15 +146,19 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
     if forced.is_empty() && d == 64 && q.causal && q.sq < 512 {
         return None;
     }
-    let base_bn = if d == 256 { 64 } else { 128 };
-    let shape = |name: &str| -> Option<(u8, usize)> {
-        match (name, d) {
-            ("base", _) => Some((2, base_bn)),
-            ("g3", 64) => Some((3, 128)),
-            ("n192", 64) => Some((2, 192)),
-            ("n176", 128) => Some((2, 176)),
-            ("n80", 256) => Some((2, 80)),
-            _ => None,
+    // A shape by its name in the kernels' names: `base` (two warpgroups, the head dim's fewest
+    // keys per tile), `g3` (three warpgroups), `n<keys>` (two warpgroups, that many keys);
+    // (warpgroups, keys per tile or any).
+    let shape = |name: &str| -> Option<(u8, Option<usize>)> {
+        match name {
+            "base" => Kernel::ALL
+                .iter()
+                .map(|k| k.variant())
+                .filter(|v| v.family == Family::FwdWs && usize::from(v.d) == d && v.groups == 2)
+                .map(|v| (2, Some(usize::from(v.bn))))
+                .min(),
+            "g3" => Some((3, None)),
+            _ => name.strip_prefix('n')?.parse().ok().map(|bn| (2, Some(bn))),
         }
     };
     let chosen = match d {
@@ -175,9 +179,9 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
         256 => "n80",
         _ => "base",
     };
-    let find = |(groups, bn): (u8, usize)| {
+    let find = |(groups, bn): (u8, Option<usize>)| {
         Kernel::of(Family::FwdWs, d, |v| {
-            features(v) && v.groups == groups && usize::from(v.bn) == bn
+            features(v) && v.groups == groups && bn.is_none_or(|bn| usize::from(v.bn) == bn)
         })
     };
     let forced_kernel = if q.packed {
