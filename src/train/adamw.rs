@@ -99,12 +99,19 @@ impl AdamW {
                 todo.push((i, g));
             }
         }
+        // The kernels once per (device, dtype) the gradients use, not once per gradient: the
+        // update runs every step, over every variable.
+        let mut loaded = Vec::new();
+        for (_, g) in &todo {
+            let key = (g.device().location(), g.dtype());
+            if !loaded.contains(&key) {
+                adamw_ops::preload(g.device(), g.dtype())?;
+                loaded.push(key);
+            }
+        }
         let todo = todo
             .into_iter()
-            .map(|(i, g)| {
-                adamw_ops::preload(g.device(), g.dtype())?;
-                Ok((i, g.contiguous()?))
-            })
+            .map(|(i, g)| Ok((i, g.contiguous()?)))
             .collect::<Result<Vec<_>>>()?;
         let t = step as i32;
         let moments = Moments {
