@@ -50,6 +50,7 @@
 
 mod block_sparse;
 mod bwd;
+mod combine;
 pub mod compat;
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -84,6 +85,7 @@ mod varlen;
 struct ReadmeDoctests;
 
 pub use block_sparse::BlockMask;
+pub use combine::combine;
 pub use dropout::dropout_mask;
 #[doc(hidden)]
 pub use failpoint::inject_failure;

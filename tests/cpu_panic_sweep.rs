@@ -18,7 +18,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use candle::{DType, Device, Result, Tensor, Var};
 use candle_flash::train::{self, AdamW};
 use candle_flash::{
-    attention_slow, attention_slow_dropout, attention_slow_with, dropout_mask, flash_attn,
+    attention_slow, attention_slow_dropout, attention_slow_with, combine, dropout_mask, flash_attn,
     flash_attn_with_kvcache, flash_attn_with_paged_kvcache, BlockMask, FlashAttn, KvCache, Padding,
     PagedKvCache, VarLen,
 };
@@ -333,6 +333,27 @@ fn attention_entry_points_never_panic() {
                 format!("attention_slow_dropout keep {:?} p {p}", keep.dims()),
                 || attention_slow_dropout(q, q, q, 0.1, false, &keep, p),
             );
+        }
+    }
+    // combine: every pool tensor as a part's output, beside LSEs of every kind.
+    let lses = [
+        ("lse (2,4,5)", f(&[2, 4, 5])),
+        ("lse (2,5,4)", f(&[2, 5, 4])),
+        ("lse (0)", f(&[0])),
+        ("lse f16", t(&[2, 4, 5], DType::F16)),
+        (
+            "lse -inf",
+            Tensor::full(f32::NEG_INFINITY, (2, 4, 5), &CPU).unwrap(),
+        ),
+        ("lse nan", Tensor::full(f32::NAN, (2, 4, 5), &CPU).unwrap()),
+    ];
+    for (oname, o) in &pool {
+        for (lname, lse) in &lses {
+            for n in 1..=3 {
+                s.call(format!("combine {n} x ({oname}, {lname})"), || {
+                    combine(&vec![(o.clone(), lse.clone()); n])
+                });
+            }
         }
     }
     s.finish("attention");

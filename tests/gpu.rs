@@ -1059,6 +1059,42 @@ mod cuda_suite {
         suite.record("cpu op vs cuda attention_slow", cpu_vs_cuda(dev));
         suite.record("cuda input errors", cuda_errors(dev));
         suite.record("backward api vs autograd", backward_api(dev));
+        suite.record("combine of key parts vs whole", combine_parts(dev));
+    }
+
+    /// `combine` on the GPU: bf16 attention over keys cut in three parts (the kernels' LSE
+    /// per part), merged, within the output rule of the f32 oracle (the whole bf16 attention
+    /// as the baseline), and its LSE against the whole's.
+    fn combine_parts(dev: &Device) -> Result<()> {
+        for (d, sk, cuts) in [(128, 1000, [300, 301]), (64, 4096, [1, 2048])] {
+            let q = randn((2, 77, 8, d), DType::BF16, dev)?;
+            let k = randn((2, sk, 2, d), DType::BF16, dev)?;
+            let v = randn((2, sk, 2, d), DType::BF16, dev)?;
+            let attn = FlashAttn::new();
+            let bounds = [0, cuts[0], cuts[1], sk];
+            let mut parts = vec![];
+            for w in bounds.windows(2) {
+                let kp = k.narrow(1, w[0], w[1] - w[0])?.contiguous()?;
+                let vp = v.narrow(1, w[0], w[1] - w[0])?.contiguous()?;
+                parts.push(attn.forward_with_lse(&q, &kp, &vp)?);
+            }
+            let (merged, merged_lse) = candle_flash::combine(&parts)?;
+            let (whole, lse) = attn.forward_with_lse(&q, &k, &v)?;
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            let scale = 1.0 / (d as f32).sqrt();
+            let exact = attention_slow(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale, false)?;
+            check_output(
+                &format!("combine d {d}"),
+                &f32(&merged)?,
+                &f32(&whole)?,
+                &exact,
+            )?;
+            let lse_err = max_abs_diff(&merged_lse, &lse)?;
+            if lse_err.is_nan() || lse_err > 1e-3 {
+                candle::bail!("combine d {d}: lse differs from the whole's by {lse_err}");
+            }
+        }
+        Ok(())
     }
 
     /// Shapes with more work tiles than the GPU has SMs, so that the warp-specialized
