@@ -5,7 +5,7 @@
 mod common;
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
-use candle_flash::{combine, FlashAttn};
+use candle_flash::{attention_slow, combine, FlashAttn};
 use common::{assert_close, assert_fails, assert_within_budget, max_abs, randn};
 
 /// (batch, seqlen_q, seqlen_k, heads, kv heads, head_dim, key split points).
@@ -64,8 +64,9 @@ fn combined_parts_equal_the_whole_attention() -> Result<()> {
     Ok(())
 }
 
-/// bf16 and f16 parts: the merge (in f32) adds no error beyond the FlashAttention rule's
-/// budget against the whole attention done in f32.
+/// bf16 and f16 parts (each rounded once to its dtype, then merged in f32 and rounded again)
+/// within the FlashAttention rule: at most 2x the error of the same math done in the low
+/// precision, against the whole attention in f32.
 #[test]
 fn low_precision_parts_stay_within_the_error_budget() -> Result<()> {
     for dtype in [DType::BF16, DType::F16] {
@@ -73,15 +74,17 @@ fn low_precision_parts_stay_within_the_error_budget() -> Result<()> {
         let q = randn((b, sq, h, d), dtype)?;
         let k = randn((b, sk, h, d), dtype)?;
         let v = randn((b, sk, h, d), dtype)?;
-        let (parts, (whole, _)) = parts_and_whole(&q, &k, &v, &[100])?;
+        let (parts, _) = parts_and_whole(&q, &k, &v, &[100])?;
         let merged = combine(&parts)?.0;
         assert_eq!(merged.dtype(), dtype);
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-        let exact = FlashAttn::new().forward(&f32(&q)?, &f32(&k)?, &f32(&v)?)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let exact = attention_slow(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale, false)?;
+        let low = attention_slow(&q, &k, &v, scale, false)?;
         assert_within_budget(
             &format!("{dtype:?}"),
             &f32(&merged)?,
-            &f32(&whole)?,
+            &f32(&low)?,
             &exact,
             2.0,
         )?;

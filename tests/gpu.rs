@@ -1063,8 +1063,8 @@ mod cuda_suite {
     }
 
     /// `combine` on the GPU: bf16 attention over keys cut in three parts (the kernels' LSE
-    /// per part), merged, within the output rule of the f32 oracle (the whole bf16 attention
-    /// as the baseline), and its LSE against the whole's.
+    /// per part), merged, within the output rule (2x the error of the same math in bf16),
+    /// and its LSE against the whole attention's.
     fn combine_parts(dev: &Device) -> Result<()> {
         for (d, sk, cuts) in [(128, 1000, [300, 301]), (64, 4096, [1, 2048])] {
             let q = randn((2, 77, 8, d), DType::BF16, dev)?;
@@ -1079,14 +1079,15 @@ mod cuda_suite {
                 parts.push(attn.forward_with_lse(&q, &kp, &vp)?);
             }
             let (merged, merged_lse) = candle_flash::combine(&parts)?;
-            let (whole, lse) = attn.forward_with_lse(&q, &k, &v)?;
+            let (_, lse) = attn.forward_with_lse(&q, &k, &v)?;
             let f32 = |t: &Tensor| t.to_dtype(DType::F32);
             let scale = 1.0 / (d as f32).sqrt();
             let exact = attention_slow(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale, false)?;
+            let low = attention_slow(&q, &k, &v, scale, false)?;
             check_output(
                 &format!("combine d {d}"),
                 &f32(&merged)?,
-                &f32(&whole)?,
+                &f32(&low)?,
                 &exact,
             )?;
             let lse_err = max_abs_diff(&merged_lse, &lse)?;
