@@ -28,7 +28,7 @@
 //! does not.
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --cascade-only | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/gpu/stage.sh
 //! builds it, scripts/gpu/suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -46,6 +46,18 @@
 //! bandwidth (bytes read + written by a 2 GiB copy). scripts/bench/torch_bench.py times PyTorch
 //! SDPA on the same shapes.
 //!
+//! Cascade attention (after decode; `--cascade-only` runs only it, `--no-decode` skips it too):
+//! one decode step of 64 sequences that share an 8192-token prompt and hold 64..256 tokens of
+//! their own (all different), GQA 32/8 heads, hd 128. Unshared, each sequence's cache holds
+//! the prompt and its suffix and [`flash_attn_with_kvcache`] reads all of it; the cascade
+//! attends the prompt once for all 64 query tokens ([`FlashAttn::forward_with_lse`], the
+//! tokens as 64 query rows of one batch), the suffixes through
+//! [`flash_attn_with_kvcache_lse`], and merges the two with [`combine`]. Also the prompt part
+//! through the decode kernel (`-decode`: the 64 tokens as the query rows of one sequence whose
+//! cache is the prompt, each K/V head's 256 rows in its row tiles, the keys split across the
+//! GPU). The table gives each part's time, the totals, the speedup
+//! over the unshared step, and a check of the cascade against it in ulps of the dtype.
+//!
 //! Everything below compiles without `cuda` too (candle's dummy CUDA backend has the same
 //! types), so a CPU-only build type-checks all of it; only [`gpu_name`] needs the feature.
 
@@ -59,7 +71,9 @@ use candle::{
     bail, CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape,
     Tensor, Var, D,
 };
-use candle_flash::{flash_attn_with_kvcache, BlockMask, FlashAttn};
+use candle_flash::{
+    combine, flash_attn_with_kvcache, flash_attn_with_kvcache_lse, BlockMask, FlashAttn,
+};
 
 /// batch · seqlen for every shape, as in the FlashAttention-2 paper.
 const TOKENS: usize = 16 * 1024;
@@ -109,6 +123,18 @@ const DECODE_REPEATS: usize = 9;
 /// A decode output further than this (relative to the largest |output|) from the f32
 /// reference is flagged as a MISMATCH: bf16 rounding alone gives ~0.4%.
 const DECODE_CHECK_REL: f64 = 0.03;
+/// Cascade attention: sequences sharing a prompt of this many tokens...
+const CASCADE_BATCH: usize = 64;
+const CASCADE_PREFIX: usize = 8192;
+/// ...each with its own suffix of this many tokens or more (see [`cascade_suffix_lens`]).
+const CASCADE_SUFFIX_MIN: usize = 64;
+/// 193 lengths from the least: a prime count, so that `i · 97 mod 193` differs for every
+/// sequence.
+const CASCADE_SUFFIX_SPAN: usize = 193;
+/// The cascade passes if it is this many units in the last place of the dtype (at the
+/// largest |output|) or closer to the unshared attention: each side rounds its output once,
+/// the cascade its two parts too (at weights that sum to 1).
+const CASCADE_CHECK_ULPS: f64 = 2.0;
 /// Elements of the tensor copied to measure the device bandwidth: 2 GiB of bf16.
 const COPY_ELEMS: usize = 1 << 30;
 
@@ -137,7 +163,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode | --cascade-only | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -168,6 +194,7 @@ struct Args {
     quick: bool,
     decode_only: bool,
     no_decode: bool,
+    cascade_only: bool,
     no_naive: bool,
     fwd_only: bool,
     bwd_only: bool,
@@ -186,6 +213,7 @@ impl Args {
             quick: false,
             decode_only: false,
             no_decode: false,
+            cascade_only: false,
             no_naive: false,
             fwd_only: false,
             bwd_only: false,
@@ -202,6 +230,7 @@ impl Args {
                 "--quick" => args.quick = true,
                 "--decode-only" => args.decode_only = true,
                 "--no-decode" => args.no_decode = true,
+                "--cascade-only" => args.cascade_only = true,
                 "--no-naive" => args.no_naive = true,
                 "--fwd-only" => args.fwd_only = true,
                 "--bwd-only" => args.bwd_only = true,
@@ -482,6 +511,10 @@ fn run(args: &Args, dev: &Device) {
         bench.sparse_section();
         return;
     }
+    if args.cascade_only {
+        bench.cascade_section(args.json.as_ref());
+        return;
+    }
     if !args.decode_only {
         println!(
             "{:<12} {:<12} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>8}",
@@ -497,6 +530,9 @@ fn run(args: &Args, dev: &Device) {
     }
     if !args.no_decode {
         bench.decode_section(args.json.as_ref());
+        if !args.decode_only {
+            bench.cascade_section(args.json.as_ref());
+        }
     }
     println!(
         "# {} records in {:.0} s",
@@ -1230,7 +1266,92 @@ impl Bench {
             }
         }
         self.records.push(format!("  {{{}}}", fields.join(", ")));
+
+        // The same calls captured in a CUDA graph (lengths in a device tensor, one call per
+        // cache set in turn) and replayed: the kernels back to back without launch gaps, as a
+        // captured decoding step runs them.
+        let lens_dev = match Tensor::new(lens.as_slice(), &dev) {
+            Ok(t) => t,
+            Err(e) => return println!("{FLASH:<12} skipped decode-graph: {}", first_line(&e)),
+        };
+        let attend_dev =
+            |s: &DecodeInputs| flash_attn_with_kvcache(&s.q, &s.k, &s.v, None, &lens_dev, &opts);
+        let timed = try_run(|| graph_timing(&dev, n, |i| attend_dev(&sets[i]).map(drop)));
+        let row = format!(
+            "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
+            "graph",
+            case.seqlen,
+            case.batch,
+            format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
+        );
+        let t = match timed {
+            Ok(t) if t.ms.is_finite() && t.ms > 0.0 => t,
+            Ok(t) => return println!("{row} n/a  bad timing {}", t.ms),
+            Err(e) => return println!("{row} n/a  {}", first_line(&e)),
+        };
+        let gbps = case.kv_bytes(self.dtype) as f64 / (t.ms * 1e-3) / 1e9;
+        let pct = copy_gbps.map(|c| 100.0 * gbps / c);
+        let pct_cell = pct.map_or("n/a".to_string(), |p| format!("{p:.1}"));
+        println!(
+            "{row} {:>9.4} {gbps:>8.0} {pct_cell:>6} {:>9.4}  in a CUDA graph",
+            t.ms, t.host_ms
+        );
+        let mut fields = vec![
+            format!("\"impl\": \"{FLASH}\""),
+            "\"pass\": \"decode-graph\"".into(),
+            format!("\"hd\": {DECODE_HD}"),
+            format!("\"seqlen\": {}", case.seqlen),
+            format!("\"batch\": {}", case.batch),
+            format!("\"heads\": {DECODE_HEADS}"),
+            format!("\"heads_k\": {DECODE_HEADS_K}"),
+            "\"causal\": false".into(),
+            format!("\"ms\": {:.6}", t.ms),
+            format!("\"gbps\": {gbps:.1}"),
+        ];
+        if let Some(p) = pct {
+            fields.push(format!("\"pct_copy\": {p:.2}"));
+        }
+        self.records.push(format!("  {{{}}}", fields.join(", ")));
     }
+}
+
+/// Per-call time of `calls` calls (`step(0..calls)`) captured once in a CUDA graph and
+/// replayed; each call is run eagerly first (kernel modules, the decode's counters).
+#[cfg(feature = "cuda")]
+fn graph_timing(dev: &Device, calls: usize, step: impl Fn(usize) -> Result<()>) -> Result<Timed> {
+    use candle::cuda_backend::cudarc::driver::sys;
+    for i in 0..calls {
+        step(i)?;
+    }
+    dev.synchronize()?;
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(candle::Error::wrap)?;
+    let captured = (0..calls).try_for_each(&step);
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .map_err(candle::Error::wrap)?;
+    captured?;
+    let Some(graph) = graph else {
+        bail!("the capture recorded nothing")
+    };
+    let t = time_ms_with(dev, DECODE_TIMING, |_| {
+        graph.launch().map_err(candle::Error::wrap)
+    })?;
+    Ok(Timed {
+        ms: t.ms / calls as f64,
+        host_ms: t.host_ms / calls as f64,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn graph_timing(
+    _dev: &Device,
+    _calls: usize,
+    _step: impl Fn(usize) -> Result<()>,
+) -> Result<Timed> {
+    candle::bail!("CUDA graphs need the cuda feature")
 }
 
 /// [`DECODE_SHAPES`], or the `BxL` shapes listed in `CANDLE_FLASH_BENCH_DECODE` (e.g.
@@ -1320,6 +1441,305 @@ fn decode_check(s: &DecodeInputs, out: &Tensor) -> Result<f64> {
         Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64)
     };
     Ok(max_abs(&(&out - &reference)?)? / max_abs(&reference)?.max(1e-30))
+}
+
+/// Cascade attention: a decode step over a prompt shared by every sequence, unshared and as
+/// a cascade.
+impl Bench {
+    /// The unshared step, the cascade and its parts timed on the same inputs, and the
+    /// cascade checked against the unshared step; the JSON rewritten at the end.
+    fn cascade_section(&mut self, json: Option<&PathBuf>) {
+        let lens = cascade_suffix_lens();
+        let (lo, hi) = (
+            lens.iter().min().unwrap_or(&0),
+            lens.iter().max().unwrap_or(&0),
+        );
+        let sets = cascade_sets(self.dtype);
+        println!(
+            "# cascade: {CASCADE_BATCH} sequences share a {CASCADE_PREFIX}-token prefix, each \
+             with its own suffix of {lo}..{hi} tokens (all different), GQA \
+             {DECODE_HEADS}/{DECODE_HEADS_K} heads, hd {DECODE_HD}, {:?}, one query token each; \
+             {sets} input sets",
+            self.dtype
+        );
+        let sets = (0..sets).map(|_| CascadeInputs::new(self.dtype, &self.dev));
+        let sets = match sets.collect::<Result<Vec<_>>>() {
+            Ok(sets) => sets,
+            Err(e) => return println!("{FLASH:<12} skipped cascade: inputs: {}", first_line(&e)),
+        };
+        let full_lens: Vec<u32> = lens.iter().map(|&l| l + CASCADE_PREFIX as u32).collect();
+        let opts = FlashAttn::new();
+        let unshared = |s: &CascadeInputs| {
+            flash_attn_with_kvcache(&s.q, &s.full_k, &s.full_v, None, &full_lens, &opts)
+        };
+        let suffix = |s: &CascadeInputs| {
+            flash_attn_with_kvcache_lse(&s.q, &s.suffix_k, &s.suffix_v, None, &lens, &opts)
+        };
+        let cascade = |s: &CascadeInputs, packed: bool| -> Result<Tensor> {
+            let prefix = if packed {
+                s.prefix_packed(&opts)?
+            } else {
+                s.prefix(&opts)?
+            };
+            Ok(combine(&[prefix, suffix(s)?])?.0)
+        };
+        // The parts of each set for timing the merge alone.
+        let parts = sets
+            .iter()
+            .map(|s| Ok([s.prefix(&opts)?, suffix(s)?]))
+            .collect::<Result<Vec<_>>>();
+        let n = sets.len();
+        let dev = self.dev.clone();
+        let time = |f: &dyn Fn(usize) -> Result<()>| {
+            try_run(|| time_ms_with(&dev, DECODE_TIMING, f)).and_then(|t| {
+                if t.ms.is_finite() && t.ms > 0.0 {
+                    Ok(t)
+                } else {
+                    Err(format!("bad timing {}", t.ms))
+                }
+            })
+        };
+        let rows: Vec<(&'static str, std::result::Result<Timed, String>)> = vec![
+            ("unshared", time(&|i| unshared(&sets[i % n]).map(drop))),
+            ("cascade", time(&|i| cascade(&sets[i % n], false).map(drop))),
+            ("prefix", time(&|i| sets[i % n].prefix(&opts).map(drop))),
+            ("suffix", time(&|i| suffix(&sets[i % n]).map(drop))),
+            (
+                "combine",
+                match &parts {
+                    Ok(parts) => time(&|i| combine(&parts[i % n]).map(drop)),
+                    Err(e) => Err(first_line(e)),
+                },
+            ),
+            (
+                "cascade-decode",
+                time(&|i| cascade(&sets[i % n], true).map(drop)),
+            ),
+            (
+                "prefix-decode",
+                time(&|i| sets[i % n].prefix_packed(&opts).map(drop)),
+            ),
+        ];
+        let base = rows[0].1.as_ref().ok().map(|t| t.ms);
+        let dtype = self.dtype;
+        let kv = |tokens: usize| {
+            (2 * tokens * DECODE_HEADS_K * DECODE_HD * dtype.size_in_bytes()) as f64
+        };
+        let suffix_tokens: usize = lens.iter().map(|&l| l as usize).sum();
+        let prefix_bytes = kv(CASCADE_PREFIX);
+        let suffix_bytes = kv(suffix_tokens);
+        let bytes = |pass: &str| match pass {
+            "unshared" => kv(CASCADE_BATCH * CASCADE_PREFIX + suffix_tokens),
+            "cascade" | "cascade-decode" => prefix_bytes + suffix_bytes,
+            "prefix" | "prefix-decode" => prefix_bytes,
+            "suffix" => suffix_bytes,
+            _ => 0.0,
+        };
+        println!(
+            "{:<12} {:<15} {:>9} {:>8} {:>9} {:>9}",
+            "impl", "pass", "ms", "speedup", "K+V MB", "host ms"
+        );
+        for (pass, timed) in &rows {
+            // The parts indented under their cascade.
+            let label = match *pass {
+                "prefix" | "suffix" | "combine" | "prefix-decode" => format!("  {pass}"),
+                _ => pass.to_string(),
+            };
+            let t = match timed {
+                Ok(t) => t,
+                Err(e) => {
+                    println!("{FLASH:<12} {label:<15} n/a  {e}");
+                    continue;
+                }
+            };
+            let speedup = match (*pass, base) {
+                ("unshared" | "cascade" | "cascade-decode", Some(b)) => {
+                    format!("{:.2}x", b / t.ms)
+                }
+                _ => String::new(),
+            };
+            let mb = bytes(pass) / 1e6;
+            println!(
+                "{FLASH:<12} {label:<15} {:>9.4} {speedup:>8} {mb:>9.1} {:>9.4}",
+                t.ms, t.host_ms
+            );
+            // JSON passes: "cascade-unshared", "cascade", "cascade-prefix", ...
+            let record_pass = match pass.starts_with("cascade") {
+                true => pass.to_string(),
+                false => format!("cascade-{pass}"),
+            };
+            self.records.push(format!(
+                "  {{\"impl\": \"{FLASH}\", \"pass\": \"{record_pass}\", \"hd\": {DECODE_HD}, \
+                 \"batch\": {CASCADE_BATCH}, \"prefix\": {CASCADE_PREFIX}, \"suffix_min\": {lo}, \
+                 \"suffix_max\": {hi}, \"heads\": {DECODE_HEADS}, \"heads_k\": {DECODE_HEADS_K}, \
+                 \"ms\": {:.6}, \"host_ms\": {:.6}, \"kv_bytes\": {:.0}}}",
+                t.ms,
+                t.host_ms,
+                bytes(pass)
+            ));
+        }
+        for packed in [false, true] {
+            let name = if packed { "cascade-decode" } else { "cascade" };
+            let check =
+                try_run(|| cascade_check(&cascade(&sets[0], packed)?, &unshared(&sets[0])?));
+            match check {
+                Ok((diff, max)) => {
+                    let ulp = dtype_ulp(self.dtype, max);
+                    let ulps = diff / ulp;
+                    let verdict = if ulps <= CASCADE_CHECK_ULPS {
+                        "ok"
+                    } else {
+                        "MISMATCH"
+                    };
+                    println!(
+                        "check {name}: max |{name} - unshared| {diff:.3e} = {ulps:.2} {:?} ulp \
+                         at max |unshared| {max:.3e} (bound {CASCADE_CHECK_ULPS}): {verdict}",
+                        self.dtype
+                    );
+                    self.records.push(format!(
+                        "  {{\"impl\": \"{FLASH}\", \"pass\": \"cascade-check\", \"variant\": \
+                         \"{name}\", \"max_abs_diff\": {diff:.3e}, \"ulps\": {ulps:.3}, \
+                         \"check\": \"{}\"}}",
+                        verdict.to_lowercase()
+                    ));
+                }
+                Err(e) => println!("check {name}: n/a ({e})"),
+            }
+        }
+        println!(
+            "# speedup: unshared ms / ms. K+V MB: the keys and values each pass reads (the \
+             prefix once for all sequences in the cascade). host ms: time to queue a call."
+        );
+        if let Some(path) = json {
+            self.write_json(path);
+        }
+    }
+}
+
+/// Sequence `i`'s suffix: `CASCADE_SUFFIX_MIN + (i · 97 mod CASCADE_SUFFIX_SPAN)` tokens,
+/// different for every sequence and spread over 64..256.
+fn cascade_suffix_lens() -> Vec<u32> {
+    (0..CASCADE_BATCH)
+        .map(|i| (CASCADE_SUFFIX_MIN + (i * 97) % CASCADE_SUFFIX_SPAN) as u32)
+        .collect()
+}
+
+/// Input sets to rotate over: as for decode, at least DECODE_MIN_CACHES and enough that the
+/// cascade's reads total DECODE_ROTATE_BYTES (its prompt, 32 MiB in bf16, would otherwise
+/// stay in L2), while the unshared caches stay within DECODE_MAX_BYTES.
+fn cascade_sets(dtype: DType) -> usize {
+    let row = DECODE_HEADS_K * DECODE_HD * dtype.size_in_bytes() * 2;
+    let suffix_cap = CASCADE_SUFFIX_MIN + CASCADE_SUFFIX_SPAN - 1;
+    let cascade = row * (CASCADE_PREFIX + CASCADE_BATCH * suffix_cap);
+    let full = row * CASCADE_BATCH * (CASCADE_PREFIX + suffix_cap);
+    let wanted = DECODE_ROTATE_BYTES.div_ceil(cascade).max(DECODE_MIN_CACHES);
+    wanted.min(DECODE_MAX_BYTES / full).max(1)
+}
+
+/// One cascade input set: q `(b, 1, h, d)`; the prompt's K and V `(1, prefix, hk, d)`; each
+/// sequence's own tokens `(b, suffix_max, hk, d)`; and the unshared caches `(b, prefix +
+/// suffix_max, hk, d)`, the prompt copied in front of each sequence's own tokens.
+struct CascadeInputs {
+    q: Tensor,
+    prefix_k: Tensor,
+    prefix_v: Tensor,
+    suffix_k: Tensor,
+    suffix_v: Tensor,
+    full_k: Tensor,
+    full_v: Tensor,
+}
+
+impl CascadeInputs {
+    fn new(dtype: DType, dev: &Device) -> Result<Self> {
+        let randn = |b: usize, rows: usize, heads: usize| {
+            Tensor::randn(0f32, 1.0, (b, rows, heads, DECODE_HD), dev)?.to_dtype(dtype)
+        };
+        let (b, hk) = (CASCADE_BATCH, DECODE_HEADS_K);
+        let suffix_cap = CASCADE_SUFFIX_MIN + CASCADE_SUFFIX_SPAN - 1;
+        let prefix_k = randn(1, CASCADE_PREFIX, hk)?;
+        let prefix_v = randn(1, CASCADE_PREFIX, hk)?;
+        let suffix_k = randn(b, suffix_cap, hk)?;
+        let suffix_v = randn(b, suffix_cap, hk)?;
+        let full = |p: &Tensor, s: &Tensor| -> Result<Tensor> {
+            Tensor::cat(
+                &[&p.broadcast_as((b, CASCADE_PREFIX, hk, DECODE_HD))?, s],
+                1,
+            )
+        };
+        Ok(Self {
+            q: randn(b, 1, DECODE_HEADS)?,
+            full_k: full(&prefix_k, &suffix_k)?,
+            full_v: full(&prefix_v, &suffix_v)?,
+            prefix_k,
+            prefix_v,
+            suffix_k,
+            suffix_v,
+        })
+    }
+
+    /// The prompt attended once: the sequences' query tokens as the rows of one batch,
+    /// `(out (b, 1, h, d), lse (b, h, 1))` (the lse a transposed view, which `combine` reads
+    /// as it is).
+    fn prefix(&self, opts: &FlashAttn) -> Result<(Tensor, Tensor)> {
+        let (b, h, d) = (CASCADE_BATCH, DECODE_HEADS, DECODE_HD);
+        let rows = self.q.reshape((1, b, h, d))?;
+        let (out, lse) = opts.forward_with_lse(&rows, &self.prefix_k, &self.prefix_v)?;
+        Ok((out.reshape((b, 1, h, d))?, lse.transpose(0, 2)?))
+    }
+
+    /// [`Self::prefix`] through the decode kernel: the sequences' query tokens as `b` query
+    /// rows of one sequence whose cache is the prompt (no mask), so that each K/V head's
+    /// `b · g` query rows are packed into the decode kernel's row tiles and the key range is
+    /// split across the GPU.
+    fn prefix_packed(&self, opts: &FlashAttn) -> Result<(Tensor, Tensor)> {
+        let (b, h, d) = (CASCADE_BATCH, DECODE_HEADS, DECODE_HD);
+        let rows = self.q.reshape((1, b, h, d))?;
+        let lens = [CASCADE_PREFIX as u32];
+        let (out, lse) = candle_flash::flash_attn_with_kvcache_lse(
+            &rows,
+            &self.prefix_k,
+            &self.prefix_v,
+            None,
+            &lens,
+            opts,
+        )?;
+        Ok((out.reshape((b, 1, h, d))?, lse.transpose(0, 2)?))
+    }
+}
+
+/// `(max |cascade - unshared|, max |unshared|)` in f32; infinite where either has a NaN or
+/// an infinity.
+fn cascade_check(cascade: &Tensor, unshared: &Tensor) -> Result<(f64, f64)> {
+    let f32 = |t: &Tensor| -> Result<Vec<f32>> {
+        t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    };
+    let (a, b) = (f32(cascade)?, f32(unshared)?);
+    if a.len() != b.len() {
+        bail!(
+            "cascade {:?} vs unshared {:?}",
+            cascade.dims(),
+            unshared.dims()
+        )
+    }
+    let (mut diff, mut max) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(&b) {
+        if !(x.is_finite() && y.is_finite()) {
+            return Ok((f64::INFINITY, f64::INFINITY));
+        }
+        diff = diff.max((x - y).abs() as f64);
+        max = max.max(y.abs() as f64);
+    }
+    Ok((diff, max))
+}
+
+/// One unit in the last place of `dtype` at `x`.
+fn dtype_ulp(dtype: DType, x: f64) -> f64 {
+    let mantissa = match dtype {
+        DType::BF16 => 7,
+        DType::F16 => 10,
+        _ => 23,
+    };
+    x.max(f64::MIN_POSITIVE).log2().floor().exp2() / f64::from(1u32 << mantissa)
 }
 
 /// One set of fresh random inputs, in the crate's (batch, seqlen, heads, head_dim) layout.

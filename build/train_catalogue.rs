@@ -33,6 +33,9 @@ fn stem(op: Op) -> (&'static str, usize) {
         Op::AdamwMoments => ("train_adamw_moments", 1),
         Op::AdamwApply => ("train_adamw_apply", 0),
         Op::SumSquares => ("train_sum_squares", 1),
+        Op::Combine => ("train_combine", 2),
+        Op::SinksFwd => ("train_sinks_fwd", 1),
+        Op::SinksGrad => ("train_sinks_grad", 1),
     }
 }
 

@@ -10,27 +10,58 @@
 //! sequence's prefix into a packed batch and runs the forward pass of `cpu.rs` on it as a
 //! variable-length problem, so decoding and prefill share one online-softmax loop.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle::backend::BackendStorage;
-use candle::{bail, CpuStorage, CustomOp3, InplaceOp2, Layout, Result, Shape, Tensor};
+use candle::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 use crate::cpu;
 use crate::params::cumulative;
 use crate::params::{AppendProblem, AttnShape, DecodeProblem, Paging, Problem, SeqOffsets};
 
-/// Row of the cache (in units of `hk · d` elements from the cache's first element) that holds
-/// token `j` of sequence `b`.
-fn cache_row(paging: &Paging, b: usize, j: usize) -> usize {
-    match paging {
-        Paging::Contiguous { capacity } => b * capacity + j,
-        Paging::Paged {
-            page_size,
-            max_pages,
-            block_table,
-            ..
-        } => block_table[b * max_pages + j / page_size] as usize * page_size + j % page_size,
+/// How the CPU finds a cache row: the paging with its block table on the host.
+enum HostPaging<'a> {
+    Contiguous {
+        capacity: usize,
+    },
+    Paged {
+        page_size: usize,
+        max_pages: usize,
+        block_table: &'a [u32],
+    },
+}
+
+impl<'a> HostPaging<'a> {
+    fn of(paging: &'a Paging) -> Result<Self> {
+        Ok(match paging {
+            Paging::Contiguous { capacity } => HostPaging::Contiguous {
+                capacity: *capacity,
+            },
+            Paging::Paged {
+                page_size,
+                max_pages,
+                block_table,
+                ..
+            } => HostPaging::Paged {
+                page_size: *page_size,
+                max_pages: *max_pages,
+                block_table: block_table.host("block_table")?,
+            },
+        })
+    }
+
+    /// Row of the cache (in units of `hk · d` elements from the cache's first element) that
+    /// holds token `j` of sequence `b`.
+    fn row(&self, b: usize, j: usize) -> usize {
+        match *self {
+            HostPaging::Contiguous { capacity } => b * capacity + j,
+            HostPaging::Paged {
+                page_size,
+                max_pages,
+                block_table,
+            } => block_table[b * max_pages + j / page_size] as usize * page_size + j % page_size,
+        }
     }
 }
 
@@ -65,17 +96,33 @@ fn cache_range(layout: &Layout, rows: usize, row_len: usize, len: usize) -> Resu
 }
 
 /// Writes `new` `(b, s_new, hk, d)` into the cache at rows `start[b]..start[b] + s_new` of
-/// each sequence, in place. The caller has checked that the rows fit.
-pub(crate) struct AppendOp(pub AppendProblem);
+/// each sequence, in place. The caller has checked that the rows fit. With rotary embedding
+/// (CUDA only: the CPU rotates with tensor ops first) the rows are rotated on the way and the
+/// launch also returns the rotated queries.
+pub(crate) struct AppendOp {
+    problem: AppendProblem,
+    /// The rotated queries `(b, s_q, h, d)`, written by `cuda_fwd` when rotary is set.
+    q_rot: Mutex<Option<Tensor>>,
+}
 
 impl AppendOp {
-    /// Appends `new` to `cache` in place (no-op when there is nothing to write).
-    pub fn run(&self, cache: &Tensor, new: &Tensor) -> Result<()> {
-        let p = &self.0;
-        if p.b * p.s_new * p.hk * p.d == 0 {
-            return Ok(());
+    pub fn new(problem: AppendProblem) -> Self {
+        Self {
+            problem,
+            q_rot: Mutex::new(None),
         }
-        cache.inplace_op2(new, self)
+    }
+
+    /// Appends `new` to `cache` in place (no-op when there is nothing to write); returns the
+    /// rotated queries when the problem rotates.
+    pub fn run(&self, cache: &Tensor, new: &Tensor) -> Result<Option<Tensor>> {
+        let p = &self.problem;
+        let q_rows = p.rotary.as_ref().map_or(0, |r| r.s_q * r.h);
+        if p.b * p.d * (p.s_new * p.hk + q_rows) == 0 {
+            return Ok(None);
+        }
+        cache.inplace_op2(new, self)?;
+        Ok(self.q_rot.lock().ok().and_then(|mut g| g.take()))
     }
 }
 
@@ -91,10 +138,14 @@ impl InplaceOp2 for AppendOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<()> {
+        let p = &self.problem;
+        if p.rotary.is_some() {
+            bail!("kv-cache append: the CPU rotates before appending, not inside the op")
+        }
         match (s1, s2) {
-            (CpuStorage::F32(c), CpuStorage::F32(n)) => append(&self.0, c, l1, n, l2),
-            (CpuStorage::F16(c), CpuStorage::F16(n)) => append(&self.0, c, l1, n, l2),
-            (CpuStorage::BF16(c), CpuStorage::BF16(n)) => append(&self.0, c, l1, n, l2),
+            (CpuStorage::F32(c), CpuStorage::F32(n)) => append(p, c, l1, n, l2),
+            (CpuStorage::F16(c), CpuStorage::F16(n)) => append(p, c, l1, n, l2),
+            (CpuStorage::BF16(c), CpuStorage::BF16(n)) => append(p, c, l1, n, l2),
             (c, n) => bail!(
                 "kv-cache append: expected a cache and new rows of one dtype among F32, F16, \
                  BF16, got {:?} and {:?}",
@@ -112,7 +163,17 @@ impl InplaceOp2 for AppendOp {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<()> {
-        crate::cuda::append(&self.0, s1, l1, s2, l2)
+        if let Some(q) = crate::cuda::append(&self.problem, s1, l1, s2, l2)? {
+            let p = &self.problem;
+            let h = p.rotary.as_ref().map_or(0, |r| r.h);
+            let s_q = p.rotary.as_ref().map_or(0, |r| r.s_q);
+            let none = candle::op::BackpropOp::none();
+            let q = Tensor::from_storage(candle::Storage::Cuda(q), (p.b, s_q, h, p.d), none, false);
+            if let Ok(mut guard) = self.q_rot.lock() {
+                *guard = Some(q);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -139,9 +200,16 @@ fn append<T: Copy>(
         )
     };
     let n0 = new_layout.start_offset();
-    for b in 0..p.b {
-        for i in 0..p.s_new {
-            let row = cache_row(&p.paging, b, p.start[b] as usize + i);
+    let paging = HostPaging::of(&p.paging)?;
+    let start = p.start.host("cache_seqlens")?;
+    let new_lens = match &p.new_lens {
+        Some(lens) => Some(lens.host("seqlens_q")?),
+        None => None,
+    };
+    for (b, &first) in start.iter().enumerate().take(p.b) {
+        let n = new_lens.map_or(p.s_new, |l| (l[b] as usize).min(p.s_new));
+        for i in 0..n {
+            let row = paging.row(b, first as usize + i);
             let dst = &mut cache[row * row_len..][..row_len];
             for (h, dst) in dst.chunks_exact_mut(p.d).enumerate() {
                 let src = n0 + b * sb + i * si + h * sh;
@@ -161,30 +229,94 @@ fn append<T: Copy>(
 /// Attention of `q` `(b, s_q, h, d)` over the first `seqlens[b]` tokens of each sequence of
 /// the cache. Inference only: it has no backward, so a gradient through its output is
 /// Candle's "no backward" error.
-pub(crate) struct DecodeOp(pub DecodeProblem);
+pub(crate) struct DecodeOp {
+    problem: DecodeProblem,
+    /// `(b, h, s_q)` f32 when `problem.want_lse`, written by `cpu_fwd` / `cuda_fwd`.
+    lse: Mutex<Option<Tensor>>,
+}
 
 impl DecodeOp {
+    pub fn new(problem: DecodeProblem) -> Self {
+        Self {
+            problem,
+            lse: Mutex::new(None),
+        }
+    }
+
     /// `(b, s_q, h, d)`.
     fn out_shape(&self) -> Shape {
-        let p = &self.0;
+        let p = &self.problem;
         Shape::from((p.b, p.s_q, p.h, p.d))
     }
 
-    /// Runs the op: `(b, s_q, h, d)` in q's dtype.
-    pub fn run(self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
-        let p = &self.0;
+    /// Runs the op: `(b, s_q, h, d)` in q's dtype, and the LSE `(b, h, s_q)` when the problem
+    /// asks for it.
+    pub fn run(
+        self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let p = &self.problem;
         if p.b * p.s_q * p.h == 0 {
-            return Tensor::zeros(self.out_shape(), q.dtype(), q.device());
+            let out = Tensor::zeros(self.out_shape(), q.dtype(), q.device())?;
+            let lse = Tensor::zeros((p.b, p.h, p.s_q), DType::F32, q.device())?;
+            return Ok((out, p.want_lse.then_some(lse)));
         }
-        q.apply_op3(k_cache, v_cache, self)
+        let want_lse = p.want_lse;
+        let op = Arc::new(self);
+        let out = q.apply_op3_arc(k_cache, v_cache, Arc::new(Box::new(OpHandle(op.clone()))))?;
+        if !want_lse {
+            return Ok((out, None));
+        }
+        let lse = op.lse.lock().ok().and_then(|mut g| g.take());
+        match lse {
+            Some(lse) => Ok((out, Some(lse))),
+            None => bail!("kv-cache: the attention kept no LSE"),
+        }
+    }
+
+    /// The decode output's `(b, s_q, h, d)` and LSE's `(b, h, s_q)` for the sinks' fix-up.
+    fn sink_layout(&self) -> crate::sinks::SinkLayout {
+        let p = &self.problem;
+        crate::sinks::SinkLayout {
+            outer: p.b,
+            rows: p.s_q,
+            heads: p.h,
+            d: p.d,
+        }
+    }
+
+    fn keep_lse(&self, lse: Tensor) {
+        if let Ok(mut guard) = self.lse.lock() {
+            *guard = Some(lse);
+        }
     }
 
     /// The same attention as a packed variable-length problem over the gathered prefixes:
     /// sequence `b` has `s_q` query rows and `seqlens[b]` key rows.
+    /// The real query rows per sequence (all `s_q` unless ragged).
+    fn q_lens(&self) -> Result<Vec<usize>> {
+        let p = &self.problem;
+        Ok(match &p.q_lens {
+            Some(lens) => lens
+                .host("seqlens_q")?
+                .iter()
+                .map(|&l| l as usize)
+                .collect(),
+            None => vec![p.s_q; p.b],
+        })
+    }
+
     fn varlen_problem(&self) -> Result<Problem> {
-        let p = &self.0;
-        let lens_k: Vec<usize> = p.seqlens.iter().map(|&l| l as usize).collect();
-        let cu_q = cumulative(&vec![p.s_q; p.b], "seqlen_q")?;
+        let p = &self.problem;
+        let lens_k: Vec<usize> = p
+            .seqlens
+            .host("cache_seqlens")?
+            .iter()
+            .map(|&l| l as usize)
+            .collect();
+        let cu_q = cumulative(&self.q_lens()?, "seqlen_q")?;
         let cu_k = cumulative(&lens_k, "cache_seqlens")?;
         Ok(Problem {
             shape: AttnShape {
@@ -206,6 +338,40 @@ impl DecodeOp {
     }
 }
 
+/// The op behind an `Arc`, so that the caller can read the LSE the run kept.
+struct OpHandle(Arc<DecodeOp>);
+
+impl CustomOp3 for OpHandle {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.0.cpu_fwd(s1, l1, s2, l2, s3, l3)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+        s3: &candle::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        self.0.cuda_fwd(s1, l1, s2, l2, s3, l3)
+    }
+}
+
 impl CustomOp3 for DecodeOp {
     fn name(&self) -> &'static str {
         "flash-attn-kvcache"
@@ -220,10 +386,40 @@ impl CustomOp3 for DecodeOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let p = &self.problem;
         let q = cpu::gather_f32(s1, l1)?;
-        let k = gather_prefixes(&self.0, s2, l2)?;
-        let v = gather_prefixes(&self.0, s3, l3)?;
-        let (out, _lse) = cpu::attn_fwd(&self.varlen_problem()?, &q, &k, &v)?;
+        let k = gather_prefixes(p, s2, l2)?;
+        let v = gather_prefixes(p, s3, l3)?;
+        // The real query rows, packed; padding rows (ragged queries) come back as zeros.
+        let q_lens = self.q_lens()?;
+        let row = p.h * p.d;
+        let rows = |b: usize| (b * p.s_q)..(b * p.s_q + q_lens[b]);
+        let packed_q: Vec<f32> = (0..p.b)
+            .flat_map(|b| rows(b).flat_map(|r| q[r * row..][..row].iter().copied()))
+            .collect();
+        let (packed, lse) = cpu::attn_fwd(&self.varlen_problem()?, &packed_q, &k, &v)?;
+        let mut out = vec![0f32; p.b * p.s_q * row];
+        let mut lse_out = vec![f32::NEG_INFINITY; p.b * p.h * p.s_q];
+        let total_q: usize = q_lens.iter().sum();
+        let mut t = 0;
+        for b in 0..p.b {
+            for r in rows(b) {
+                out[r * row..][..row].copy_from_slice(&packed[t * row..][..row]);
+                for h in 0..p.h {
+                    // Packed LSE is (h, total_q).
+                    lse_out[(b * p.h + h) * p.s_q + r - b * p.s_q] = lse[h * total_q + t];
+                }
+                t += 1;
+            }
+        }
+        if let Some(sinks) = &p.sinks {
+            let sinks = sinks.to_vec1::<f32>()?;
+            crate::sinks::fix_up_host(&mut out, &mut lse_out, &sinks, self.sink_layout());
+        }
+        if p.want_lse {
+            let shape = (p.b, p.h, p.s_q);
+            self.keep_lse(Tensor::from_vec(lse_out, shape, &candle::Device::Cpu)?);
+        }
         Ok((cpu::to_storage(out, s1.dtype())?, self.out_shape()))
     }
 
@@ -237,7 +433,17 @@ impl CustomOp3 for DecodeOp {
         s3: &candle::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        let out = crate::cuda::decode(&self.0, (s1, l1), (s2, l2), (s3, l3))?;
+        let p = &self.problem;
+        let (mut out, mut lse) = crate::cuda::decode(p, (s1, l1), (s2, l2), (s3, l3))?;
+        if let (Some(sinks), Some(lse)) = (&p.sinks, lse.as_mut()) {
+            crate::sinks::fix_up_cuda(&mut out, lse, sinks, self.sink_layout())?;
+        }
+        if let Some(lse) = lse.filter(|_| p.want_lse) {
+            let shape = (self.problem.b, self.problem.h, self.problem.s_q);
+            let storage = candle::Storage::Cuda(lse);
+            let none = candle::op::BackpropOp::none();
+            self.keep_lse(Tensor::from_storage(storage, shape, none, false));
+        }
         Ok((out, self.out_shape()))
     }
 }
@@ -265,11 +471,13 @@ fn prefixes<T: Copy>(
     let row_len = p.hk * p.d;
     let (c0, c1) = cache_range(layout, cache_rows(&p.paging, p.b), row_len, cache.len())?;
     let cache = &cache[c0..c1];
-    let total: usize = p.seqlens.iter().map(|&l| l as usize).sum();
+    let seqlens = p.seqlens.host("cache_seqlens")?;
+    let paging = HostPaging::of(&p.paging)?;
+    let total: usize = seqlens.iter().map(|&l| l as usize).sum();
     let mut out = Vec::with_capacity(total * row_len);
-    for (b, &len) in p.seqlens.iter().enumerate() {
+    for (b, &len) in seqlens.iter().enumerate() {
         for j in 0..len as usize {
-            let row = cache_row(&p.paging, b, j);
+            let row = paging.row(b, j);
             out.extend(cache[row * row_len..][..row_len].iter().map(|&x| f(x)));
         }
     }

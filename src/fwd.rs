@@ -1,5 +1,7 @@
 //! The forward op: `CustomOp3` over (q, k, v). It keeps the row log-sum-exp of its run so
 //! that [`CustomOp3::bwd`] can recompute the probabilities without re-running the forward.
+//! With attention sinks it turns the kernels' `(out, lse)` into the result with the sinks
+//! before it saves them (src/sinks.rs), so that its backward is exact unchanged.
 
 use std::sync::{Arc, Mutex};
 
@@ -10,12 +12,15 @@ use crate::bwd::FlashAttnBwdOp;
 use crate::cpu;
 use crate::layout::aligned;
 use crate::params::Problem;
+use crate::sinks::{self, SinkLayout};
 
 pub(crate) struct FlashAttnOp {
     problem: Problem,
     deterministic: bool,
+    /// The attention sinks `(h)` in f32 ([`sinks::values`]), if any.
+    sinks: Option<Tensor>,
     /// `(b, h, sq)` (packed: `(h, total_q)`) f32, written by `cpu_fwd` / `cuda_fwd`, read by
-    /// `bwd`.
+    /// `bwd`; with sinks, the LSE of the denominator with the sink.
     lse: Mutex<Option<Tensor>>,
 }
 
@@ -24,6 +29,7 @@ impl FlashAttnOp {
         Self {
             problem,
             deterministic,
+            sinks: None,
             lse: Mutex::new(None),
         }
     }
@@ -38,8 +44,16 @@ impl FlashAttnOp {
         self.problem.lse_shape()
     }
 
-    /// Runs the op, returning `(out, lse)`.
-    pub fn run(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Runs the op, returning `(out, lse)`; with `sinks` (`(h)`, checked by the caller) the
+    /// attention with sinks and the LSE with them. Gradients reach the sinks where they track
+    /// them.
+    pub fn run(
+        mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        sinks: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
         let s = self.problem.shape;
         if s.total_q * s.h == 0 {
             // Nothing to compute: every output dimension product is zero.
@@ -47,10 +61,17 @@ impl FlashAttnOp {
             let lse = Tensor::zeros(self.lse_shape(), DType::F32, q.device())?;
             return Ok((out, lse));
         }
+        self.sinks = sinks.map(sinks::values).transpose()?;
         let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
         let op = Arc::new(self);
         let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(OpHandle(op.clone()))))?;
         let lse = op.take_lse()?;
+        let out = match (sinks, &op.sinks) {
+            (Some(user), Some(values)) if user.track_op() => {
+                sinks::with_grad(&out, user, values, &lse, SinkLayout::of(&op.problem))?
+            }
+            _ => out,
+        };
         Ok((out, lse))
     }
 
@@ -97,7 +118,11 @@ impl CustomOp3 for OpHandle {
         let q = cpu::gather_f32(s1, l1)?;
         let k = cpu::gather_f32(s2, l2)?;
         let v = cpu::gather_f32(s3, l3)?;
-        let (out, lse) = cpu::attn_fwd(&op.problem, &q, &k, &v)?;
+        let (mut out, mut lse) = cpu::attn_fwd(&op.problem, &q, &k, &v)?;
+        if let Some(s) = &op.sinks {
+            let layout = SinkLayout::of(&op.problem);
+            sinks::fix_up_host(&mut out, &mut lse, &s.to_vec1::<f32>()?, layout);
+        }
         let lse = Tensor::from_vec(lse, op.lse_shape(), &candle::Device::Cpu)?;
         op.store_lse(lse)?;
         Ok((cpu::to_storage(out, s1.dtype())?, op.out_shape()))
@@ -114,7 +139,10 @@ impl CustomOp3 for OpHandle {
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         let op = &self.0;
-        let (out, lse) = crate::cuda::fwd(&op.problem, (s1, l1), (s2, l2), (s3, l3))?;
+        let (mut out, mut lse) = crate::cuda::fwd(&op.problem, (s1, l1), (s2, l2), (s3, l3))?;
+        if let Some(s) = &op.sinks {
+            sinks::fix_up_cuda(&mut out, &mut lse, s, SinkLayout::of(&op.problem))?;
+        }
         let lse = Tensor::from_storage(
             candle::Storage::Cuda(lse),
             op.lse_shape(),

@@ -76,6 +76,7 @@ mod ptx;
 mod reference;
 mod score_mod;
 mod shape;
+mod sinks;
 pub mod train;
 mod varlen;
 
@@ -89,8 +90,12 @@ pub use combine::combine;
 pub use dropout::dropout_mask;
 #[doc(hidden)]
 pub use failpoint::inject_failure;
-pub use kvcache::{flash_attn_with_kvcache, flash_attn_with_paged_kvcache, KvCache, PagedKvCache};
-pub use options::{flash_attn, FlashAttn};
+pub use kvcache::{
+    flash_attn_with_kvcache, flash_attn_with_kvcache_lse, flash_attn_with_kvcache_ragged,
+    flash_attn_with_paged_kvcache, flash_attn_with_paged_kvcache_lse,
+    flash_attn_with_paged_kvcache_ragged, BlockTable, CacheSeqlens, KvCache, PagedKvCache,
+};
+pub use options::{flash_attn, FlashAttn, Rotary};
 pub use padding::Padding;
 pub use params::MAX_HEAD_DIM;
 pub use reference::{attention_slow, attention_slow_dropout, attention_slow_with};

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use candle::{bail, Result, Tensor};
+use candle::{bail, DType, Result, Tensor};
 
 use crate::bwd::FlashAttnBwdOp;
 use crate::fwd::FlashAttnOp;
@@ -69,12 +69,30 @@ pub struct FlashAttn {
     /// Block-sparse attention: only the blocks of the attention matrix that the mask keeps
     /// are visible (and computed); see [`BlockMask`].
     pub block_mask: Option<BlockMask>,
+    /// Attention sinks (gpt-oss), one logit per query head, `(num_heads)`: see
+    /// [`FlashAttn::sinks`].
+    pub sinks: Option<Tensor>,
+    /// Rotary embedding applied by the KV-cache calls to the new keys and the queries: see
+    /// [`FlashAttn::rotary`].
+    pub rotary: Option<Rotary>,
+}
+
+/// Rotary embedding tables for [`FlashAttn::rotary`].
+#[derive(Clone, Debug)]
+pub struct Rotary {
+    /// `(positions, rotary_dim / 2)`, the cosines of each position's angles.
+    pub cos: Tensor,
+    /// The sines, the same shape.
+    pub sin: Tensor,
+    /// Rotates pairs `(2j, 2j + 1)` (GPT-J) instead of `(j, j + rotary_dim / 2)` (GPT-NeoX,
+    /// LLaMA).
+    pub interleaved: bool,
 }
 
 impl PartialEq for FlashAttn {
-    /// Equal options; ALiBi slopes compare by tensor identity.
+    /// Equal options; ALiBi slopes and sinks compare by tensor identity.
     fn eq(&self, other: &Self) -> bool {
-        let alibi = match (&self.alibi_slopes, &other.alibi_slopes) {
+        let same = |a: &Option<Tensor>, b: &Option<Tensor>| match (a, b) {
             (None, None) => true,
             (Some(a), Some(b)) => a.id() == b.id(),
             _ => false,
@@ -87,8 +105,18 @@ impl PartialEq for FlashAttn {
             && self.rng_offset == other.rng_offset
             && self.window_size == other.window_size
             && self.softcap == other.softcap
-            && alibi
+            && same(&self.alibi_slopes, &other.alibi_slopes)
             && self.block_mask == other.block_mask
+            && same(&self.sinks, &other.sinks)
+            && match (&self.rotary, &other.rotary) {
+                (None, None) => true,
+                (Some(a), Some(b)) => {
+                    a.cos.id() == b.cos.id()
+                        && a.sin.id() == b.sin.id()
+                        && a.interleaved == b.interleaved
+                }
+                _ => false,
+            }
     }
 }
 
@@ -105,6 +133,8 @@ impl Default for FlashAttn {
             softcap: 0.0,
             alibi_slopes: None,
             block_mask: None,
+            sinks: None,
+            rotary: None,
         }
     }
 }
@@ -206,8 +236,79 @@ impl FlashAttn {
         self
     }
 
-    /// The window, cap, slopes and block mask of a call with this shape, checked.
+    /// Attention sinks (gpt-oss's learned per-head logits): `sinks[h]` joins the softmax
+    /// denominator of every query row of head `h` as one more score with no value vector,
+    /// `p_ij = exp(s_ij - L_i)` with `L_i = log(exp(sinks[h]) + sum_j exp(s_ij))`, so each
+    /// row's probabilities sum to less than 1. The sink is a logit as it is: not multiplied
+    /// by the softmax scale, not capped, not masked, no ALiBi bias, outside every window and
+    /// block mask. A row that sees no key gives zeros (and an LSE of `sinks[h]`). Dropout
+    /// drops the keys' probabilities as without sinks.
+    ///
+    /// `sinks` is `(num_heads)`, one logit per query head, F32, F16 or BF16 (read in f32), on
+    /// q's device (checked when the op runs). `-inf` is no sink; NaN makes its head's rows
+    /// NaN. Differentiable: where `sinks` tracks gradients (a `Var`, or computed from one),
+    /// `backward()` gives its gradient, `-sum over rows of p_sink · rowsum(dO · out)` per
+    /// head, summed over the batch, in its dtype (at the cost of one copy of the output in the
+    /// forward). Sinks that track no gradient cost a scaling of the output and LSE rows.
+    ///
+    /// Applies to [`FlashAttn::forward`], [`FlashAttn::forward_with_lse`] (whose LSE is then
+    /// `L`, the sinks included), [`FlashAttn::forward_varlen`], [`FlashAttn::forward_padded`]
+    /// and [`FlashAttn::backward`] (which takes that `L`); [`FlashAttn::backward_sinks`]
+    /// gives the sinks' gradient there. The KV-cache calls apply them too (inference: no
+    /// gradient).
+    ///
+    /// ```
+    /// # fn main() -> candle::Result<()> {
+    /// use candle::{DType, Device, Tensor, Var};
+    /// let dev = Device::Cpu;
+    /// let q = Tensor::randn(0f32, 1.0, (1, 16, 4, 32), &dev)?;
+    /// let k = Tensor::randn(0f32, 1.0, (1, 16, 2, 32), &dev)?;
+    /// let v = Tensor::randn(0f32, 1.0, (1, 16, 2, 32), &dev)?;
+    /// let sinks = Var::zeros(4, DType::F32, &dev)?; // one logit per query head
+    /// let attn = candle_flash::FlashAttn::new().causal(true).sinks(&sinks);
+    /// let out = attn.forward(&q, &k, &v)?;
+    /// let grads = out.sqr()?.sum_all()?.backward()?;
+    /// assert_eq!(grads.get(&sinks).unwrap().dims(), &[4]);
+    /// # Ok(()) }
+    /// ```
+    pub fn sinks(mut self, sinks: &Tensor) -> Self {
+        self.sinks = Some(sinks.clone());
+        self
+    }
+
+    /// Rotary position embedding inside the KV-cache calls ([`crate::flash_attn_with_kvcache`]
+    /// and the paged form, FlashAttention's `rotary_cos` / `rotary_sin`): the new keys are
+    /// rotated at their positions `cache_seqlens[b] + i` as they are written to the cache, and
+    /// the queries at `cache_seqlens[b] + i` when causal or windowed, else all at
+    /// `cache_seqlens[b]`, so that the caller passes unrotated q and k and saves the launches
+    /// and copies of a separate rotary op. The first `rotary_dim` elements of each head turn,
+    /// in pairs `(j, j + rotary_dim / 2)` (LLaMA, GPT-NeoX) or, `interleaved`, `(2j, 2j + 1)`
+    /// (GPT-J); the rest is copied. `cos` and `sin` are `(positions, rotary_dim / 2)`, float
+    /// (F32 avoids a conversion per call), on q's device, with `rotary_dim` a multiple of 16
+    /// and at most `head_dim`. Needs new keys and values in the call; every position must be
+    /// below `positions` (checked with host lengths; with device lengths a position past the
+    /// tables takes the last row). Other entry points report an error.
+    pub fn rotary(mut self, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Self {
+        self.rotary = Some(Rotary {
+            cos: cos.clone(),
+            sin: sin.clone(),
+            interleaved,
+        });
+        self
+    }
+
+    /// The window, cap, slopes and block mask of a KV-cache decoding call with this shape,
+    /// checked (the decoding call checks its sinks itself).
     pub(crate) fn score_mods(
+        &self,
+        shape: &AttnShape,
+        device: &candle::Device,
+    ) -> Result<crate::score_mod::ScoreMods> {
+        self.checked_mods(shape, device)
+    }
+
+    /// The window, cap, slopes and block mask of a call with this shape, checked.
+    fn checked_mods(
         &self,
         shape: &AttnShape,
         device: &candle::Device,
@@ -254,7 +355,13 @@ impl FlashAttn {
         let scale = self.softmax_scale.unwrap_or(1.0 / (shape.d as f32).sqrt());
         params::check_scale(scale)?;
         params::check_dropout(self.dropout_p)?;
-        let mods = self.score_mods(&shape, device)?;
+        if self.rotary.is_some() {
+            bail!(
+                "rotary: only the KV-cache calls apply rotary embedding; rotate q and k before \
+                 this call (candle_flash::train::rotary)"
+            )
+        }
+        let mods = self.checked_mods(&shape, device)?;
         let dropout = if self.dropout_p > 0.0 {
             Some(Dropout {
                 p: self.dropout_p,
@@ -296,7 +403,8 @@ impl FlashAttn {
     /// Errors name the argument and the expected value (rank, shapes, dtypes, devices,
     /// head_dim, contiguity, scale, dropout_p, `window_size` with a negative side other than
     /// -1, a `softcap` that is negative or not finite, `alibi_slopes` that are not f32
-    /// `(num_heads)` or `(batch, num_heads)` on q's device).
+    /// `(num_heads)` or `(batch, num_heads)` on q's device, `sinks` that are not F32, F16 or
+    /// BF16 `(num_heads)` on q's device).
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         Ok(self.forward_with_lse(q, k, v)?.0)
     }
@@ -304,10 +412,21 @@ impl FlashAttn {
     /// Like [`FlashAttn::forward`], also returning the row log-sum-exp of the scaled scores,
     /// `(batch, num_heads, seqlen_q)` in f32 (`-inf` for rows that see no key). The LSE is
     /// what merging partial attentions (split-KV, ring attention) needs. It carries no
-    /// gradient.
+    /// gradient. With [`FlashAttn::sinks`] it is `log(exp(sinks[h]) + sum_j exp(s_ij))`, the
+    /// log of the denominator with the sink (`sinks[h]` for rows that see no key).
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let shape = params::validate(q, k, v)?;
-        FlashAttnOp::new(self.problem(shape, None, q.device())?, self.deterministic).run(q, k, v)
+        let sinks = self.checked_sinks(q, shape.h)?;
+        FlashAttnOp::new(self.problem(shape, None, q.device())?, self.deterministic)
+            .run(q, k, v, sinks)
+    }
+
+    /// The sinks, checked against q and its `heads`.
+    fn checked_sinks(&self, q: &Tensor, heads: usize) -> Result<Option<&Tensor>> {
+        if let Some(s) = &self.sinks {
+            crate::sinks::check(s, q, heads)?;
+        }
+        Ok(self.sinks.as_ref())
     }
 
     /// The backward pass of [`FlashAttn::forward`], called directly: given q, k, v, the `out`
@@ -323,7 +442,10 @@ impl FlashAttn {
     ///
     /// - `q`, `k`, `v`: as in [`FlashAttn::forward`];
     /// - `out`, `grad_out`: q's shape, dtype and device;
-    /// - `lse`: f32 `(batch, num_heads, seqlen_q)` on q's device.
+    /// - `lse`: f32 `(batch, num_heads, seqlen_q)` on q's device; with [`FlashAttn::sinks`],
+    ///   the LSE that includes them, as [`FlashAttn::forward_with_lse`] returns it with the
+    ///   same sinks (the gradients of q, k and v need nothing else from the sinks;
+    ///   [`FlashAttn::backward_sinks`] gives theirs).
     ///
     /// Dropout: the backward must drop the forward's entries, so with `dropout_p > 0`
     /// [`FlashAttn::rng_offset()`] must be set (to the same value for both calls); it is an
@@ -357,6 +479,7 @@ impl FlashAttn {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let shape = params::validate(q, k, v)?;
         params::validate_bwd_inputs(q, out, lse, grad_out, &shape)?;
+        self.checked_sinks(q, shape.h)?;
         // Not the process-wide counter: its next offset is a mask the forward never used.
         let problem =
             self.problem_with_offset(shape, None, q.device(), || match self.rng_offset {
@@ -376,6 +499,85 @@ impl FlashAttn {
         // The CUDA kernels read the LSE with its contiguous layout (as the forward writes it).
         let lse = crate::layout::contiguous_aligned(lse)?;
         FlashAttnBwdOp::new(problem, self.deterministic).run(&q, &k, &v, out, grad_out, &lse)
+    }
+
+    /// The gradient of the [`FlashAttn::sinks`], the counterpart of [`FlashAttn::backward`]
+    /// for them: `d sinks[h] = -sum over rows of exp(sinks[h] - lse) · rowsum(grad_out · out)`
+    /// over every row of head `h` (every sequence), the same that `backward()` through the
+    /// forward gives them. Returns `(num_heads)` in the sinks' dtype.
+    ///
+    /// - `out`, `lse`: what [`FlashAttn::forward_with_lse`] returned with these sinks,
+    ///   `(batch, seqlen_q, num_heads, head_dim)` and f32 `(batch, num_heads, seqlen_q)`, or
+    ///   [`FlashAttn::forward_varlen_with_lse`]'s `(total_q, num_heads, head_dim)` and
+    ///   `(num_heads, total_q)`;
+    /// - `grad_out`: out's shape, dtype and device.
+    ///
+    /// Errors: no sinks set, and arguments of other shapes, dtypes or devices than those
+    /// (each naming the argument and the expected value).
+    pub fn backward_sinks(&self, out: &Tensor, lse: &Tensor, grad_out: &Tensor) -> Result<Tensor> {
+        let Some(sinks) = &self.sinks else {
+            bail!("sinks: backward_sinks needs the sinks of the forward, set with FlashAttn::sinks")
+        };
+        let (layout, lse_dims, what) = match *out.dims() {
+            [b, sq, h, d] => (
+                crate::sinks::SinkLayout {
+                    outer: b,
+                    rows: sq,
+                    heads: h,
+                    d,
+                },
+                vec![b, h, sq],
+                "(batch, num_heads, seqlen_q)",
+            ),
+            [total_q, h, d] => (
+                crate::sinks::SinkLayout {
+                    outer: 1,
+                    rows: total_q,
+                    heads: h,
+                    d,
+                },
+                vec![h, total_q],
+                "(num_heads, total_q)",
+            ),
+            ref dims => bail!(
+                "out: expected (batch, seqlen_q, num_heads, head_dim) or (total_q, num_heads, \
+                 head_dim), got shape {dims:?}"
+            ),
+        };
+        params::check_dtype(out.device(), out.dtype(), "out: dtype")?;
+        crate::sinks::check(sinks, out, layout.heads)?;
+        if grad_out.dims() != out.dims()
+            || grad_out.dtype() != out.dtype()
+            || !grad_out.device().same_device(out.device())
+        {
+            bail!(
+                "grad_out: expected out's shape {:?}, dtype {:?} and device {:?}, got {:?} {:?} \
+                 on {:?}",
+                out.dims(),
+                out.dtype(),
+                out.device().location(),
+                grad_out.dims(),
+                grad_out.dtype(),
+                grad_out.device().location()
+            )
+        }
+        if lse.dtype() != DType::F32 || lse.dims() != lse_dims.as_slice() {
+            bail!(
+                "lse: expected F32 {what} = {lse_dims:?} as forward_with_lse returns it, got {:?} \
+                 {:?}",
+                lse.dtype(),
+                lse.dims()
+            )
+        }
+        if !lse.device().same_device(out.device()) {
+            bail!(
+                "lse: expected out's device ({:?}), got {:?}",
+                out.device().location(),
+                lse.device().location()
+            )
+        }
+        let values = crate::sinks::values(sinks)?;
+        crate::sinks::grad(out, grad_out, lse, &values, layout)?.to_dtype(sinks.dtype())
     }
 
     /// Attention over a packed batch of variable-length sequences (no work is spent on
@@ -413,7 +615,8 @@ impl FlashAttn {
 
     /// Like [`FlashAttn::forward_varlen`], also returning the row log-sum-exp of the scaled
     /// scores, `(num_heads, total_q)` in f32 (`-inf` for rows that see no key), FlashAttention's
-    /// packed LSE layout. It carries no gradient.
+    /// packed LSE layout. It carries no gradient. With [`FlashAttn::sinks`] it includes them
+    /// as in [`FlashAttn::forward_with_lse`].
     pub fn forward_varlen_with_lse(
         &self,
         q: &Tensor,
@@ -422,11 +625,12 @@ impl FlashAttn {
         varlen: &VarLen,
     ) -> Result<(Tensor, Tensor)> {
         let shape = params::validate_varlen(q, k, v, varlen)?;
+        let sinks = self.checked_sinks(q, shape.h)?;
         FlashAttnOp::new(
             self.problem(shape, Some(varlen), q.device())?,
             self.deterministic,
         )
-        .run(q, k, v)
+        .run(q, k, v, sinks)
     }
 
     /// Attention over a padded batch: packs the real tokens ([`Padding::unpad`]), runs

@@ -391,8 +391,39 @@ pub(crate) fn check_dropout(p: f32) -> Result<()> {
     Ok(())
 }
 
+/// Per-sequence numbers of a decoding call (cache lengths, a block table): on the host,
+/// checked before anything is written, or in a U32 tensor on the CUDA device that only the
+/// kernels read (no upload, no synchronisation: the call can be captured in a CUDA graph),
+/// whose values the kernels clamp to the cache instead.
+#[derive(Clone, Debug)]
+pub(crate) enum Indices {
+    Host(Vec<u32>),
+    Device(Tensor),
+}
+
+impl PartialEq for Indices {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Indices::Host(a), Indices::Host(b)) => a == b,
+            (Indices::Device(a), Indices::Device(b)) => a.id() == b.id(),
+            _ => false,
+        }
+    }
+}
+
+impl Indices {
+    /// The host values, or an error naming `what` for a device tensor (only the CUDA
+    /// launchers read those).
+    pub fn host(&self, what: &str) -> Result<&[u32]> {
+        match self {
+            Indices::Host(v) => Ok(v),
+            Indices::Device(_) => bail!("{what}: a device tensor reached a host-only path"),
+        }
+    }
+}
+
 /// How a KV cache is laid out in memory.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Paging {
     /// `(b, capacity, hk, d)`: sequence `b` owns rows `0..capacity` of slice `b`.
     Contiguous { capacity: usize },
@@ -402,7 +433,7 @@ pub(crate) enum Paging {
         page_size: usize,
         num_pages: usize,
         max_pages: usize,
-        block_table: Vec<u32>,
+        block_table: Indices,
     },
 }
 
@@ -424,7 +455,7 @@ impl Paging {
 /// the first `seqlens[b]` cached tokens of their sequence (causal among the last `s_q` if
 /// `causal`, bottom-right aligned). Appending new tokens is a separate in-place op that runs
 /// first, so `seqlens` already counts them.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub(crate) struct DecodeProblem {
     pub b: usize,
     pub s_q: usize,
@@ -435,9 +466,24 @@ pub(crate) struct DecodeProblem {
     pub causal: bool,
     /// Window (right side includes `causal`), softcap and ALiBi slopes.
     pub mods: crate::score_mod::ScoreMods,
-    /// Tokens to attend to per sequence (host copy), each <= `paging.capacity()`.
-    pub seqlens: Vec<u32>,
+    /// Tokens to attend to per sequence: on the host (after the append, each
+    /// <= `paging.capacity()`), or on the device as the lengths before the append, to which
+    /// the kernels add `seqlens_add` (the appended count) and clamp to the capacity.
+    pub seqlens: Indices,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CPU converts device lengths
+    pub seqlens_add: u32,
+    /// Ragged queries: the real query rows per sequence (`<= s_q`; the rest of q is padding,
+    /// whose output is 0 and LSE -inf); `None`: all `s_q`.
+    pub q_lens: Option<Indices>,
+    /// Device lengths grow by `q_lens[b]` (each sequence's new tokens), not `seqlens_add`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub add_q_lens: bool,
     pub paging: Paging,
+    /// Also return the row log-sum-exp `(b, h, s_q)` in f32.
+    pub want_lse: bool,
+    /// Attention sinks `(h)` in f32 ([`crate::sinks::values`]), applied to the output and
+    /// LSE after the kernel.
+    pub sinks: Option<Tensor>,
 }
 
 /// One in-place append: `new` (b, s_new, hk, d) is written to cache rows
@@ -448,7 +494,41 @@ pub(crate) struct AppendProblem {
     pub s_new: usize,
     pub hk: usize,
     pub d: usize,
-    /// Tokens already in the cache per sequence, before this append.
-    pub start: Vec<u32>,
+    /// Tokens already in the cache per sequence, before this append (on the device: rows
+    /// past the capacity are dropped by the kernel).
+    pub start: Indices,
+    /// Ragged: the new rows per sequence (`<= s_new`; the rest of `new` is padding).
+    pub new_lens: Option<Indices>,
     pub paging: Paging,
+    /// Rotates the new rows, and the queries, at their positions (the K append only).
+    pub rotary: Option<RotaryProblem>,
+}
+
+/// Rotary embedding fused into a KV-cache append: the new rows turn at positions
+/// `start[b] + i`; the queries `q` `(b, s_q, h, d)` are rotated into a new tensor at
+/// `start[b] + i` (`q_causal`) or `start[b]`.
+#[derive(Clone, Debug)]
+pub(crate) struct RotaryProblem {
+    /// `(positions, rot_half)` f32, contiguous.
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub rot_half: usize,
+    pub interleaved: bool,
+    pub q: Tensor,
+    pub s_q: usize,
+    pub h: usize,
+    pub q_causal: bool,
+}
+
+impl PartialEq for RotaryProblem {
+    fn eq(&self, o: &Self) -> bool {
+        (self.cos.id(), self.sin.id(), self.q.id()) == (o.cos.id(), o.sin.id(), o.q.id())
+            && (
+                self.rot_half,
+                self.interleaved,
+                self.s_q,
+                self.h,
+                self.q_causal,
+            ) == (o.rot_half, o.interleaved, o.s_q, o.h, o.q_causal)
+    }
 }

@@ -74,18 +74,22 @@ pub fn attention_slow_dropout(
 /// - `block_mask`: moreover, `j` is visible to query head `h` only where
 ///   [`BlockMask::to_dense`]`(seqlen_q, seqlen_k)` is 1 at `(h, i, j)` (at `(0, i, j)` for a
 ///   mask shared by all heads);
+/// - `sinks` `(num_heads)`: one more column of every row of head `h` with the score
+///   `sinks[h]` as it is (no scale, cap, bias or mask), in the softmax and then dropped,
+///   having no value;
 ///
-/// then the softmax over the visible keys. Rows that see no key give zeros, with finite
-/// (zero) gradients. `deterministic`, `seed` and `rng_offset` are ignored.
+/// then the softmax over the visible keys (and the sink). Rows that see no key (nor a finite
+/// sink) give zeros, with finite (zero) gradients. `deterministic`, `seed` and `rng_offset`
+/// are ignored.
 ///
 /// Computed in the input dtype with plain Candle ops, like [`attention_slow`] (any float dtype
 /// on any device, any strides), and differentiable with Candle's autograd: through the tanh of
-/// the softcap; the ALiBi bias is a constant. The mask and bias are built from the definition
+/// the softcap and to the sinks; the ALiBi bias is a constant. The mask and bias are built from the definition
 /// above (the block mask through its dense form), not from the kernels' code.
 ///
 /// Errors: those of [`attention_slow`]; those [`FlashAttn::forward`] reports for
-/// `window_size`, `softcap`, `alibi_slopes` (which must be f32 on q's device) and
-/// `block_mask` (whose blocks must cover the call, on q's device); and `dropout_p` other than
+/// `window_size`, `softcap`, `alibi_slopes` (which must be f32 on q's device), `block_mask`
+/// (whose blocks must cover the call, on q's device) and `sinks`; and `dropout_p` other than
 /// 0 (the dropout mask is not a function of the options here: use [`attention_slow_dropout`]
 /// with [`crate::dropout_mask`]).
 ///
@@ -124,6 +128,7 @@ pub fn attention_slow_with(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn)
         softcap: opts.softcap,
         alibi: opts.alibi_slopes.as_ref(),
         block_mask: opts.block_mask.as_ref(),
+        sinks: opts.sinks.as_ref(),
     };
     slow(q, k, v, &opts, None)
 }
@@ -139,6 +144,8 @@ struct SlowOpts<'a> {
     softcap: f32,
     alibi: Option<&'a Tensor>,
     block_mask: Option<&'a BlockMask>,
+    /// `(h)`: one more score per row, with no value.
+    sinks: Option<&'a Tensor>,
 }
 
 impl SlowOpts<'_> {
@@ -151,6 +158,7 @@ impl SlowOpts<'_> {
             softcap: 0.0,
             alibi: None,
             block_mask: None,
+            sinks: None,
         }
     }
 }
@@ -178,6 +186,9 @@ fn slow(
     if let Some(mask) = opts.block_mask {
         mask.check(&shape, q.device())?;
     }
+    if let Some(sinks) = opts.sinks {
+        crate::sinks::check(sinks, q, shape.h)?;
+    }
     if let Some((keep, p)) = dropout {
         params::check_dropout(p)?;
         let expected = [shape.b, shape.h, shape.sq, shape.sk];
@@ -198,8 +209,17 @@ fn slow(
     let (b, sq, sk, h, d) = (shape.b, shape.sq, shape.sk, shape.h, shape.d);
     let (dev, dtype) = (q.device(), q.dtype());
     if b * sq * h == 0 || sk == 0 {
-        // No query, or no key to attend to: every row is empty or fully masked.
-        return Tensor::zeros((b, sq, h, d), dtype, dev);
+        // No query, or no key to attend to: every row is empty or fully masked (a sink has no
+        // value). With sinks, through them, so that they get their (zero) gradient and a NaN
+        // one makes its head NaN.
+        let zeros = Tensor::zeros((b, sq, h, d), dtype, dev)?;
+        return match opts.sinks {
+            Some(s) => {
+                let zero = (s.to_dtype(dtype)?.clamp(-1f32, 1f32)? * 0.0)?;
+                zeros.broadcast_add(&zero.reshape((1, 1, h, 1))?)
+            }
+            None => Ok(zeros),
+        };
     }
     let q = q.transpose(1, 2)?.contiguous()?; // (b, h, sq, d)
     let k = repeat_kv(k, shape.group())?.transpose(1, 2)?.contiguous()?; // (b, h, sk, d)
@@ -254,6 +274,14 @@ fn slow(
         dead = visible.max_keepdim(D::Minus1)?.eq(0u8)?.to_dtype(dtype)?;
     }
 
+    if let Some(sinks) = opts.sinks {
+        // The sink column, last; rows with a finite sink are not dead (a sink of -inf is
+        // none, NaN stays NaN).
+        let sinks = sinks.to_dtype(dtype)?.reshape((1, h, 1, 1))?;
+        scores = Tensor::cat(&[&scores, &sinks.broadcast_as((b, h, sq, 1))?], D::Minus1)?;
+        let no_sink = sinks.eq(f64::NEG_INFINITY)?.to_dtype(dtype)?;
+        dead = dead.broadcast_mul(&no_sink)?;
+    }
     // Softmax with the row max subtracted for range. The max is detached (softmax does not
     // depend on it, so no gradient is lost) and 0 on dead rows instead of -inf, so that
     // exp(-inf - max) is 0 rather than NaN; adding 1 to dead rows' (zero) denominator then
@@ -264,6 +292,9 @@ fn slow(
     let exp = scores.broadcast_sub(&row_max)?.exp()?;
     let denom = exp.sum_keepdim(D::Minus1)?.broadcast_add(&dead)?;
     let mut probs = exp.broadcast_div(&denom)?;
+    if opts.sinks.is_some() {
+        probs = probs.narrow(D::Minus1, 0, sk)?.contiguous()?;
+    }
     if let Some((keep, p)) = dropout {
         let keep = keep.ne(&keep.zeros_like()?)?.to_dtype(dtype)?.detach();
         probs = ((probs * keep)? * crate::philox::keep_scale(p) as f64)?;

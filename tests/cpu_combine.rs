@@ -162,3 +162,90 @@ fn bad_parts_are_refused_by_name() -> Result<()> {
     );
     Ok(())
 }
+
+/// NaN propagates to its own row only: a NaN lse in one part makes that row's output and lse
+/// NaN; a NaN element of a part's output makes that element of the merged output NaN.
+#[test]
+fn nan_stays_in_its_row() -> Result<()> {
+    let (b, s, h, d) = (1, 3, 2, 4);
+    let dev = &Device::Cpu;
+    let o2 = randn((b, s, h, d), DType::F32)?;
+    let l1 = randn((b, h, s), DType::F32)?;
+    let mut o1 = randn((b, s, h, d), DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut l2 = randn((b, h, s), DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    // lse NaN at (head 0, query 1) of part 2; o NaN at (query 2, head 1, element 3) of part 1.
+    l2[1] = f32::NAN;
+    let bad_element = (2 * h + 1) * d + 3;
+    o1[bad_element] = f32::NAN;
+    let o1 = Tensor::from_vec(o1, (b, s, h, d), dev)?;
+    let l2 = Tensor::from_vec(l2, (b, h, s), dev)?;
+    let (o, lse) = combine(&[(o1, l1), (o2, l2)])?;
+    let o = o.flatten_all()?.to_vec1::<f32>()?;
+    for (i, x) in o.iter().enumerate() {
+        let (query, head) = (i / (h * d), (i / d) % h);
+        let nan_row = query == 1 && head == 0;
+        assert_eq!(x.is_nan(), nan_row || i == bad_element, "out[{i}] = {x}");
+    }
+    let lse = lse.flatten_all()?.to_vec1::<f32>()?;
+    for (i, x) in lse.iter().enumerate() {
+        assert_eq!(x.is_nan(), i == 1, "lse[{i}] = {x}");
+    }
+    Ok(())
+}
+
+/// Parts of any strides (an output cut at an offset from a wider one, strided rows, a strided
+/// head_dim, a transposed lse) merge as their contiguous copies do.
+#[test]
+fn strided_parts_merge_like_contiguous_ones() -> Result<()> {
+    let (b, s, h, d) = (2, 5, 3, 8);
+    let parts: Vec<(Tensor, Tensor)> = (0..3)
+        .map(|_| {
+            Ok((
+                randn((b, s, h, d), DType::F32)?,
+                randn((b, h, s), DType::F32)?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let wide = Tensor::cat(&[&randn((b, s, h, 3), DType::F32)?, &parts[0].0], 3)?;
+    let strided = vec![
+        (
+            wide.narrow(3, 3, d)?,
+            parts[0].1.transpose(1, 2)?.contiguous()?.transpose(1, 2)?,
+        ),
+        (
+            parts[1].0.transpose(1, 2)?.contiguous()?.transpose(1, 2)?,
+            parts[1].1.clone(),
+        ),
+        (
+            parts[2].0.transpose(2, 3)?.contiguous()?.transpose(2, 3)?,
+            parts[2].1.clone(),
+        ),
+    ];
+    assert!(strided.iter().all(|(o, _)| !o.is_contiguous()));
+    let (o, lse) = combine(&strided)?;
+    let (o_ref, lse_ref) = combine(&parts)?;
+    assert_close("strided out", &o, &o_ref, 1e-6)?;
+    assert_close("strided lse", &lse, &lse_ref, 1e-6)?;
+    Ok(())
+}
+
+/// More parts than one CUDA launch takes (16, merged there in groups): 21 pieces of one
+/// attention merge into the whole.
+#[test]
+fn many_parts_equal_the_whole_attention() -> Result<()> {
+    let (b, sq, sk, h, d) = (1, 4, 84, 2, 16);
+    let q = randn((b, sq, h, d), DType::F32)?;
+    let k = randn((b, sk, h, d), DType::F32)?;
+    let v = randn((b, sk, h, d), DType::F32)?;
+    let cuts: Vec<usize> = (1..21).map(|i| 4 * i).collect();
+    let (parts, (out, lse)) = parts_and_whole(&q, &k, &v, &cuts)?;
+    assert_eq!(parts.len(), 21);
+    let (merged, merged_lse) = combine(&parts)?;
+    assert_close("21 parts: out", &merged, &out, 1e-5)?;
+    assert_close("21 parts: lse", &merged_lse, &lse, 1e-5)?;
+    Ok(())
+}

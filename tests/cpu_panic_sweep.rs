@@ -205,6 +205,20 @@ fn options(rng: &mut StdRng) -> Vec<(String, FlashAttn)> {
             FlashAttn::new().alibi_slopes(&slopes),
         ));
     }
+    for (name, sinks) in [
+        ("(4)", f(&[4])),
+        ("(3)", f(&[3])),
+        ("(2,4)", f(&[2, 4])),
+        ("bf16 (4)", t(&[4], DType::BF16)),
+        ("u32 (4)", t(&[4], DType::U32)),
+        (
+            "-inf (4)",
+            (f(&[4]).ones_like().unwrap() * f64::NEG_INFINITY).unwrap(),
+        ),
+        ("nan (4)", (f(&[4]) * f64::NAN).unwrap()),
+    ] {
+        out.push((format!("sinks {name}"), FlashAttn::new().sinks(&sinks)));
+    }
     for (name, mask) in block_masks() {
         out.push((
             format!("block mask {name}"),
@@ -255,6 +269,9 @@ fn attention_calls(s: &mut Sweep, what: &str, q: &Tensor, k: &Tensor, v: &Tensor
         ] {
             s.call(format!("backward {what} grad {gname}"), || {
                 o.backward(q, k, v, out, lse, &g)
+            });
+            s.call(format!("backward_sinks {what} grad {gname}"), || {
+                o.backward_sinks(out, lse, &g)
             });
         }
         s.call(format!("backward {what} lse of q"), || {

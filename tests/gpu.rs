@@ -10,7 +10,7 @@
 //!
 //! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
 //! runs only those sections: fwd, bwd, mods (window, softcap, ALiBi), sparse (block-sparse), varlen (varlen,
-//! padding, dropout), kvcache, misc
+//! padding, dropout), sinks (attention sinks), kvcache, misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
 //! reliability, train (the fused training ops), property (random configurations over every
 //! option, tests/gpu/property.rs); `--sanitize` (scripts/gpu/sanitize.sh, with `--quick`) draws random inputs and
@@ -57,8 +57,16 @@ mod mods;
 mod deterministic;
 
 #[cfg(feature = "cuda")]
+#[path = "gpu/sinks.rs"]
+mod sinks;
+
+#[cfg(feature = "cuda")]
 #[path = "gpu/property.rs"]
 mod property;
+
+#[cfg(feature = "cuda")]
+#[path = "gpu/combine.rs"]
+mod combine;
 
 // The CPU tests' helpers, for the `train` section's shared checks (tests/common/train.rs)
 // and the `property` section's generator (tests/common/property.rs).
@@ -940,12 +948,13 @@ mod cuda_suite {
     type Section = fn(&Device, bool, &mut Suite);
 
     /// The sections in the order they run; `--only` picks among them.
-    const SECTIONS: [(&str, Section); 10] = [
+    const SECTIONS: [(&str, Section); 11] = [
         ("fwd", fwd_section),
         ("bwd", bwd_section),
         ("mods", crate::mods::run),
         ("sparse", crate::block_sparse::run),
         ("varlen", crate::varlen_dropout::run),
+        ("sinks", crate::sinks::run),
         ("kvcache", crate::kvcache::run),
         ("misc", misc_section),
         ("reliability", crate::reliability::run),
@@ -1060,6 +1069,11 @@ mod cuda_suite {
         suite.record("cuda input errors", cuda_errors(dev));
         suite.record("backward api vs autograd", backward_api(dev));
         suite.record("combine of key parts vs whole", combine_parts(dev));
+        suite.record("combine kernel vs ops", crate::combine::kernel_vs_ops(dev));
+        suite.record(
+            "combine with a gradient",
+            crate::combine::gradient_takes_the_ops(dev),
+        );
     }
 
     /// `combine` on the GPU: bf16 attention over keys cut in three parts (the kernels' LSE

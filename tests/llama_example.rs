@@ -1,8 +1,10 @@
 //! The LLaMA example's model on the CPU: the built-in checkpoint generated offline, flash and
 //! naive attention agreeing token for token and logit for logit, contiguous and paged
 //! caches, a batch of prompts of different lengths equal to each prompt alone, sharded
-//! checkpoints, and the errors a user meets first; then what surrounds the model: streamed
-//! text on whole UTF-8 characters, chat templates, and where `--model` finds a model.
+//! checkpoints, and the errors a user meets first; the decoding step of CUDA graph mode run
+//! eagerly on the CPU (its inputs in tensors, the lengths advanced by the step itself) against
+//! the eager step; then what surrounds the model: streamed text on whole UTF-8 characters,
+//! chat templates, where `--model` finds a model, and the command line.
 #![allow(dead_code)] // the example's modules are shared with other programs
 
 #[path = "../examples/llama/builtin.rs"]
@@ -13,6 +15,8 @@ mod chat;
 mod checkpoint;
 #[path = "../examples/llama/generate.rs"]
 mod generate;
+#[path = "../examples/llama/graph.rs"]
+mod graph;
 #[path = "../examples/llama/model.rs"]
 mod model;
 #[path = "../examples/llama/source.rs"]
@@ -21,6 +25,8 @@ mod source;
 mod stream;
 
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 
 use candle::{DType, Device, Tensor};
 use candle_transformers::generation::Sampling;
@@ -60,6 +66,112 @@ fn run(dir: &Path, attn: AttnImpl, prompts: &[Vec<u32>], opts: &GenOpts) -> Gene
     let ckpt = Checkpoint::open(dir).unwrap();
     let model = ckpt.load(attn, DType::F32, &Device::Cpu, 512).unwrap();
     generate::generate(&model, prompts, opts, |_, _| {}).unwrap()
+}
+
+#[test]
+fn the_graph_step_decodes_like_the_eager_one() {
+    // Graph mode's step without the capture: tokens and lengths in tensors, the next tokens
+    // (greedy) chosen and the lengths advanced by the step itself, one cache per batch size
+    // kept across generations, a paged cache's pages given up front.
+    let dir = builtin_dir("graph-step");
+    let p = prompts(&dir);
+    let model = Checkpoint::open(&dir)
+        .unwrap()
+        .load(AttnImpl::Flash, DType::F32, &Device::Cpu, 512)
+        .unwrap();
+    let mut graphs = graph::Graphs::new(false, 64);
+    for layout in [
+        CacheLayout::Contiguous,
+        CacheLayout::Paged { page_size: 4 },
+        CacheLayout::Paged { page_size: 16 },
+    ] {
+        let opts = greedy(20, layout);
+        let eager = generate::generate(&model, &p, &opts, |_, _| {}).unwrap();
+        // Twice: the second generation reuses the first one's cache and static tensors.
+        for again in [false, true] {
+            let g = generate::generate_with(&model, &p, &opts, &mut graphs, |_, _| {}).unwrap();
+            assert_eq!(g.tokens, eager.tokens, "{layout:?}, again {again}");
+            let diff = max_diff(&g.logits, &eager.logits);
+            assert!(diff < 1e-5, "{layout:?}: logits differ by {diff}");
+            assert_eq!(g.stats.decode, "device step");
+        }
+        // Another batch size gets its own slot; the greedy choice without recorded logits.
+        let one = GenOpts {
+            record_logits: false,
+            ..greedy(9, layout)
+        };
+        let alone = generate::generate(&model, &p[1..2], &one, |_, _| {}).unwrap();
+        let g = generate::generate_with(&model, &p[1..2], &one, &mut graphs, |_, _| {}).unwrap();
+        assert_eq!(g.tokens, alone.tokens, "{layout:?}, batch 1");
+    }
+    // Sampling on the host: the logits come out of the step, the tokens go back in.
+    let sampled = GenOpts {
+        sampling: Sampling::All { temperature: 0.9 },
+        record_logits: false,
+        ..greedy(16, CacheLayout::Contiguous)
+    };
+    let eager = generate::generate(&model, &p, &sampled, |_, _| {}).unwrap();
+    let g = generate::generate_with(&model, &p, &sampled, &mut graphs, |_, _| {}).unwrap();
+    assert_eq!(g.tokens, eager.tokens);
+}
+
+#[test]
+fn a_cache_stepped_on_the_device_refuses_eager_steps_until_reset() {
+    let dir = builtin_dir("graph-mix");
+    let model = Checkpoint::open(&dir)
+        .unwrap()
+        .load(AttnImpl::Flash, DType::F32, &Device::Cpu, 64)
+        .unwrap();
+    let cfg = model.config().clone();
+    let dev = Device::Cpu;
+    let mut cache = model::Cache::new(
+        &cfg,
+        AttnImpl::Flash,
+        CacheLayout::Contiguous,
+        2,
+        16,
+        DType::F32,
+        &dev,
+    )
+    .unwrap();
+    let ids = Tensor::new(&[1u32, 2], &dev).unwrap();
+    model
+        .forward_packed(
+            &Tensor::new(&[1u32, 2, 3], &dev).unwrap(),
+            &[2, 1],
+            Some(&mut cache),
+            None,
+        )
+        .unwrap();
+    let step = model::DeviceStep {
+        lengths: Tensor::new(&[2u32, 1], &dev).unwrap(),
+        table: None,
+    };
+    model.forward_step_device(&ids, &step, &mut cache).unwrap();
+    cache.advance();
+    assert_eq!(cache.lengths(), &[3, 2]);
+    let err = model.forward_step(&ids, &mut cache).unwrap_err();
+    assert!(format!("{err}").contains("on the device"), "{err}");
+    cache.reset();
+    assert_eq!(cache.lengths(), &[0, 0]);
+    model
+        .forward_packed(
+            &Tensor::new(&[1u32, 2, 3], &dev).unwrap(),
+            &[2, 1],
+            Some(&mut cache),
+            None,
+        )
+        .unwrap();
+    model.forward_step(&ids, &mut cache).unwrap();
+    // Naive attention has no device step.
+    let naive = Checkpoint::open(&dir)
+        .unwrap()
+        .load(AttnImpl::Naive, DType::F32, &Device::Cpu, 64)
+        .unwrap();
+    let err = naive
+        .forward_step_device(&ids, &step, &mut cache)
+        .unwrap_err();
+    assert!(format!("{err}").contains("flash attention"), "{err}");
 }
 
 fn prompts(dir: &Path) -> Vec<Vec<u32>> {
@@ -553,4 +665,103 @@ fn without_model_the_default_is_smollm2_from_the_cache_else_the_builtin_one() {
         default_model_in(Some(&cache), &hub),
         Source::Gguf(cache.join(DEFAULT_GGUF))
     );
+}
+
+/// The example's binary, built (once per test run) by the cargo that runs these tests, with
+/// their profile and features (as tests/finetune_example.rs does).
+fn example_binary() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let mut cargo = Command::new(env!("CARGO"));
+        // Without the variables cargo set for this test: build scripts that read them would
+        // rerun here, then again in the next plain build.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            let per_crate = [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+            ];
+            if per_crate.iter().any(|p| name.starts_with(p))
+                || name == "CARGO_PRIMARY_PACKAGE"
+                || name == "CARGO_TARGET_TMPDIR"
+                || name == "OUT_DIR"
+            {
+                cargo.env_remove(&*name);
+            }
+        }
+        cargo.args(["build", "--example", "llama", "--message-format=json"]);
+        cargo.args([
+            "--manifest-path",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+        ]);
+        let exe = std::env::current_exe().unwrap();
+        let profile = exe
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::file_name);
+        match profile.and_then(|p| p.to_str()).unwrap() {
+            "debug" => {}
+            name => {
+                cargo.args(["--profile", name]);
+            }
+        }
+        if cfg!(feature = "cuda") {
+            cargo.args(["--features", "cuda"]);
+        }
+        let out = cargo.stderr(Stdio::inherit()).output().unwrap();
+        assert!(out.status.success(), "cargo build --example llama failed");
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "llama")
+            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+            .expect("cargo reported no llama executable")
+    })
+}
+
+#[test]
+fn the_cuda_graph_flags_are_accepted_on_the_cpu() {
+    // --no-cuda-graph and --roofline are CUDA matters: on the CPU the run is the same eager
+    // one, and the roofline says why it is not printed.
+    let dir = builtin_dir("flags");
+    let run = |extra: &[&str]| {
+        let out = Command::new(example_binary())
+            .args(["--device", "cpu", "--model"])
+            .arg(&dir)
+            .args([
+                "--prompt",
+                "The KV cache",
+                "--max-new-tokens",
+                "5",
+                "--ignore-eos",
+            ])
+            .args(["--quiet", "--print-ids", "--stats-json"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        let ids: Vec<String> = stdout
+            .lines()
+            .filter(|l| l.starts_with("ids["))
+            .map(String::from)
+            .collect();
+        let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        (ids, json, stderr)
+    };
+    let (ids, json, _) = run(&[]);
+    let (ids_off, json_off, err_off) = run(&["--no-cuda-graph", "--roofline"]);
+    assert_eq!(ids.len(), 1);
+    assert_eq!(ids, ids_off);
+    for j in [&json, &json_off] {
+        assert_eq!(j["decode"], "eager", "{j}");
+        assert_eq!(j["cuda_graph"], false, "{j}");
+    }
+    assert!(err_off.contains("ms/step, eager)"), "{err_off}");
+    assert!(err_off.contains("roofline: needs CUDA"), "{err_off}");
 }

@@ -121,9 +121,19 @@ struct DecodeParams {
                              // null: they are in seqlens_inline (b <= DECODE_INLINE_SEQLENS)
     const int* block_table;  // (b, max_pages) or null (one contiguous cache per sequence)
     int max_pages, page_size;  // page_size = capacity when not paged
+    int num_pages;             // pages in the pool (paged): larger table entries are clamped
+    // Added to each length read from `seqlens` (device lengths are those before the append);
+    // the sum is clamped to the capacity.
+    int seqlens_add;
+    // Ragged queries: q_lens[b] <= seqlen_q query rows of sequence b are real, the rest
+    // padding (output 0, LSE -inf); null: all seqlen_q. add_q_lens: device lengths grow by
+    // q_lens[b] (its new tokens) instead of seqlens_add.
+    const int* q_lens;
+    int add_q_lens;
     int num_splits;            // key-range splits per (sequence, K/V head, row tile)
     float* o_partial;          // (num_splits, b, h, seqlen_q, d) when num_splits > 1
     float* lse_partial;        // (num_splits, b, h, seqlen_q)
+    float* lse;                // (b, h, seqlen_q) row log-sum-exp out, or null
     // Split merge: one arrival counter per (b, h_k, row tile), zero at launch and left zero
     // (the last split of a tile resets its counter). Set whenever num_splits > 1.
     unsigned int* counters;
@@ -140,5 +150,19 @@ struct AppendParams {
     const int* start;        // (b) tokens in the cache before the append
     const int* block_table;  // as in DecodeParams
     int max_pages, page_size;
+    int num_pages;  // as in DecodeParams
     int d;
+    int s_new, h_k;  // rows and heads of src (the grid may be larger: query rows)
+    const int* new_lens;  // ragged: rows i >= new_lens[b] of sequence b are padding; or null
+    // Rotary embedding (null: none): tables (rot_rows, rot_half) in f32, rotating the first
+    // 2 * rot_half elements of each row at its position.
+    const float* rot_cos;
+    const float* rot_sin;
+    int rot_rows, rot_half, rot_interleaved;
+    // Query rows (b, s_q, h, d) rotated into q_out (contiguous) by the K launch, at positions
+    // start[b] + i (q_causal) or start[b]; q null otherwise.
+    int s_q, h, q_causal;
+    const void* q;
+    void* q_out;
+    int64_t q_batch_stride, q_row_stride, q_head_stride;
 };

@@ -1,5 +1,6 @@
 // KV-cache decoding, launched in this order:
-//   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k, b)
+//   flash_append_<dtype>          new K or V rows -> cache rows start[b]..        grid (s_new, h_k + h, b)
+//                                 (rotary embedding and the rotated queries: append.cuh)
 //   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
 //   flash_decode_<dtype>_d<D>_w8  the same with 8 warps (split launches, D <= 128)
 //   flash_decode_<dtype>_d<D>_w2  with 2 warps, D > 128 on 99 KB devices (sm_86/89)
@@ -12,24 +13,13 @@
 // below. The query heads that share a K/V head are folded into the rows of one tile (GQA
 // packing): row r holds token r / group of head h_k * group + r % group, so each K/V element
 // is read once per group, not per head.
+#include "decode/append.cuh"
 #include "decode/decode_block.cuh"
 #include "common/gemm.cuh"
 #include "common/mask/visibility.cuh"
 #include "common/pdl.cuh"
 #include "common/seq_info.cuh"
 #include "common/softmax.cuh"
-
-template <typename T> __device__ __forceinline__ void flash_append(const AppendParams& ap) {
-    const int i = blockIdx.x, h_k = blockIdx.y, b = blockIdx.z;
-    const CacheRows rows{ap.block_table, ap.max_pages, ap.page_size, b, h_k};
-    const int j = ap.start[b] + i;  // checked on the host to fit the cache
-    T* dst = rows.row(static_cast<T*>(ap.cache), ap.cache_page_stride, ap.cache_row_stride,
-                      ap.cache_head_stride, j);
-    const T* src = static_cast<const T*>(ap.src) + b * ap.src_batch_stride +
-                   int64_t(i) * ap.src_row_stride + h_k * ap.src_head_stride;
-    for (int c = threadIdx.x * CHUNK; c < ap.d; c += blockDim.x * CHUNK)
-        *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
-}
 
 // Decode tile: ROWS packed query rows shared by NWARPS warps. Each warp streams its own
 // 16-key K/V tiles (tiles w, w + NWARPS, ... of the block's key range) through a private
@@ -174,6 +164,8 @@ __device__ __forceinline__ void merge_splits(const DecodeParams& dp, float* smem
 #pragma unroll
         for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
         const float inv = sum == 0.f ? 0.f : 1.f / sum;  // NaN stays NaN
+        if (dp.lse != nullptr && lane == 0)
+            dp.lse[part_row(r)] = sum == 0.f ? -INFINITY : mx + logf(sum);
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) weights[r * MAX_SPLITS + lane + 32 * i] = l[i] * inv;
     }
@@ -228,6 +220,24 @@ __device__ __forceinline__ void merge_splits(const DecodeParams& dp, float* smem
     }
 }
 
+// Writes the rows of a tile that holds only ragged padding: output 0 and, when asked, LSE
+// -inf, for rows m0.. of sequence b's K/V head h_k.
+template <typename T, int ROWS>
+__device__ __forceinline__ void pad_rows(const DecodeParams& dp, int b, int h_k, int m0, int tid,
+                                         int threads) {
+    const AttnParams& p = dp.a;
+    const int group = p.h_h_k_ratio;
+    const int n_rows = min(ROWS, p.seqlen_q * group - m0);
+    for (int e = tid; e < n_rows * p.d; e += threads) {
+        const int r = e / p.d, col = e % p.d;
+        const int token = (m0 + r) / group, head = h_k * group + (m0 + r) % group;
+        static_cast<T*>(p.o)[b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
+                             head * p.o_head_stride + col] = T(0.f);
+        if (col == 0 && dp.lse != nullptr)
+            dp.lse[(int64_t(b) * p.h + head) * p.seqlen_q + token] = -INFINITY;
+    }
+}
+
 template <class K> __device__ __forceinline__ void flash_decode(const DecodeParams& dp) {
     using T = typename K::T;
     constexpr int D = K::D, BN = K::BN, STRIDE = K::STRIDE, PITCH = K::PITCH, DT = K::DT;
@@ -255,15 +265,30 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     // of every K/V head, which in a (b, L, h_k, d) cache is one contiguous run of memory.
     const int split = blockIdx.y, h_k = blockIdx.x / tiles, b = blockIdx.z;
     const int m0 = (blockIdx.x % tiles) * ROWS;
-    const int seqlen_k = dp.seqlens != nullptr ? dp.seqlens[b] : dp.seqlens_inline[b];
+    // Device lengths are those before the append (plus seqlens_add), read unchecked: clamped
+    // to the capacity so that no key past the cache is read.
+    // Ragged queries: this sequence's real query rows (the causal alignment is theirs).
+    const int q_len = dp.q_lens != nullptr
+                          ? int(min(unsigned(dp.q_lens[b]), unsigned(p.seqlen_q)))
+                          : p.seqlen_q;
+    const int seqlen_k = int(min(
+        int64_t(unsigned(dp.seqlens != nullptr ? dp.seqlens[b] : dp.seqlens_inline[b])) +
+            (dp.add_q_lens ? q_len : dp.seqlens_add),
+        int64_t(cache_capacity(dp.block_table, dp.max_pages, dp.page_size))));
     SeqInfo seq(p, b);
-    seq.seqlen_q = p.seqlen_q;
+    seq.seqlen_q = q_len;
     seq.seqlen_k = seqlen_k;
     const Mask mask(p, seq, b, h_k * group);
+    if (m0 / group >= q_len) {
+        // A tile of padding rows only: zeros and -inf from the first split, no keys read,
+        // and no split counts itself in (so no merge runs and the counter stays 0).
+        if (split == 0) pad_rows<T, ROWS>(dp, b, h_k, m0, tid, K::THREADS);
+        return;
+    }
 
     const auto q_row = [&](int r) -> const T* {
         const int row = m0 + r, token = row / group;
-        if (token >= p.seqlen_q) return nullptr;
+        if (token >= q_len) return nullptr;
         const int head = h_k * group + row % group;
         return static_cast<const T*>(p.q) + b * p.q_batch_stride + int64_t(token) * p.q_row_stride +
                head * p.q_head_stride;
@@ -287,11 +312,13 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const T* v_head = static_cast<const T*>(p.v) + h_k * p.v_head_stride;
     const int* table = dp.block_table;
     const bool row_lookup = table != nullptr && dp.page_size % BN != 0;
-    const CacheRows cache{table, dp.max_pages, dp.page_size, b, h_k};
+    const CacheRows cache{table, dp.max_pages, dp.page_size, b, h_k, dp.num_pages};
     const int* my_pages = table + int64_t(b) * dp.max_pages;
     const auto page_of = [&](int tile) -> int {
         if (table == nullptr) return b;
-        return tile < my_end && !row_lookup ? my_pages[tile * BN / dp.page_size] : 0;
+        return tile < my_end && !row_lookup
+                   ? clamp_page(my_pages[tile * BN / dp.page_size], dp.num_pages)
+                   : 0;
     };
     const WarpTileCopy<T, BN, D> copy(lane);
     const bool full_cols = p.d == D;
@@ -401,10 +428,19 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
 #pragma unroll
         for (int w = 0; w < NW; ++w) sM[w * ROWS + tid] = weight[w] * inv;
         const int token = (m0 + tid) / group;
-        if (split_out && token < p.seqlen_q) {
+        const bool pad = token >= q_len;  // ragged padding: output 0, LSE -inf
+        if (pad) {
+#pragma unroll
+            for (int w = 0; w < NW; ++w) sM[w * ROWS + tid] = 0.f;
+        }
+        if (token < p.seqlen_q && (split_out || dp.lse != nullptr)) {
             const int head = h_k * group + (m0 + tid) % group;
-            const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;
-            dp.lse_partial[prow] = l == 0.f ? -INFINITY : m * p.scale + logf(l);
+            const int64_t row = (int64_t(b) * p.h + head) * p.seqlen_q + token;
+            const float lse = l == 0.f || pad ? -INFINITY : m * p.scale + logf(l);
+            if (split_out)
+                dp.lse_partial[int64_t(split) * p.b * p.h * p.seqlen_q + row] = lse;
+            else
+                dp.lse[row] = lse;
         }
     }
     __syncthreads();

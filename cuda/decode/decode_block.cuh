@@ -5,9 +5,23 @@
 #include "common/params.cuh"
 
 // Row addressing of a (possibly paged) cache for one sequence and K/V head.
+// A block-table entry as a page of the pool: entries are u32 on the host side, and a device
+// table is read unchecked, so anything past the pool reads (or writes) its last page rather
+// than memory outside it.
+__device__ __forceinline__ int clamp_page(int entry, int num_pages) {
+    return unsigned(entry) < unsigned(num_pages) ? entry : num_pages - 1;
+}
+
+// A sequence's capacity in tokens: a contiguous cache passes it as page_size.
+__device__ __forceinline__ int cache_capacity(const int* block_table, int max_pages,
+                                              int page_size) {
+    return block_table != nullptr ? max_pages * page_size : page_size;
+}
+
 struct CacheRows {
     const int* block_table;  // null: the sequence's rows are contiguous in slice `b`
     int max_pages, page_size, b, h_k;
+    int num_pages;  // paged: entries past the pool (a device table is not checked) are clamped
 
     // Address of row j (a token position).
     template <typename T>
@@ -16,7 +30,7 @@ struct CacheRows {
         int64_t page = b;
         int r = j;
         if (block_table != nullptr) {
-            page = block_table[int64_t(b) * max_pages + j / page_size];
+            page = clamp_page(block_table[int64_t(b) * max_pages + j / page_size], num_pages);
             r = j % page_size;
         }
         return cache + page * page_stride + int64_t(r) * row_stride + h_k * head_stride;

@@ -42,6 +42,14 @@ pub enum Op {
     AdamwApply,
     /// Partial sums of squares for the gradient norm, `(x)`.
     SumSquares,
+    /// The merge of attentions over disjoint key sets from their (out, lse), `(parts, out)`
+    /// (`combine.cuh`, src/combine.rs).
+    Combine,
+    /// The attention sinks' fix-up of the forward's (O, lse), in place, `(out)` (`sinks.cuh`,
+    /// src/sinks.rs).
+    SinksFwd,
+    /// The sinks' gradient: per-block partials, summed by `RmsDw`, `(out)`.
+    SinksGrad,
 }
 
 /// An element type a kernel is instantiated for.
@@ -83,6 +91,19 @@ const EMBED: &[Dtypes] = &[
     Two(F16, F16),
 ];
 const UNTYPED: &[Dtypes] = &[Dtypes::Untyped];
+/// The attention's outputs on CUDA: f16 and bf16.
+const HALVES: &[Dtypes] = &[One(BF16), One(F16)];
+/// Combine `(parts, out)`: each dtype to itself, and to or from f32 for the f32 partial
+/// results of more parts than one launch takes.
+const COMBINE: &[Dtypes] = &[
+    Two(BF16, BF16),
+    Two(F16, F16),
+    Two(F32, F32),
+    Two(BF16, F32),
+    Two(F16, F32),
+    Two(F32, BF16),
+    Two(F32, F16),
+];
 
 /// Every training kernel: an op and the dtypes it is compiled for, one kernel per entry.
 pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
@@ -100,6 +121,9 @@ pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
     (Op::AdamwMoments, EACH),
     (Op::AdamwApply, UNTYPED),
     (Op::SumSquares, EACH),
+    (Op::Combine, COMBINE),
+    (Op::SinksFwd, HALVES),
+    (Op::SinksGrad, HALVES),
 ];
 
 impl Dtypes {

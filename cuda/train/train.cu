@@ -1,15 +1,19 @@
 // Fused training ops with their backward passes (src/train/): RMSNorm, rotary embedding,
 // SwiGLU, embedding, cross-entropy and AdamW. Each replaces a chain of Candle element-wise
-// ops and, in a training graph, the per-op gradient bookkeeping of that chain. One macro per
-// kernel kind holds its signature; the kernels themselves, their names and element types,
-// come from the catalogue (cuda/train/catalogue.rs), which build.rs turns into the
-// `instances/train.inc` included at the end. The launchers find them there by op and dtypes.
+// ops and, in a training graph, the per-op gradient bookkeeping of that chain. The attention's
+// own helpers live here too: the sinks' fix-up and gradient (src/sinks.rs), the merge of
+// partial attentions (src/combine.rs). One macro per kernel kind holds its signature; the
+// kernels themselves, their names and element types, come from the catalogue
+// (cuda/train/catalogue.rs), which build.rs turns into the `instances/train.inc` included at
+// the end. The launchers find them there by op and dtypes.
 #include "train/norm.cuh"
 #include "train/rotary.cuh"
 #include "train/swiglu.cuh"
 #include "train/embed.cuh"
 #include "train/xent.cuh"
 #include "train/adamw.cuh"
+#include "train/sinks.cuh"
+#include "train/combine.cuh"
 
 using bf16 = __nv_bfloat16;
 using f16 = __half;
@@ -88,6 +92,23 @@ using f32 = float;
 #define TRAIN_SUM_SQUARES(NAME, T)                                                           \
   extern "C" __global__ void NAME(const T* x, float* acc, int64_t n) {                       \
     train::sum_squares(x, acc, n);                                                           \
+  }
+
+// The merge of partial attentions: parts in T, the output in O; the parameter block by value.
+#define TRAIN_COMBINE(NAME, T, O)                                                            \
+  extern "C" __global__ void NAME(const train::CombineParams p) { train::combine<T, O>(p); }
+
+// Attention sinks: O in T (f16/bf16, the attention's dtypes), lse and sinks in f32.
+#define TRAIN_SINKS_FWD(NAME, T)                                                             \
+  extern "C" __global__ void NAME(T* o, float* lse, const float* sinks, int64_t n, int rows,  \
+                                  int heads, int d) {                                        \
+    train::sinks_fwd(o, lse, sinks, n, rows, heads, d);                                      \
+  }
+#define TRAIN_SINKS_GRAD(NAME, T)                                                            \
+  extern "C" __global__ void NAME(const T* o, const T* dout, const float* lse,               \
+                                  const float* sinks, float* part, int64_t n, int rows,      \
+                                  int heads, int d) {                                        \
+    train::sinks_grad(o, dout, lse, sinks, part, n, rows, heads, d);                         \
   }
 
 #include "instances/train.inc"

@@ -1,9 +1,10 @@
 //! Batched generation: one packed prefill of every prompt, then one decoding step per token
-//! for all sequences together, each at its own position in its own KV cache rows.
+//! for all sequences together, each at its own position in its own KV cache rows. How a step
+//! runs is a [`Stepper`]'s business: [`Eager`] here, a CUDA graph in graph.rs.
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor, D};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
@@ -43,6 +44,8 @@ pub struct GenStats {
     pub peak_memory: Option<u64>,
     /// Timed runs these figures are the median of.
     pub runs: usize,
+    /// How the decoding steps ran ([`Stepper::name`]).
+    pub decode: &'static str,
 }
 
 impl GenStats {
@@ -105,8 +108,13 @@ impl Sampler {
         }
     }
 
+    /// Whether the choice is the argmax of the logits, made on the device.
+    fn on_device(&self) -> bool {
+        self.greedy && self.penalty == 1.0
+    }
+
     fn sample(&mut self, logits: &Tensor, history: &[Vec<u32>]) -> Result<Vec<u32>> {
-        if self.greedy && self.penalty == 1.0 {
+        if self.on_device() {
             // On the device: only the chosen ids cross to the host.
             return Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
         }
@@ -183,12 +191,106 @@ pub mod memory {
     }
 }
 
+/// What a decoding step should give back besides advancing the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Want {
+    /// The step's logits `(batch, vocab)` f32 (the host samples, or records them).
+    pub logits: bool,
+    /// The argmax of each row of the logits: the next tokens when sampling is greedy. A
+    /// stepper may choose them on the device ([`StepOut::ids`]) or leave it to the host.
+    pub greedy: bool,
+}
+
+/// What a decoding step gave back.
+pub struct StepOut {
+    /// `(batch, vocab)` f32, a tensor of its own; present when asked for, or when `ids` is not.
+    pub logits: Option<Tensor>,
+    /// The next tokens, when the step chose them (greedy, on the device).
+    pub ids: Option<Vec<u32>>,
+}
+
+/// How decoding steps run over a cache it owns.
+pub trait Stepper {
+    /// The way, for reports: "eager", "CUDA graph".
+    fn name(&self) -> &'static str;
+    /// An empty cache for `batch` sequences of at least `capacity` tokens, for the prompts to
+    /// fill; the next steps run over it.
+    fn cache(
+        &mut self,
+        model: &Llama,
+        batch: usize,
+        capacity: usize,
+        layout: CacheLayout,
+    ) -> Result<&mut Cache>;
+    /// One step over the cache: `ids` `(batch,)` are the tokens just chosen, appended at each
+    /// sequence's length.
+    fn step(&mut self, model: &Llama, ids: &[u32], want: Want) -> Result<StepOut>;
+}
+
+/// [`Llama::forward_step`]: every op launched as it comes, the step's small inputs uploaded
+/// each time (the CPU, and CUDA with `--no-cuda-graph`). A fresh cache per generation.
+#[derive(Debug, Default)]
+pub struct Eager {
+    cache: Option<Cache>,
+}
+
+impl Stepper for Eager {
+    fn name(&self) -> &'static str {
+        "eager"
+    }
+
+    fn cache(
+        &mut self,
+        model: &Llama,
+        batch: usize,
+        capacity: usize,
+        layout: CacheLayout,
+    ) -> Result<&mut Cache> {
+        self.cache = None; // the last generation's, freed before the next is allocated
+        let cache = Cache::new(
+            model.config(),
+            model.attn_impl(),
+            layout,
+            batch,
+            capacity,
+            model.dtype(),
+            model.device(),
+        )?;
+        Ok(self.cache.insert(cache))
+    }
+
+    fn step(&mut self, model: &Llama, ids: &[u32], _want: Want) -> Result<StepOut> {
+        let cache = self
+            .cache
+            .as_mut()
+            .context("a step before the cache was made")?;
+        let ids = Tensor::new(ids, model.device())?;
+        let hidden = model.forward_step(&ids, cache)?;
+        Ok(StepOut {
+            logits: Some(model.logits(&hidden)?),
+            ids: None,
+        })
+    }
+}
+
 /// Generates up to `opts.max_new_tokens` for every prompt (token ids, BOS included where the
 /// tokenizer adds one). `on_token(seq, token)` sees each new token as soon as it is chosen.
+#[allow(dead_code)] // the tests and the fine-tuning example; main.rs picks a stepper
 pub fn generate(
     model: &Llama,
     prompts: &[Vec<u32>],
     opts: &GenOpts,
+    on_token: impl FnMut(usize, u32),
+) -> Result<Generation> {
+    generate_with(model, prompts, opts, &mut Eager::default(), on_token)
+}
+
+/// [`generate`] with the decoding steps run by `stepper`.
+pub fn generate_with(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    opts: &GenOpts,
+    stepper: &mut dyn Stepper,
     mut on_token: impl FnMut(usize, u32),
 ) -> Result<Generation> {
     let dev = model.device().clone();
@@ -210,15 +312,8 @@ pub fn generate(
             opts.max_new_tokens
         )
     }
-    let mut cache = Cache::new(
-        model.config(),
-        model.attn_impl(),
-        opts.layout,
-        batch,
-        capacity,
-        model.dtype(),
-        &dev,
-    )?;
+    let decode = stepper.name();
+    let cache = stepper.cache(model, batch, capacity, opts.layout)?;
     let mut sampler = Sampler::new(opts, batch);
     let mut history: Vec<Vec<u32>> = prompts.to_vec();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); batch];
@@ -227,6 +322,7 @@ pub fn generate(
     let mut stats = GenStats {
         batch,
         prompt_tokens: seqlens.iter().sum(),
+        decode,
         ..GenStats::default()
     };
     if opts.max_new_tokens == 0 {
@@ -241,14 +337,25 @@ pub fn generate(
     let start = Instant::now();
     let ids: Vec<u32> = prompts.iter().flatten().copied().collect();
     let ids = Tensor::new(ids, &dev)?;
-    let hidden = model.forward_packed(&ids, &seqlens, Some(&mut cache), None)?;
-    let mut logits = model.logits(&Llama::last_tokens(&hidden, &seqlens)?)?;
+    let hidden = model.forward_packed(&ids, &seqlens, Some(cache), None)?;
+    let mut logits = Some(model.logits(&Llama::last_tokens(&hidden, &seqlens)?)?);
+    // Tokens a step chose itself (greedy, on the device), else the host samples the logits.
+    let mut chosen: Option<Vec<u32>> = None;
+    let want = Want {
+        logits: opts.record_logits || !sampler.on_device(),
+        greedy: sampler.on_device(),
+    };
     let mut decode_start = start;
     for step in 0..opts.max_new_tokens {
+        let no_logits = || anyhow::anyhow!("the decoding step returned no logits");
         if opts.record_logits {
-            logits_log.push(logits.to_device(&Device::Cpu)?);
+            let l = logits.as_ref().ok_or_else(no_logits)?;
+            logits_log.push(l.to_device(&Device::Cpu)?);
         }
-        let next = sampler.sample(&logits, &history)?;
+        let next = match chosen.take() {
+            Some(ids) => ids,
+            None => sampler.sample(logits.as_ref().ok_or_else(no_logits)?, &history)?,
+        };
         for (b, &t) in next.iter().enumerate() {
             if done[b] {
                 continue;
@@ -270,9 +377,8 @@ pub fn generate(
             break;
         }
         // Finished sequences keep stepping (their output is dropped) so the batch stays whole.
-        let ids = Tensor::new(next, &dev)?;
-        let hidden = model.forward_step(&ids, &mut cache)?;
-        logits = model.logits(&hidden)?;
+        let out = stepper.step(model, &next, want)?;
+        (logits, chosen) = (out.logits, out.ids);
     }
     dev.synchronize()?;
     stats.decode_time = decode_start.elapsed();

@@ -9,6 +9,9 @@
 //! cargo run --release --features cuda --example llama -- --model DIR --prompt "Once upon a time"
 //! ```
 //!
+//! On CUDA each decoding step is a CUDA graph, captured once per batch size and replayed
+//! (graph.rs); `--no-cuda-graph` launches its ops one by one instead.
+//!
 //! `--model` takes a Hugging Face LLaMA-family checkpoint directory (LLaMA 2/3, TinyLlama,
 //! SmolLM, Qwen2), a `.gguf` file of the llama architecture (dequantized on load, see
 //! gguf.rs) or a hub id (source.rs); without it the example runs SmolLM2-135M-Instruct when
@@ -27,6 +30,7 @@ mod chat;
 mod checkpoint;
 mod generate;
 mod gguf;
+mod graph;
 #[allow(dead_code)] // shared with the fine-tuning example and the tests
 mod model;
 mod source;
@@ -148,6 +152,21 @@ struct Args {
     /// Write the first step's logits (batch, vocab) f32 to this safetensors file.
     #[arg(long)]
     logits_out: Option<PathBuf>,
+    /// Decode eagerly, launching each op of a step as it comes. By default on CUDA (flash
+    /// attention) the decoding step is captured once per batch size in a CUDA graph and
+    /// replayed: its inputs stay on the device and a paged cache gives each sequence its
+    /// pages up front. This flag runs the same step (the same kernels, so the same tokens)
+    /// without the graph. No effect on the CPU or with --attention naive.
+    #[arg(long)]
+    no_cuda_graph: bool,
+    /// Diagnosis: run the graph's step (inputs on the device) eagerly, without capturing it.
+    #[arg(long, hide = true)]
+    no_capture: bool,
+    /// After the run, measure the device's copy bandwidth (2 GiB device-to-device copies) and
+    /// print the decoding step against the time to read the weights once at that bandwidth
+    /// (CUDA).
+    #[arg(long)]
+    roofline: bool,
 }
 
 fn sampling(args: &Args) -> Sampling {
@@ -305,9 +324,57 @@ fn open_model(args: &Args) -> Result<Checkpoint> {
     Ok(ckpt)
 }
 
-fn report(args: &Args, dev: &Device, dt: DType, gen: &Generation, ckpt: &Checkpoint) {
+/// The decoding step against the time to read the weights once at the device's copy
+/// bandwidth (measured in the same run).
+struct Roofline {
+    /// Weight bytes a step reads.
+    weights: usize,
+    /// Average bytes of K and V a step reads.
+    kv: f64,
+    /// Copy bandwidth, GB/s (bytes read + written).
+    copy_gbps: f64,
+}
+
+impl Roofline {
+    fn measure(
+        dev: &Device,
+        model: &model::Llama,
+        prompts: &[Vec<u32>],
+        s: &generate::GenStats,
+    ) -> Result<Option<Self>> {
+        let Some(copy_gbps) = graph::copy_bandwidth(dev)? else {
+            return Ok(None);
+        };
+        // Step i (from 0) of the decode_steps timed ones attends to prompt + i + 1 keys.
+        let steps = s.decode_steps.max(1) as f64;
+        let keys: f64 = prompts
+            .iter()
+            .map(|p| p.len() as f64 + 1.0 + (steps - 1.0) / 2.0)
+            .sum();
+        Ok(Some(Self {
+            weights: model.step_weight_bytes(),
+            kv: keys * model.kv_bytes_per_token() as f64,
+            copy_gbps,
+        }))
+    }
+
+    /// Milliseconds to read the weights once at the copy bandwidth.
+    fn weights_ms(&self) -> f64 {
+        self.weights as f64 / (self.copy_gbps * 1e9) * 1e3
+    }
+}
+
+fn report(
+    args: &Args,
+    dev: &Device,
+    dt: DType,
+    gen: &Generation,
+    ckpt: &Checkpoint,
+    roofline: Option<&Roofline>,
+) {
     let s = &gen.stats;
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let ms_per_step = s.decode_time.as_secs_f64() * 1e3 / s.decode_steps.max(1) as f64;
     eprintln!(
         "{} prompt tokens in {} sequence(s): {:.1} ms to first token ({:.1} prompt tokens/s)",
         s.prompt_tokens,
@@ -315,13 +382,32 @@ fn report(args: &Args, dev: &Device, dt: DType, gen: &Generation, ckpt: &Checkpo
         s.time_to_first_token.as_secs_f64() * 1e3,
         s.prompt_tokens_per_s()
     );
+    let how = match s.decode {
+        "" => String::new(),
+        d => format!(", {d}"),
+    };
     eprintln!(
-        "{} tokens generated: {:.1} tokens/s from the second token ({} steps, {:.2} ms/step)",
+        "{} tokens generated: {:.1} tokens/s from the second token ({} steps, {ms_per_step:.2} \
+         ms/step{how})",
         s.generated_tokens,
         s.generated_tokens_per_s(),
         s.decode_steps,
-        s.decode_time.as_secs_f64() * 1e3 / s.decode_steps.max(1) as f64
     );
+    if let Some(r) = roofline {
+        let gb = |b: f64| b / 1e9;
+        eprintln!(
+            "roofline: {:.3} GB of weights read once at the copy bandwidth ({:.0} GB/s, measured \
+             now) take {:.3} ms; {ms_per_step:.3} ms/step is {:.0}% of that roofline (K and V \
+             add {:.3} GB a step)",
+            gb(r.weights as f64),
+            r.copy_gbps,
+            r.weights_ms(),
+            100.0 * r.weights_ms() / ms_per_step,
+            gb(r.kv),
+        );
+    } else if args.roofline {
+        eprintln!("roofline: needs CUDA and --impl candle-flash");
+    }
     if let Some(p) = s.peak_memory {
         let what = if dev.is_cuda() {
             "device memory (CUDA pool high-water mark)"
@@ -347,9 +433,16 @@ fn report(args: &Args, dev: &Device, dt: DType, gen: &Generation, ckpt: &Checkpo
             "ttft_ms": s.time_to_first_token.as_secs_f64() * 1e3,
             "prefill_tok_s": s.prompt_tokens_per_s(),
             "decode_tok_s": s.generated_tokens_per_s(),
-            "decode_ms_per_step": s.decode_time.as_secs_f64() * 1e3 / s.decode_steps.max(1) as f64,
+            "decode_ms_per_step": ms_per_step,
+            "decode": s.decode,
+            "cuda_graph": s.decode == "CUDA graph",
             "peak_mem_mib": s.peak_memory.map(mib),
             "runs": s.runs,
+            "weight_bytes": roofline.map(|r| r.weights),
+            "kv_bytes_per_step": roofline.map(|r| r.kv),
+            "copy_gbps": roofline.map(|r| r.copy_gbps),
+            "roofline_ms": roofline.map(Roofline::weights_ms),
+            "roofline_pct": roofline.map(|r| 100.0 * r.weights_ms() / ms_per_step),
         });
         println!("{json}");
     }
@@ -412,6 +505,7 @@ fn main() -> Result<()> {
     };
     // The warm-up takes the same prompts: the timed run then finds the memory pool grown and
     // every kernel and cuBLAS plan of its shapes loaded.
+    let mut roofline = None;
     let mut gen = match args.implementation {
         Impl::CandleTransformers => {
             if args.warmup {
@@ -434,11 +528,22 @@ fn main() -> Result<()> {
         Impl::CandleFlash => {
             let max_len = ids.iter().map(Vec::len).max().unwrap_or(0) + args.max_new_tokens;
             let model = ckpt.load(attn_impl(&args), dt, &dev, max_len)?;
+            // Graphs on CUDA with flash attention; the warm-up (3 tokens) captures the step
+            // the timed runs replay: the caches are made for max_len whatever the run.
+            // --no-cuda-graph runs the same device step uncaptured: the same kernels and
+            // split plans, so the same tokens, and the difference in speed is the graph's.
+            let graphs = dev.is_cuda() && flash;
+            let capture = !args.no_cuda_graph && !args.no_capture;
+            let mut stepper: Box<dyn generate::Stepper> = match graphs {
+                true => Box::new(graph::Graphs::new(capture, max_len)),
+                false => Box::new(generate::Eager::default()),
+            };
+            let stepper = stepper.as_mut();
             if args.warmup {
-                generate::generate(&model, ids, &warmup_opts, |_, _| {})?;
+                generate::generate_with(&model, ids, &warmup_opts, stepper, |_, _| {})?;
             }
             let mut err = None;
-            let gen = generate::generate(&model, ids, &opts, |b, t| {
+            let gen = generate::generate_with(&model, ids, &opts, stepper, |b, t| {
                 if let Some(p) = printer.as_mut() {
                     if let Err(e) = p.push(b, t) {
                         err.get_or_insert(e);
@@ -450,9 +555,19 @@ fn main() -> Result<()> {
             }
             let mut runs = vec![gen];
             for _ in 1..args.repeat {
-                runs.push(generate::generate(&model, ids, &opts, |_, _| {})?);
+                runs.push(generate::generate_with(
+                    &model,
+                    ids,
+                    &opts,
+                    stepper,
+                    |_, _| {},
+                )?);
             }
-            generate::median_run(runs)
+            let gen = generate::median_run(runs);
+            if args.roofline {
+                roofline = Roofline::measure(&dev, &model, ids, &gen.stats)?;
+            }
+            gen
         }
     };
     gen.stats.runs = args.repeat;
@@ -469,6 +584,6 @@ fn main() -> Result<()> {
         let map = std::collections::HashMap::from([("logits".to_string(), first.clone())]);
         candle::safetensors::save(&map, path)?;
     }
-    report(&args, &dev, dt, &gen, &ckpt);
+    report(&args, &dev, dt, &gen, &ckpt, roofline.as_ref());
     Ok(())
 }

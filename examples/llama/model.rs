@@ -9,7 +9,8 @@
 //!   `forward_varlen` (causal), so no token sees another sequence and no work is spent on pad;
 //! - a decoding step ([`Llama::forward_step`]): one new token per sequence, attention over
 //!   each sequence's KV cache ([`candle_flash::KvCache`] or [`candle_flash::PagedKvCache`]),
-//!   appended in place;
+//!   appended in place; [`Llama::forward_step_device`] is the same step with its lengths and
+//!   positions on the device (no upload, no read-back), which graph.rs captures in a CUDA graph;
 //! - the same two with [`AttnImpl::Naive`]: plain Candle attention (scores, mask, softmax,
 //!   `repeat_kv`) and a cache grown by concatenation, for comparison.
 
@@ -125,12 +126,15 @@ impl RmsNorm {
     }
 }
 
-/// Rotary embedding tables `(max_positions, head_dim / 2)` in the model dtype, computed in
-/// f64 from the configured inverse frequencies (LLaMA 3 scaling included).
+/// Rotary embedding tables `(max_positions, head_dim / 2)`, computed from the configured
+/// inverse frequencies (LLaMA 3 scaling included), in f32 and, for inference, also in the
+/// model dtype (gathered without a conversion per step).
 #[derive(Clone, Debug)]
 pub struct Rope {
     cos: Tensor,
     sin: Tensor,
+    /// The tables in the activations' dtype, when it is not the tables' own.
+    cast: Option<(Tensor, Tensor)>,
 }
 
 impl Rope {
@@ -151,7 +155,17 @@ impl Rope {
         Ok(Self {
             cos: Tensor::from_vec(cos, shape, dev)?.to_dtype(dtype)?,
             sin: Tensor::from_vec(sin, shape, dev)?.to_dtype(dtype)?,
+            cast: None,
         })
+    }
+
+    /// Keeps a copy of the tables in `dtype` too (the same values: the conversion commutes
+    /// with the gather), so that [`Rope::at`] in that dtype is one launch per table.
+    fn with_cast(mut self, dtype: DType) -> Result<Self> {
+        if dtype != self.cos.dtype() {
+            self.cast = Some((self.cos.to_dtype(dtype)?, self.sin.to_dtype(dtype)?));
+        }
+        Ok(self)
     }
 
     pub fn max_positions(&self) -> usize {
@@ -160,6 +174,12 @@ impl Rope {
 
     /// The tables at each token's position, `(n, head_dim / 2)` each in `dtype`.
     fn at(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        if let Some((cos, sin)) = self.cast.as_ref().filter(|(c, _)| c.dtype() == dtype) {
+            return Ok((
+                cos.index_select(positions, 0)?,
+                sin.index_select(positions, 0)?,
+            ));
+        }
         Ok((
             self.cos.index_select(positions, 0)?.to_dtype(dtype)?,
             self.sin.index_select(positions, 0)?.to_dtype(dtype)?,
@@ -203,6 +223,11 @@ pub struct Cache {
     layers: Vec<LayerCache>,
     lengths: Vec<usize>,
     capacity: usize,
+    /// Set by [`Llama::forward_step_device`]: the lengths the kernels use are then on the
+    /// device, and `lengths` is the caller's mirror of them ([`Cache::advance`]); the layers'
+    /// own bookkeeping (the `KvCache` lengths, the paged block tables) is left behind, so
+    /// eager steps are refused until [`Cache::reset`].
+    on_device: bool,
 }
 
 /// How the KV cache is laid out.
@@ -253,6 +278,7 @@ impl Cache {
             layers,
             lengths: vec![0; batch],
             capacity,
+            on_device: false,
         })
     }
 
@@ -265,6 +291,86 @@ impl Cache {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+
+    /// Empties every sequence, keeping the memory (and its addresses: a CUDA graph captured
+    /// over this cache stays valid).
+    pub fn reset(&mut self) {
+        for layer in &mut self.layers {
+            match layer {
+                LayerCache::Flash(c) => c.reset(),
+                LayerCache::Paged(c) => c.reset(),
+                LayerCache::Naive(c) => *c = NaiveCache::default(),
+            }
+        }
+        self.lengths.fill(0);
+        self.on_device = false;
+    }
+
+    /// Counts one token more in every sequence after a step of
+    /// [`Llama::forward_step_device`], whose lengths the caller advances on the device.
+    pub fn advance(&mut self) {
+        for l in &mut self.lengths {
+            *l += 1;
+        }
+    }
+
+    /// Paged caches: the block table `(batch, max_pages)` of a step whose lengths are on the
+    /// device ([`DeviceStep::table`]), with its row length. Each sequence keeps the pages it
+    /// holds and is given free pages for the rest of its capacity (the pool has exactly
+    /// enough), so the table does not change while decoding. Every layer's cache holds the
+    /// same pages (same allocations in the same order), which is checked. `None` for other
+    /// caches.
+    pub fn full_block_table(&self) -> Result<Option<(Vec<u32>, usize)>> {
+        let mut out: Option<(Vec<u32>, usize)> = None;
+        for layer in &self.layers {
+            let LayerCache::Paged(c) = layer else {
+                return Ok(None);
+            };
+            let (mp, ps, pages) = (c.max_pages_per_seq(), c.page_size(), c.num_pages());
+            let mut table = c.block_table().to_vec();
+            let held: Vec<usize> = c
+                .lengths()
+                .iter()
+                .map(|&l| (l as usize).div_ceil(ps))
+                .collect();
+            let mut used = vec![false; pages];
+            for (b, &n) in held.iter().enumerate() {
+                for &page in &table[b * mp..][..n] {
+                    used[page as usize] = true;
+                }
+            }
+            let mut free = (0..pages as u32).filter(|&p| !used[p as usize]);
+            for (b, &n) in held.iter().enumerate() {
+                for entry in &mut table[b * mp + n..(b + 1) * mp] {
+                    let Some(page) = free.next() else {
+                        candle::bail!("cache: too few pages to give every sequence its capacity")
+                    };
+                    *entry = page;
+                }
+            }
+            match &out {
+                Some((first, _)) if *first != table => {
+                    candle::bail!("cache: the layers' paged caches hold different pages")
+                }
+                Some(_) => {}
+                None => out = Some((table, mp)),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The per-sequence inputs of a decoding step kept on the device
+/// ([`Llama::forward_step_device`]), so that the step uploads nothing and can be captured in
+/// a CUDA graph.
+#[derive(Clone, Debug)]
+pub struct DeviceStep {
+    /// `(batch,)` u32: the tokens each sequence's cache holds before the step, in every layer,
+    /// which are also the new tokens' positions.
+    pub lengths: Tensor,
+    /// Paged caches: `(batch, max_pages)` u32, every layer's block table
+    /// ([`Cache::full_block_table`]).
+    pub table: Option<Tensor>,
 }
 
 /// How the tokens of one forward call are grouped.
@@ -276,8 +382,19 @@ enum Pass<'a> {
         seqlens: &'a [usize],
         train: Option<TrainOpts>,
     },
-    /// One new token for every sequence of the cache.
-    Step,
+    /// One new token for every sequence of the cache, at the lengths the cache's layers keep
+    /// on the host, or at those of a [`DeviceStep`].
+    Step(Option<&'a DeviceStep>),
+}
+
+/// The projections of one forward call: q `(n, h, d)`, k and v `(n, hk, d)`. With stacked
+/// weights they are views of one matmul's output (no copies), and `qk` `(n, h + hk, d)` views
+/// q and k together, for one rotary launch.
+struct Qkv {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qk: Option<Tensor>,
 }
 
 #[derive(Clone, Debug)]
@@ -333,26 +450,112 @@ impl Attention {
         Ok(())
     }
 
-    /// q `(n, h, d)`, k and v `(n, hk, d)`.
-    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn project(&self, x: &Tensor) -> Result<Qkv> {
         let n = x.dim(0)?;
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
-        let (q, k, v) = match &self.qkv {
+        Ok(match &self.qkv {
             Some(qkv) => {
-                let y = qkv.forward(x)?;
-                (
-                    y.narrow(1, 0, h * d)?,
-                    y.narrow(1, h * d, hk * d)?,
-                    y.narrow(1, (h + hk) * d, hk * d)?,
+                let y = qkv.forward(x)?.reshape((n, h + 2 * hk, d))?;
+                Qkv {
+                    q: y.narrow(1, 0, h)?,
+                    k: y.narrow(1, h, hk)?,
+                    v: y.narrow(1, h + hk, hk)?,
+                    qk: Some(y.narrow(1, 0, h + hk)?),
+                }
+            }
+            None => Qkv {
+                q: self.q.forward(x)?.reshape((n, h, d))?,
+                k: self.k.forward(x)?.reshape((n, hk, d))?,
+                v: self.v.forward(x)?.reshape((n, hk, d))?,
+                qk: None,
+            },
+        })
+    }
+
+    /// q and k rotated to their tokens' positions: in inference one launch over both where
+    /// they are views of one projection (`rope_thd` rotates each head alike, so this is the
+    /// two launches' result bit for bit), else one each.
+    fn rotate(
+        &self,
+        p: &Qkv,
+        rope: &Rope,
+        (cos, sin): &(Tensor, Tensor),
+        train: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        match (&p.qk, train) {
+            (Some(qk), false) => {
+                let qk = rope.apply(qk, cos, sin, false)?;
+                Ok((
+                    qk.narrow(1, 0, self.heads)?,
+                    qk.narrow(1, self.heads, self.kv_heads)?,
+                ))
+            }
+            _ => Ok((
+                rope.apply(&p.q, cos, sin, train)?,
+                rope.apply(&p.k, cos, sin, train)?,
+            )),
+        }
+    }
+
+    /// A decoding step's attention, one token per sequence: q and k rotated, k and v appended
+    /// to each sequence's cache at its length, q attending to the cache. Returns
+    /// `(b, 1, h, d)`. The rotation is done here so that moving it into the cache append
+    /// (FlashAttention's `rotary_cos`/`rotary_sin`, which take the whole tables and each
+    /// sequence's length as its position) changes this function only.
+    fn step(
+        &self,
+        p: &Qkv,
+        rope: &Rope,
+        cos_sin: &(Tensor, Tensor),
+        cache: &mut LayerCache,
+        on_device: Option<&DeviceStep>,
+    ) -> Result<Tensor> {
+        let opts = FlashAttn::new()
+            .causal(true)
+            .softmax_scale(self.scale as f32);
+        // On the device the rotation happens inside the cache append (the f32 tables, at each
+        // sequence's cache length): q and k go in as projected.
+        let (q, k, opts) = match on_device {
+            Some(_) => (
+                p.q.clone(),
+                p.k.clone(),
+                opts.rotary(&rope.cos, &rope.sin, false),
+            ),
+            None => {
+                let (q, k) = self.rotate(p, rope, cos_sin, false)?;
+                (q, k, opts)
+            }
+        };
+        // (b, 1, heads, d) views: the kernels read strided rows, nothing is copied.
+        let (q, k, v) = (q.unsqueeze(1)?, k.unsqueeze(1)?, p.v.unsqueeze(1)?);
+        let new_kv = Some((&k, &v));
+        match (cache, on_device) {
+            (LayerCache::Flash(c), None) => c.append_and_attend(&q, &k, &v, &opts),
+            (LayerCache::Paged(c), None) => c.append_and_attend(&q, &k, &v, &opts),
+            (LayerCache::Naive(c), None) => self.naive_step(c, &q, &k, &v),
+            (LayerCache::Flash(c), Some(s)) => {
+                candle_flash::flash_attn_with_kvcache(&q, c.k(), c.v(), new_kv, &s.lengths, &opts)
+            }
+            (LayerCache::Paged(c), Some(s)) => {
+                let Some(table) = &s.table else {
+                    candle::bail!("a device step over a paged cache needs its block table")
+                };
+                let pages = c.max_pages_per_seq();
+                candle_flash::flash_attn_with_paged_kvcache(
+                    &q,
+                    c.k(),
+                    c.v(),
+                    new_kv,
+                    &s.lengths,
+                    table,
+                    pages,
+                    &opts,
                 )
             }
-            None => (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?),
-        };
-        Ok((
-            q.reshape((n, h, d))?,
-            k.reshape((n, hk, d))?,
-            v.reshape((n, hk, d))?,
-        ))
+            (LayerCache::Naive(_), Some(_)) => {
+                candle::bail!("a device step needs flash attention (--attention flash)")
+            }
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -367,16 +570,15 @@ impl Attention {
         layer: usize,
     ) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let train = matches!(pass, Pass::Packed { train: Some(_), .. });
-        let (q, k, v) = self.project(x)?;
-        let q = rope.apply(&q, &cos_sin.0, &cos_sin.1, train)?;
-        let k = rope.apply(&k, &cos_sin.0, &cos_sin.1, train)?;
+        let p = self.project(x)?;
         let y = match pass {
             Pass::Packed {
                 varlen,
                 seqlens,
                 train,
             } => {
+                let (q, k) = self.rotate(&p, rope, cos_sin, train.is_some())?;
+                let v = &p.v;
                 let y = match attn {
                     AttnImpl::Flash => {
                         let mut opts = FlashAttn::new()
@@ -386,35 +588,23 @@ impl Attention {
                         if let Some(t) = train.filter(|t| t.attn_dropout > 0.0) {
                             opts = opts.dropout(t.attn_dropout).seed(t.seed + layer as u64);
                         }
-                        opts.forward_varlen(&q, &k, &v, varlen)?
+                        opts.forward_varlen(&q, &k, v, varlen)?
                     }
                     AttnImpl::Naive => {
                         let p = train.map(|t| t.attn_dropout).unwrap_or(0.0);
-                        self.naive_packed(&q, &k, &v, seqlens, p)?
+                        self.naive_packed(&q, &k, v, seqlens, p)?
                     }
                 };
                 if let Some(cache) = cache {
-                    fill_cache(cache, &k, &v, seqlens)?;
+                    fill_cache(cache, &k, v, seqlens)?;
                 }
                 y
             }
-            Pass::Step => {
-                let b = n;
+            Pass::Step(on_device) => {
                 let Some(cache) = cache else {
                     candle::bail!("a decoding step needs a cache")
                 };
-                let opts = FlashAttn::new()
-                    .causal(true)
-                    .softmax_scale(self.scale as f32);
-                let q4 = q.reshape((b, 1, self.heads, self.head_dim))?;
-                let k4 = k.reshape((b, 1, self.kv_heads, self.head_dim))?;
-                let v4 = v.reshape((b, 1, self.kv_heads, self.head_dim))?;
-                match cache {
-                    LayerCache::Flash(c) => c.append_and_attend(&q4, &k4, &v4, &opts)?,
-                    LayerCache::Paged(c) => c.append_and_attend(&q4, &k4, &v4, &opts)?,
-                    LayerCache::Naive(c) => self.naive_step(c, &q4, &k4, &v4)?,
-                }
-                .reshape((b, self.heads, self.head_dim))?
+                self.step(&p, rope, cos_sin, cache, *on_device)?
             }
         };
         self.o.forward(&y.reshape((n, self.heads * self.head_dim))?)
@@ -465,7 +655,9 @@ impl Attention {
     ) -> Result<Tensor> {
         let max = seqlens.iter().copied().max().unwrap_or(0);
         let pad = Padding::from_lengths(seqlens, max)?;
-        let (qp, kp, vp) = (pad.pad(q)?, pad.pad(k)?, pad.pad(v)?);
+        // Padding scatters contiguous rows (q, k and v may be views of one projection).
+        let pad_rows = |t: &Tensor| pad.pad(&t.contiguous()?);
+        let (qp, kp, vp) = (pad_rows(q)?, pad_rows(k)?, pad_rows(v)?);
         let mask = packed_mask(seqlens, max, q.device())?;
         let (kr, vr) = (self.repeat_kv(&kp)?, self.repeat_kv(&vp)?);
         let y = self.naive_core(&qp, &kr, &vr, &mask, dropout)?;
@@ -526,8 +718,8 @@ fn fill_cache(cache: &mut LayerCache, k: &Tensor, v: &Tensor, seqlens: &[usize])
         LayerCache::Naive(c) => {
             let max = seqlens.iter().copied().max().unwrap_or(0);
             let pad = Padding::from_lengths(seqlens, max)?;
-            let kp = pad.pad(k)?.transpose(1, 2)?.contiguous()?; // (b, hk, max, d)
-            let vp = pad.pad(v)?.transpose(1, 2)?.contiguous()?;
+            let kp = pad.pad(&k.contiguous()?)?.transpose(1, 2)?.contiguous()?; // (b, hk, max, d)
+            let vp = pad.pad(&v.contiguous()?)?.transpose(1, 2)?.contiguous()?;
             c.kv = Some((kp, vp));
             c.prompt_lens = seqlens.to_vec();
             c.prompt_max = max;
@@ -602,7 +794,18 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = match &self.gate_up {
-            Some(gu) => candle_nn::ops::swiglu(&gu.forward(x)?)?,
+            Some(gu) => {
+                let y = gu.forward(x)?;
+                let i = y.dim(1)? / 2;
+                let (gate, up) = (y.narrow(1, 0, i)?, y.narrow(1, i, i)?);
+                // One token (a decoding step at batch 1): the halves are contiguous and the
+                // fused kernel reads them in place. Otherwise Candle's two kernels read the
+                // strided halves (the fused one would first copy both).
+                match gate.is_contiguous() {
+                    true => candle_flash::train::swiglu(&gate, &up)?,
+                    false => candle_nn::ops::swiglu(&y)?,
+                }
+            }
             // One op with one backward kernel for both gradients.
             None => candle_flash::train::swiglu(&self.gate.forward(x)?, &self.up.forward(x)?)?,
         };
@@ -679,7 +882,7 @@ impl Llama {
                 init_normal(),
             )?)
         };
-        let rope = Rope::new(cfg, max_positions, DType::F32, vb.device())?;
+        let rope = Rope::new(cfg, max_positions, DType::F32, vb.device())?.with_cast(dtype)?;
         Ok(Self {
             cfg: cfg.clone(),
             embed,
@@ -821,7 +1024,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let train_opts = match pass {
             Pass::Packed { train, .. } => *train,
-            Pass::Step => None,
+            Pass::Step(_) => None,
         };
         let train = train_opts.is_some();
         let (mut x, cos_sin) = if let Some(t) = train_opts {
@@ -919,6 +1122,23 @@ impl Llama {
     /// which is appended at each sequence's own position. Returns the final hidden states
     /// `(b, hidden)`.
     pub fn forward_step(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        self.check_step(ids, cache)?;
+        if cache.on_device {
+            candle::bail!(
+                "cache: its lengths are on the device (forward_step_device) until Cache::reset"
+            )
+        }
+        let positions: Vec<u32> = cache.lengths.iter().map(|&l| l as u32).collect();
+        let positions = Tensor::new(positions, ids.device())?;
+        let hidden = self.run_blocks(ids, &positions, &Pass::Step(None), Some(cache))?;
+        cache.advance();
+        Ok(hidden)
+    }
+
+    /// The checks of a decoding step on the host, against the cache's lengths (for a
+    /// [`Llama::forward_step_device`], the caller's mirror of the device lengths): `ids`
+    /// `(b,)`, room in every sequence, rotary tables long enough.
+    pub fn check_step(&self, ids: &Tensor, cache: &Cache) -> Result<()> {
         let b = cache.lengths.len();
         if ids.dims() != [b] {
             candle::bail!(
@@ -933,14 +1153,64 @@ impl Llama {
                 cache.capacity
             )
         }
-        self.check_positions(cache.lengths.iter().copied().max().unwrap_or(0) + 1)?;
-        let positions: Vec<u32> = cache.lengths.iter().map(|&l| l as u32).collect();
-        let positions = Tensor::new(positions, ids.device())?;
-        let hidden = self.run_blocks(ids, &positions, &Pass::Step, Some(cache))?;
-        for l in &mut cache.lengths {
-            *l += 1;
+        self.check_positions(cache.lengths.iter().copied().max().unwrap_or(0) + 1)
+    }
+
+    /// [`Llama::forward_step`] with the per-sequence inputs on the device: `ids` `(b,)` u32
+    /// and `step`'s lengths, which are also the positions (the rotary tables are gathered by
+    /// them). Nothing is uploaded or read back, so the step can be captured in a CUDA graph
+    /// (graph.rs). Nothing is advanced either: the caller adds one to `step.lengths` on the
+    /// device and calls [`Cache::advance`], whose lengths must mirror them (they are what is
+    /// checked). Flash attention only; every layer's cache holds `step.lengths` tokens.
+    pub fn forward_step_device(
+        &self,
+        ids: &Tensor,
+        step: &DeviceStep,
+        cache: &mut Cache,
+    ) -> Result<Tensor> {
+        self.check_step(ids, cache)?;
+        if self.attn != AttnImpl::Flash {
+            candle::bail!("a device step needs flash attention (--attention flash)")
         }
-        Ok(hidden)
+        cache.on_device = true;
+        self.run_blocks(ids, &step.lengths, &Pass::Step(Some(step)), Some(cache))
+    }
+
+    /// Rotary positions the model was loaded for.
+    pub fn max_positions(&self) -> usize {
+        self.rope.max_positions()
+    }
+
+    /// Bytes of weights a decoding step reads: every projection (the stacked ones once),
+    /// norm and the LM head; the embedding lookup's few rows are left out.
+    pub fn step_weight_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let proj = |p: &Proj| {
+            let lora = p.lora.as_ref().map_or(0, |l| bytes(&l.a) + bytes(&l.b));
+            bytes(&p.weight) + p.bias.as_ref().map_or(0, bytes) + lora
+        };
+        let mut total =
+            bytes(&self.norm.weight) + bytes(self.lm_head.as_ref().unwrap_or(&self.embed));
+        for b in &self.blocks {
+            let a = &b.attn;
+            total += match &a.qkv {
+                Some(qkv) => proj(qkv),
+                None => proj(&a.q) + proj(&a.k) + proj(&a.v),
+            };
+            total += match &b.mlp.gate_up {
+                Some(gu) => proj(gu),
+                None => proj(&b.mlp.gate) + proj(&b.mlp.up),
+            };
+            total += proj(&a.o) + proj(&b.mlp.down);
+            total += bytes(&b.norm1.weight) + bytes(&b.norm2.weight);
+        }
+        total
+    }
+
+    /// Bytes of keys and values one cached token holds over all layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let c = &self.cfg;
+        c.num_hidden_layers * 2 * c.num_kv_heads() * c.head_dim() * self.dtype.size_in_bytes()
     }
 
     /// The rows of `hidden` `(n, hidden)` at the last token of each packed sequence.

@@ -46,7 +46,7 @@ TIMEOUT=${SANITIZE_TIMEOUT:-240}
 BUDGET=${SANITIZE_BUDGET:-540}
 # shellcheck source=scripts/gpu/staged-bin.sh
 source scripts/gpu/staged-bin.sh
-ALL_SECTIONS=(fwd bwd mods sparse varlen kvcache misc reliability train)
+ALL_SECTIONS=(fwd bwd mods sinks sparse varlen kvcache misc reliability train)
 T0=$(date +%s)
 
 usage() {

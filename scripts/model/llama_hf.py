@@ -18,6 +18,14 @@ transformers and tokenizers are installed there; nothing is downloaded).
       attention, with --attention naive, candle-transformers' llama (--impl
       candle-transformers), and transformers' generate (sdpa), each in its own process, 256
       new tokens. Prints a markdown table (and writes it to DIR/llama-bench.md).
+
+  python3 scripts/model/llama_hf.py graphs BIN [--out DIR] [--graph-shapes 512x1,512x16]
+      On the same 1B-shaped checkpoint: the decoding step as a CUDA graph (the default) and
+      eager (--no-cuda-graph), each shape in its own processes (--warmup, median of --repeat
+      runs, 256 new tokens, greedy): ms per step, tokens/s and the % of the weight-read
+      roofline (the weights' bytes at the copy bandwidth measured in the same run, --roofline),
+      and whether the greedy tokens of the two are identical. Prints a markdown table
+      (DIR/llama-graphs.md, .json); exit 1 if a run fails or the tokens differ.
 """
 import argparse
 import json
@@ -94,6 +102,9 @@ def make_tiny(out, kind):
 
 
 def make_1b(out):
+    done = os.path.join(out, ".complete")
+    if os.path.exists(done):  # the weights are seeded: the same checkpoint every time
+        return out
     import transformers
 
     os.makedirs(out, exist_ok=True)
@@ -113,6 +124,7 @@ def make_1b(out):
     model.save_pretrained(out, safe_serialization=True, max_shard_size="1GB")
     del model
     torch.cuda.empty_cache()
+    open(done, "w").close()
     return out
 
 
@@ -353,12 +365,121 @@ def bench(args):
     return 0
 
 
+def new_ids(out):
+    """{sequence: new token ids} from the example's --print-ids lines."""
+    seqs = {}
+    for line in out.splitlines():
+        if line.startswith("ids["):
+            b = int(line[4:line.index("]")])
+            seqs[b] = json.loads(line[line.index("new=") + 4:])
+    return seqs
+
+
+def first_difference(a, b):
+    """(sequence, token index) of the first difference of two {sequence: ids}."""
+    for s in sorted(set(a) | set(b)):
+        x, y = a.get(s, []), b.get(s, [])
+        if x != y:
+            return s, next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return None
+
+
+def graphs(args):
+    d = os.path.join(args.out, "llama-3.2-1b-random")
+    t0 = time.time()
+    make_1b(d)
+    print(f"checkpoint {d} ready in {time.time() - t0:.0f} s", flush=True)
+    new = args.new_tokens
+    rows, failures = [], []
+    for shape in args.graph_shapes.split(","):
+        L, B = (int(x) for x in shape.split("x"))
+        ids = {}
+
+        def run(*extra):
+            try:
+                return ours(args.bin, d, "--device", "cuda", "--dtype", "bf16",
+                            "--random-prompt", str(L), "--batch", str(B),
+                            "--max-new-tokens", str(new), "--ignore-eos", "--quiet",
+                            "--print-ids", "--stats-json", "--warmup", "--roofline",
+                            "--repeat", str(args.repeat), *extra, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                return -1, "", "timeout"
+
+        for mode, extra in [("eager", ["--no-cuda-graph"]), ("CUDA graph", [])]:
+            rc, out, err = run(*extra)
+            if rc != 0:
+                tail = err.strip().splitlines()[-3:]
+                failures.append(f"{L}x{B} {mode}: exit {rc}: {' / '.join(tail)}")
+                rows.append({"prompt_len": L, "batch": B, "decode": mode, "error": f"exit {rc}"})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            r = json.loads(out.strip().splitlines()[-1])
+            r.update(prompt_len=L, batch=B)
+            if r.get("decode") != mode:
+                failures.append(f"{L}x{B}: asked for {mode}, the example decoded {r.get('decode')!r}")
+            ids[mode] = new_ids(out)
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "model"}), flush=True)
+        if len(ids) == 2:
+            a, b = ids["eager"], ids["CUDA graph"]
+            same = a == b and len(a) == B and all(len(v) == new for v in a.values())
+            if not same:
+                # Which part differs: the graph's step run eagerly, without the capture
+                # (the device lengths' attention plan, split for the capacity), or the capture.
+                rc, out, err = run("--no-capture")
+                c = new_ids(out) if rc == 0 else None
+                why = ("the uncaptured device step failed" if c is None else
+                       "the capture replays the device step exactly; the device step itself "
+                       "(lengths on the device, attention split for the capacity) differs from "
+                       "the eager one" if c == b else
+                       "the capture changes the result (the uncaptured device step matches eager)"
+                       if c == a else "all three differ")
+                failures.append(f"{L}x{B}: greedy tokens with and without graphs differ "
+                                f"(first at (sequence, token) {first_difference(a, b)}): {why}")
+            for r in rows[-2:]:
+                r["tokens_identical"] = same
+    table = ["| prompt | batch | decode | ms/step | decode tok/s | weights GB | copy GB/s | "
+             "weights at copy bw, ms | % of roofline | graph speed-up | greedy tokens identical |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        if "error" in r:
+            table.append(f"| {r['prompt_len']} | {r['batch']} | {r['decode']} | {r['error']} |"
+                         " – | – | – | – | – | – | – |")
+            continue
+        eager = next((x for x in rows if x["prompt_len"] == r["prompt_len"] and x["batch"] == r["batch"]
+                      and x.get("decode") == "eager" and "error" not in x), None)
+        speedup = (f"{eager['decode_ms_per_step'] / r['decode_ms_per_step']:.2f}x"
+                   if eager and r["decode"] != "eager" else "–")
+        def fmt(key, spec, scale=1.0):
+            v = r.get(key)
+            return "–" if v is None else format(v * scale, spec)
+        identical = {True: "yes", False: "NO"}.get(r.get("tokens_identical"), "–")
+        table.append(
+            f"| {r['prompt_len']} | {r['batch']} | {r['decode']} | {r['decode_ms_per_step']:.3f} | "
+            f"{r['decode_tok_s']:.1f} | {fmt('weight_bytes', '.3f', 1e-9)} | "
+            f"{fmt('copy_gbps', '.0f')} | {fmt('roofline_ms', '.3f')} | "
+            f"{fmt('roofline_pct', '.0f')}% | {speedup} | {identical} |")
+    text = "\n".join(table)
+    print(text)
+    with open(os.path.join(args.out, "llama-graphs.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "llama-graphs.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    for msg in failures:
+        print(f"FAIL {msg}")
+    print("PASS: greedy tokens identical with and without CUDA graphs" if not failures else
+          f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["parity", "bench"])
+    ap.add_argument("what", choices=["parity", "bench", "graphs"])
     ap.add_argument("bin", help="the llama example binary")
     ap.add_argument("--out", default="/tmp/llama-hf")
     ap.add_argument("--shapes", default="512x1,512x16,4096x1,4096x16")
+    ap.add_argument("--graph-shapes", default="512x1,512x16",
+                    help="graphs: PROMPTxBATCH shapes, each run with and without CUDA graphs")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per candle configuration (median)")
@@ -368,7 +489,7 @@ def main():
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name(0)}", flush=True)
-    sys.exit(parity(args) if args.what == "parity" else bench(args))
+    sys.exit({"parity": parity, "bench": bench, "graphs": graphs}[args.what](args))
 
 
 if __name__ == "__main__":

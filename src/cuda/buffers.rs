@@ -13,7 +13,7 @@ use candle::{bail, Layout, Result, Tensor};
 use super::abi::AttnParams;
 use super::abi::{rows_i32, to_i32};
 use super::runtime::{stream_key, StreamKey};
-use crate::params::{Paging, Problem};
+use crate::params::{Indices, Paging, Problem};
 use crate::score_mod::ScoreMods;
 
 /// Read-locks a tensor the kernels read besides the inputs, for [`locked_ptr`].
@@ -184,13 +184,15 @@ pub(crate) fn set_seq_offsets<'a>(
     syncs
 }
 
-/// `(block_table, max_pages, page_size)` for the kernels; no table for a contiguous cache.
+/// A cache's paging as the kernels take it: `(block_table, max_pages, page_size, num_pages)`.
+/// A host block table is uploaded (shared between launches); a device one is not (`None`:
+/// see [`device_table`]); a contiguous cache has no table and its capacity as `page_size`.
 pub(crate) fn paging_args(
     dev: &candle::CudaDevice,
     paging: &Paging,
-) -> Result<(Option<SharedI32>, i32, i32)> {
+) -> Result<(Option<SharedI32>, i32, i32, i32)> {
     Ok(match paging {
-        Paging::Contiguous { capacity } => (None, 0, rows_i32(*capacity, "capacity")?),
+        Paging::Contiguous { capacity } => (None, 0, rows_i32(*capacity, "capacity")?, 0),
         Paging::Paged {
             page_size,
             max_pages,
@@ -198,16 +200,40 @@ pub(crate) fn paging_args(
             block_table,
         } => {
             // Page numbers and in-page rows travel as i32; a sequence's capacity is a row count.
-            to_i32(*num_pages, "num_pages")?;
+            let pages = to_i32(*num_pages, "num_pages")?;
             rows_i32(
                 page_size.saturating_mul(*max_pages),
                 "max_pages * page_size",
             )?;
+            let table = match block_table {
+                Indices::Host(t) => Some(to_device_i32_shared(dev, t)?),
+                Indices::Device(_) => None,
+            };
             (
-                Some(to_device_i32_shared(dev, block_table)?),
+                table,
                 to_i32(*max_pages, "max_pages")?,
                 to_i32(*page_size, "page_size")?,
+                pages,
             )
         }
     })
+}
+
+/// A paged cache's block table when it is a device tensor (lock it with [`lock_tensor`]).
+pub(crate) fn device_table(paging: &Paging) -> Option<&Tensor> {
+    match paging {
+        Paging::Paged {
+            block_table: Indices::Device(t),
+            ..
+        } => Some(t),
+        _ => None,
+    }
+}
+
+/// Per-sequence numbers given as a device tensor (lock it with [`lock_tensor`]).
+pub(crate) fn device_indices(x: &Indices) -> Option<&Tensor> {
+    match x {
+        Indices::Device(t) => Some(t),
+        Indices::Host(_) => None,
+    }
 }

@@ -12,13 +12,16 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::abi::{rows_i32, strides3, to_i32, AttnParams};
-use super::buffers::{device_ptr_opt, lock_slopes, locked_ptr, paging_args, to_device_i32};
+use super::buffers::{
+    device_indices, device_ptr_opt, device_table, lock_slopes, lock_tensor, locked_ptr,
+    paging_args, to_device_i32, to_device_i32_shared,
+};
 use super::catalogue::Kernel;
 use super::plan::{plan_decode, DecodeQuery};
 use super::runtime::{
     device_facts, load_func, poison, stream_counters, Launch, Source, StreamCounters,
 };
-use crate::params::DecodeProblem;
+use crate::params::{DecodeProblem, Indices};
 
 /// `DECODE_INLINE_SEQLENS` in `cuda/common/params.cuh`: batches up to this size pass their lengths
 /// inside the parameter block instead of through a host-to-device copy per call.
@@ -33,9 +36,14 @@ pub(super) struct DecodeParams {
     pub(super) block_table: CUdeviceptr,
     pub(super) max_pages: i32,
     pub(super) page_size: i32,
+    pub(super) num_pages: i32,
+    pub(super) seqlens_add: i32,
+    pub(super) q_lens: CUdeviceptr,
+    pub(super) add_q_lens: i32,
     pub(super) num_splits: i32,
     pub(super) o_partial: CUdeviceptr,
     pub(super) lse_partial: CUdeviceptr,
+    pub(super) lse: CUdeviceptr,
     pub(super) counters: CUdeviceptr,
     pub(super) seqlens_inline: [i32; INLINE_SEQLENS],
 }
@@ -81,13 +89,14 @@ fn residency(dev: &candle::CudaDevice, kernel: Kernel, dtype: DType) -> Result<u
 static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
 
 /// Attention of `q` `(b, s_q, h, d)` over each sequence's first `seqlens[b]` cached tokens.
-/// Returns the output `(b, s_q, h, d)`, contiguous, in q's dtype.
+/// Returns the output `(b, s_q, h, d)`, contiguous, in q's dtype, and when the problem asks
+/// for it the LSE `(b, h, s_q)` in f32.
 pub(crate) fn decode(
     problem: &DecodeProblem,
     q: (&CudaStorage, &Layout),
     k_cache: (&CudaStorage, &Layout),
     v_cache: (&CudaStorage, &Layout),
-) -> Result<CudaStorage> {
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
     match q.0.dtype() {
         DType::F16 => decode_typed::<f16>(problem, q, k_cache, v_cache),
         DType::BF16 => decode_typed::<bf16>(problem, q, k_cache, v_cache),
@@ -100,7 +109,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     (q, ql): (&CudaStorage, &Layout),
     (kc, kl): (&CudaStorage, &Layout),
     (vc, vl): (&CudaStorage, &Layout),
-) -> Result<CudaStorage> {
+) -> Result<(CudaStorage, Option<CudaStorage>)> {
     let p = problem;
     let dev = q.device.clone();
     let stream = dev.cuda_stream();
@@ -111,7 +120,12 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         p.s_q.saturating_mul(group),
         "seqlen_q * (num_heads / num_heads_k)",
     )?;
-    let max_len = p.seqlens.iter().copied().max().unwrap_or(0) as usize;
+    // Device lengths are not known here: the launch is planned for the capacity, so its
+    // shape is the same for every length (a CUDA graph replays it as it was captured).
+    let max_len = match &p.seqlens {
+        Indices::Host(lens) => lens.iter().copied().max().unwrap_or(0) as usize,
+        Indices::Device(_) => p.paging.capacity(),
+    };
     let facts = device_facts(&dev)?;
     let plan = plan_decode(
         &DecodeQuery {
@@ -142,16 +156,30 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     // to arrive reads them.
     let mut o_partial = unsafe { dev.alloc::<f32>(partial_rows * p.d)? };
     let mut lse_partial = unsafe { dev.alloc::<f32>(partial_rows)? };
-    let mut seqlens_inline = [0i32; INLINE_SEQLENS];
-    let seqlens = if p.b <= INLINE_SEQLENS {
-        for (dst, &len) in seqlens_inline.iter_mut().zip(&p.seqlens) {
-            *dst = len as i32;
-        }
-        None
-    } else {
-        Some(to_device_i32(&dev, &p.seqlens)?)
+    // SAFETY: the kernel (or the merge) writes the LSE of every row with a query.
+    let mut lse_out = match p.want_lse || p.sinks.is_some() {
+        true => Some(unsafe { dev.alloc::<f32>(p.b * p.h * p.s_q)? }),
+        false => None,
     };
-    let (block_table, max_pages, page_size) = paging_args(&dev, &p.paging)?;
+    let mut seqlens_inline = [0i32; INLINE_SEQLENS];
+    let seqlens = match &p.seqlens {
+        Indices::Host(lens) if p.b <= INLINE_SEQLENS => {
+            for (dst, &len) in seqlens_inline.iter_mut().zip(lens) {
+                *dst = len as i32;
+            }
+            None
+        }
+        Indices::Host(lens) => Some(to_device_i32(&dev, lens)?),
+        Indices::Device(_) => None,
+    };
+    let (block_table, max_pages, page_size, num_pages) = paging_args(&dev, &p.paging)?;
+    let seqlens_lock = lock_tensor(device_indices(&p.seqlens));
+    let q_lens_lock = lock_tensor(p.q_lens.as_ref().and_then(device_indices));
+    let q_lens_host = match &p.q_lens {
+        Some(Indices::Host(lens)) => Some(to_device_i32_shared(&dev, lens)?),
+        _ => None,
+    };
+    let table_lock = lock_tensor(device_table(&p.paging));
     // Held until the launch is queued: another thread's call on this stream must not grow
     // (and free) the counters in between.
     let mut counter_cache = if splits > 1 {
@@ -215,6 +243,16 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         let slopes = lock_slopes(&p.mods);
         let (alibi, _slopes_sync) = locked_ptr::<f32, _>(&slopes, &stream, "alibi_slopes")?;
         a.alibi_slopes = alibi;
+        let (lens_dev, _lens_sync) = locked_ptr::<u32, _>(&seqlens_lock, &stream, "cache_seqlens")?;
+        let (table_dev, _table_sync) = locked_ptr::<u32, _>(&table_lock, &stream, "block_table")?;
+        let (q_lens_dev, _q_lens_sync) = locked_ptr::<u32, _>(&q_lens_lock, &stream, "seqlens_q")?;
+        let (lse_ptr, lse_sync) = match &mut lse_out {
+            Some(l) => {
+                let (ptr, sync) = l.device_ptr_mut(&stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
         let params = DecodeParams {
             a: AttnParams {
                 q: q_ptr,
@@ -223,13 +261,27 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
                 o: o_ptr,
                 ..a
             },
-            seqlens: device_ptr_opt(seqlens.as_ref(), &stream, &mut syncs),
-            block_table: device_ptr_opt(block_table.as_deref(), &stream, &mut syncs),
+            seqlens: match lens_dev {
+                0 => device_ptr_opt(seqlens.as_ref(), &stream, &mut syncs),
+                ptr => ptr,
+            },
+            block_table: match table_dev {
+                0 => device_ptr_opt(block_table.as_deref(), &stream, &mut syncs),
+                ptr => ptr,
+            },
             max_pages,
             page_size,
+            num_pages,
+            seqlens_add: p.seqlens_add as i32,
+            q_lens: match q_lens_dev {
+                0 => device_ptr_opt(q_lens_host.as_deref(), &stream, &mut syncs),
+                ptr => ptr,
+            },
+            add_q_lens: p.add_q_lens as i32,
             num_splits: splits as i32,
             o_partial: op_ptr,
             lse_partial: lp_ptr,
+            lse: lse_ptr,
             counters: counters_ptr,
             seqlens_inline,
         };
@@ -240,8 +292,9 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         Launch::new(plan.kernel, dtype, (p.hk * row_tiles, splits, p.b))
             .run_programmatic(&dev, &params)?;
         drop((q_sync, k_sync, v_sync, o_sync, op_sync, lp_sync, syncs));
-        drop(counters_sync);
+        drop((counters_sync, lse_sync));
     }
     drop(counter_cache);
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    let lse = lse_out.map(|l| CudaStorage::wrap_cuda_slice(l, dev.clone()));
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), lse))
 }

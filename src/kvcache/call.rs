@@ -6,7 +6,12 @@ use candle::{bail, Result, Tensor};
 use crate::decode::{AppendOp, DecodeOp};
 use crate::layout::aligned;
 use crate::options::FlashAttn;
-use crate::params::{self, AppendProblem, AttnShape, DecodeProblem, Paging};
+use crate::params::{
+    self, AppendProblem, AttnShape, DecodeProblem, Indices, Paging, RotaryProblem,
+};
+
+use super::args::{device_indices, BlockTable, CacheSeqlens};
+use super::rotary::{self, RotaryCall};
 
 /// Shape of the new keys and values, in messages.
 const NEW_KV_DIMS: &str = "(batch, seqlen_new, num_heads_k, head_dim)";
@@ -16,7 +21,7 @@ const NEW_KV_DIMS: &str = "(batch, seqlen_new, num_heads_k, head_dim)";
 pub(super) enum CacheKind<'a> {
     Contiguous,
     Paged {
-        block_table: &'a [u32],
+        block_table: BlockTable<'a>,
         max_pages: usize,
         /// The table comes from a [`PagedKvCache`], whose free list never hands out a page
         /// twice: the aliasing check can be skipped on the decoding hot path.
@@ -47,19 +52,33 @@ impl CacheKind<'_> {
 /// One validated call: the append (if there are new tokens) and the attention. Nothing has
 /// been written when [`Call::new`] returns, so an error leaves the cache untouched.
 pub(super) struct Call {
-    append: Option<(AppendOp, Tensor, Tensor)>,
+    append: Option<Append>,
     decode: DecodeProblem,
 }
 
+/// The append half of a call: one op per cache, with the new rows.
+struct Append {
+    k: AppendOp,
+    v: AppendOp,
+    k_new: Tensor,
+    v_new: Tensor,
+    /// Rotary embedding done with tensor ops before a plain append (the CPU), with the host
+    /// starts; on CUDA it is inside `k`.
+    cpu_rotary: Option<(RotaryProblem, Vec<u32>)>,
+}
+
 impl Call {
+    #[allow(clippy::too_many_arguments)] // the public calls' arguments, passed through
     pub(super) fn new(
         q: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
         new_kv: Option<(&Tensor, &Tensor)>,
-        cache_seqlens: &[u32],
+        cache_seqlens: CacheSeqlens,
         kind: CacheKind,
         opts: &FlashAttn,
+        want_lse: bool,
+        seqlens_q: Option<CacheSeqlens>,
     ) -> Result<Self> {
         if opts.dropout_p != 0.0 {
             bail!(
@@ -107,27 +126,45 @@ impl Call {
                         k_cache.dims()
                     )
                 }
-                if b.checked_mul(max_pages) != Some(block_table.len()) {
-                    bail!(
-                        "block_table: expected batch * max_pages = {b} * {max_pages} = {} entries, got {}",
-                        b as u128 * max_pages as u128,
-                        block_table.len()
-                    )
-                }
+                let block_table = match block_table {
+                    BlockTable::Host(table) => {
+                        if b.checked_mul(max_pages) != Some(table.len()) {
+                            bail!(
+                                "block_table: expected batch * max_pages = {b} * {max_pages} = {} entries, got {}",
+                                b as u128 * max_pages as u128,
+                                table.len()
+                            )
+                        }
+                        Indices::Host(table.to_vec())
+                    }
+                    BlockTable::Device(t) => {
+                        if outer == 0 {
+                            // The kernels clamp unchecked entries to the last page.
+                            bail!("{kn}: a device block_table needs at least one page, got shape {:?}", k_cache.dims())
+                        }
+                        device_indices(t, &[b, max_pages], q, "block_table")?
+                    }
+                };
                 Paging::Paged {
                     page_size: rows,
                     num_pages: outer,
                     max_pages,
-                    block_table: block_table.to_vec(),
+                    block_table,
                 }
             }
         };
-        if cache_seqlens.len() != b {
-            bail!(
-                "cache_seqlens: expected {b} entries (one per sequence of q), got {}",
-                cache_seqlens.len()
-            )
-        }
+        let starts = match cache_seqlens {
+            CacheSeqlens::Host(lens) => {
+                if lens.len() != b {
+                    bail!(
+                        "cache_seqlens: expected {b} entries (one per sequence of q), got {}",
+                        lens.len()
+                    )
+                }
+                Indices::Host(lens.to_vec())
+            }
+            CacheSeqlens::Device(t) => device_indices(t, &[b], q, "cache_seqlens")?,
+        };
         if let Some((k_new, v_new)) = new_kv {
             check_new_kv_apart(
                 [(k_new, "k_new"), (v_new, "v_new")],
@@ -138,11 +175,61 @@ impl Call {
             .map(|(k_new, v_new)| check_new_kv(q, k_new, v_new, (b, hk, d)))
             .transpose()?;
         let s_new = new_kv.as_ref().map_or(0, |&(_, _, s_new)| s_new);
-        let seqlens = lengths_after(cache_seqlens, s_new, &paging)?;
-        check_block_table(&paging, &seqlens, kn)?;
-        if let (CacheKind::Paged { owned: false, .. }, true) = (kind, s_new > 0) {
-            check_pages_not_shared(&paging, cache_seqlens, &seqlens)?;
+        let q_lens = match seqlens_q {
+            None => None,
+            Some(CacheSeqlens::Host(lens)) => {
+                if lens.len() != b {
+                    bail!(
+                        "seqlens_q: expected {b} entries (one per sequence of q), got {}",
+                        lens.len()
+                    )
+                }
+                if let Some((i, &n)) = lens.iter().enumerate().find(|&(_, &n)| n as usize > s_q) {
+                    bail!("seqlens_q: sequence {i} has {n} query tokens, more than q's seqlen_q {s_q}")
+                }
+                Some(Indices::Host(lens.to_vec()))
+            }
+            Some(CacheSeqlens::Device(t)) => Some(device_indices(t, &[b], q, "seqlens_q")?),
+        };
+        if q_lens.is_some() && new_kv.is_some() && s_new != s_q {
+            bail!(
+                "k_new: with seqlens_q each sequence's new tokens are its query tokens, so \
+                 seqlen_new ({s_new}) must equal q's seqlen_q ({s_q})"
+            )
         }
+        // What each sequence grows by: its own query count when ragged.
+        let ragged_new = match (&q_lens, new_kv.is_some()) {
+            (Some(lens), true) => Some(lens.clone()),
+            _ => None,
+        };
+        let (seqlens, seqlens_add) = match &starts {
+            Indices::Host(starts) => {
+                let seqlens = match &ragged_new {
+                    None => lengths_after(starts, s_new, &paging)?,
+                    Some(Indices::Host(adds)) => lengths_after_each(starts, adds, &paging)?,
+                    Some(Indices::Device(_)) => bail!(
+                        "seqlens_q: a device tensor needs cache_seqlens on the device too (the \
+                         lengths after the append are only known there)"
+                    ),
+                };
+                check_block_table(&paging, &seqlens, kn)?;
+                if let (CacheKind::Paged { owned: false, .. }, true) = (kind, s_new > 0) {
+                    check_pages_not_shared(&paging, starts, &seqlens)?;
+                }
+                (Indices::Host(seqlens), 0)
+            }
+            Indices::Device(t) => {
+                // The lengths are the kernels' to read; what the host knows is still checked.
+                if s_new > paging.capacity() {
+                    bail!(
+                        "k_new: {s_new} new tokens per sequence do not fit the cache capacity \
+                         of {}",
+                        paging.capacity()
+                    )
+                }
+                (Indices::Device(t.clone()), s_new as u32)
+            }
+        };
         let scale = opts.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt());
         params::check_scale(scale)?;
         if opts.block_mask.is_some() {
@@ -152,16 +239,57 @@ impl Call {
             )
         }
         let mods = opts.score_mods(&shape, q.device())?;
+        let sinks = match &opts.sinks {
+            Some(t) => {
+                crate::sinks::check(t, q, h)?;
+                Some(crate::sinks::values(t)?)
+            }
+            None => None,
+        };
+        let rotary = match &opts.rotary {
+            Some(r) => Some(rotary::check(
+                r,
+                &RotaryCall {
+                    q,
+                    s_q,
+                    h,
+                    d,
+                    s_new,
+                    has_new_kv: new_kv.is_some(),
+                    q_causal: opts.causal || mods.left.is_some() || mods.right.is_some(),
+                    starts: &starts,
+                },
+            )?),
+            None => None,
+        };
         let append = new_kv.map(|(k_new, v_new, _)| {
             let problem = AppendProblem {
                 b,
                 s_new,
                 hk,
                 d,
-                start: cache_seqlens.to_vec(),
+                start: starts.clone(),
+                new_lens: ragged_new.clone(),
                 paging: paging.clone(),
+                rotary: None,
             };
-            (AppendOp(problem), k_new, v_new)
+            let (k_rotary, cpu_rotary) = match (&rotary, &starts) {
+                (Some(r), Indices::Host(st)) if q.device().is_cpu() => {
+                    (None, Some((r.clone(), st.clone())))
+                }
+                (r, _) => (r.clone(), None),
+            };
+            let k = AppendOp::new(AppendProblem {
+                rotary: k_rotary,
+                ..problem.clone()
+            });
+            Append {
+                k,
+                v: AppendOp::new(problem),
+                k_new,
+                v_new,
+                cpu_rotary,
+            }
         });
         let decode = DecodeProblem {
             b,
@@ -173,36 +301,66 @@ impl Call {
             causal: opts.causal,
             mods,
             seqlens,
+            seqlens_add,
+            add_q_lens: ragged_new.is_some() && matches!(starts, Indices::Device(_)),
+            q_lens,
             paging,
+            want_lse,
+            sinks,
         };
         Ok(Self { append, decode })
     }
 
-    /// Tokens per sequence once the new ones are appended.
-    pub(super) fn lengths(&self) -> &[u32] {
-        &self.decode.seqlens
+    /// Tokens per sequence once the new ones are appended (host lengths only: the
+    /// [`super::KvCache`] types track theirs on the host).
+    pub(super) fn lengths(&self) -> Result<&[u32]> {
+        self.decode.seqlens.host("cache_seqlens")
     }
 
-    /// Writes the new keys and values into the caches, in place.
-    pub(super) fn append(&self, k_cache: &Tensor, v_cache: &Tensor) -> Result<()> {
-        if let Some((op, k_new, v_new)) = &self.append {
-            op.run(k_cache, k_new)?;
-            crate::failpoint::check("kvcache: between the K and V appends")?;
-            op.run(v_cache, v_new)?;
-        }
-        Ok(())
+    /// Writes the new keys and values into the caches, in place. Returns the queries the
+    /// attention must use when rotary embedding rotated them.
+    pub(super) fn append(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        let Some(a) = &self.append else {
+            return Ok(None);
+        };
+        let (q_rot, k_new) = match &a.cpu_rotary {
+            Some((r, starts)) => (
+                Some(rotary::rotate_cpu(q, r, starts, r.q_causal)?),
+                rotary::rotate_cpu(&a.k_new, r, starts, true)?,
+            ),
+            None => (None, a.k_new.clone()),
+        };
+        let q_rot = a.k.run(k_cache, &k_new)?.or(q_rot);
+        crate::failpoint::check("kvcache: between the K and V appends")?;
+        a.v.run(v_cache, &a.v_new)?;
+        Ok(q_rot)
     }
 
-    /// The attention of `q` over the (appended) caches.
-    pub(super) fn attend(self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
+    /// The attention of `q` over the (appended) caches, and its LSE when asked for.
+    pub(super) fn attend(
+        self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         crate::failpoint::check("kvcache: attention")?;
-        DecodeOp(self.decode).run(&aligned(q)?, k_cache, v_cache)
+        DecodeOp::new(self.decode).run(&aligned(q)?, k_cache, v_cache)
     }
 
     /// Validates, appends, attends.
-    pub(super) fn run(self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
-        self.append(k_cache, v_cache)?;
-        self.attend(q, k_cache, v_cache)
+    pub(super) fn run(
+        self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let q_rot = self.append(q, k_cache, v_cache)?;
+        self.attend(q_rot.as_ref().unwrap_or(q), k_cache, v_cache)
     }
 }
 
@@ -275,7 +433,7 @@ fn check_block_table(paging: &Paging, seqlens: &[u32], kn: &str) -> Result<()> {
         page_size,
         num_pages,
         max_pages,
-        block_table,
+        block_table: Indices::Host(block_table),
     } = paging
     else {
         return Ok(());
@@ -303,7 +461,7 @@ fn check_pages_not_shared(paging: &Paging, starts: &[u32], lengths: &[u32]) -> R
     let Paging::Paged {
         page_size,
         max_pages,
-        block_table,
+        block_table: Indices::Host(block_table),
         ..
     } = paging
     else {
@@ -378,6 +536,15 @@ pub(super) fn lengths_after(
     s_new: usize,
     paging: &Paging,
 ) -> Result<Vec<u32>> {
+    lengths_after_each(
+        cache_seqlens,
+        &vec![s_new as u32; cache_seqlens.len()],
+        paging,
+    )
+}
+
+/// [`lengths_after`] with a count of new tokens per sequence.
+fn lengths_after_each(cache_seqlens: &[u32], adds: &[u32], paging: &Paging) -> Result<Vec<u32>> {
     let capacity = paging.capacity();
     let how = match paging {
         Paging::Contiguous { .. } => String::new(),
@@ -391,6 +558,7 @@ pub(super) fn lengths_after(
         .iter()
         .enumerate()
         .map(|(b, &len)| {
+            let s_new = adds[b] as usize;
             match (len as usize)
                 .checked_add(s_new)
                 .map(|t| (t, u32::try_from(t)))

@@ -3,6 +3,7 @@
 use candle::{bail, DType, Device, Result, Tensor};
 
 use super::alloc_checks::{check_cache_args, check_fits_u32};
+use super::args::CacheSeqlens;
 use super::call::{CacheKind, Call};
 use crate::options::FlashAttn;
 use crate::params;
@@ -91,12 +92,13 @@ impl KvCache {
     ) -> Result<Tensor> {
         let new_kv = Some((k_new, v_new));
         let kind = CacheKind::Contiguous;
-        let call = Call::new(q, &self.k, &self.v, new_kv, &self.lengths, kind, opts)?;
-        let lengths = call.lengths().to_vec();
-        call.append(&self.k, &self.v)?;
+        let lens = CacheSeqlens::Host(&self.lengths);
+        let call = Call::new(q, &self.k, &self.v, new_kv, lens, kind, opts, false, None)?;
+        let lengths = call.lengths()?.to_vec();
+        let q_rot = call.append(q, &self.k, &self.v)?;
         // Committed only once the attention ran: after a failed launch the rows written past
         // the old lengths are never read, and a retry writes them again.
-        let out = call.attend(q, &self.k, &self.v)?;
+        let (out, _) = call.attend(q_rot.as_ref().unwrap_or(q), &self.k, &self.v)?;
         self.lengths = lengths;
         Ok(out)
     }

@@ -9,9 +9,11 @@
 //! - [`KvCache`] and [`PagedKvCache`]: the cache of one layer with its per-sequence lengths,
 //!   for model authors (append + attend in one call, reset, a clear error on overflow).
 //!
-//! The lengths live on the host (`&[u32]`): every bound is checked before anything is
-//! written, without a device synchronisation. Decoding is inference only: the result carries
-//! no gradient (a backward pass through it is Candle's "no backward" error).
+//! Lengths and block tables come from the host (`&[u32]`: every bound is checked before
+//! anything is written, without a device synchronisation) or from U32 tensors on the device
+//! ([`CacheSeqlens`], [`BlockTable`]: nothing is uploaded or synchronised, so a decoding step
+//! can be captured in a CUDA graph). Decoding is inference only: the result carries no
+//! gradient (a backward pass through it is Candle's "no backward" error).
 
 use candle::{Result, Tensor};
 
@@ -19,10 +21,13 @@ use crate::options::FlashAttn;
 
 mod alloc_checks;
 mod append_varlen;
+mod args;
 mod call;
 mod contiguous;
 mod paged;
+mod rotary;
 
+pub use args::{BlockTable, CacheSeqlens};
 use call::{CacheKind, Call};
 pub use contiguous::KvCache;
 pub use paged::PagedKvCache;
@@ -39,8 +44,10 @@ pub use paged::PagedKvCache;
 /// - `new_kv`: optional `(k_new, v_new)`, each `(batch, seqlen_new, num_heads_k, head_dim)`
 ///   (any strides but a contiguous last dimension). Token `i` of sequence `b` is written to
 ///   cache row `cache_seqlens[b] + i` of both caches before the attention.
-/// - `cache_seqlens`: tokens already in the cache, one per sequence (before the append).
-///   Sequences may have different lengths; rows past a sequence's length are never read.
+/// - `cache_seqlens`: tokens already in the cache, one per sequence (before the append):
+///   `&[u32]` on the host, or a `(batch,)` U32 tensor on q's device that only the kernels
+///   read (graph-safe; see [`CacheSeqlens`] for what is then checked where). Sequences may
+///   have different lengths; rows past a sequence's length are never read.
 /// - `opts`: `softmax_scale` (default `1 / sqrt(head_dim)`), `causal`, `window_size`,
 ///   `softcap` and `alibi_slopes` are used (the rest is ignored, but `dropout_p` must be 0).
 ///   The mask and the window are bottom-right aligned per sequence: with
@@ -83,16 +90,95 @@ pub use paged::PagedKvCache;
 /// assert_eq!(out.dims(), &[2, 1, 8, 32]); // the caches now hold 6 and 18 tokens
 /// # Ok(()) }
 /// ```
-pub fn flash_attn_with_kvcache(
+pub fn flash_attn_with_kvcache<'a>(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
     new_kv: Option<(&Tensor, &Tensor)>,
-    cache_seqlens: &[u32],
+    cache_seqlens: impl Into<CacheSeqlens<'a>>,
     opts: &FlashAttn,
 ) -> Result<Tensor> {
     let kind = CacheKind::Contiguous;
-    Call::new(q, k_cache, v_cache, new_kv, cache_seqlens, kind, opts)?.run(q, k_cache, v_cache)
+    let lens = cache_seqlens.into();
+    let call = Call::new(q, k_cache, v_cache, new_kv, lens, kind, opts, false, None)?;
+    Ok(call.run(q, k_cache, v_cache)?.0)
+}
+
+/// [`flash_attn_with_kvcache`] that also returns the row log-sum-exp of the attention:
+/// `(out, lse)` with `lse` `(batch, num_heads, seqlen_q)` in f32 (natural log of the sum of
+/// `exp(score)` over the keys each row sees, the scores scaled and modified as the softmax
+/// saw them; `-inf` for a row that sees no key), the layout of
+/// [`FlashAttn::forward_with_lse`]. With [`crate::combine`] this merges attention over a
+/// shared prefix, computed once, with each sequence's own cache (cascade attention).
+pub fn flash_attn_with_kvcache_lse<'a>(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    new_kv: Option<(&Tensor, &Tensor)>,
+    cache_seqlens: impl Into<CacheSeqlens<'a>>,
+    opts: &FlashAttn,
+) -> Result<(Tensor, Tensor)> {
+    let kind = CacheKind::Contiguous;
+    let lens = cache_seqlens.into();
+    let call = Call::new(q, k_cache, v_cache, new_kv, lens, kind, opts, true, None)?;
+    with_lse(call.run(q, k_cache, v_cache)?)
+}
+
+/// [`flash_attn_with_kvcache_lse`] with a different number of query tokens per sequence
+/// (speculative decoding's draft tokens, chunked prefill): `q` `(batch, seqlen_q, ...)` is
+/// padded, sequence `b` has `seqlens_q[b] <= seqlen_q` real query tokens (the first ones) and,
+/// with `new_kv` (whose `seqlen_new` must equal `seqlen_q`), as many new keys and values;
+/// the rest of its rows are padding. The causal mask is bottom-right aligned per sequence
+/// (query `i` of sequence `b` sees cache token `j` iff `j <= i + seqlen_k[b] - seqlens_q[b]`
+/// with `seqlen_k[b] = cache_seqlens[b] + seqlens_q[b]`). Padding rows output zeros and an
+/// LSE of `-inf`, and their new rows are not written.
+///
+/// `seqlens_q` takes the forms of `cache_seqlens` ([`CacheSeqlens`]); a device tensor needs
+/// `cache_seqlens` on the device too. One launch serves the whole batch at the decode
+/// kernel's speed: a sequence's padding tiles read no keys.
+pub fn flash_attn_with_kvcache_ragged<'a>(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    new_kv: Option<(&Tensor, &Tensor)>,
+    cache_seqlens: impl Into<CacheSeqlens<'a>>,
+    seqlens_q: impl Into<CacheSeqlens<'a>>,
+    opts: &FlashAttn,
+) -> Result<(Tensor, Tensor)> {
+    let kind = CacheKind::Contiguous;
+    let (lens, q_lens) = (cache_seqlens.into(), Some(seqlens_q.into()));
+    let call = Call::new(q, k_cache, v_cache, new_kv, lens, kind, opts, true, q_lens)?;
+    with_lse(call.run(q, k_cache, v_cache)?)
+}
+
+/// [`flash_attn_with_kvcache_ragged`] over a paged cache.
+#[allow(clippy::too_many_arguments)] // FlashAttention's argument list; see PagedKvCache
+pub fn flash_attn_with_paged_kvcache_ragged<'a>(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    new_kv: Option<(&Tensor, &Tensor)>,
+    cache_seqlens: impl Into<CacheSeqlens<'a>>,
+    seqlens_q: impl Into<CacheSeqlens<'a>>,
+    block_table: impl Into<BlockTable<'a>>,
+    max_pages: usize,
+    opts: &FlashAttn,
+) -> Result<(Tensor, Tensor)> {
+    let kind = CacheKind::Paged {
+        block_table: block_table.into(),
+        max_pages,
+        owned: false,
+    };
+    let (lens, q_lens) = (cache_seqlens.into(), Some(seqlens_q.into()));
+    let call = Call::new(q, k_pages, v_pages, new_kv, lens, kind, opts, true, q_lens)?;
+    with_lse(call.run(q, k_pages, v_pages)?)
+}
+
+fn with_lse((out, lse): (Tensor, Option<Tensor>)) -> Result<(Tensor, Tensor)> {
+    match lse {
+        Some(lse) => Ok((out, lse)),
+        None => candle::bail!("kv-cache: the attention returned no LSE"),
+    }
 }
 
 /// [`flash_attn_with_kvcache`] over a paged cache (vLLM's PagedAttention layout), for
@@ -100,7 +186,8 @@ pub fn flash_attn_with_kvcache(
 ///
 /// - `k_pages`, `v_pages`: `(num_pages, page_size, num_heads_k, head_dim)`, contiguous;
 ///   `page_size > 0`.
-/// - `block_table`: row-major `(batch, max_pages)`: token `j` of sequence `b` lives in page
+/// - `block_table`: row-major `(batch, max_pages)` (host `&[u32]` or a U32 device tensor,
+///   see [`BlockTable`]): token `j` of sequence `b` lives in page
 ///   `block_table[b * max_pages + j / page_size]`, row `j % page_size`. Every page a sequence
 ///   uses after the append (`ceil((cache_seqlens[b] + seqlen_new) / page_size)` entries of
 ///   its row) must be `< num_pages`; the rest of the row is ignored. Sequences may share
@@ -115,20 +202,45 @@ pub fn flash_attn_with_kvcache(
 /// sequences given one page, a shared prefix page that is only partly filled, the
 /// unallocated zero entries of [`PagedKvCache::block_table`]), and `page_size == 0`.
 #[allow(clippy::too_many_arguments)] // FlashAttention's argument list; see PagedKvCache
-pub fn flash_attn_with_paged_kvcache(
+pub fn flash_attn_with_paged_kvcache<'a>(
     q: &Tensor,
     k_pages: &Tensor,
     v_pages: &Tensor,
     new_kv: Option<(&Tensor, &Tensor)>,
-    cache_seqlens: &[u32],
-    block_table: &[u32],
+    cache_seqlens: impl Into<CacheSeqlens<'a>>,
+    block_table: impl Into<BlockTable<'a>>,
     max_pages: usize,
     opts: &FlashAttn,
 ) -> Result<Tensor> {
     let kind = CacheKind::Paged {
-        block_table,
+        block_table: block_table.into(),
         max_pages,
         owned: false,
     };
-    Call::new(q, k_pages, v_pages, new_kv, cache_seqlens, kind, opts)?.run(q, k_pages, v_pages)
+    let lens = cache_seqlens.into();
+    let call = Call::new(q, k_pages, v_pages, new_kv, lens, kind, opts, false, None)?;
+    Ok(call.run(q, k_pages, v_pages)?.0)
+}
+
+/// [`flash_attn_with_paged_kvcache`] that also returns the row log-sum-exp, as
+/// [`flash_attn_with_kvcache_lse`] does.
+#[allow(clippy::too_many_arguments)] // FlashAttention's argument list; see PagedKvCache
+pub fn flash_attn_with_paged_kvcache_lse<'a>(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    new_kv: Option<(&Tensor, &Tensor)>,
+    cache_seqlens: impl Into<CacheSeqlens<'a>>,
+    block_table: impl Into<BlockTable<'a>>,
+    max_pages: usize,
+    opts: &FlashAttn,
+) -> Result<(Tensor, Tensor)> {
+    let kind = CacheKind::Paged {
+        block_table: block_table.into(),
+        max_pages,
+        owned: false,
+    };
+    let lens = cache_seqlens.into();
+    let call = Call::new(q, k_pages, v_pages, new_kv, lens, kind, opts, true, None)?;
+    with_lse(call.run(q, k_pages, v_pages)?)
 }

@@ -4,6 +4,7 @@
 use candle::{bail, DType, Device, Result, Tensor};
 
 use super::alloc_checks::{check_cache_args, check_fits_u32};
+use super::args::{BlockTable, CacheSeqlens};
 use super::call::{lengths_after, CacheKind, Call};
 use crate::options::FlashAttn;
 use crate::params::{self, Paging};
@@ -98,7 +99,7 @@ impl PagedKvCache {
             page_size: self.page_size,
             num_pages: self.num_pages(),
             max_pages: self.max_pages,
-            block_table: Vec::new(),
+            block_table: params::Indices::Host(Vec::new()),
         };
         let lengths = lengths_after(&self.lengths, s_new, &paging)?;
         self.allocate_for(&lengths)
@@ -156,17 +157,18 @@ impl PagedKvCache {
         };
         let (table, free) = self.allocate(s_new)?;
         let kind = CacheKind::Paged {
-            block_table: &table,
+            block_table: BlockTable::Host(&table),
             max_pages: self.max_pages,
             owned: true,
         };
         let new_kv = Some((k_new, v_new));
-        let call = Call::new(q, &self.k, &self.v, new_kv, &self.lengths, kind, opts)?;
-        let lengths = call.lengths().to_vec();
-        call.append(&self.k, &self.v)?;
+        let lens = CacheSeqlens::Host(&self.lengths);
+        let call = Call::new(q, &self.k, &self.v, new_kv, lens, kind, opts, false, None)?;
+        let lengths = call.lengths()?.to_vec();
+        let q_rot = call.append(q, &self.k, &self.v)?;
         // As in KvCache: pages and lengths are committed after the attention ran (the pages
         // written by a failed call are still free).
-        let out = call.attend(q, &self.k, &self.v)?;
+        let (out, _) = call.attend(q_rot.as_ref().unwrap_or(q), &self.k, &self.v)?;
         self.lengths = lengths;
         self.block_table = table;
         self.free = free;

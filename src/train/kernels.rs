@@ -8,12 +8,12 @@ use candle::{bail, DType, Result};
 #[allow(dead_code)] // the table's doc-only items
 #[path = "../../cuda/train/catalogue.rs"]
 mod table;
-pub(super) use table::Op;
+pub(crate) use table::Op;
 use table::{Dtypes, Elem};
 
 /// A compiled training kernel: what it computes, for which element types, and its entry
 /// point.
-pub(super) struct TrainKernel {
+pub(crate) struct TrainKernel {
     op: Op,
     dtypes: Dtypes,
     name: &'static str,
@@ -33,7 +33,7 @@ impl TrainKernel {
     /// The entry point of `op` for its operands' dtypes, each given with what it is for the
     /// error (`("rms_norm: x", dtype)`), in the kernel's order. An unsupported dtype is an
     /// error naming its operand and the dtypes compiled (for those before it).
-    pub(super) fn name(op: Op, args: &[(&str, DType)]) -> Result<&'static str> {
+    pub(crate) fn name(op: Op, args: &[(&str, DType)]) -> Result<&'static str> {
         let mut elems: Vec<Elem> = Vec::with_capacity(args.len());
         for (i, &(what, dtype)) in args.iter().enumerate() {
             // The element types compiled at position i after those chosen, in table order.

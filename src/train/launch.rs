@@ -36,7 +36,7 @@ pub(super) fn slice_ptr<'a, T: DeviceRepr>(
 
 /// The device address of a contiguous storage's first element (its layout's start offset
 /// applied), for reading.
-pub(super) fn ptr<'a>(
+pub(crate) fn ptr<'a>(
     s: &'a CudaStorage,
     l: &Layout,
     stream: &'a Arc<CudaStream>,
@@ -53,7 +53,7 @@ pub(super) fn ptr<'a>(
 
 /// The same for writing: a fresh output (`start` 0) or an in-place operand (its layout's
 /// start offset).
-pub(super) fn ptr_mut<'a>(
+pub(crate) fn ptr_mut<'a>(
     s: &'a mut CudaStorage,
     start: usize,
     stream: &'a Arc<CudaStream>,
@@ -78,7 +78,7 @@ pub(super) fn ptr_mut<'a>(
 /// A fresh device buffer of `n` elements of `dtype`: zeroed when `zero` (the kernel adds into
 /// it), otherwise filled with NaN under `CANDLE_FLASH_POISON=1` like the attention's outputs,
 /// so that an element a kernel fails to write shows in the tests.
-pub(super) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
+pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
     fn make<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         dev: &CudaDevice,
         n: usize,
@@ -141,9 +141,33 @@ pub(super) fn launch(
     Ok(())
 }
 
+/// Launches `name` from the training module with `blocks` x `threads` and one argument
+/// passed by value: a `#[repr(C)]` parameter block, the C struct the kernel takes (whose
+/// layout both sides assert), for kernels with more operands than plain arguments carry well.
+pub(crate) fn launch_params<P: DeviceRepr>(
+    dev: &CudaDevice,
+    name: &str,
+    blocks: usize,
+    threads: u32,
+    params: &P,
+) -> Result<()> {
+    let Some((func, cfg)) =
+        crate::cuda::prepare_launch(dev, Source::Train, name, (blocks, 1, 1), threads, 0)?
+    else {
+        return Ok(());
+    };
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(params);
+    // SAFETY: `P` is the kernel's parameter block (same layout, asserted on both sides) and
+    // holds the addresses of live buffers of the sizes and strides the kernel indexes.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
+}
+
 /// Blocks of `threads` for a grid-stride loop over `n` elements: at most 16 per SM (the loops
 /// cover the rest).
-pub(super) fn stride_blocks(dev: &CudaDevice, n: usize, threads: u32) -> Result<usize> {
+pub(crate) fn stride_blocks(dev: &CudaDevice, n: usize, threads: u32) -> Result<usize> {
     Ok(n.div_ceil(threads as usize)
         .clamp(1, max_stride_blocks(dev)?))
 }

@@ -40,13 +40,17 @@ mod adamw_state;
 mod cross_entropy;
 mod embedding;
 mod host;
+// Also the launch path of `crate::combine`'s kernel, which lives in their catalogue.
 #[cfg(feature = "cuda")]
-mod kernels;
+pub(crate) mod kernels;
 #[cfg(feature = "cuda")]
-mod launch;
+pub(crate) mod launch;
 mod pool;
 mod rms_norm;
 mod rotary;
+// The attention sinks' kernels live in the training module and its catalogue.
+#[cfg(feature = "cuda")]
+pub(crate) mod sinks;
 mod swiglu;
 
 pub use adamw::{sum_squares, AdamW};

@@ -1,9 +1,13 @@
 //! GPU tests for KV-cache decoding: in-place append (contiguous and paged), split-KV decode,
-//! GQA packing, against `attention_slow` on each sequence's prefix.
+//! GQA packing, against `attention_slow` on each sequence's prefix; lengths and block tables
+//! as device tensors (the graph-safe form) with the LSE out, and their clamping; rotary
+//! embedding fused into the append; a decoding step captured in a CUDA graph and replayed.
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::{
-    attention_slow, flash_attn_with_kvcache, flash_attn_with_paged_kvcache, FlashAttn, KvCache,
+    attention_slow, flash_attn_with_kvcache, flash_attn_with_kvcache_lse,
+    flash_attn_with_kvcache_ragged, flash_attn_with_paged_kvcache,
+    flash_attn_with_paged_kvcache_lse, flash_attn_with_paged_kvcache_ragged, FlashAttn, KvCache,
     PagedKvCache,
 };
 
@@ -21,6 +25,38 @@ struct DecodeCase {
     d: usize,
     causal: bool,
     page_size: Option<usize>,
+    /// Lengths and block table as device tensors, and the LSE checked too.
+    device: bool,
+}
+
+/// The LSE `(b, h, s_q)` of one sequence's decode call checked against the CPU forward's on
+/// the same (rounded) inputs in f32: both are f32 sums of exponentials of f32 scores.
+fn check_lse(
+    what: &str,
+    ours: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+) -> Result<()> {
+    let f32_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    let (_, want) = FlashAttn::new().causal(causal).forward_with_lse(
+        &f32_cpu(q)?,
+        &f32_cpu(k)?,
+        &f32_cpu(v)?,
+    )?;
+    let got = f32_cpu(ours)?;
+    let (g, w) = (
+        got.flatten_all()?.to_vec1::<f32>()?,
+        want.flatten_all()?.to_vec1::<f32>()?,
+    );
+    for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+        let ok = (g == w) || (g - w).abs() <= 1e-3 * (1.0 + w.abs());
+        if !ok {
+            candle::bail!("{what}: lse[{i}] = {g}, expected {w}");
+        }
+    }
+    Ok(())
 }
 
 /// Runs one decode call and checks the output against `attention_slow` on each prefix (2x
@@ -42,14 +78,21 @@ fn decode_case(dev: &Device, c: &DecodeCase, dtype: DType) -> Result<()> {
         None
     };
     let seqlens: Vec<u32> = c.lens.iter().map(|&l| l as u32).collect();
+    let seqlens_dev = Tensor::new(seqlens.as_slice(), dev)?;
     let opts = FlashAttn::new().causal(c.causal);
     let new_ref = new.as_ref().map(|(k, v)| (k, v));
 
-    let (out, k_after, v_after) = match c.page_size {
+    let (out, lse, k_after, v_after) = match c.page_size {
+        None if c.device => {
+            let (k_cache, v_cache) = (k_full.copy()?, v_full.copy()?);
+            let (out, lse) =
+                flash_attn_with_kvcache_lse(&q, &k_cache, &v_cache, new_ref, &seqlens_dev, &opts)?;
+            (out, Some(lse), k_cache, v_cache)
+        }
         None => {
             let (k_cache, v_cache) = (k_full.copy()?, v_full.copy()?);
             let out = flash_attn_with_kvcache(&q, &k_cache, &v_cache, new_ref, &seqlens, &opts)?;
-            (out, k_cache, v_cache)
+            (out, None, k_cache, v_cache)
         }
         Some(page) => {
             // Pages in reverse order, one spare page at the front, so page != sequence slot.
@@ -69,9 +112,25 @@ fn decode_case(dev: &Device, c: &DecodeCase, dtype: DType) -> Result<()> {
                 Tensor::cat(&slots, 0)
             };
             let (k_pages, v_pages) = (to_pages(&k_full)?, to_pages(&v_full)?);
-            let out = flash_attn_with_paged_kvcache(
-                &q, &k_pages, &v_pages, new_ref, &seqlens, &table, max_pages, &opts,
-            )?;
+            let (out, lse) = if c.device {
+                let table_dev = Tensor::from_slice(&table, (b, max_pages), dev)?;
+                let (out, lse) = flash_attn_with_paged_kvcache_lse(
+                    &q,
+                    &k_pages,
+                    &v_pages,
+                    new_ref,
+                    &seqlens_dev,
+                    &table_dev,
+                    max_pages,
+                    &opts,
+                )?;
+                (out, Some(lse))
+            } else {
+                let out = flash_attn_with_paged_kvcache(
+                    &q, &k_pages, &v_pages, new_ref, &seqlens, &table, max_pages, &opts,
+                )?;
+                (out, None)
+            };
             // Back to (b, capacity, hk, d) to check the append.
             let from_pages = |pages: &Tensor| -> Result<Tensor> {
                 let rows: Vec<Tensor> = table
@@ -82,7 +141,7 @@ fn decode_case(dev: &Device, c: &DecodeCase, dtype: DType) -> Result<()> {
                     .reshape((b, max_pages * page, c.hk, c.d))?
                     .narrow(1, 0, capacity)
             };
-            (out, from_pages(&k_pages)?, from_pages(&v_pages)?)
+            (out, lse, from_pages(&k_pages)?, from_pages(&v_pages)?)
         }
     };
     if has_nan(&out)? {
@@ -129,6 +188,12 @@ fn decode_case(dev: &Device, c: &DecodeCase, dtype: DType) -> Result<()> {
             if sum != 0.0 {
                 candle::bail!("sequence {i} has an empty cache but a nonzero output");
             }
+            if let Some(lse) = &lse {
+                let l = lse.i(i)?.flatten_all()?.to_vec1::<f32>()?;
+                if l.iter().any(|&x| x != f32::NEG_INFINITY) {
+                    candle::bail!("sequence {i} has an empty cache but a finite lse {l:?}");
+                }
+            }
             continue;
         }
         let qi = to_reference(&q.i(i..i + 1)?)?;
@@ -145,6 +210,360 @@ fn decode_case(dev: &Device, c: &DecodeCase, dtype: DType) -> Result<()> {
             &low,
             &reference,
         )?;
+        if let Some(lse) = &lse {
+            let what = format!("sequence {i} (len {total}) lse");
+            check_lse(&what, &lse.i(i..i + 1)?, &qi, &ki, &vi, c.causal)?;
+        }
+    }
+    Ok(())
+}
+
+/// Rotary embedding fused into the append (one launch for the keys and the queries) against
+/// the CPU's rotation by tensor ops: output by the 2x rule (the reference rotates and attends
+/// in f32, the low-precision CPU call rounds the rotated rows like the kernel), cache rows
+/// within one rounding.
+fn rotary_case(
+    dev: &Device,
+    d: usize,
+    rd: usize,
+    interleaved: bool,
+    causal: bool,
+    paged: bool,
+) -> Result<()> {
+    let (b, cap, h, hk, s_q, s_new, dtype) = (3, 64, 8, 2, 2, 2, DType::BF16);
+    let q = randn(&[b, s_q, h, d], dtype, dev)?;
+    let k = randn(&[b, cap, hk, d], dtype, dev)?;
+    let v = randn(&[b, cap, hk, d], dtype, dev)?;
+    let kn = randn(&[b, s_new, hk, d], dtype, dev)?;
+    let vn = randn(&[b, s_new, hk, d], dtype, dev)?;
+    let (positions, half) = (cap, rd / 2);
+    let angles: Vec<f32> = (0..positions * half)
+        .map(|i| (i / half) as f32 / 10000f32.powf(2.0 * (i % half) as f32 / rd as f32))
+        .collect();
+    let cos = Tensor::from_vec(
+        angles.iter().map(|a| a.cos()).collect(),
+        (positions, half),
+        dev,
+    )?;
+    let sin = Tensor::from_vec(
+        angles.iter().map(|a| a.sin()).collect(),
+        (positions, half),
+        dev,
+    )?;
+    let lens = [0u32, 9, 61];
+    let run = |dev: &Device, dt: DType| -> Result<(Tensor, Tensor)> {
+        let on = |t: &Tensor| t.to_device(dev)?.to_dtype(dt);
+        let (q, kc, vc, kn, vn) = (on(&q)?, on(&k)?, on(&v)?, on(&kn)?, on(&vn)?);
+        let opts = FlashAttn::new().causal(causal).rotary(
+            &cos.to_device(dev)?,
+            &sin.to_device(dev)?,
+            interleaved,
+        );
+        if !paged {
+            let out = flash_attn_with_kvcache(&q, &kc, &vc, Some((&kn, &vn)), &lens, &opts)?;
+            return Ok((out, kc));
+        }
+        let page = 16;
+        let max_pages = cap / page;
+        let (kp, vp) = (
+            kc.reshape((b * max_pages, page, hk, d))?,
+            vc.reshape((b * max_pages, page, hk, d))?,
+        );
+        let table: Vec<u32> = (0..(b * max_pages) as u32).rev().collect();
+        // Sequence s's page p sits at slot table[s * max_pages + p]: permute the pool.
+        let mut slots = vec![0usize; b * max_pages];
+        for (i, &t) in table.iter().enumerate() {
+            slots[t as usize] = i;
+        }
+        let idx = Tensor::from_vec(
+            slots.iter().map(|&x| x as u32).collect::<Vec<_>>(),
+            b * max_pages,
+            dev,
+        )?;
+        let (kp, vp) = (kp.index_select(&idx, 0)?, vp.index_select(&idx, 0)?);
+        let out = flash_attn_with_paged_kvcache(
+            &q,
+            &kp,
+            &vp,
+            Some((&kn, &vn)),
+            &lens,
+            &table,
+            max_pages,
+            &opts,
+        )?;
+        let order = Tensor::from_vec(table.clone(), b * max_pages, dev)?;
+        Ok((out, kp.index_select(&order, 0)?.reshape((b, cap, hk, d))?))
+    };
+    let (ours, k_ours) = run(dev, dtype)?;
+    let (low, k_low) = run(&Device::Cpu, dtype)?;
+    let (reference, _) = run(&Device::Cpu, DType::F32)?;
+    check_output("rotary decode", &ours, &low, &reference)?;
+    // Rotated rows: f32 math and one rounding on both sides (the kernel may fuse a multiply-add).
+    let diff = max_abs_diff(&k_ours, &k_low)?;
+    if diff > 0.0625 {
+        candle::bail!("rotated cache rows differ from the CPU's by {diff}");
+    }
+    Ok(())
+}
+
+/// Ragged queries (a count per sequence, padded q) on the GPU against the CPU's (itself
+/// checked against one call per sequence): outputs by the 2x rule, padding rows exactly 0 with
+/// an LSE of -inf, cache rows exactly; host and device counts, contiguous and paged, a tile of
+/// padding only, split launches.
+fn ragged_case(
+    dev: &Device,
+    lens: &[u32],
+    q_lens: &[u32],
+    paged: bool,
+    on_device: bool,
+) -> Result<()> {
+    let (b, s_q, h, hk, d, dtype) = (lens.len(), 8, 16, 4, 128, DType::BF16);
+    let cap = *lens.iter().max().unwrap_or(&0) as usize + s_q + 5;
+    let cap = cap.next_multiple_of(16);
+    let q = randn(&[b, s_q, h, d], dtype, dev)?;
+    let k = randn(&[b, cap, hk, d], dtype, dev)?;
+    let v = randn(&[b, cap, hk, d], dtype, dev)?;
+    let kn = randn(&[b, s_q, hk, d], dtype, dev)?;
+    let vn = randn(&[b, s_q, hk, d], dtype, dev)?;
+    let run = |dev: &Device, dt: DType| -> Result<(Tensor, Tensor, Tensor)> {
+        let on = |t: &Tensor| t.to_device(dev)?.to_dtype(dt);
+        let (q, kc, vc, kn, vn) = (on(&q)?, on(&k)?, on(&v)?, on(&kn)?, on(&vn)?);
+        let opts = FlashAttn::new().causal(true);
+        let (lens_t, q_lens_t) = (Tensor::new(lens, dev)?, Tensor::new(q_lens, dev)?);
+        let device = on_device && !dev.is_cpu();
+        if !paged {
+            let (out, lse) = if device {
+                flash_attn_with_kvcache_ragged(
+                    &q,
+                    &kc,
+                    &vc,
+                    Some((&kn, &vn)),
+                    &lens_t,
+                    &q_lens_t,
+                    &opts,
+                )?
+            } else {
+                flash_attn_with_kvcache_ragged(&q, &kc, &vc, Some((&kn, &vn)), lens, q_lens, &opts)?
+            };
+            return Ok((out, lse, kc));
+        }
+        let page = 16;
+        let max_pages = cap / page;
+        let kp = kc.reshape((b * max_pages, page, hk, d))?;
+        let vp = vc.reshape((b * max_pages, page, hk, d))?;
+        let table: Vec<u32> = (0..(b * max_pages) as u32).collect();
+        let table_t = Tensor::from_slice(&table, (b, max_pages), dev)?;
+        let (out, lse) = if device {
+            flash_attn_with_paged_kvcache_ragged(
+                &q,
+                &kp,
+                &vp,
+                Some((&kn, &vn)),
+                &lens_t,
+                &q_lens_t,
+                &table_t,
+                max_pages,
+                &opts,
+            )?
+        } else {
+            flash_attn_with_paged_kvcache_ragged(
+                &q,
+                &kp,
+                &vp,
+                Some((&kn, &vn)),
+                lens,
+                q_lens,
+                &table,
+                max_pages,
+                &opts,
+            )?
+        };
+        Ok((out, lse, kp.reshape((b, cap, hk, d))?))
+    };
+    let (ours, lse, k_ours) = run(dev, dtype)?;
+    let (low, _, k_low) = run(&Device::Cpu, dtype)?;
+    let (reference, lse_ref, _) = run(&Device::Cpu, DType::F32)?;
+    check_output("ragged decode", &ours, &low, &reference)?;
+    if max_abs_diff(&k_ours, &k_low)? != 0.0 {
+        candle::bail!("ragged append wrote other rows than the CPU's");
+    }
+    let (g, w) = (
+        lse.to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        lse_ref.flatten_all()?.to_vec1::<f32>()?,
+    );
+    for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+        if !(g == w || (g - w).abs() <= 1e-2 * (1.0 + w.abs())) {
+            candle::bail!("ragged lse[{i}] = {g}, expected {w}");
+        }
+    }
+    Ok(())
+}
+
+/// Attention sinks in decoding (the fix-up after the kernel, split and unsplit launches)
+/// against the CPU's: output by the 2x rule, LSE within f32 sums' rounding.
+fn sinks_case(dev: &Device, lens: &[u32]) -> Result<()> {
+    let (b, s_q, h, hk, d, dtype) = (lens.len(), 2, 8, 2, 128, DType::BF16);
+    let cap = (*lens.iter().max().unwrap_or(&0) as usize + s_q).next_multiple_of(16);
+    let q = randn(&[b, s_q, h, d], dtype, dev)?;
+    let k = randn(&[b, cap, hk, d], dtype, dev)?;
+    let v = randn(&[b, cap, hk, d], dtype, dev)?;
+    let kn = randn(&[b, s_q, hk, d], dtype, dev)?;
+    let vn = randn(&[b, s_q, hk, d], dtype, dev)?;
+    let sinks = [0.5f32, -1.0, 2.0, f32::NEG_INFINITY, 6.0, 0.0, -3.0, 1.0];
+    let run = |dev: &Device, dt: DType| -> Result<(Tensor, Tensor)> {
+        let on = |t: &Tensor| t.to_device(dev)?.to_dtype(dt);
+        let (q, kc, vc, kn, vn) = (on(&q)?, on(&k)?, on(&v)?, on(&kn)?, on(&vn)?);
+        let opts = FlashAttn::new()
+            .causal(true)
+            .sinks(&Tensor::new(&sinks, dev)?);
+        flash_attn_with_kvcache_lse(&q, &kc, &vc, Some((&kn, &vn)), lens, &opts)
+    };
+    let (ours, lse) = run(dev, dtype)?;
+    let (low, _) = run(&Device::Cpu, dtype)?;
+    let (reference, lse_ref) = run(&Device::Cpu, DType::F32)?;
+    check_output("decode with sinks", &ours, &low, &reference)?;
+    let (g, w) = (
+        lse.to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        lse_ref.flatten_all()?.to_vec1::<f32>()?,
+    );
+    for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+        if !(g == w || (g - w).abs() <= 1e-2 * (1.0 + w.abs())) {
+            candle::bail!("decode with sinks: lse[{i}] = {g}, expected {w}");
+        }
+    }
+    Ok(())
+}
+
+/// A decoding step (append + attention with device lengths) captured in a CUDA graph and
+/// replayed with new lengths and inputs: bitwise equal to the same calls run eagerly.
+fn graph_replay_equals_eager(dev: &Device, paged: bool) -> Result<()> {
+    use candle::cuda_backend::cudarc::driver::sys;
+    let (b, cap, h, hk, d, dtype) = (3, 96, 8, 2, 128, DType::BF16);
+    let (page, max_pages) = (16, 96 / 16);
+    let q = randn(&[b, 1, h, d], dtype, dev)?;
+    let kn = randn(&[b, 1, hk, d], dtype, dev)?;
+    let vn = randn(&[b, 1, hk, d], dtype, dev)?;
+    let lens = Tensor::new(&[0u32, 5, 40], dev)?;
+    let shape = if paged {
+        vec![b * max_pages, page, hk, d]
+    } else {
+        vec![b, cap, hk, d]
+    };
+    let kc = randn(shape.as_slice(), dtype, dev)?;
+    let vc = randn(shape.as_slice(), dtype, dev)?;
+    let table_host: Vec<u32> = (0..(b * max_pages) as u32).rev().collect();
+    let table = Tensor::from_slice(&table_host, (b, max_pages), dev)?;
+    let out = Tensor::zeros((b, 1, h, d), dtype, dev)?;
+    let step = |kc: &Tensor, vc: &Tensor| -> Result<Tensor> {
+        let opts = FlashAttn::new().causal(true);
+        if paged {
+            flash_attn_with_paged_kvcache(
+                &q,
+                kc,
+                vc,
+                Some((&kn, &vn)),
+                &lens,
+                &table,
+                max_pages,
+                &opts,
+            )
+        } else {
+            flash_attn_with_kvcache(&q, kc, vc, Some((&kn, &vn)), &lens, &opts)
+        }
+    };
+    step(&kc.copy()?, &vc.copy()?)?; // warm-up: modules, counters
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| candle::Error::Msg(format!("begin_capture: {e:?}")))?;
+    let captured = step(&kc, &vc).and_then(|o| out.slice_set(&o, 0, 0));
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .map_err(|e| candle::Error::Msg(format!("end_capture: {e:?}")))?;
+    captured?;
+    let Some(graph) = graph else {
+        candle::bail!("the capture recorded nothing")
+    };
+    for (t, host_lens) in [[0u32, 5, 40], [1, 6, 41], [30, 7, 95], [60, 90, 2]]
+        .iter()
+        .enumerate()
+    {
+        lens.slice_set(&Tensor::new(host_lens, dev)?, 0, 0)?;
+        for x in [&q, &kn, &vn] {
+            x.slice_set(&randn(x.dims(), dtype, dev)?, 0, 0)?;
+        }
+        let (k_eager, v_eager) = (kc.copy()?, vc.copy()?);
+        let eager = step(&k_eager, &v_eager)?;
+        graph
+            .launch()
+            .map_err(|e| candle::Error::Msg(format!("graph launch: {e:?}")))?;
+        if max_abs_diff(&out, &eager)? != 0.0 {
+            candle::bail!("replay {t} (lengths {host_lens:?}): output differs from the eager call");
+        }
+        if max_abs_diff(&kc, &k_eager)? != 0.0 || max_abs_diff(&vc, &v_eager)? != 0.0 {
+            candle::bail!("replay {t} (lengths {host_lens:?}): cache differs from the eager call");
+        }
+    }
+    Ok(())
+}
+
+/// Device lengths are read unchecked: past the capacity the append drops rows and the
+/// attention reads at most the capacity; a device block-table entry past the pool reads its
+/// last page. Memory safety is the sanitizer's to see; here the results are those clamped
+/// calls' exactly.
+fn device_lengths_clamped(dev: &Device) -> Result<()> {
+    let (b, cap, h, hk, d, dtype) = (2, 40, 4, 2, 64, DType::BF16);
+    let q = randn(&[b, 1, h, d], dtype, dev)?;
+    let k_full = randn(&[b, cap, hk, d], dtype, dev)?;
+    let v_full = randn(&[b, cap, hk, d], dtype, dev)?;
+    let k_new = randn(&[b, 4, hk, d], dtype, dev)?;
+    let v_new = randn(&[b, 4, hk, d], dtype, dev)?;
+    let lens = Tensor::new(&[38u32, 45], dev)?;
+    let (k_cache, v_cache) = (k_full.copy()?, v_full.copy()?);
+    let opts = FlashAttn::new().causal(true);
+    let out =
+        flash_attn_with_kvcache(&q, &k_cache, &v_cache, Some((&k_new, &v_new)), &lens, &opts)?;
+    // Sequence 0 gets rows 38 and 39 (two dropped), sequence 1 nothing.
+    let k_exp = Tensor::stack(
+        &[
+            Tensor::cat(&[k_full.i((0, 0..38))?, k_new.i((0, 0..2))?], 0)?,
+            k_full.i(1)?,
+        ],
+        0,
+    )?;
+    if max_abs_diff(&k_cache, &k_exp)? != 0.0 {
+        candle::bail!("the clamped append wrote other rows than the capacity allows");
+    }
+    let v_after = v_cache.clone();
+    let plain = flash_attn_with_kvcache(&q, &k_cache, &v_after, None, &[cap as u32; 2], &opts)?;
+    if max_abs_diff(&out, &plain)? != 0.0 {
+        candle::bail!("the clamped attention differs from attention over the capacity");
+    }
+    // Paged: two pages of 16 per sequence, sequence 1's second entry past the pool.
+    let (page, max_pages) = (16usize, 2usize);
+    let kp = randn(&[4, page, hk, d], dtype, dev)?;
+    let vp = randn(&[4, page, hk, d], dtype, dev)?;
+    let table = Tensor::new(&[[0u32, 1], [2, 99]], dev)?;
+    // Full sequences: the same split plan as the host call below, so the same bits.
+    let lens = Tensor::new(&[32u32, 32], dev)?;
+    let out = flash_attn_with_paged_kvcache(&q, &kp, &vp, None, &lens, &table, max_pages, &opts)?;
+    let host_table = [0u32, 1, 2, 3];
+    let host = flash_attn_with_paged_kvcache(
+        &q,
+        &kp,
+        &vp,
+        None,
+        &[32u32, 32],
+        &host_table,
+        max_pages,
+        &opts,
+    )?;
+    if max_abs_diff(&out, &host)? != 0.0 {
+        candle::bail!("a device table entry past the pool did not read the last page");
     }
     Ok(())
 }
@@ -209,6 +628,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             d: 128,
             causal: true,
             page_size: Some(page_size),
+            device: false,
         });
     }
     cases.push(DecodeCase {
@@ -220,6 +640,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         d: 64,
         causal: true,
         page_size: None,
+        device: false,
     });
     // Split launches (8-warp blocks, the merge in the last split; see `block_warps` in
     // src/cuda/decode.rs), contiguous and paged, so that the quick grid (and with it the
@@ -234,6 +655,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             d,
             causal: true,
             page_size,
+            device: false,
         });
     }
     for lens in &len_sets {
@@ -249,6 +671,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                         d: 128,
                         causal: true,
                         page_size,
+                        device: false,
                     });
                 }
             }
@@ -266,11 +689,21 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             d,
             causal: false,
             page_size: Some(16),
+            device: false,
         });
     }
     if quick {
         cases.truncate(12);
     }
+    // Each case again with device lengths, block tables and the LSE (bf16; a split count
+    // planned for the capacity instead of the longest sequence).
+    let device_cases: Vec<DecodeCase> = cases
+        .iter()
+        .map(|c| DecodeCase {
+            device: true,
+            ..c.clone()
+        })
+        .collect();
     for c in &cases {
         for dtype in [DType::BF16, DType::F16] {
             suite.record(
@@ -278,6 +711,47 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                 decode_case(dev, c, dtype),
             );
         }
+    }
+    for c in &device_cases {
+        suite.record(
+            &format!("decode BF16 {c:?}"),
+            decode_case(dev, c, DType::BF16),
+        );
+    }
+    suite.record("decode device lengths clamped", device_lengths_clamped(dev));
+    for (d, rd, interleaved, causal, paged) in [
+        (128, 128, false, true, false),
+        (128, 64, true, true, true),
+        (64, 64, false, false, true),
+        (96, 32, true, false, false),
+    ] {
+        suite.record(
+            &format!("decode rotary d {d} rotary_dim {rd} interleaved {interleaved} causal {causal} paged {paged}"),
+            rotary_case(dev, d, rd, interleaved, causal, paged),
+        );
+    }
+    for (lens, q_lens) in [
+        (vec![5u32, 0, 30, 7], vec![1u32, 8, 0, 3]),
+        (vec![3000u32, 17], vec![2u32, 8]),
+    ] {
+        for (paged, on_device) in [(false, false), (true, false), (false, true), (true, true)] {
+            suite.record(
+                &format!("decode ragged lens {lens:?} q_lens {q_lens:?} paged {paged} device {on_device}"),
+                ragged_case(dev, &lens, &q_lens, paged, on_device),
+            );
+        }
+    }
+    for lens in [vec![0u32, 9], vec![4000u32]] {
+        suite.record(
+            &format!("decode with sinks, lens {lens:?}"),
+            sinks_case(dev, &lens),
+        );
+    }
+    for paged in [false, true] {
+        suite.record(
+            &format!("decode step in a CUDA graph, paged {paged}"),
+            graph_replay_equals_eager(dev, paged),
+        );
     }
     suite.record("decode generation loop", generation_loop(dev));
     for page_size in [None, Some(16), Some(5)] {

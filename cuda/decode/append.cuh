@@ -1,0 +1,100 @@
+// The KV-cache append: new K or V rows (b, s_new, h_k, d) written in place at cache rows
+// start[b].. (contiguous or paged), optionally rotated on the way (rotary embedding at each
+// row's position, FlashAttention's rotary_cos / rotary_sin), and, in the launch that appends
+// K, the query rows rotated into a buffer of their own for the decode kernel that follows.
+// Grid (max(s_new, s_q), h_k + h, b): block (i, y, b) writes K/V row i of head y < h_k, or
+// rotates query row i of head y - h_k.
+#pragma once
+#include "common/mma.cuh"
+#include "decode/decode_block.cuh"
+
+// 8 elements (one 16-byte chunk) as floats and back.
+template <typename T> struct Chunk8 {
+    float x[8];
+    __device__ __forceinline__ void load(const T* src) {
+        const uint4 u = *reinterpret_cast<const uint4*>(src);
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float2 f = MmaOp<T>::unpack(w[k]);
+            x[2 * k] = f.x;
+            x[2 * k + 1] = f.y;
+        }
+    }
+    __device__ __forceinline__ void store(T* dst) const {
+        *reinterpret_cast<uint4*>(dst) =
+            make_uint4(MmaOp<T>::pack(x[0], x[1]), MmaOp<T>::pack(x[2], x[3]),
+                       MmaOp<T>::pack(x[4], x[5]), MmaOp<T>::pack(x[6], x[7]));
+    }
+};
+
+// Writes row `src` (d elements) to `dst`, rotated at position `pos` when the launch has
+// rotary tables: the first 2 * rot_half elements turn by the angles of row `pos` (clamped to
+// the tables: device lengths are unchecked), in pairs (j, j + rot_half) or, interleaved,
+// (2j, 2j + 1); the rest is copied. f32 arithmetic, one rounding. rot_half is a multiple of 8
+// (checked on the host), so a chunk never straddles the rotated and copied parts.
+template <typename T>
+__device__ __forceinline__ void append_row(const AppendParams& ap, T* dst, const T* src,
+                                           int64_t pos) {
+    const int rot = ap.rot_cos != nullptr ? 2 * ap.rot_half : 0;
+    const int64_t row = min(pos, int64_t(ap.rot_rows) - 1);
+    const float* cs = ap.rot_cos + row * ap.rot_half;
+    const float* sn = ap.rot_sin + row * ap.rot_half;
+    for (int c = threadIdx.x * CHUNK; c < ap.d; c += blockDim.x * CHUNK) {
+        if (c >= rot) {
+            *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+            continue;
+        }
+        Chunk8<T> a;
+        a.load(src + c);
+        if (ap.rot_interleaved) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int j = c / 2 + k;
+                const float x0 = a.x[2 * k], x1 = a.x[2 * k + 1];
+                a.x[2 * k] = x0 * cs[j] - x1 * sn[j];
+                a.x[2 * k + 1] = x1 * cs[j] + x0 * sn[j];
+            }
+            a.store(dst + c);
+            continue;
+        }
+        if (c >= ap.rot_half) continue;  // the second half: its partner chunk writes it
+        Chunk8<T> b;
+        b.load(src + c + ap.rot_half);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float x0 = a.x[k], x1 = b.x[k];
+            a.x[k] = x0 * cs[c + k] - x1 * sn[c + k];
+            b.x[k] = x1 * cs[c + k] + x0 * sn[c + k];
+        }
+        a.store(dst + c);
+        b.store(dst + c + ap.rot_half);
+    }
+}
+
+template <typename T> __device__ __forceinline__ void flash_append(const AppendParams& ap) {
+    const int i = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
+    const int64_t start = unsigned(ap.start[b]);
+    // Ragged: the sequence's own count of new (and query) rows.
+    const int n = ap.new_lens != nullptr ? int(min(unsigned(ap.new_lens[b]), unsigned(ap.s_new)))
+                                         : ap.s_new;
+    if (y >= ap.h_k) {  // a query row, rotated into q_out (b, s_q, h, d)
+        const int head = y - ap.h_k;
+        if (i >= ap.s_q || (ap.new_lens != nullptr && i >= n)) return;
+        const T* src = static_cast<const T*>(ap.q) + b * ap.q_batch_stride +
+                       int64_t(i) * ap.q_row_stride + head * ap.q_head_stride;
+        T* dst = static_cast<T*>(ap.q_out) + ((int64_t(b) * ap.s_q + i) * ap.h + head) * ap.d;
+        append_row(ap, dst, src, start + (ap.q_causal ? i : 0));
+        return;
+    }
+    if (i >= n) return;
+    const CacheRows rows{ap.block_table, ap.max_pages, ap.page_size, b, y, ap.num_pages};
+    // Host starts were checked to fit the cache; device ones are dropped past its capacity.
+    const int64_t j = start + i;
+    if (j >= cache_capacity(ap.block_table, ap.max_pages, ap.page_size)) return;
+    T* dst = rows.row(static_cast<T*>(ap.cache), ap.cache_page_stride, ap.cache_row_stride,
+                      ap.cache_head_stride, int(j));
+    const T* src = static_cast<const T*>(ap.src) + b * ap.src_batch_stride +
+                   int64_t(i) * ap.src_row_stride + y * ap.src_head_stride;
+    append_row(ap, dst, src, j);
+}
