@@ -53,9 +53,9 @@
 //! attends the prompt once for all 64 query tokens ([`FlashAttn::forward_with_lse`], the
 //! tokens as 64 query rows of one batch), the suffixes through
 //! [`flash_attn_with_kvcache_lse`], and merges the two with [`combine`]. Also the prompt part
-//! through the decode kernel (`-decode`: the 64 tokens as the query rows of one sequence whose
-//! cache is the prompt, each K/V head's 256 rows in its row tiles, the keys split across the
-//! GPU). The table gives each part's time, the totals, the speedup
+//! split along its keys (`-split`: 8 chunks of the prompt as one batch of the forward, whose
+//! launch then has 8 times the blocks; the chunks merge with the suffix in the same
+//! `combine`). The table gives each part's time, the totals, the speedup
 //! over the unshared step, and a check of the cascade against it in ulps of the dtype.
 //!
 //! Everything below compiles without `cuda` too (candle's dummy CUDA backend has the same
@@ -126,6 +126,9 @@ const DECODE_CHECK_REL: f64 = 0.03;
 /// Cascade attention: sequences sharing a prompt of this many tokens...
 const CASCADE_BATCH: usize = 64;
 const CASCADE_PREFIX: usize = 8192;
+/// Chunks of the prompt's keys in the split cascade (64 query rows per head fill one block:
+/// 32 heads x 8 chunks give the forward 256 blocks).
+const CASCADE_SPLIT: usize = 8;
 /// ...each with its own suffix of this many tokens or more (see [`cascade_suffix_lens`]).
 const CASCADE_SUFFIX_MIN: usize = 64;
 /// 193 lengths from the least: a prime count, so that `i · 97 mod 193` differs for every
@@ -1475,13 +1478,14 @@ impl Bench {
         let suffix = |s: &CascadeInputs| {
             flash_attn_with_kvcache_lse(&s.q, &s.suffix_k, &s.suffix_v, None, &lens, &opts)
         };
-        let cascade = |s: &CascadeInputs, packed: bool| -> Result<Tensor> {
-            let prefix = if packed {
-                s.prefix_packed(&opts)?
+        let cascade = |s: &CascadeInputs, split: bool| -> Result<Tensor> {
+            let mut parts = if split {
+                s.prefix_split(&opts)?
             } else {
-                s.prefix(&opts)?
+                vec![s.prefix(&opts)?]
             };
-            Ok(combine(&[prefix, suffix(s)?])?.0)
+            parts.push(suffix(s)?);
+            Ok(combine(&parts)?.0)
         };
         // The parts of each set for timing the merge alone.
         let parts = sets
@@ -1512,12 +1516,12 @@ impl Bench {
                 },
             ),
             (
-                "cascade-decode",
+                "cascade-split",
                 time(&|i| cascade(&sets[i % n], true).map(drop)),
             ),
             (
-                "prefix-decode",
-                time(&|i| sets[i % n].prefix_packed(&opts).map(drop)),
+                "prefix-split",
+                time(&|i| sets[i % n].prefix_split(&opts).map(drop)),
             ),
         ];
         let base = rows[0].1.as_ref().ok().map(|t| t.ms);
@@ -1530,8 +1534,8 @@ impl Bench {
         let suffix_bytes = kv(suffix_tokens);
         let bytes = |pass: &str| match pass {
             "unshared" => kv(CASCADE_BATCH * CASCADE_PREFIX + suffix_tokens),
-            "cascade" | "cascade-decode" => prefix_bytes + suffix_bytes,
-            "prefix" | "prefix-decode" => prefix_bytes,
+            "cascade" | "cascade-split" => prefix_bytes + suffix_bytes,
+            "prefix" | "prefix-split" => prefix_bytes,
             "suffix" => suffix_bytes,
             _ => 0.0,
         };
@@ -1542,7 +1546,7 @@ impl Bench {
         for (pass, timed) in &rows {
             // The parts indented under their cascade.
             let label = match *pass {
-                "prefix" | "suffix" | "combine" | "prefix-decode" => format!("  {pass}"),
+                "prefix" | "suffix" | "combine" | "prefix-split" => format!("  {pass}"),
                 _ => pass.to_string(),
             };
             let t = match timed {
@@ -1553,7 +1557,7 @@ impl Bench {
                 }
             };
             let speedup = match (*pass, base) {
-                ("unshared" | "cascade" | "cascade-decode", Some(b)) => {
+                ("unshared" | "cascade" | "cascade-split", Some(b)) => {
                     format!("{:.2}x", b / t.ms)
                 }
                 _ => String::new(),
@@ -1579,7 +1583,7 @@ impl Bench {
             ));
         }
         for packed in [false, true] {
-            let name = if packed { "cascade-decode" } else { "cascade" };
+            let name = if packed { "cascade-split" } else { "cascade" };
             let check =
                 try_run(|| cascade_check(&cascade(&sets[0], packed)?, &unshared(&sets[0])?));
             match check {
@@ -1687,23 +1691,30 @@ impl CascadeInputs {
         Ok((out.reshape((b, 1, h, d))?, lse.transpose(0, 2)?))
     }
 
-    /// [`Self::prefix`] through the decode kernel: the sequences' query tokens as `b` query
-    /// rows of one sequence whose cache is the prompt (no mask), so that each K/V head's
-    /// `b · g` query rows are packed into the decode kernel's row tiles and the key range is
-    /// split across the GPU.
-    fn prefix_packed(&self, opts: &FlashAttn) -> Result<(Tensor, Tensor)> {
-        let (b, h, d) = (CASCADE_BATCH, DECODE_HEADS, DECODE_HD);
-        let rows = self.q.reshape((1, b, h, d))?;
-        let lens = [CASCADE_PREFIX as u32];
-        let (out, lse) = candle_flash::flash_attn_with_kvcache_lse(
-            &rows,
-            &self.prefix_k,
-            &self.prefix_v,
-            None,
-            &lens,
-            opts,
-        )?;
-        Ok((out.reshape((b, 1, h, d))?, lse.transpose(0, 2)?))
+    /// [`Self::prefix`] with the prompt's keys split into [`CASCADE_SPLIT`] chunks, attended
+    /// in one launch as a batch of chunks (the prompt reshaped, a view; q copied per chunk),
+    /// so that the launch has `CASCADE_SPLIT` times the blocks of 64 query rows per head; the
+    /// chunks' `(out, lse)` go to `combine` with the suffix.
+    fn prefix_split(&self, opts: &FlashAttn) -> Result<Vec<(Tensor, Tensor)>> {
+        let (b, h, hk, d) = (CASCADE_BATCH, DECODE_HEADS, DECODE_HEADS_K, DECODE_HD);
+        let parts = CASCADE_SPLIT;
+        let chunk = CASCADE_PREFIX / parts;
+        let k = self.prefix_k.reshape((parts, chunk, hk, d))?;
+        let v = self.prefix_v.reshape((parts, chunk, hk, d))?;
+        let rows = self
+            .q
+            .reshape((1, b, h, d))?
+            .broadcast_as((parts, b, h, d))?
+            .contiguous()?;
+        let (out, lse) = opts.forward_with_lse(&rows, &k, &v)?;
+        (0..parts)
+            .map(|p| {
+                Ok((
+                    out.get(p)?.reshape((b, 1, h, d))?,
+                    lse.get(p)?.transpose(0, 1)?.unsqueeze(2)?,
+                ))
+            })
+            .collect()
     }
 }
 

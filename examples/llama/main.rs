@@ -159,6 +159,11 @@ struct Args {
     /// without the graph. No effect on the CPU or with --attention naive.
     #[arg(long)]
     no_cuda_graph: bool,
+    /// Decode with the lengths on the host (`KvCache::append_and_attend`, Candle's rotary
+    /// kernel; the CPU's step) instead of the device step: the eager path before CUDA graphs,
+    /// for comparison.
+    #[arg(long)]
+    host_step: bool,
     /// Diagnosis: run the graph's step (inputs on the device) eagerly, without capturing it.
     #[arg(long, hide = true)]
     no_capture: bool,
@@ -532,7 +537,7 @@ fn main() -> Result<()> {
             // the timed runs replay: the caches are made for max_len whatever the run.
             // --no-cuda-graph runs the same device step uncaptured: the same kernels and
             // split plans, so the same tokens, and the difference in speed is the graph's.
-            let graphs = dev.is_cuda() && flash;
+            let graphs = dev.is_cuda() && flash && !args.host_step;
             let capture = !args.no_cuda_graph && !args.no_capture;
             let mut stepper: Box<dyn generate::Stepper> = match graphs {
                 true => Box::new(graph::Graphs::new(capture, max_len)),

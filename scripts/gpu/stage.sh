@@ -9,6 +9,8 @@
 #   --ptxas-only   only the ptxas report, no cargo build
 #   --no-examples  stage the test binary and the benches only (kernel A/B runs: quicker
 #                  to build, less to carry)
+# Environment: STAGE_EXAMPLES=llama[,finetune,...] stages only those examples (all of them
+# together pass the 60 MiB limit).
 #
 # Staged names: .gpu/gpu.xz (test target `gpu`), .gpu/bench-NAME.xz, .gpu/example-NAME.xz.
 set -euo pipefail
@@ -86,7 +88,12 @@ if [ "$BUILD" = 1 ]; then
       lib) [ "$name" = candle_flash ] || continue; out=unit ;;
       bench) out=bench-$name ;;
       # `cargo test --no-run` builds the examples too: staged only when asked for.
-      example) [ "$EXAMPLES" = 1 ] || continue; out=example-$name ;;
+      # STAGE_EXAMPLES=llama,finetune keeps to those (each binary carries every kernel:
+      # all of them pass the 60 MiB a run can carry).
+      example)
+        [ "$EXAMPLES" = 1 ] || continue
+        [[ -z "${STAGE_EXAMPLES:-}" || ",$STAGE_EXAMPLES," == *",$name,"* ]] || continue
+        out=example-$name ;;
       *) continue ;;
     esac
     [ -z "${staged[$out]:-}" ] || continue
