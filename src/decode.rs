@@ -231,15 +231,16 @@ fn append<T: Copy>(
 /// Candle's "no backward" error.
 pub(crate) struct DecodeOp {
     problem: DecodeProblem,
-    /// `(b, h, s_q)` f32 when `problem.want_lse`, written by `cpu_fwd` / `cuda_fwd`.
-    lse: Mutex<Option<Tensor>>,
+    /// `(b, h, s_q)` f32 when `problem.want_lse`, written by `cpu_fwd` / `cuda_fwd`; shared
+    /// with `run`, which hands the op itself to Candle.
+    lse: Arc<Mutex<Option<Tensor>>>,
 }
 
 impl DecodeOp {
     pub fn new(problem: DecodeProblem) -> Self {
         Self {
             problem,
-            lse: Mutex::new(None),
+            lse: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -264,12 +265,12 @@ impl DecodeOp {
             return Ok((out, p.want_lse.then_some(lse)));
         }
         let want_lse = p.want_lse;
-        let op = Arc::new(self);
-        let out = q.apply_op3_arc(k_cache, v_cache, Arc::new(Box::new(OpHandle(op.clone()))))?;
+        let slot = self.lse.clone();
+        let out = q.apply_op3(k_cache, v_cache, self)?;
         if !want_lse {
             return Ok((out, None));
         }
-        let lse = op.lse.lock().ok().and_then(|mut g| g.take());
+        let lse = slot.lock().ok().and_then(|mut g| g.take());
         match lse {
             Some(lse) => Ok((out, Some(lse))),
             None => bail!("kv-cache: the attention kept no LSE"),
@@ -293,8 +294,6 @@ impl DecodeOp {
         }
     }
 
-    /// The same attention as a packed variable-length problem over the gathered prefixes:
-    /// sequence `b` has `s_q` query rows and `seqlens[b]` key rows.
     /// The real query rows per sequence (all `s_q` unless ragged).
     fn q_lens(&self) -> Result<Vec<usize>> {
         let p = &self.problem;
@@ -308,6 +307,8 @@ impl DecodeOp {
         })
     }
 
+    /// The same attention as a packed variable-length problem over the gathered prefixes:
+    /// sequence `b` has `q_lens[b]` query rows and `seqlens[b]` key rows.
     fn varlen_problem(&self) -> Result<Problem> {
         let p = &self.problem;
         let lens_k: Vec<usize> = p
@@ -335,40 +336,6 @@ impl DecodeOp {
             mods: p.mods.clone(),
             varlen: Some(Arc::new(SeqOffsets { cu_q, cu_k })),
         })
-    }
-}
-
-/// The op behind an `Arc`, so that the caller can read the LSE the run kept.
-struct OpHandle(Arc<DecodeOp>);
-
-impl CustomOp3 for OpHandle {
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.0.cpu_fwd(s1, l1, s2, l2, s3, l3)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle::CudaStorage,
-        l1: &Layout,
-        s2: &candle::CudaStorage,
-        l2: &Layout,
-        s3: &candle::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle::CudaStorage, Shape)> {
-        self.0.cuda_fwd(s1, l1, s2, l2, s3, l3)
     }
 }
 

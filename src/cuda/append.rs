@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::abi::strides3;
 use super::buffers::{
-    device_indices, device_ptr_opt, device_table, lock_tensor, locked_ptr, paging_args,
+    device_indices, device_or_upload, device_table, lock_tensor, locked_ptr, paging_args,
     to_device_i32_shared,
 };
 use super::catalogue::{Family, Kernel};
@@ -149,24 +149,15 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static>(
         src_batch_stride,
         src_row_stride,
         src_head_stride,
-        start: match start_dev {
-            0 => device_ptr_opt(start.as_deref(), &stream, &mut syncs),
-            ptr => ptr,
-        },
-        block_table: match table_dev {
-            0 => device_ptr_opt(block_table.as_deref(), &stream, &mut syncs),
-            ptr => ptr,
-        },
+        start: device_or_upload(start_dev, start.as_deref(), &stream, &mut syncs),
+        block_table: device_or_upload(table_dev, block_table.as_deref(), &stream, &mut syncs),
         max_pages,
         page_size,
         num_pages,
         d: problem.d as i32,
         s_new: problem.s_new as i32,
         h_k: problem.hk as i32,
-        new_lens: match new_lens_dev {
-            0 => device_ptr_opt(new_lens_host.as_deref(), &stream, &mut syncs),
-            ptr => ptr,
-        },
+        new_lens: device_or_upload(new_lens_dev, new_lens_host.as_deref(), &stream, &mut syncs),
         rot_cos: cos_ptr,
         rot_sin: sin_ptr,
         rot_rows: rot.map_or(0, |r| r.cos.dim(0).unwrap_or(0) as i32),

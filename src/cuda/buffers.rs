@@ -158,6 +158,21 @@ pub(crate) fn device_ptr_opt<'a>(
     }
 }
 
+/// Per-sequence numbers for a kernel: the address of a locked device tensor (from
+/// [`locked_ptr`], nonzero) or else that of the host values' upload, whose sync goes to
+/// `syncs` (0 when neither).
+pub(crate) fn device_or_upload<'a>(
+    device: CUdeviceptr,
+    upload: Option<&'a CudaSlice<i32>>,
+    stream: &'a Arc<CudaStream>,
+    syncs: &mut Vec<SyncOnDrop<'a>>,
+) -> CUdeviceptr {
+    match device {
+        0 => device_ptr_opt(upload, stream, syncs),
+        ptr => ptr,
+    }
+}
+
 /// Device copies of a packed batch's cumulative offsets `(cu_q, cu_k)`; `None` for fixed
 /// length. Freed in stream order, after the launches that use them.
 pub(crate) type SeqOffsets = (Option<CudaSlice<i32>>, Option<CudaSlice<i32>>);

@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::abi::{rows_i32, strides3, to_i32, AttnParams};
 use super::buffers::{
-    device_indices, device_ptr_opt, device_table, lock_slopes, lock_tensor, locked_ptr,
+    device_indices, device_or_upload, device_table, lock_slopes, lock_tensor, locked_ptr,
     paging_args, to_device_i32, to_device_i32_shared,
 };
 use super::catalogue::Kernel;
@@ -261,22 +261,13 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
                 o: o_ptr,
                 ..a
             },
-            seqlens: match lens_dev {
-                0 => device_ptr_opt(seqlens.as_ref(), &stream, &mut syncs),
-                ptr => ptr,
-            },
-            block_table: match table_dev {
-                0 => device_ptr_opt(block_table.as_deref(), &stream, &mut syncs),
-                ptr => ptr,
-            },
+            seqlens: device_or_upload(lens_dev, seqlens.as_ref(), &stream, &mut syncs),
+            block_table: device_or_upload(table_dev, block_table.as_deref(), &stream, &mut syncs),
             max_pages,
             page_size,
             num_pages,
             seqlens_add: p.seqlens_add as i32,
-            q_lens: match q_lens_dev {
-                0 => device_ptr_opt(q_lens_host.as_deref(), &stream, &mut syncs),
-                ptr => ptr,
-            },
+            q_lens: device_or_upload(q_lens_dev, q_lens_host.as_deref(), &stream, &mut syncs),
             add_q_lens: p.add_q_lens as i32,
             num_splits: splits as i32,
             o_partial: op_ptr,

@@ -7,83 +7,56 @@ use candle::{bail, DType, Result, Tensor};
 
 use crate::params::Indices;
 
-/// The tokens already in each sequence's cache, before the call's append.
+/// Per-sequence numbers of a decoding call, from the host or the device: the type behind
+/// [`CacheSeqlens`] and [`BlockTable`].
 ///
-/// - [`CacheSeqlens::Host`] (`&[u32]`, also from `&Vec<u32>` and `&[u32; N]`): every length
-///   and every page is checked on the host before anything is written.
-/// - [`CacheSeqlens::Device`]: a `(batch,)` U32 tensor on q's device, read by the kernels
-///   (no upload, no synchronisation; the call can run inside a CUDA graph, and the caller
-///   advances the lengths between calls). The key range is split for the cache's capacity, so
-///   the launch does not depend on the lengths. Lengths cannot be checked on the host: the
-///   kernels clamp them (a sequence attends to at most `capacity` tokens and rows past the
-///   capacity are not written), so an overflow gives wrong rows, never an out-of-bounds
-///   access. On the CPU a device tensor is simply read and checked like a slice.
+/// - `Host` (`&[u32]`, also from `&Vec<u32>` and `&[u32; N]`): checked on the host before
+///   anything is written.
+/// - `Device`: a U32 tensor on q's device, read by the kernels (no upload, no
+///   synchronisation; the call can run inside a CUDA graph, and the caller advances the
+///   numbers between calls). They cannot be checked on the host: the kernels clamp them (a
+///   sequence attends to at most `capacity` tokens and rows past the capacity are not
+///   written; a block-table entry past the pool reads the last page), so a bad value gives
+///   wrong rows, never an out-of-bounds access. On the CPU a device tensor is simply read and
+///   checked like a slice.
 #[derive(Clone, Copy, Debug)]
-pub enum CacheSeqlens<'a> {
-    /// One length per sequence, checked on the host.
+pub enum HostOrDevice<'a> {
+    /// The numbers on the host.
     Host(&'a [u32]),
-    /// A `(batch,)` U32 tensor on q's device, read by the kernels.
+    /// A U32 tensor on q's device.
     Device(&'a Tensor),
 }
 
-impl<'a> From<&'a [u32]> for CacheSeqlens<'a> {
+/// The tokens already in each sequence's cache before the call's append: `(batch,)`. On the
+/// device, the key range is split for the cache's capacity, so the launch does not depend on
+/// the lengths (see [`HostOrDevice`]).
+pub type CacheSeqlens<'a> = HostOrDevice<'a>;
+
+/// A paged cache's block table, row-major `(batch, max_pages)` (see [`HostOrDevice`]; pages
+/// the append writes must not be shared).
+pub type BlockTable<'a> = HostOrDevice<'a>;
+
+impl<'a> From<&'a [u32]> for HostOrDevice<'a> {
     fn from(x: &'a [u32]) -> Self {
-        CacheSeqlens::Host(x)
+        HostOrDevice::Host(x)
     }
 }
 
-impl<'a> From<&'a Vec<u32>> for CacheSeqlens<'a> {
+impl<'a> From<&'a Vec<u32>> for HostOrDevice<'a> {
     fn from(x: &'a Vec<u32>) -> Self {
-        CacheSeqlens::Host(x)
+        HostOrDevice::Host(x)
     }
 }
 
-impl<'a, const N: usize> From<&'a [u32; N]> for CacheSeqlens<'a> {
+impl<'a, const N: usize> From<&'a [u32; N]> for HostOrDevice<'a> {
     fn from(x: &'a [u32; N]) -> Self {
-        CacheSeqlens::Host(x)
+        HostOrDevice::Host(x)
     }
 }
 
-impl<'a> From<&'a Tensor> for CacheSeqlens<'a> {
+impl<'a> From<&'a Tensor> for HostOrDevice<'a> {
     fn from(x: &'a Tensor) -> Self {
-        CacheSeqlens::Device(x)
-    }
-}
-
-/// A paged cache's block table, row-major `(batch, max_pages)`: host entries (`&[u32]`,
-/// checked before the first write) or a U32 tensor of that shape on q's device, read by the
-/// kernels (see [`CacheSeqlens::Device`]: entries are not checked on the host; the kernels
-/// clamp a page number past the pool to the last page, which gives wrong rows but no
-/// out-of-bounds access, and pages the append writes must not be shared).
-#[derive(Clone, Copy, Debug)]
-pub enum BlockTable<'a> {
-    /// `batch * max_pages` entries, checked on the host.
-    Host(&'a [u32]),
-    /// A `(batch, max_pages)` U32 tensor on q's device, read by the kernels.
-    Device(&'a Tensor),
-}
-
-impl<'a> From<&'a [u32]> for BlockTable<'a> {
-    fn from(x: &'a [u32]) -> Self {
-        BlockTable::Host(x)
-    }
-}
-
-impl<'a> From<&'a Vec<u32>> for BlockTable<'a> {
-    fn from(x: &'a Vec<u32>) -> Self {
-        BlockTable::Host(x)
-    }
-}
-
-impl<'a, const N: usize> From<&'a [u32; N]> for BlockTable<'a> {
-    fn from(x: &'a [u32; N]) -> Self {
-        BlockTable::Host(x)
-    }
-}
-
-impl<'a> From<&'a Tensor> for BlockTable<'a> {
-    fn from(x: &'a Tensor) -> Self {
-        BlockTable::Device(x)
+        HostOrDevice::Device(x)
     }
 }
 

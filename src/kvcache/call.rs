@@ -10,7 +10,7 @@ use crate::params::{
     self, AppendProblem, AttnShape, DecodeProblem, Indices, Paging, RotaryProblem,
 };
 
-use super::args::{device_indices, BlockTable, CacheSeqlens};
+use super::args::{device_indices, BlockTable, CacheSeqlens, HostOrDevice};
 use super::rotary::{self, RotaryCall};
 
 /// Shape of the new keys and values, in messages.
@@ -127,7 +127,7 @@ impl Call {
                     )
                 }
                 let block_table = match block_table {
-                    BlockTable::Host(table) => {
+                    HostOrDevice::Host(table) => {
                         if b.checked_mul(max_pages) != Some(table.len()) {
                             bail!(
                                 "block_table: expected batch * max_pages = {b} * {max_pages} = {} entries, got {}",
@@ -137,7 +137,7 @@ impl Call {
                         }
                         Indices::Host(table.to_vec())
                     }
-                    BlockTable::Device(t) => {
+                    HostOrDevice::Device(t) => {
                         if outer == 0 {
                             // The kernels clamp unchecked entries to the last page.
                             bail!("{kn}: a device block_table needs at least one page, got shape {:?}", k_cache.dims())
@@ -154,7 +154,7 @@ impl Call {
             }
         };
         let starts = match cache_seqlens {
-            CacheSeqlens::Host(lens) => {
+            HostOrDevice::Host(lens) => {
                 if lens.len() != b {
                     bail!(
                         "cache_seqlens: expected {b} entries (one per sequence of q), got {}",
@@ -163,7 +163,7 @@ impl Call {
                 }
                 Indices::Host(lens.to_vec())
             }
-            CacheSeqlens::Device(t) => device_indices(t, &[b], q, "cache_seqlens")?,
+            HostOrDevice::Device(t) => device_indices(t, &[b], q, "cache_seqlens")?,
         };
         if let Some((k_new, v_new)) = new_kv {
             check_new_kv_apart(
@@ -177,7 +177,7 @@ impl Call {
         let s_new = new_kv.as_ref().map_or(0, |&(_, _, s_new)| s_new);
         let q_lens = match seqlens_q {
             None => None,
-            Some(CacheSeqlens::Host(lens)) => {
+            Some(HostOrDevice::Host(lens)) => {
                 if lens.len() != b {
                     bail!(
                         "seqlens_q: expected {b} entries (one per sequence of q), got {}",
@@ -189,7 +189,7 @@ impl Call {
                 }
                 Some(Indices::Host(lens.to_vec()))
             }
-            Some(CacheSeqlens::Device(t)) => Some(device_indices(t, &[b], q, "seqlens_q")?),
+            Some(HostOrDevice::Device(t)) => Some(device_indices(t, &[b], q, "seqlens_q")?),
         };
         if q_lens.is_some() && new_kv.is_some() && s_new != s_q {
             bail!(
@@ -206,7 +206,9 @@ impl Call {
             Indices::Host(starts) => {
                 let seqlens = match &ragged_new {
                     None => lengths_after(starts, s_new, &paging)?,
-                    Some(Indices::Host(adds)) => lengths_after_each(starts, adds, &paging)?,
+                    Some(Indices::Host(adds)) => {
+                        lengths_after_each(starts, |b| adds[b] as usize, &paging)?
+                    }
                     Some(Indices::Device(_)) => bail!(
                         "seqlens_q: a device tensor needs cache_seqlens on the device too (the \
                          lengths after the append are only known there)"
@@ -536,15 +538,15 @@ pub(super) fn lengths_after(
     s_new: usize,
     paging: &Paging,
 ) -> Result<Vec<u32>> {
-    lengths_after_each(
-        cache_seqlens,
-        &vec![s_new as u32; cache_seqlens.len()],
-        paging,
-    )
+    lengths_after_each(cache_seqlens, |_| s_new, paging)
 }
 
-/// [`lengths_after`] with a count of new tokens per sequence.
-fn lengths_after_each(cache_seqlens: &[u32], adds: &[u32], paging: &Paging) -> Result<Vec<u32>> {
+/// [`lengths_after`] with `adds(b)` new tokens in sequence `b`.
+fn lengths_after_each(
+    cache_seqlens: &[u32],
+    adds: impl Fn(usize) -> usize,
+    paging: &Paging,
+) -> Result<Vec<u32>> {
     let capacity = paging.capacity();
     let how = match paging {
         Paging::Contiguous { .. } => String::new(),
@@ -558,7 +560,7 @@ fn lengths_after_each(cache_seqlens: &[u32], adds: &[u32], paging: &Paging) -> R
         .iter()
         .enumerate()
         .map(|(b, &len)| {
-            let s_new = adds[b] as usize;
+            let s_new = adds(b);
             match (len as usize)
                 .checked_add(s_new)
                 .map(|t| (t, u32::try_from(t)))

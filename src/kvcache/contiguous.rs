@@ -3,7 +3,7 @@
 use candle::{bail, DType, Device, Result, Tensor};
 
 use super::alloc_checks::{check_cache_args, check_fits_u32};
-use super::args::CacheSeqlens;
+use super::args::HostOrDevice;
 use super::call::{CacheKind, Call};
 use crate::options::FlashAttn;
 use crate::params;
@@ -92,7 +92,7 @@ impl KvCache {
     ) -> Result<Tensor> {
         let new_kv = Some((k_new, v_new));
         let kind = CacheKind::Contiguous;
-        let lens = CacheSeqlens::Host(&self.lengths);
+        let lens = HostOrDevice::Host(&self.lengths);
         let call = Call::new(q, &self.k, &self.v, new_kv, lens, kind, opts, false, None)?;
         let lengths = call.lengths()?.to_vec();
         let q_rot = call.append(q, &self.k, &self.v)?;

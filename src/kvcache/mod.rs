@@ -27,7 +27,7 @@ mod contiguous;
 mod paged;
 mod rotary;
 
-pub use args::{BlockTable, CacheSeqlens};
+pub use args::{BlockTable, CacheSeqlens, HostOrDevice};
 use call::{CacheKind, Call};
 pub use contiguous::KvCache;
 pub use paged::PagedKvCache;

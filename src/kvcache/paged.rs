@@ -4,7 +4,7 @@
 use candle::{bail, DType, Device, Result, Tensor};
 
 use super::alloc_checks::{check_cache_args, check_fits_u32};
-use super::args::{BlockTable, CacheSeqlens};
+use super::args::HostOrDevice;
 use super::call::{lengths_after, CacheKind, Call};
 use crate::options::FlashAttn;
 use crate::params::{self, Paging};
@@ -157,12 +157,12 @@ impl PagedKvCache {
         };
         let (table, free) = self.allocate(s_new)?;
         let kind = CacheKind::Paged {
-            block_table: BlockTable::Host(&table),
+            block_table: HostOrDevice::Host(&table),
             max_pages: self.max_pages,
             owned: true,
         };
         let new_kv = Some((k_new, v_new));
-        let lens = CacheSeqlens::Host(&self.lengths);
+        let lens = HostOrDevice::Host(&self.lengths);
         let call = Call::new(q, &self.k, &self.v, new_kv, lens, kind, opts, false, None)?;
         let lengths = call.lengths()?.to_vec();
         let q_rot = call.append(q, &self.k, &self.v)?;
