@@ -20,6 +20,7 @@ use crate::train_table::{Dtypes, Elem, Op, TRAIN_CATALOGUE};
 fn stem(op: Op) -> (&'static str, usize) {
     match op {
         Op::RmsFwd => ("train_rms_fwd", 2),
+        Op::AddRmsFwd => ("train_add_rms_fwd", 2),
         Op::RmsBwd => ("train_rms_bwd", 2),
         Op::RmsDw => ("train_rms_dw", 0),
         Op::Rotary => ("train_rotary", 1),
@@ -34,6 +35,8 @@ fn stem(op: Op) -> (&'static str, usize) {
         Op::AdamwApply => ("train_adamw_apply", 0),
         Op::SumSquares => ("train_sum_squares", 1),
         Op::Combine => ("train_combine", 2),
+        Op::Gemv => ("train_gemv", 1),
+        Op::GemvSwiglu => ("train_gemv_swiglu", 1),
         Op::SinksFwd => ("train_sinks_fwd", 1),
         Op::SinksGrad => ("train_sinks_grad", 1),
     }

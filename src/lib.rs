@@ -65,6 +65,7 @@ mod decode;
 mod dropout;
 mod failpoint;
 mod fwd;
+pub mod infer;
 mod kvcache;
 mod layout;
 mod options;

@@ -738,6 +738,11 @@ fn train_entry_points_never_panic() {
                     train::rms_norm(x, w, eps)
                 });
             }
+            for (rn, r) in &xs {
+                s.call(format!("add_rms_norm {xn} {rn} {wn}"), || {
+                    train::add_rms_norm(x, r, w, 1e-6)
+                });
+            }
             s.call(format!("swiglu {xn} {wn}"), || train::swiglu(x, w));
             s.call(format!("rotary {xn} {wn}"), || train::rotary(x, w, w));
             s.call(format!("cross_entropy_rows {xn} {wn}"), || {

@@ -33,6 +33,16 @@ fn rms_norm_matches_plain_ops() {
 }
 
 #[test]
+fn add_rms_norm_matches_plain_ops() {
+    run(train_checks::add_rms_norm)
+}
+
+#[test]
+fn infer_linear_matches_plain_ops() {
+    run(train_checks::linear)
+}
+
+#[test]
 fn rotary_matches_plain_ops() {
     run(train_checks::rotary)
 }
@@ -134,6 +144,31 @@ fn bad_input_names_the_argument() -> candle::Result<()> {
         &["head_dim 7"],
     );
     assert_fails(train::swiglu(&x, &x.narrow(1, 0, 4)?), &["swiglu: up"]);
+    let lin = candle_flash::infer::linear;
+    assert_fails(
+        lin(&x, &x.narrow(1, 0, 4)?, None),
+        &["linear: weight has shape", "(n, 8)"],
+    );
+    assert_fails(
+        lin(&x, &x.to_dtype(DType::BF16)?, None),
+        &["linear: weight dtype"],
+    );
+    assert_fails(
+        lin(&x, &x, Some(&x.narrow(1, 0, 3)?)),
+        &["linear: add is", "[4, 4]"],
+    );
+    assert_fails(
+        candle_flash::infer::linear_swiglu(&x, &x.narrow(0, 0, 3)?),
+        &["linear_swiglu: weight has 3 rows"],
+    );
+    assert_fails(
+        train::add_rms_norm(&x, &x.narrow(1, 0, 4)?, &w8, 1e-5),
+        &["add_rms_norm: residual"],
+    );
+    assert_fails(
+        train::add_rms_norm(&x, &x, &w8.narrow(0, 0, 4)?, 1e-5),
+        &["add_rms_norm: weight has shape"],
+    );
     let ids = Tensor::new(&[0u32, 1], &cpu)?;
     assert_fails(
         train::embedding(&x, &ids.to_dtype(DType::I64)?, DType::F32),

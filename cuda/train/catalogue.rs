@@ -16,6 +16,8 @@
 pub enum Op {
     /// RMSNorm forward, `(x, weight)` (`norm.cuh`).
     RmsFwd,
+    /// Residual add then RMSNorm, both results, `(x, weight)` (`norm.cuh`).
+    AddRmsFwd,
     /// RMSNorm backward: dx and per-block partial dweight, `(x, weight)`.
     RmsBwd,
     /// RMSNorm backward: the partial dweights summed in block order (f32, no dtype).
@@ -45,6 +47,11 @@ pub enum Op {
     /// The merge of attentions over disjoint key sets from their (out, lse), `(parts, out)`
     /// (`combine.cuh`, src/combine.rs).
     Combine,
+    /// A decoding step's few rows times a weight, `+ add` optional, `(x)` (`gemv.cuh`,
+    /// src/infer/linear.rs).
+    Gemv,
+    /// The same with the SwiGLU of a stacked gate-and-up weight's two halves, `(x)`.
+    GemvSwiglu,
     /// The attention sinks' fix-up of the forward's (O, lse), in place, `(out)` (`sinks.cuh`,
     /// src/sinks.rs).
     SinksFwd,
@@ -91,7 +98,7 @@ const EMBED: &[Dtypes] = &[
     Two(F16, F16),
 ];
 const UNTYPED: &[Dtypes] = &[Dtypes::Untyped];
-/// The attention's outputs on CUDA: f16 and bf16.
+/// The attention's outputs on CUDA, and the decoding step's weights: f16 and bf16.
 const HALVES: &[Dtypes] = &[One(BF16), One(F16)];
 /// Combine `(parts, out)`: each dtype to itself, and to or from f32 for the f32 partial
 /// results of more parts than one launch takes.
@@ -108,6 +115,7 @@ const COMBINE: &[Dtypes] = &[
 /// Every training kernel: an op and the dtypes it is compiled for, one kernel per entry.
 pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
     (Op::RmsFwd, NORM),
+    (Op::AddRmsFwd, NORM),
     (Op::RmsBwd, NORM),
     (Op::RmsDw, UNTYPED),
     (Op::Rotary, EACH),
@@ -122,6 +130,8 @@ pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
     (Op::AdamwApply, UNTYPED),
     (Op::SumSquares, EACH),
     (Op::Combine, COMBINE),
+    (Op::Gemv, HALVES),
+    (Op::GemvSwiglu, HALVES),
     (Op::SinksFwd, HALVES),
     (Op::SinksGrad, HALVES),
 ];

@@ -18,6 +18,19 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
   return __float2bfloat16_rn(x);
 }
 
+// Two 16-bit elements of a 32-bit word as floats (the tag's type says which), and back.
+__device__ __forceinline__ float2 pair_f(uint32_t v, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+__device__ __forceinline__ float2 pair_f(uint32_t v, __half) {
+  return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+template <typename T> __device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
+  static_assert(sizeof(T) == 2, "two 16-bit elements");
+  return uint32_t(*reinterpret_cast<uint16_t*>(&lo)) |
+         (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -6,6 +6,7 @@
 // __fdiv_rn: the build's --use_fast_math would make 1/sqrtf and rsqrtf approximate): dx
 // cancels to ~eps/x^2 of its terms on short rows, and a 2-ulp rsqrtf showed there.
 #pragma once
+#include "common/pdl.cuh"
 #include "train/common.cuh"
 
 namespace train {
@@ -30,6 +31,76 @@ __device__ void rms_norm_fwd(const T* __restrict__ x, const W* __restrict__ w, T
   const float rstd = exact_rstd(warp_sum(ss), cols, eps);
   T* yr = y + row * cols;
   for (int c = lane; c < cols; c += 32) yr[c] = from_f<T>(to_f(xr[c]) * rstd * to_f(w[c]));
+}
+
+// The residual stream's add and the next norm of a transformer block, one block of threads
+// per row: h = x + r rounded to T (what the unfused add stores), y = rms_norm(h) from that
+// rounded h. A decoding step has a handful of rows, so a row is spread over a block rather
+// than a warp, eight elements (16 bytes) per load where the rows allow; the second pass
+// recomputes h from x and r (cached reads) instead of reading back what it wrote.
+template <typename T>
+__device__ __forceinline__ float add_pair_sq(uint32_t a, uint32_t b, uint32_t& out) {
+  const float2 x = pair_f(a, T()), r = pair_f(b, T());
+  const T s0 = from_f<T>(x.x + r.x), s1 = from_f<T>(x.y + r.y);
+  out = pack_pair(s0, s1);
+  const float f0 = to_f(s0), f1 = to_f(s1);
+  return f0 * f0 + f1 * f1;
+}
+
+// Sum of squares of one row's h = x + r over 16-byte chunks (8 half-precision elements),
+// h stored; the caller has checked that every row pointer is 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ float add_row_vec(const T* x, const T* r, T* h, int cols) {
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* rv = reinterpret_cast<const uint4*>(r);
+  uint4* hv = reinterpret_cast<uint4*>(h);
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+    const uint4 a = __ldg(xv + c), b = __ldg(rv + c);
+    uint4 s;
+    ss += add_pair_sq<T>(a.x, b.x, s.x) + add_pair_sq<T>(a.y, b.y, s.y) +
+          add_pair_sq<T>(a.z, b.z, s.z) + add_pair_sq<T>(a.w, b.w, s.w);
+    hv[c] = s;
+  }
+  return ss;
+}
+
+template <typename T, typename W>
+__device__ void add_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ r,
+                                 const W* __restrict__ w, T* __restrict__ h, T* __restrict__ y,
+                                 int64_t rows, int cols, float eps) {
+  __shared__ float scratch[32];
+  // Launched programmatically: x is the output of the kernel ahead.
+  pdl_wait();
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * cols;
+    bool vec = false;  // block-uniform: every thread of the block is on the same row
+    if constexpr (sizeof(T) == 2) {
+      const uintptr_t addr =
+          reinterpret_cast<uintptr_t>(x + base) | reinterpret_cast<uintptr_t>(r + base) |
+          reinterpret_cast<uintptr_t>(h + base);
+      vec = cols % 8 == 0 && addr % 16 == 0;
+    }
+    float ss = 0.f;
+    if constexpr (sizeof(T) == 2) {
+      if (vec) ss = add_row_vec(x + base, r + base, h + base, cols);
+    }
+    if (!vec) {
+#pragma unroll 4
+      for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const T s = from_f<T>(to_f(__ldg(x + base + c)) + to_f(__ldg(r + base + c)));
+        h[base + c] = s;
+        const float v = to_f(s);
+        ss += v * v;
+      }
+    }
+    const float rstd = exact_rstd(block_sum(ss, scratch), cols, eps);
+#pragma unroll 4
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float v = to_f(from_f<T>(to_f(__ldg(x + base + c)) + to_f(__ldg(r + base + c))));
+      y[base + c] = from_f<T>(v * rstd * to_f(w[c]));
+    }
+  }
 }
 
 constexpr int NORM_BWD_ROWS = 32;

@@ -5,13 +5,18 @@
 
 namespace train {
 
+// g and u are rows of `cols` elements `g_row` / `u_row` apart, so that the two halves of one
+// fused gate-and-up projection `(rows, 2 * cols)` are read in place; y is dense.
 template <typename T>
-__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ y,
-                           int64_t n) {
+__device__ void swiglu_fwd(const T* __restrict__ g, int64_t g_row, const T* __restrict__ u,
+                           int64_t u_row, T* __restrict__ y, int64_t rows, int cols) {
+  const int64_t n = rows * cols;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
-    const float gv = to_f(g[i]);
-    y[i] = from_f<T>(gv / (1.f + __expf(-gv)) * to_f(u[i]));
+    const int64_t r = i / cols;
+    const int64_t c = i - r * cols;
+    const float gv = to_f(g[r * g_row + c]);
+    y[i] = from_f<T>(gv / (1.f + __expf(-gv)) * to_f(u[r * u_row + c]));
   }
 }
 

@@ -2,7 +2,8 @@
 // SwiGLU, embedding, cross-entropy and AdamW. Each replaces a chain of Candle element-wise
 // ops and, in a training graph, the per-op gradient bookkeeping of that chain. The attention's
 // own helpers live here too: the sinks' fix-up and gradient (src/sinks.rs), the merge of
-// partial attentions (src/combine.rs). One macro per kernel kind holds its signature; the
+// partial attentions (src/combine.rs); and the decoding step's: the residual add fused with
+// its norm, the few-row matrix products (src/infer/). One macro per kernel kind holds its signature; the
 // kernels themselves, their names and element types, come from the catalogue
 // (cuda/train/catalogue.rs), which build.rs turns into the `instances/train.inc` included at
 // the end. The launchers find them there by op and dtypes.
@@ -14,6 +15,7 @@
 #include "train/adamw.cuh"
 #include "train/sinks.cuh"
 #include "train/combine.cuh"
+#include "train/gemv.cuh"
 
 using bf16 = __nv_bfloat16;
 using f16 = __half;
@@ -35,6 +37,13 @@ using f32 = float;
     train::rms_norm_dw(dw_part, dw, blocks, cols);                                           \
   }
 
+// Residual add and RMSNorm in one pass: h = x + r, y = rms_norm(h).
+#define TRAIN_ADD_RMS_FWD(NAME, T, W)                                                        \
+  extern "C" __global__ void NAME(const T* x, const T* r, const W* w, T* h, T* y,            \
+                                  int64_t rows, int cols, float eps) {                       \
+    train::add_rms_norm_fwd(x, r, w, h, y, rows, cols, eps);                                 \
+  }
+
 #define TRAIN_ROTARY(NAME, T)                                                                \
   extern "C" __global__ void NAME(const T* x, const float* c, const float* s, T* y,          \
                                   int64_t n, int heads, int half, float sign) {              \
@@ -42,8 +51,9 @@ using f32 = float;
   }
 
 #define TRAIN_SWIGLU_FWD(NAME, T)                                                            \
-  extern "C" __global__ void NAME(const T* g, const T* u, T* y, int64_t n) {                 \
-    train::swiglu_fwd(g, u, y, n);                                                           \
+  extern "C" __global__ void NAME(const T* g, int64_t g_row, const T* u, int64_t u_row, T* y, \
+                                  int64_t rows, int cols) {                                  \
+    train::swiglu_fwd(g, g_row, u, u_row, y, rows, cols);                                    \
   }
 #define TRAIN_SWIGLU_BWD(NAME, T)                                                            \
   extern "C" __global__ void NAME(const T* g, const T* u, const T* dy, T* dg, T* du,         \
@@ -92,6 +102,19 @@ using f32 = float;
 #define TRAIN_SUM_SQUARES(NAME, T)                                                           \
   extern "C" __global__ void NAME(const T* x, float* acc, int64_t n) {                       \
     train::sum_squares(x, acc, n);                                                           \
+  }
+
+// A decoding step's few rows times a weight (src/infer/linear.rs): plain (+ add), or the
+// SwiGLU of a stacked gate-and-up weight.
+#define TRAIN_GEMV(NAME, T)                                                                  \
+  extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
+                                  int k, int split) {                                        \
+    train::gemv<T, false>(x, w, add, y, m, n, k, split);                                     \
+  }
+#define TRAIN_GEMV_SWIGLU(NAME, T)                                                           \
+  extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
+                                  int k, int split) {                                        \
+    train::gemv<T, true>(x, w, add, y, m, n, k, split);                                      \
   }
 
 // The merge of partial attentions: parts in T, the output in O; the parameter block by value.

@@ -121,12 +121,13 @@ impl StepGraph {
     /// The step itself, every output written into the static tensors: what is captured.
     fn body(&self, model: &Llama, cache: &mut Cache) -> candle::Result<()> {
         let hidden = model.forward_step_device(&self.ids, &self.inputs, cache)?;
-        let logits = model.logits(&hidden)?;
+        // The greedy choice from the logits as the LM head gives them (no f32 copy).
+        let logits = model.logits_raw(&hidden)?;
         if self.greedy {
-            self.ids.slice_set(&logits.argmax(D::Minus1)?, 0, 0)?;
+            self.ids.slice_set(&argmax_rows(&logits)?, 0, 0)?;
         }
         if let Some(out) = &self.logits {
-            out.slice_set(&logits, 0, 0)?;
+            out.slice_set(&logits.to_dtype(DType::F32)?, 0, 0)?;
         }
         let lengths = &self.inputs.lengths;
         lengths.slice_set(&(lengths + 1.0)?, 0, 0)
@@ -350,4 +351,24 @@ pub fn copy_bandwidth(dev: &Device) -> Result<Option<f64>> {
     }
     let _ = dev;
     Ok(None)
+}
+
+/// The argmax of each row of `x` `(b, n)` as `(b,)` u32, in two
+/// passes: the row split into chunks of a few hundred, the best of each chunk, then the best
+/// chunk. Candle's argmax gives a whole row to one block, which over a 128k vocabulary takes
+/// longer than the LM head's matmul takes to read its 0.5 GB.
+fn argmax_rows(x: &Tensor) -> candle::Result<Tensor> {
+    let (b, n) = x.dims2()?;
+    let Some(chunk) = (256..=1024)
+        .chain((32..256).rev())
+        .find(|c| n % c == 0 && n / c > 1)
+    else {
+        return x.argmax(D::Minus1);
+    };
+    let parts = x.reshape((b, n / chunk, chunk))?;
+    let best = parts.max(D::Minus1)?;
+    let at = parts.argmax(D::Minus1)?;
+    let which = best.argmax_keepdim(D::Minus1)?;
+    let inner = at.gather(&which, 1)?;
+    ((which * chunk as f64)? + inner)?.squeeze(1)
 }

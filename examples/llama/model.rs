@@ -80,10 +80,11 @@ impl Proj {
         })
     }
 
-    /// `x` is `(n, in)`.
+    /// `x` is `(n, in)`. A decoding step's few rows stream the weight in one kernel
+    /// (`candle_flash::infer::linear`), which is Candle's matmul for everything else.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dt = x.dtype();
-        let mut y = x.matmul(&self.weight.to_dtype(dt)?.t()?)?;
+        let mut y = candle_flash::infer::linear(x, &self.weight.to_dtype(dt)?, None)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(&b.to_dtype(dt)?)?;
         }
@@ -103,8 +104,9 @@ fn init_normal() -> candle_nn::Init {
     }
 }
 
-/// RMSNorm: Candle's fused kernel for inference, `candle_flash::train::rms_norm` (which has
-/// a backward) for training.
+/// RMSNorm: Candle's fused kernel for inference (fused with the residual add before it by
+/// `candle_flash::train::add_rms_norm`), `candle_flash::train::rms_norm` (which has a
+/// backward) for training.
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
     pub weight: Tensor,
@@ -123,6 +125,15 @@ impl RmsNorm {
             return candle_flash::train::rms_norm(x, &self.weight, self.eps as f32);
         }
         candle_nn::ops::rms_norm(x, &self.weight.to_dtype(x.dtype())?, self.eps as f32)
+    }
+
+    /// `(residual + x, the norm of that sum)` in one kernel, for inference.
+    fn add_forward(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        let w = match self.weight.dtype() {
+            DType::F32 => self.weight.clone(),
+            _ => self.weight.to_dtype(x.dtype())?,
+        };
+        candle_flash::train::add_rms_norm(x, residual, &w, self.eps as f32)
     }
 }
 
@@ -506,7 +517,7 @@ impl Attention {
         &self,
         p: &Qkv,
         rope: &Rope,
-        cos_sin: &(Tensor, Tensor),
+        cos_sin: Option<&(Tensor, Tensor)>,
         cache: &mut LayerCache,
         on_device: Option<&DeviceStep>,
     ) -> Result<Tensor> {
@@ -522,6 +533,9 @@ impl Attention {
                 opts.rotary(&rope.cos, &rope.sin, false),
             ),
             None => {
+                let Some(cos_sin) = cos_sin else {
+                    candle::bail!("a host step needs the rotary rows of its positions")
+                };
                 let (q, k) = self.rotate(p, rope, cos_sin, false)?;
                 (q, k, opts)
             }
@@ -563,7 +577,7 @@ impl Attention {
         &self,
         x: &Tensor,
         rope: &Rope,
-        cos_sin: &(Tensor, Tensor),
+        cos_sin: Option<&(Tensor, Tensor)>,
         pass: &Pass,
         attn: AttnImpl,
         cache: Option<&mut LayerCache>,
@@ -577,6 +591,9 @@ impl Attention {
                 seqlens,
                 train,
             } => {
+                let Some(cos_sin) = cos_sin else {
+                    candle::bail!("a packed pass needs the rotary rows of its positions")
+                };
                 let (q, k) = self.rotate(&p, rope, cos_sin, train.is_some())?;
                 let v = &p.v;
                 let y = match attn {
@@ -794,17 +811,17 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = match &self.gate_up {
+            // Both halves and the SwiGLU in one pass over the stacked weight at a decoding
+            // step's few rows; the matmul and the fused SwiGLU of its halves otherwise.
+            Some(gu) if gu.bias.is_none() && gu.lora.is_none() => {
+                candle_flash::infer::linear_swiglu(x, &gu.weight.to_dtype(x.dtype())?)?
+            }
             Some(gu) => {
                 let y = gu.forward(x)?;
                 let i = y.dim(1)? / 2;
                 let (gate, up) = (y.narrow(1, 0, i)?, y.narrow(1, i, i)?);
-                // One token (a decoding step at batch 1): the halves are contiguous and the
-                // fused kernel reads them in place. Otherwise Candle's two kernels read the
-                // strided halves (the fused one would first copy both).
-                match gate.is_contiguous() {
-                    true => candle_flash::train::swiglu(&gate, &up)?,
-                    false => candle_nn::ops::swiglu(&y)?,
-                }
+                // The fused kernel reads the two strided halves in place.
+                candle_flash::train::swiglu(&gate, &up)?
             }
             // One op with one backward kernel for both gradients.
             None => candle_flash::train::swiglu(&self.gate.forward(x)?, &self.up.forward(x)?)?,
@@ -1034,24 +1051,49 @@ impl Llama {
                 true => candle_flash::train::embedding_deterministic(&self.embed, ids, self.dtype)?,
                 false => candle_flash::train::embedding(&self.embed, ids, self.dtype)?,
             };
-            (embed, self.rope.at(positions, DType::F32)?)
+            (embed, Some(self.rope.at(positions, DType::F32)?))
         } else {
+            // The device step rotates inside the cache append, from the whole tables.
+            let cos_sin = match pass {
+                Pass::Step(Some(_)) => None,
+                _ => Some(self.rope.at(positions, self.dtype)?),
+            };
             (
                 self.embed.index_select(ids, 0)?.to_dtype(self.dtype)?,
-                self.rope.at(positions, self.dtype)?,
+                cos_sin,
             )
         };
+        let cos_sin = cos_sin.as_ref();
+        if train {
+            for (i, b) in self.blocks.iter().enumerate() {
+                let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
+                let h = b.norm1.forward(&x, train)?;
+                let h = b
+                    .attn
+                    .forward(&h, &self.rope, cos_sin, pass, self.attn, layer_cache, i)?;
+                x = (x + h)?;
+                let h = b.mlp.forward(&b.norm2.forward(&x, train)?)?;
+                x = (x + h)?;
+            }
+            return self.norm.forward(&x, train);
+        }
+        // Inference: each residual add fused with the norm after it (the next block's first,
+        // or the final one): one launch where there were two.
+        let Some(first) = self.blocks.first() else {
+            return self.norm.forward(&x, false);
+        };
+        let mut h = first.norm1.forward(&x, false)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
-            let h = b.norm1.forward(&x, train)?;
-            let h = b
+            let a = b
                 .attn
-                .forward(&h, &self.rope, &cos_sin, pass, self.attn, layer_cache, i)?;
-            x = (x + h)?;
-            let h = b.mlp.forward(&b.norm2.forward(&x, train)?)?;
-            x = (x + h)?;
+                .forward(&h, &self.rope, cos_sin, pass, self.attn, layer_cache, i)?;
+            (x, h) = b.norm2.add_forward(&a, &x)?;
+            let m = b.mlp.forward(&h)?;
+            let next = self.blocks.get(i + 1).map_or(&self.norm, |n| &n.norm1);
+            (x, h) = next.add_forward(&m, &x)?;
         }
-        self.norm.forward(&x, train)
+        Ok(h)
     }
 
     /// The logits `(n, vocab)` in f32 of final hidden states `(n, hidden)`.

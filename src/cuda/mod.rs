@@ -26,4 +26,4 @@ pub(crate) use append::append;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::decode;
 pub(crate) use fwd::fwd;
-pub(crate) use runtime::{device_facts, poison, prepare_launch, Source};
+pub(crate) use runtime::{device_facts, launch_args_programmatic, poison, prepare_launch, Source};

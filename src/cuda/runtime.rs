@@ -326,10 +326,31 @@ fn launch_programmatic<P: DeviceRepr>(
     smem: u32,
     params: &P,
 ) -> Result<()> {
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    // SAFETY: as in `launch`: the parameter block describes live allocations of the sizes the
+    // kernel indexes, and it outlives the call (the driver copies it at launch).
+    unsafe { launch_args_programmatic(dev, source, name, grid, threads, smem, &mut args) }
+}
+
+/// Launches `name` from `source` with `args` (one pointer per kernel parameter, to a value of
+/// that parameter's type), programmatically on Hopper: the kernel's blocks may be dispatched
+/// while the kernel ahead of it in the stream finishes. Only for kernels that call
+/// `pdl_wait` (cuda/common/pdl.cuh) before they touch memory another kernel writes. A plain
+/// launch elsewhere, or when `CANDLE_FLASH_PDL=0`.
+///
+/// # Safety
+/// Each pointer must point to a live value of its parameter's type, and the values must
+/// describe live allocations of the sizes the kernel indexes.
+pub(crate) unsafe fn launch_args_programmatic(
+    dev: &candle::CudaDevice,
+    source: Source,
+    name: &str,
+    grid: (usize, usize, usize),
+    threads: u32,
+    smem: u32,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
     use candle::cuda_backend::cudarc::driver::sys;
-    if overrides::overrides().pdl_off || !device_facts(dev)?.hopper() {
-        return launch(dev, source, name, grid, threads, smem, params);
-    }
     let Some((func, cfg)) = prepare_launch(dev, source, name, grid, threads, smem)? else {
         return Ok(());
     };
@@ -339,6 +360,8 @@ fn launch_programmatic<P: DeviceRepr>(
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
+    // Off (or before Hopper): the same call without the attribute, a plain launch.
+    let programmatic = !overrides::overrides().pdl_off && device_facts(dev)?.hopper();
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -349,11 +372,9 @@ fn launch_programmatic<P: DeviceRepr>(
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
-        numAttrs: 1,
+        numAttrs: u32::from(programmatic),
     };
-    let mut args = [params as *const P as *mut std::ffi::c_void];
-    // SAFETY: as in `launch`; `params` outlives the call (the driver copies the parameter
-    // block at launch) and the function belongs to the stream's context.
+    // SAFETY: the caller's contract for `args`; the function belongs to the stream's context.
     unsafe {
         sys::cuLaunchKernelEx(
             &config,

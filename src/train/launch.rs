@@ -104,16 +104,52 @@ pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Res
 
 /// One kernel argument: a device address or a scalar.
 #[derive(Clone, Copy)]
-pub(super) enum Arg {
+pub(crate) enum Arg {
     Ptr(u64),
     I64(i64),
     I32(i32),
     F32(f32),
 }
 
+/// [`launch`] programmatically on Hopper (`crate::cuda::launch_args_programmatic`): for the
+/// kernels that call `pdl_wait` before they read what the kernel ahead of them writes or
+/// write anything, so that their dispatch overlaps that kernel's last blocks.
+pub(crate) fn launch_programmatic(
+    dev: &CudaDevice,
+    name: &str,
+    blocks: usize,
+    threads: u32,
+    args: &[Arg],
+) -> Result<()> {
+    let mut values = args.to_vec();
+    let mut ptrs: Vec<*mut std::ffi::c_void> = values
+        .iter_mut()
+        .map(|a| match a {
+            Arg::Ptr(p) => p as *mut u64 as *mut std::ffi::c_void,
+            Arg::I64(x) => x as *mut i64 as *mut std::ffi::c_void,
+            Arg::I32(x) => x as *mut i32 as *mut std::ffi::c_void,
+            Arg::F32(x) => x as *mut f32 as *mut std::ffi::c_void,
+        })
+        .collect();
+    // SAFETY: each pointer points into `values`, alive until the call returns (the driver
+    // copies the parameters at launch), holding the kernel's parameter types in order; the
+    // callers pass live buffers of the sizes the kernel indexes, as for `launch`.
+    unsafe {
+        crate::cuda::launch_args_programmatic(
+            dev,
+            Source::Train,
+            name,
+            (blocks, 1, 1),
+            threads,
+            0,
+            &mut ptrs,
+        )
+    }
+}
+
 /// Launches `name` from the training module with `blocks` x `threads` and `args` in order
 /// (grid limits, module choice and loading as for the attention kernels: `prepare_launch`).
-pub(super) fn launch(
+pub(crate) fn launch(
     dev: &CudaDevice,
     name: &str,
     blocks: usize,
@@ -173,7 +209,7 @@ pub(crate) fn stride_blocks(dev: &CudaDevice, n: usize, threads: u32) -> Result<
 }
 
 /// The most blocks [`stride_blocks`] gives on `dev`.
-pub(super) fn max_stride_blocks(dev: &CudaDevice) -> Result<usize> {
+pub(crate) fn max_stride_blocks(dev: &CudaDevice) -> Result<usize> {
     Ok(crate::cuda::device_facts(dev)?.sms * 16)
 }
 

@@ -9,9 +9,10 @@
 //! and on the CPU (f32 arithmetic), and computes in f32 whatever the storage dtype:
 //!
 //! - [`rms_norm`]: `x * rsqrt(mean(x^2) + eps) * weight`, gradients for both (the weight's
-//!   summed over rows in a fixed order).
+//!   summed over rows in a fixed order); [`add_rms_norm`]: the residual add before it, fused
+//!   (both results from one kernel).
 //! - [`rotary`]: rotary position embedding of `(tokens, heads, head_dim)` (LLaMA's halves).
-//! - [`swiglu`]: `silu(gate) * up`.
+//! - [`swiglu`]: `silu(gate) * up`, the halves of a fused gate-and-up projection read in place.
 //! - [`embedding`]: rows of a table gathered in another dtype, a scatter-add backward;
 //!   [`embedding_deterministic`] sums each id's rows in row order (bitwise repeatable).
 //! - [`cross_entropy`] / [`cross_entropy_rows`]: from logits in any float dtype, no softmax
@@ -37,6 +38,7 @@
 mod adamw;
 mod adamw_ops;
 mod adamw_state;
+mod add_rms_norm;
 mod cross_entropy;
 mod embedding;
 mod host;
@@ -54,6 +56,7 @@ pub(crate) mod sinks;
 mod swiglu;
 
 pub use adamw::{sum_squares, AdamW};
+pub use add_rms_norm::add_rms_norm;
 pub use cross_entropy::{cross_entropy, cross_entropy_rows, IGNORE};
 pub use embedding::{embedding, embedding_deterministic};
 pub use pool::retain_freed_device_memory;

@@ -11,31 +11,38 @@ use super::host;
 /// (f32 master weights under mixed precision). Differentiable in both; the weight's gradient
 /// is summed in f32.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
-    host::check_float(x, "rms_norm: x")?;
-    host::check_same_device(x, weight, "rms_norm: weight")?;
+    check(x, weight, eps, "rms_norm")?;
+    x.contiguous()?
+        .apply_op2(&weight.contiguous()?, RmsNorm { eps })
+}
+
+/// The checks of a norm of `x` by `weight` (shared with [`super::add_rms_norm`]); `op` names
+/// the function in the errors.
+pub(super) fn check(x: &Tensor, weight: &Tensor, eps: f32, op: &str) -> Result<()> {
+    host::check_float(x, &format!("{op}: x"))?;
+    host::check_same_device(x, weight, &format!("{op}: weight"))?;
     let hidden = x.dim(D::Minus1)?;
     if weight.dims() != [hidden] {
         bail!(
-            "rms_norm: weight has shape {:?}, expected ({hidden},) for x of shape {:?}",
+            "{op}: weight has shape {:?}, expected ({hidden},) for x of shape {:?}",
             weight.dims(),
             x.dims()
         )
     }
     if weight.dtype() != candle::DType::F32 && weight.dtype() != x.dtype() {
         bail!(
-            "rms_norm: weight dtype {:?}, expected F32 or x's {:?}",
+            "{op}: weight dtype {:?}, expected F32 or x's {:?}",
             weight.dtype(),
             x.dtype()
         )
     }
     if !(eps >= 0.0 && eps.is_finite()) {
-        bail!("rms_norm: eps must be finite and >= 0, got {eps}")
+        bail!("{op}: eps must be finite and >= 0, got {eps}")
     }
     if i32::try_from(hidden).is_err() {
-        bail!("rms_norm: hidden size {hidden} is past the kernels' 32-bit range")
+        bail!("{op}: hidden size {hidden} is past the kernels' 32-bit range")
     }
-    x.contiguous()?
-        .apply_op2(&weight.contiguous()?, RmsNorm { eps })
+    Ok(())
 }
 
 struct RmsNorm {
@@ -120,13 +127,13 @@ impl CustomOp2 for RmsNorm {
     }
 }
 
-fn rstd(row: &[f32], eps: f32) -> f32 {
+pub(super) fn rstd(row: &[f32], eps: f32) -> f32 {
     let ss: f32 = row.iter().map(|v| v * v).sum();
     1.0 / (ss / row.len().max(1) as f32 + eps).sqrt()
 }
 
 /// `(dx, dw)`: dx in x's dtype, dw in w's (summed in f32).
-fn backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+pub(super) fn backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
     let cols = w.elem_count();
     let rows = x.elem_count() / cols.max(1);
     let (dx, dw) = {

@@ -237,6 +237,279 @@ pub fn swiglu(dev: &Device, report: Report) {
             let (name, r) = swiglu_case(dev, dtype, &shape);
             report(name, r);
         }
+        for (rows, cols) in [(1, 1), (1, 40), (17, 33), (16, 2048)] {
+            let (name, r) = swiglu_halves_case(dev, dtype, rows, cols);
+            report(name, r);
+        }
+    }
+}
+
+/// SwiGLU of the two halves of one `(rows, 2 * cols)` tensor (a fused gate-and-up
+/// projection), which the op reads in place: outputs and gradients through the views.
+fn swiglu_halves_case(
+    dev: &Device,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+) -> (String, Result<()>) {
+    let name = format!("swiglu halves of {dtype:?} ({rows}, 2 x {cols})");
+    let r = (|| {
+        let g = (randn((rows, cols), dtype)? * 2.0)?;
+        let u = randn((rows, cols), dtype)?;
+        let ours = move |t: &[Tensor]| {
+            let gu = Tensor::cat(&[&t[0], &t[1]], 1)?;
+            train::swiglu(&gu.narrow(1, 0, cols)?, &gu.narrow(1, cols, cols)?)
+        };
+        let reference = |t: &[Tensor]| t[0].silu()? * &t[1];
+        compare(
+            &name,
+            dev,
+            &ours,
+            &reference,
+            &[g, u],
+            &[true, true],
+            &[rows, cols],
+            dtype,
+        )
+    })();
+    (name, r)
+}
+
+/// `(x + r, rms_norm(x + r))` stacked, the reference in plain ops (the sum rounded to the
+/// inputs' dtype first, as the fused op stores it).
+fn add_rms_norm_slow(t: &[Tensor]) -> Result<Tensor> {
+    let h = (&t[0] + &t[1])?;
+    let y = candle_nn::ops::rms_norm_slow(&h, &t[2].to_dtype(h.dtype())?, 1e-5)?;
+    Tensor::stack(&[h, y], 0)
+}
+
+/// The fused residual add and norm: outputs untracked (the kernel alone), and outputs and
+/// gradients of all three inputs through autograd, by the 2x/3x rule.
+fn add_rms_norm_case(
+    dev: &Device,
+    dtype: DType,
+    shape: &[usize],
+    w_f32: bool,
+) -> (String, Result<()>) {
+    let name = format!("add_rms_norm {dtype:?} {shape:?} weight_f32={w_f32}");
+    let r = (|| {
+        let hidden = *shape.last().unwrap();
+        let x = randn(shape, dtype)?;
+        let res = randn(shape, dtype)?;
+        let w_dtype = if w_f32 { DType::F32 } else { dtype };
+        let w = randn(hidden, DType::F32)?
+            .affine(0.5, 1.0)?
+            .to_dtype(w_dtype)?;
+        let ours = |t: &[Tensor]| {
+            let (h, y) = train::add_rms_norm(&t[0], &t[1], &t[2], 1e-5)?;
+            Tensor::stack(&[h, y], 0)
+        };
+        let mut out_shape = vec![2];
+        out_shape.extend_from_slice(shape);
+        // Untracked: the forward alone against the f64 and same-dtype references.
+        let inputs = [x.clone(), res.clone(), w.clone()];
+        let on_dev = inputs
+            .iter()
+            .map(|t| t.to_device(dev))
+            .collect::<Result<Vec<_>>>()?;
+        let y = ours(&on_dev)?;
+        let exact_in = inputs
+            .iter()
+            .map(|t| t.to_dtype(DType::F64))
+            .collect::<Result<Vec<_>>>()?;
+        let exact = add_rms_norm_slow(&exact_in)?;
+        within(
+            &format!("{name} untracked"),
+            &y,
+            &add_rms_norm_slow(&inputs)?,
+            &exact,
+            2.0,
+        )?;
+        let dw_compared = w_f32 || dtype == DType::F32;
+        compare(
+            &name,
+            dev,
+            &ours,
+            &add_rms_norm_slow,
+            &[x, res, w],
+            &[true, true, dw_compared],
+            &out_shape,
+            dtype,
+        )
+    })();
+    (name, r)
+}
+
+/// `f` on untracked inputs on `dev` (the path a decoding step takes) against `reference` in
+/// f64 and in the inputs' dtype on the CPU, by the 2x rule with half an ulp of the dtype
+/// (relative to the largest exact value) of slack: a few outputs whose rounding differs
+/// from the baseline's by luck (the kernel rounds once where Candle's ops round twice) are
+/// not a fault, an index off by one is.
+fn untracked(
+    name: &str,
+    dev: &Device,
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    inputs: &[Tensor],
+) -> Result<()> {
+    let on_dev = inputs
+        .iter()
+        .map(|t| t.to_device(dev))
+        .collect::<Result<Vec<_>>>()?;
+    let y = f(&on_dev)?;
+    let exact_in = inputs
+        .iter()
+        .map(|t| t.to_dtype(DType::F64))
+        .collect::<Result<Vec<_>>>()?;
+    let base = reference(inputs)?;
+    if y.dims() != base.dims() || y.dtype() != base.dtype() {
+        candle::bail!(
+            "{name}: output {:?} {:?}, expected {:?} {:?}",
+            y.dims(),
+            y.dtype(),
+            base.dims(),
+            base.dtype()
+        )
+    }
+    let exact = reference(&exact_in)?;
+    let ulp = match inputs[0].dtype() {
+        DType::BF16 => 2f32.powi(-8),
+        DType::F16 => 2f32.powi(-11),
+        _ => 2f32.powi(-24),
+    };
+    let ours_err = max_abs_diff(&y.to_device(&Device::Cpu)?, &exact)?;
+    let base_err = max_abs_diff(&base, &exact)?;
+    let bound = 2.0 * base_err + (0.5 * ulp + 1e-5) * max_abs(&exact)?.max(1.0);
+    if ours_err <= bound {
+        Ok(())
+    } else {
+        candle::bail!("{name} untracked: error {ours_err:e} > 2 x baseline {base_err:e} + floor")
+    }
+}
+
+/// `x @ w^T (+ add)` in plain ops: the product rounded, then the add.
+fn linear_slow(t: &[Tensor]) -> Result<Tensor> {
+    let k = t[0].dim(D::Minus1)?;
+    let mut dims = t[0].dims().to_vec();
+    *dims.last_mut().unwrap() = t[1].dim(0)?;
+    let y = t[0].reshape(((), k))?.matmul(&t[1].t()?)?.reshape(dims)?;
+    match t.get(2) {
+        Some(a) => y + a,
+        None => Ok(y),
+    }
+}
+
+/// `silu(x @ gate^T) * (x @ up^T)` in plain ops, `t[1]` stacking gate's rows and up's: the
+/// same math as the op in the inputs' precision, the products rounded to it, the SwiGLU in
+/// f32 (f64 for f64 inputs) and rounded once.
+fn linear_swiglu_slow(t: &[Tensor]) -> Result<Tensor> {
+    let y = linear_slow(&t[..2])?;
+    let dtype = y.dtype();
+    let wide = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let y = y.to_dtype(wide)?;
+    let i = y.dim(D::Minus1)? / 2;
+    (y.narrow(D::Minus1, 0, i)?.silu()? * y.narrow(D::Minus1, i, i)?)?.to_dtype(dtype)
+}
+
+/// `infer::linear` and `infer::linear_swiglu` at x of `dims` (..., k) and a weight of `n`
+/// rows: untracked (the few-row kernel where it applies), and with gradients (the matmul).
+fn linear_case(
+    dev: &Device,
+    dtype: DType,
+    dims: &[usize],
+    n: usize,
+    mode: &str,
+) -> (String, Result<()>) {
+    let name = format!("infer::linear {mode} {dtype:?} x {dims:?} weight ({n}, k)");
+    let r = (|| {
+        let k = *dims.last().unwrap();
+        let x = randn(dims, dtype)?;
+        // Weights of a linear layer's scale, so that sums over k stay near one.
+        let w = (randn((n, k), DType::F32)? * (1.0 / (k as f64).sqrt()))?.to_dtype(dtype)?;
+        let mut out = dims.to_vec();
+        *out.last_mut().unwrap() = if mode == "swiglu" { n / 2 } else { n };
+        let mut inputs = vec![x, w];
+        if mode == "add" {
+            inputs.push(randn(out.as_slice(), dtype)?);
+        }
+        let ours = |t: &[Tensor]| match mode {
+            "swiglu" => candle_flash::infer::linear_swiglu(&t[0], &t[1]),
+            _ => candle_flash::infer::linear(&t[0], &t[1], t.get(2)),
+        };
+        let reference = |t: &[Tensor]| match mode {
+            "swiglu" => linear_swiglu_slow(t),
+            _ => linear_slow(t),
+        };
+        untracked(&name, dev, &ours, &reference, &inputs)?;
+        let differentiable = vec![true; inputs.len()];
+        compare(
+            &name,
+            dev,
+            &ours,
+            &reference,
+            &inputs,
+            &differentiable,
+            &out,
+            dtype,
+        )
+    })();
+    (name, r)
+}
+
+pub fn linear(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        // One to four rows (the kernel on CUDA in bf16/f16), then the matmul's row counts.
+        let shapes: [(&[usize], usize); 9] = [
+            (&[1, 8], 1),
+            (&[1, 2048], 3072),
+            (&[2, 40], 3),
+            (&[3, 64], 130),
+            (&[4, 1, 256], 64),
+            (&[1, 1, 8192], 96),
+            (&[5, 64], 32),
+            (&[16, 128], 48),
+            (&[2, 36], 16),
+        ];
+        for (dims, n) in shapes {
+            for mode in ["plain", "add", "swiglu"] {
+                // SwiGLU's weight stacks two halves: an even row count.
+                let n = if mode == "swiglu" { n + n % 2 } else { n };
+                let (name, r) = linear_case(dev, dtype, dims, n, mode);
+                report(name, r);
+            }
+        }
+        // x starting off a 16-byte boundary: the matmul's path, same results.
+        let name = format!("infer::linear {dtype:?} x at an odd offset");
+        let r = (|| {
+            let x = randn((1, 72), dtype)?;
+            let w = randn((24, 64), dtype)?;
+            let ours =
+                |t: &[Tensor]| candle_flash::infer::linear(&t[0].narrow(1, 4, 64)?, &t[1], None);
+            let reference = |t: &[Tensor]| linear_slow(&[t[0].narrow(1, 4, 64)?, t[1].clone()]);
+            untracked(&name, dev, &ours, &reference, &[x, w])
+        })();
+        report(name, r);
+    }
+}
+
+pub fn add_rms_norm(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        for shape in [
+            vec![1, 1],
+            vec![1, 2048],
+            vec![13, 7],
+            vec![2, 5, 96],
+            vec![64, 768],
+        ] {
+            for w_f32 in [true, false] {
+                let (name, r) = add_rms_norm_case(dev, dtype, &shape, w_f32);
+                report(name, r);
+            }
+        }
     }
 }
 
@@ -579,7 +852,9 @@ pub fn large(dev: &Device, report: Report) {
     for dtype in [DType::BF16, DType::F16] {
         let cases = [
             rms_norm_case(dev, dtype, &[4097, 768], true),
+            add_rms_norm_case(dev, dtype, &[4097, 768], true),
             swiglu_case(dev, dtype, &[4097, 2048]),
+            swiglu_halves_case(dev, dtype, 4097, 2048),
             rotary_case(dev, dtype, (4097, 12, 64)),
             cross_entropy_case(dev, dtype, (2049, 32003)),
             embedding_case(dev, dtype, (2048, 768, 16384), false),
@@ -682,6 +957,8 @@ fn within_bound(err: f32, bound: f32) -> bool {
 /// Every check of this file.
 pub fn all(dev: &Device, report: Report) {
     rms_norm(dev, report);
+    add_rms_norm(dev, report);
+    linear(dev, report);
     rotary(dev, report);
     swiglu(dev, report);
     embedding(dev, report);

@@ -1,0 +1,326 @@
+//! [`linear`] and [`linear_swiglu`]: the few-row kernel (`cuda/train/gemv.cuh`) where it
+//! applies, Candle's matmul everywhere else.
+
+use candle::backend::BackendStorage;
+use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+
+/// The most rows (tokens, after flattening x's leading dims) the few-row kernel takes; more
+/// go to the GEMM, whose tensor cores win once each weight element is used several times.
+pub const LINEAR_MAX_ROWS: usize = 4;
+
+/// `x @ weight^T (+ add)`: `x` `(..., k)`, `weight` `(n, k)` as a linear layer stores it,
+/// `add` `(..., n)` (a residual stream, added after the product is rounded, as a separate
+/// add would be). One launch that streams the weight when x has at most
+/// [`LINEAR_MAX_ROWS`] rows, bf16/f16 on CUDA, `k` a multiple of 8, dense 16-byte-aligned
+/// operands and nothing tracking gradients; Candle's matmul (and add) otherwise, so every
+/// input that a linear layer takes works, with gradients.
+pub fn linear(x: &Tensor, weight: &Tensor, add: Option<&Tensor>) -> Result<Tensor> {
+    let shape = check(x, weight, "linear")?;
+    let mut out_dims = x.dims().to_vec();
+    *out_dims.last_mut().expect("checked: x has a last dim") = shape.n;
+    if let Some(a) = add {
+        if !a.device().same_device(x.device()) {
+            bail!(
+                "linear: add is on {:?}, expected x's device",
+                a.device().location()
+            )
+        }
+        if a.dims() != out_dims.as_slice() || a.dtype() != x.dtype() {
+            bail!(
+                "linear: add is {:?} {:?}, expected {out_dims:?} {:?} (x's rows by weight's rows)",
+                a.dims(),
+                a.dtype(),
+                x.dtype()
+            )
+        }
+    }
+    if few_rows(x, weight, add, &shape) {
+        let x2 = x.reshape((shape.rows, shape.k))?;
+        let y = match add {
+            Some(a) => x2.apply_op3_no_bwd(
+                weight,
+                &a.reshape((shape.rows, shape.n))?,
+                &Gemv { swiglu: false },
+            )?,
+            None => x2.apply_op2_no_bwd(weight, &Gemv { swiglu: false })?,
+        };
+        return y.reshape(out_dims);
+    }
+    let y = x
+        .reshape((shape.rows, shape.k))?
+        .matmul(&weight.t()?)?
+        .reshape(out_dims)?;
+    match add {
+        Some(a) => y + a,
+        None => Ok(y),
+    }
+}
+
+/// `silu(x @ gate^T) * (x @ up^T)` for `weight` `(2 i, k)` holding gate's rows then up's
+/// (one stacked projection): `(..., i)`. The few-row kernel computes both halves in one pass
+/// where [`linear`]'s would apply; otherwise Candle's matmul and [`crate::train::swiglu`]
+/// over the two halves in place.
+pub fn linear_swiglu(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let shape = check(x, weight, "linear_swiglu")?;
+    if !shape.n.is_multiple_of(2) {
+        bail!(
+            "linear_swiglu: weight has {} rows, expected an even count (gate's rows, then up's)",
+            shape.n
+        )
+    }
+    let i = shape.n / 2;
+    let mut out_dims = x.dims().to_vec();
+    *out_dims.last_mut().expect("checked: x has a last dim") = i;
+    if few_rows(x, weight, None, &shape) {
+        let x2 = x.reshape((shape.rows, shape.k))?;
+        return x2
+            .apply_op2_no_bwd(weight, &Gemv { swiglu: true })?
+            .reshape(out_dims);
+    }
+    let y = x.reshape((shape.rows, shape.k))?.matmul(&weight.t()?)?;
+    crate::train::swiglu(&y.narrow(D::Minus1, 0, i)?, &y.narrow(D::Minus1, i, i)?)?
+        .reshape(out_dims)
+}
+
+struct Dims {
+    rows: usize,
+    k: usize,
+    n: usize,
+}
+
+fn check(x: &Tensor, weight: &Tensor, op: &str) -> Result<Dims> {
+    if !x.device().same_device(weight.device()) {
+        bail!(
+            "{op}: weight is on {:?}, expected x's device ({:?})",
+            weight.device().location(),
+            x.device().location()
+        )
+    }
+    let Some(&k) = x.dims().last() else {
+        bail!("{op}: x is a scalar, expected (..., k)")
+    };
+    let &[n, wk] = weight.dims() else {
+        bail!(
+            "{op}: weight has shape {:?}, expected (n, {k})",
+            weight.dims()
+        )
+    };
+    if wk != k {
+        bail!(
+            "{op}: weight has shape {:?}, expected (n, {k}) for x of shape {:?}",
+            weight.dims(),
+            x.dims()
+        )
+    }
+    if weight.dtype() != x.dtype() {
+        bail!(
+            "{op}: weight dtype {:?}, expected x's {:?}",
+            weight.dtype(),
+            x.dtype()
+        )
+    }
+    Ok(Dims {
+        rows: x.elem_count() / k.max(1),
+        k,
+        n,
+    })
+}
+
+/// Whether the few-row kernel takes this call (see [`linear`]).
+fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool {
+    let dense_aligned =
+        |t: &Tensor| t.is_contiguous() && t.layout().start_offset().is_multiple_of(8);
+    x.device().is_cuda()
+        && matches!(x.dtype(), DType::BF16 | DType::F16)
+        && (1..=LINEAR_MAX_ROWS).contains(&d.rows)
+        && d.k.is_multiple_of(8)
+        && d.k > 0
+        && d.n > 0
+        && i32::try_from(d.n).is_ok()
+        && i32::try_from(d.k).is_ok()
+        && !x.track_op()
+        && !weight.track_op()
+        && add.is_none_or(|a| !a.track_op() && a.is_contiguous())
+        && dense_aligned(x)
+        && dense_aligned(weight)
+}
+
+/// The kernel as an op over `(x (rows, k), weight (n, k)[, add (rows, n)])`.
+struct Gemv {
+    swiglu: bool,
+}
+
+/// `(rows, n)`, or `(rows, n / 2)` for the SwiGLU of the two halves.
+fn out_shape(swiglu: bool, x: &Layout, w: &Layout) -> Shape {
+    let n = w.dims()[0];
+    Shape::from((x.dims()[0], if swiglu { n / 2 } else { n }))
+}
+
+impl Gemv {
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        (xs, xl): (&candle::CudaStorage, &Layout),
+        (ws, wl): (&candle::CudaStorage, &Layout),
+        add: Option<(&candle::CudaStorage, &Layout)>,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        use crate::train::kernels::{Op, TrainKernel};
+        use crate::train::launch::{self, Arg};
+        let dev = &xs.device;
+        let (rows, k) = (xl.dims()[0], xl.dims()[1]);
+        let n = wl.dims()[0];
+        let op = if self.swiglu {
+            Op::GemvSwiglu
+        } else {
+            Op::Gemv
+        };
+        let name = TrainKernel::name(op, &[("linear: x", xs.dtype())])?;
+        let shape = out_shape(self.swiglu, xl, wl);
+        let outs = shape.dims()[1];
+        // Eight warps per block, `split` of them per output column: a long row is cut into
+        // slices of at least 2048 elements, so that a block holds as many loads in flight
+        // over a 8192-long row as over a 2048-long one (the 1B model's down projection:
+        // 2048 columns alone would fill under two blocks per multiprocessor).
+        let split = match k / 8 {
+            c if c >= 2048 => 8,
+            c if c >= 1024 => 4,
+            c if c >= 512 => 2,
+            _ => 1,
+        };
+        let stream = dev.cuda_stream();
+        let mut y = launch::alloc(dev, xs.dtype(), rows * outs, false)?;
+        {
+            let (x, _a) = launch::ptr(xs, xl, &stream)?;
+            let (w, _b) = launch::ptr(ws, wl, &stream)?;
+            let (a, _c) = match add {
+                Some((s, l)) => {
+                    let (p, g) = launch::ptr(s, l, &stream)?;
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
+            let (yp, _d) = launch::ptr_mut(&mut y, 0, &stream)?;
+            let args = [
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(a),
+                Arg::Ptr(yp),
+                Arg::I32(rows as i32),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(split as i32),
+            ];
+            let blocks = (outs * split)
+                .div_ceil(8)
+                .min(launch::max_stride_blocks(dev)?);
+            launch::launch(dev, name, blocks, 256, &args)?;
+        }
+        Ok((y, shape))
+    }
+}
+
+/// The CPU never takes the kernel's path ([`few_rows`] asks for CUDA); the same product in
+/// f32, rounded as the kernel rounds, keeps the op whole.
+fn cpu(
+    swiglu: bool,
+    (xs, xl): (&CpuStorage, &Layout),
+    (ws, wl): (&CpuStorage, &Layout),
+    add: Option<(&CpuStorage, &Layout)>,
+) -> Result<(CpuStorage, Shape)> {
+    let dtype = xs.dtype();
+    let round = |v: f32| match dtype {
+        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+        DType::F16 => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    };
+    let (x, w) = (
+        crate::cpu::gather_f32(xs, xl)?,
+        crate::cpu::gather_f32(ws, wl)?,
+    );
+    let a = add.map(|(s, l)| crate::cpu::gather_f32(s, l)).transpose()?;
+    let (rows, k) = (xl.dims()[0], xl.dims()[1]);
+    let n = wl.dims()[0];
+    let outs = if swiglu { n / 2 } else { n };
+    let dot = |r: usize, j: usize| -> f32 {
+        let xr = &x[r * k..(r + 1) * k];
+        round(
+            w[j * k..(j + 1) * k]
+                .iter()
+                .zip(xr)
+                .map(|(a, b)| a * b)
+                .sum(),
+        )
+    };
+    let mut y = Vec::with_capacity(rows * outs);
+    for r in 0..rows {
+        for j in 0..outs {
+            y.push(match (swiglu, &a) {
+                (true, _) => {
+                    let (g, u) = (dot(r, j), dot(r, j + outs));
+                    g / (1.0 + (-g).exp()) * u
+                }
+                (false, Some(a)) => dot(r, j) + a[r * n + j],
+                (false, None) => dot(r, j),
+            });
+        }
+    }
+    Ok((crate::cpu::to_storage(y, dtype)?, out_shape(swiglu, xl, wl)))
+}
+
+impl CustomOp2 for Gemv {
+    fn name(&self) -> &'static str {
+        "linear-few-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu(self.swiglu, (s1, l1), (s2, l2), None)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        self.cuda((s1, l1), (s2, l2), None)
+    }
+}
+
+impl CustomOp3 for Gemv {
+    fn name(&self) -> &'static str {
+        "linear-few-rows-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu(self.swiglu, (s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+        s3: &candle::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        self.cuda((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+}
