@@ -92,10 +92,10 @@ pub use dropout::dropout_mask;
 #[doc(hidden)]
 pub use failpoint::inject_failure;
 pub use kvcache::{
-    flash_attn_with_kvcache, flash_attn_with_kvcache_lse, flash_attn_with_kvcache_ragged,
-    flash_attn_with_paged_kvcache, flash_attn_with_paged_kvcache_lse,
-    flash_attn_with_paged_kvcache_ragged, BlockTable, CacheSeqlens, HostOrDevice, KvCache,
-    PagedKvCache,
+    flash_attn_with_kvcache, flash_attn_with_kvcache_cascade, flash_attn_with_kvcache_lse,
+    flash_attn_with_kvcache_ragged, flash_attn_with_paged_kvcache,
+    flash_attn_with_paged_kvcache_lse, flash_attn_with_paged_kvcache_ragged, BlockTable,
+    CacheSeqlens, HostOrDevice, KvCache, PagedKvCache,
 };
 pub use options::{flash_attn, FlashAttn, Rotary};
 pub use padding::Padding;

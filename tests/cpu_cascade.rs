@@ -8,7 +8,8 @@ mod common;
 
 use candle::{DType, Result, Tensor};
 use candle_flash::{
-    attention_slow, combine, flash_attn_with_kvcache, flash_attn_with_kvcache_lse, FlashAttn,
+    attention_slow, combine, flash_attn_with_kvcache, flash_attn_with_kvcache_cascade,
+    flash_attn_with_kvcache_lse, FlashAttn,
 };
 use common::{assert_close, assert_within_budget, randn};
 
@@ -148,4 +149,124 @@ fn bf16_cascade_stays_within_the_error_budget() -> Result<()> {
     let (out, _) = step.cascade(&FlashAttn::new())?;
     assert_eq!(out.dtype(), DType::BF16);
     assert_within_budget("bf16 cascade", &f32(&out)?, &f32(&low)?, &exact, 2.0)
+}
+
+/// The library call: equal to the unshared attention in f32, one query token or several
+/// (causal, appended first), with sinks (counted once), GQA, the prefix given 3-D or 4-D.
+#[test]
+fn the_cascade_call_equals_unshared_attention() -> Result<()> {
+    let lens = [5u32, 0, 12, 1, 7];
+    for (h, hk, d) in [(4, 2, 16), (8, 1, 64)] {
+        let step = Step::new(37, &lens, h, hk, d, DType::F32)?;
+        let sinks = Tensor::new(
+            &[0.5f32, -1.0, 2.0, 0.0, 1.0, -0.5, 0.25, 3.0][..h],
+            &candle::Device::Cpu,
+        )?;
+        for opts in [
+            FlashAttn::new(),
+            FlashAttn::new().softmax_scale(0.3).softcap(5.0),
+            FlashAttn::new().sinks(&sinks),
+        ] {
+            let out = flash_attn_with_kvcache_cascade(
+                &step.q,
+                &step.prefix_k.squeeze(0)?,
+                &step.prefix_v,
+                &step.suffix_k,
+                &step.suffix_v,
+                None,
+                &step.lens,
+                &opts,
+            )?;
+            let (want, _) = step.unshared(&opts)?;
+            assert_close(&format!("h={h}/{hk} d={d}"), &out, &want, 1e-5)?;
+        }
+    }
+    // Three new tokens per sequence, causal: appended to the own caches, then attended.
+    let (h, hk, d, s) = (4, 2, 16, 3);
+    let step = Step::new(29, &lens, h, hk, d, DType::F32)?;
+    let b = lens.len();
+    let q = randn((b, s, h, d), DType::F32)?;
+    let k_new = randn((b, s, hk, d), DType::F32)?;
+    let v_new = randn((b, s, hk, d), DType::F32)?;
+    let opts = FlashAttn::new().causal(true);
+    let (k_own, v_own) = (step.suffix_k.copy()?, step.suffix_v.copy()?);
+    let out = flash_attn_with_kvcache_cascade(
+        &q,
+        &step.prefix_k,
+        &step.prefix_v,
+        &k_own,
+        &v_own,
+        Some((&k_new, &v_new)),
+        &step.lens,
+        &opts,
+    )?;
+    let full = |p: &Tensor, own: &Tensor| -> Result<Tensor> {
+        Tensor::cat(&[&p.broadcast_as((b, 29, hk, d))?, own], 1)
+    };
+    let (k_full, v_full) = (
+        full(&step.prefix_k, &step.suffix_k)?,
+        full(&step.prefix_v, &step.suffix_v)?,
+    );
+    let lens_full: Vec<u32> = lens.iter().map(|&l| l + 29).collect();
+    let want = flash_attn_with_kvcache(
+        &q,
+        &k_full,
+        &v_full,
+        Some((&k_new, &v_new)),
+        &lens_full,
+        &opts,
+    )?;
+    assert_close("3 causal tokens, appended", &out, &want, 1e-5)?;
+    assert_close(
+        "the appended own cache",
+        &k_own,
+        &k_full.narrow(1, 29, k_own.dim(1)?)?,
+        0.0,
+    )?;
+    Ok(())
+}
+
+/// Options the cascade cannot honour, and causal queries that would not all come after the
+/// prefix, are errors naming them; nothing is appended then.
+#[test]
+fn the_cascade_call_refuses_what_it_cannot_split() -> Result<()> {
+    let step = Step::new(16, &[2, 0], 4, 2, 16, DType::F32)?;
+    let call = |q: &Tensor, opts: &FlashAttn| {
+        flash_attn_with_kvcache_cascade(
+            q,
+            &step.prefix_k,
+            &step.prefix_v,
+            &step.suffix_k,
+            &step.suffix_v,
+            None,
+            &step.lens,
+            opts,
+        )
+    };
+    let err = |r: Result<Tensor>| r.unwrap_err().to_string();
+    assert!(err(call(&step.q, &FlashAttn::new().window_size(4, 0))).contains("window_size"));
+    let table = Tensor::zeros((64, 8), DType::F32, &candle::Device::Cpu)?;
+    assert!(err(call(
+        &step.q,
+        &FlashAttn::new().rotary(&table, &table, false)
+    ))
+    .contains("rotary"));
+    let q2 = randn((2, 2, 4, 16), DType::F32)?;
+    let e = err(call(&q2, &FlashAttn::new().causal(true)));
+    assert!(e.contains("sequence 1 holds 0 own tokens"), "{e}");
+    let bad = step.prefix_k.narrow(2, 0, 1)?;
+    let e = flash_attn_with_kvcache_cascade(
+        &step.q,
+        &bad,
+        &bad,
+        &step.suffix_k,
+        &step.suffix_v,
+        None,
+        &step.lens,
+        &FlashAttn::new(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("prefix_k has 1 heads"), "{e}");
+    Ok(())
 }

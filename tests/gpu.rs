@@ -1071,6 +1071,10 @@ mod cuda_suite {
         suite.record("combine of key parts vs whole", combine_parts(dev));
         suite.record("combine kernel vs ops", crate::combine::kernel_vs_ops(dev));
         suite.record(
+            "cascade call vs whole caches",
+            crate::combine::cascade_call(dev),
+        );
+        suite.record(
             "combine with a gradient",
             crate::combine::gradient_takes_the_ops(dev),
         );

@@ -6,6 +6,8 @@
 //!   sequence's prefix.
 //! - [`flash_attn_with_paged_kvcache`]: the same over a vLLM-style paged cache
 //!   `(num_pages, page_size, num_heads_k, head_dim)` and a block table.
+//! - [`flash_attn_with_kvcache_cascade`]: sequences sharing a prompt attend to it once for
+//!   the whole batch (cascade attention), to their own caches apart.
 //! - [`KvCache`] and [`PagedKvCache`]: the cache of one layer with its per-sequence lengths,
 //!   for model authors (append + attend in one call, reset, a clear error on overflow).
 //!
@@ -23,12 +25,14 @@ mod alloc_checks;
 mod append_varlen;
 mod args;
 mod call;
+mod cascade;
 mod contiguous;
 mod paged;
 mod rotary;
 
 pub use args::{BlockTable, CacheSeqlens, HostOrDevice};
 use call::{CacheKind, Call};
+pub use cascade::flash_attn_with_kvcache_cascade;
 pub use contiguous::KvCache;
 pub use paged::PagedKvCache;
 

@@ -214,3 +214,58 @@ pub(crate) fn gradient_takes_the_ops(dev: &Device) -> Result<()> {
         .contiguous()?;
     same("combine with a gradient: d o_0", g, &want, 1e-5)
 }
+
+/// `flash_attn_with_kvcache_cascade` on the GPU, bf16: a batch of 64 over an 8192-token prefix
+/// (its keys split in chunks to fill the GPU) and of 3 over a 1000-token one (not split), each
+/// sequence with its own cache: within the output rule of the same attention over each
+/// sequence's whole cache (prefix then own tokens) computed by the decode kernel in bf16, both
+/// measured against f32 math on the CPU.
+pub fn cascade_call(dev: &Device) -> Result<()> {
+    use candle_flash::{flash_attn_with_kvcache, flash_attn_with_kvcache_cascade, FlashAttn};
+    for (b, prefix, h, hk, d) in [
+        (64usize, 8192usize, 32usize, 8usize, 128usize),
+        (3, 1000, 8, 2, 64),
+    ] {
+        let cpu = Device::Cpu;
+        let lens: Vec<u32> = (0..b).map(|i| (i * 37 % 150) as u32).collect();
+        let cap = 160;
+        let r = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &cpu);
+        let (q, pk, pv) = (
+            r(&[b, 1, h, d])?,
+            r(&[prefix, hk, d])?,
+            r(&[prefix, hk, d])?,
+        );
+        let (ok, ov) = (r(&[b, cap, hk, d])?, r(&[b, cap, hk, d])?);
+        let full = |p: &Tensor, o: &Tensor| -> Result<Tensor> {
+            Tensor::cat(&[&p.unsqueeze(0)?.broadcast_as((b, prefix, hk, d))?, o], 1)
+        };
+        let (fk, fv) = (full(&pk, &ok)?, full(&pv, &ov)?);
+        let full_lens: Vec<u32> = lens.iter().map(|&l| l + prefix as u32).collect();
+        let opts = FlashAttn::new();
+        let exact = flash_attn_with_kvcache(&q, &fk, &fv, None, &full_lens, &opts)?;
+        let g = |t: &Tensor| t.to_dtype(DType::BF16)?.to_device(dev);
+        let ours = flash_attn_with_kvcache_cascade(
+            &g(&q)?,
+            &g(&pk)?,
+            &g(&pv)?,
+            &g(&ok)?,
+            &g(&ov)?,
+            None,
+            &lens,
+            &opts,
+        )?;
+        let base = flash_attn_with_kvcache(&g(&q)?, &g(&fk)?, &g(&fv)?, None, &full_lens, &opts)?;
+        let err = |t: &Tensor| -> Result<f32> {
+            (t.to_device(&cpu)?.to_dtype(DType::F32)? - &exact)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()
+        };
+        let (e_ours, e_base) = (err(&ours)?, err(&base)?);
+        let scale = exact.abs()?.max_all()?.to_scalar::<f32>()?;
+        if e_ours.is_nan() || e_ours > 2.0 * e_base + 1e-5 * scale {
+            candle::bail!("cascade b={b} prefix={prefix}: error {e_ours:e} > 2 x the whole-cache decode's {e_base:e}")
+        }
+    }
+    Ok(())
+}
