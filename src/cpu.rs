@@ -95,6 +95,15 @@ pub(crate) fn to_storage(data: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     })
 }
 
+/// `v` rounded to `dtype` and back (F16, BF16; others unchanged): what storing it would keep.
+pub(crate) fn round_to(v: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        DType::F16 => f16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
 /// Lengths of one sequence of the batch (every sequence of a fixed-length batch has
 /// `(sq, sk)`); `b` keys the dropout RNG.
 #[derive(Clone, Copy)]

@@ -228,11 +228,7 @@ fn cpu(
     add: Option<(&CpuStorage, &Layout)>,
 ) -> Result<(CpuStorage, Shape)> {
     let dtype = xs.dtype();
-    let round = |v: f32| match dtype {
-        DType::BF16 => half::bf16::from_f32(v).to_f32(),
-        DType::F16 => half::f16::from_f32(v).to_f32(),
-        _ => v,
-    };
+    let round = |v: f32| crate::cpu::round_to(v, dtype);
     let (x, w) = (
         crate::cpu::gather_f32(xs, xl)?,
         crate::cpu::gather_f32(ws, wl)?,

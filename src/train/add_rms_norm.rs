@@ -2,8 +2,7 @@
 //! each is a launch over a few rows, and a step has two per layer.
 
 use candle::backend::BackendStorage;
-use candle::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
+use candle::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::rms_norm;
 
@@ -43,15 +42,6 @@ struct AddRmsNorm {
     eps: f32,
 }
 
-/// `v` rounded to `dtype`, as the stored `h` is.
-fn round_to(v: f32, dtype: DType) -> f32 {
-    match dtype {
-        DType::BF16 => bf16::from_f32(v).to_f32(),
-        DType::F16 => f16::from_f32(v).to_f32(),
-        _ => v,
-    }
-}
-
 fn stacked(l: &Layout) -> Shape {
     let mut dims = vec![2];
     dims.extend_from_slice(l.dims());
@@ -82,7 +72,7 @@ impl CustomOp3 for AddRmsNorm {
         let h: Vec<f32> = x
             .iter()
             .zip(&r)
-            .map(|(a, b)| round_to(a + b, dtype))
+            .map(|(a, b)| crate::cpu::round_to(a + b, dtype))
             .collect();
         let mut out = h.clone();
         out.reserve(h.len());
