@@ -43,6 +43,11 @@ fn infer_linear_matches_plain_ops() {
 }
 
 #[test]
+fn infer_argmax_matches_its_definition() {
+    run(train_checks::argmax)
+}
+
+#[test]
 fn rotary_matches_plain_ops() {
     run(train_checks::rotary)
 }
@@ -161,6 +166,16 @@ fn bad_input_names_the_argument() -> candle::Result<()> {
         candle_flash::infer::linear_swiglu(&x, &x.narrow(0, 0, 3)?),
         &["linear_swiglu: weight has 3 rows"],
     );
+    let argmax = candle_flash::infer::argmax;
+    assert_fails(
+        argmax(&Tensor::new(1f32, &cpu)?),
+        &["argmax: x is a scalar"],
+    );
+    assert_fails(
+        argmax(&x.narrow(1, 0, 0)?),
+        &["argmax: x has shape", "[4, 0]"],
+    );
+    assert_fails(argmax(&x.to_dtype(DType::U32)?), &["argmax: x is U32"]);
     assert_fails(
         train::add_rms_norm(&x, &x.narrow(1, 0, 4)?, &w8, 1e-5),
         &["add_rms_norm: residual"],

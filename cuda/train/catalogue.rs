@@ -52,6 +52,8 @@ pub enum Op {
     Gemv,
     /// The same with the SwiGLU of a stacked gate-and-up weight's two halves, `(x)`.
     GemvSwiglu,
+    /// Each row's index of its largest element, `(x)` (`argmax.cuh`, src/infer/argmax.rs).
+    Argmax,
     /// The attention sinks' fix-up of the forward's (O, lse), in place, `(out)` (`sinks.cuh`,
     /// src/sinks.rs).
     SinksFwd,
@@ -132,6 +134,7 @@ pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
     (Op::Combine, COMBINE),
     (Op::Gemv, HALVES),
     (Op::GemvSwiglu, HALVES),
+    (Op::Argmax, EACH),
     (Op::SinksFwd, HALVES),
     (Op::SinksGrad, HALVES),
 ];

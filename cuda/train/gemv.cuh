@@ -6,6 +6,7 @@
 #pragma once
 #include "common/pdl.cuh"
 #include "train/common.cuh"
+#include "train/gemv_mma.cuh"
 
 namespace train {
 
@@ -128,7 +129,10 @@ __device__ void gemv(const T* x, const T* w, const T* add, T* y, int m, int n, i
     case 2: gemv_rows<T, 2, SWIGLU>(x, w, add, y, n, k, split); break;
     case 3: gemv_rows<T, 3, SWIGLU>(x, w, add, y, n, k, split); break;
     case 4: gemv_rows<T, 4, SWIGLU>(x, w, add, y, n, k, split); break;
-    default: break;  // the host sends more rows to the GEMM
+    default:
+      // Five to sixteen rows: tensor cores (gemv_mma.cuh); the host sends more to the GEMM.
+      if (m <= GEMV_MMA_MAX_M) gemv_mma<T, SWIGLU>(x, w, add, y, m, n, k, split);
+      break;
   }
 }
 

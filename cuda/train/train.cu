@@ -3,7 +3,7 @@
 // ops and, in a training graph, the per-op gradient bookkeeping of that chain. The attention's
 // own helpers live here too: the sinks' fix-up and gradient (src/sinks.rs), the merge of
 // partial attentions (src/combine.rs); and the decoding step's: the residual add fused with
-// its norm, the few-row matrix products (src/infer/). One macro per kernel kind holds its signature; the
+// its norm, the few-row matrix products and the greedy argmax (src/infer/). One macro per kernel kind holds its signature; the
 // kernels themselves, their names and element types, come from the catalogue
 // (cuda/train/catalogue.rs), which build.rs turns into the `instances/train.inc` included at
 // the end. The launchers find them there by op and dtypes.
@@ -16,6 +16,7 @@
 #include "train/sinks.cuh"
 #include "train/combine.cuh"
 #include "train/gemv.cuh"
+#include "train/argmax.cuh"
 
 using bf16 = __nv_bfloat16;
 using f16 = __half;
@@ -115,6 +116,13 @@ using f32 = float;
   extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
                                   int k, int split) {                                        \
     train::gemv<T, true>(x, w, add, y, m, n, k, split);                                      \
+  }
+
+// Each row's first largest element (src/infer/argmax.rs).
+#define TRAIN_ARGMAX(NAME, T)                                                                \
+  extern "C" __global__ void NAME(const T* x, uint32_t* out, int64_t rows, int64_t n,        \
+                                  int64_t stride, int vec) {                                 \
+    train::argmax_rows(x, out, rows, n, stride, vec != 0);                                   \
   }
 
 // The merge of partial attentions: parts in T, the output in O; the parameter block by value.

@@ -34,7 +34,7 @@
 use std::collections::HashMap;
 
 use anyhow::{Context, Result};
-use candle::{DType, Device, Tensor, D};
+use candle::{DType, Device, Tensor};
 
 use super::generate::{StepOut, Stepper, Want};
 use super::model::{Cache, CacheLayout, DeviceStep, Llama};
@@ -124,7 +124,8 @@ impl StepGraph {
         // The greedy choice from the logits as the LM head gives them (no f32 copy).
         let logits = model.logits_raw(&hidden)?;
         if self.greedy {
-            self.ids.slice_set(&argmax_rows(&logits)?, 0, 0)?;
+            self.ids
+                .slice_set(&candle_flash::infer::argmax(&logits)?, 0, 0)?;
         }
         if let Some(out) = &self.logits {
             out.slice_set(&logits.to_dtype(DType::F32)?, 0, 0)?;
@@ -351,24 +352,4 @@ pub fn copy_bandwidth(dev: &Device) -> Result<Option<f64>> {
     }
     let _ = dev;
     Ok(None)
-}
-
-/// The argmax of each row of `x` `(b, n)` as `(b,)` u32, in two
-/// passes: the row split into chunks of a few hundred, the best of each chunk, then the best
-/// chunk. Candle's argmax gives a whole row to one block, which over a 128k vocabulary takes
-/// longer than the LM head's matmul takes to read its 0.5 GB.
-fn argmax_rows(x: &Tensor) -> candle::Result<Tensor> {
-    let (b, n) = x.dims2()?;
-    let Some(chunk) = (256..=1024)
-        .chain((32..256).rev())
-        .find(|c| n % c == 0 && n / c > 1)
-    else {
-        return x.argmax(D::Minus1);
-    };
-    let parts = x.reshape((b, n / chunk, chunk))?;
-    let best = parts.max(D::Minus1)?;
-    let at = parts.argmax(D::Minus1)?;
-    let which = best.argmax_keepdim(D::Minus1)?;
-    let inner = at.gather(&which, 1)?;
-    ((which * chunk as f64)? + inner)?.squeeze(1)
 }

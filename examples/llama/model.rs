@@ -1104,7 +1104,7 @@ impl Llama {
     /// The logits in the hidden states' dtype (what a fused cross-entropy takes).
     pub fn logits_raw(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        hidden.matmul(&head.to_dtype(hidden.dtype())?.t()?)
+        candle_flash::infer::linear(hidden, &head.to_dtype(hidden.dtype())?, None)
     }
 
     /// Runs packed sequences: `ids` `(n,)` u32 holds sequence 0's tokens, then sequence 1's,

@@ -4,9 +4,10 @@
 use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
-/// The most rows (tokens, after flattening x's leading dims) the few-row kernel takes; more
-/// go to the GEMM, whose tensor cores win once each weight element is used several times.
-pub const LINEAR_MAX_ROWS: usize = 4;
+/// The most rows (tokens, after flattening x's leading dims) the few-row kernels take: one to
+/// four as dot products per lane, five to sixteen on tensor cores with the weight as the
+/// 16-row operand. More go to the GEMM, whose tiles are then full.
+pub const LINEAR_MAX_ROWS: usize = 16;
 
 /// `x @ weight^T (+ add)`: `x` `(..., k)`, `weight` `(n, k)` as a linear layer stores it,
 /// `add` `(..., n)` (a residual stream, added after the product is rounded, as a separate
@@ -177,16 +178,7 @@ impl Gemv {
         let name = TrainKernel::name(op, &[("linear: x", xs.dtype())])?;
         let shape = out_shape(self.swiglu, xl, wl);
         let outs = shape.dims()[1];
-        // Eight warps per block, `split` of them per output column: a long row is cut into
-        // slices of at least 2048 elements, so that a block holds as many loads in flight
-        // over a 8192-long row as over a 2048-long one (the 1B model's down projection:
-        // 2048 columns alone would fill under two blocks per multiprocessor).
-        let split = match k / 8 {
-            c if c >= 2048 => 8,
-            c if c >= 1024 => 4,
-            c if c >= 512 => 2,
-            _ => 1,
-        };
+        let split = split(rows, k, outs, crate::cuda::device_facts(dev)?.sms);
         let stream = dev.cuda_stream();
         let mut y = launch::alloc(dev, xs.dtype(), rows * outs, false)?;
         {
@@ -210,13 +202,48 @@ impl Gemv {
                 Arg::I32(k as i32),
                 Arg::I32(split as i32),
             ];
-            let blocks = (outs * split)
+            let units = if rows <= GEMV_MAX_ROWS {
+                outs
+            } else {
+                outs.div_ceil(16)
+            };
+            let blocks = (units * split)
                 .div_ceil(8)
                 .min(launch::max_stride_blocks(dev)?);
             launch::launch(dev, name, blocks, 256, &args)?;
         }
         Ok((y, shape))
     }
+}
+
+/// `GEMV_MAX_M` in `cuda/train/gemv.cuh`: past it the kernel runs its tensor-core loop.
+#[cfg(feature = "cuda")]
+const GEMV_MAX_ROWS: usize = 4;
+
+/// Warps per output column (one to four rows) or per 16-column tile (more), each summing a
+/// slice of k; eight warps a block.
+#[cfg(feature = "cuda")]
+fn split(rows: usize, k: usize, outs: usize, sms: usize) -> usize {
+    if rows <= GEMV_MAX_ROWS {
+        // A long row cut into slices of at least 2048 elements, so that a block holds as
+        // many loads in flight over a 8192-long row as over a 2048-long one (the 1B model's
+        // down projection: 2048 columns alone would fill under two blocks a multiprocessor).
+        return match k / 8 {
+            c if c >= 2048 => 8,
+            c if c >= 1024 => 4,
+            c if c >= 512 => 2,
+            _ => 1,
+        };
+    }
+    // A tile's warp reads 2 KB of weight per 64-element chunk: split until the launch has
+    // about two blocks a multiprocessor, keeping at least two chunks a warp; a power of two,
+    // so that the block's eight warps divide into whole tiles.
+    let tiles = outs.div_ceil(16);
+    let chunks = k.div_ceil(64);
+    let s = (2 * 8 * sms / tiles.max(1))
+        .clamp(1, 8)
+        .min((chunks / 2).max(1));
+    1 << s.ilog2()
 }
 
 /// The CPU never takes the kernel's path ([`few_rows`] asks for CUDA); the same product in

@@ -71,6 +71,7 @@ pub(crate) fn ptr_mut<'a>(
         CudaStorageSlice::BF16(x) => at(x, start, stream),
         CudaStorageSlice::F16(x) => at(x, start, stream),
         CudaStorageSlice::F32(x) => at(x, start, stream),
+        CudaStorageSlice::U32(x) => at(x, start, stream),
         _ => bail!("train: unsupported output dtype {dtype:?}"),
     })
 }
@@ -98,6 +99,7 @@ pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Res
         DType::BF16 => make::<bf16>(dev, n.max(1), zero),
         DType::F16 => make::<f16>(dev, n.max(1), zero),
         DType::F32 => make::<f32>(dev, n.max(1), zero),
+        DType::U32 => make::<u32>(dev, n.max(1), zero),
         dt => bail!("train: cannot allocate dtype {dt:?}"),
     }
 }

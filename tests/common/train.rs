@@ -446,8 +446,10 @@ fn linear_case(
 
 pub fn linear(dev: &Device, report: Report) {
     for dtype in DTYPES {
-        // One to four rows (the kernel on CUDA in bf16/f16), then the matmul's row counts.
-        let shapes: [(&[usize], usize); 9] = [
+        // One to four rows (the dot-product kernel on CUDA in bf16/f16), five to sixteen
+        // (the tensor-core kernel: k past and short of its 64-element chunks, columns short
+        // of a 16-column tile, long rows split over warps), then the matmul's row counts.
+        let shapes: [(&[usize], usize); 15] = [
             (&[1, 8], 1),
             (&[1, 2048], 3072),
             (&[2, 40], 3),
@@ -456,6 +458,12 @@ pub fn linear(dev: &Device, report: Report) {
             (&[1, 1, 8192], 96),
             (&[5, 64], 32),
             (&[16, 128], 48),
+            (&[8, 2048], 3072),
+            (&[9, 1, 8200], 40),
+            (&[12, 40], 20),
+            (&[16, 8192], 64),
+            (&[2, 7, 24], 530),
+            (&[17, 64], 32),
             (&[2, 36], 16),
         ];
         for (dims, n) in shapes {
@@ -477,6 +485,86 @@ pub fn linear(dev: &Device, report: Report) {
             untracked(&name, dev, &ours, &reference, &[x, w])
         })();
         report(name, r);
+    }
+}
+
+/// The first index of each row's largest value, NaN above every number: the definition, in
+/// plain Rust over f32 (every value of the three dtypes).
+fn argmax_slow(x: &Tensor) -> Result<Vec<u32>> {
+    let rows = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let mut at = 0;
+            for (i, &v) in r.iter().enumerate() {
+                let best = r[at];
+                if (v.is_nan() && !best.is_nan()) || v > best {
+                    at = i;
+                }
+            }
+            at as u32
+        })
+        .collect())
+}
+
+/// `infer::argmax` equal to [`argmax_slow`]: random rows (a 128k vocabulary among them),
+/// rows full of ties (values rounded to integers), NaN and -inf, rows starting off a 16-byte
+/// boundary (the scalar loads), and the leading dims kept.
+pub fn argmax(dev: &Device, report: Report) {
+    for dtype in DTYPES {
+        for (rows, n, kind) in [
+            (1, 1, "random"),
+            (3, 7, "random"),
+            (16, 128256, "random"),
+            (5, 32003, "random"),
+            (8, 1000, "ties"),
+            (4, 64, "special"),
+            (6, 200, "offset"),
+        ] {
+            let name = format!("infer::argmax {dtype:?} ({rows}, {n}) {kind}");
+            let r = (|| {
+                let mut x = randn((rows, n + usize::from(kind == "offset")), DType::F32)?;
+                if kind == "ties" {
+                    x = (x * 2.0)?.round()?;
+                }
+                if kind == "special" {
+                    let mut v = x.to_vec2::<f32>()?;
+                    v[0][10] = f32::NAN;
+                    v[0][20] = f32::NAN;
+                    v[1].iter_mut().for_each(|e| *e = f32::NEG_INFINITY);
+                    v[2][63] = f32::INFINITY;
+                    v[3][0] = f32::INFINITY;
+                    v[3][5] = f32::INFINITY;
+                    x = Tensor::new(v, &Device::Cpu)?;
+                }
+                let x = x.to_dtype(dtype)?;
+                let x = if kind == "offset" {
+                    x.narrow(1, 1, n)?
+                } else {
+                    x
+                };
+                let want = argmax_slow(&x)?;
+                let got = candle_flash::infer::argmax(&x.to_device(dev)?)?;
+                if got.dims() != [rows] || got.dtype() != DType::U32 {
+                    candle::bail!(
+                        "output {:?} {:?}, expected ({rows},) U32",
+                        got.dims(),
+                        got.dtype()
+                    )
+                }
+                let got = got.to_vec1::<u32>()?;
+                if got != want {
+                    candle::bail!("indices {got:?}, expected {want:?}")
+                }
+                let x3 = x.reshape((1, rows, n))?.to_device(dev)?;
+                let got3 = candle_flash::infer::argmax(&x3)?;
+                if got3.dims() != [1, rows] || got3.flatten_all()?.to_vec1::<u32>()? != want {
+                    candle::bail!("(1, rows, n): {:?}, expected the same indices", got3.dims())
+                }
+                Ok(())
+            })();
+            report(name, r);
+        }
     }
 }
 
@@ -951,6 +1039,7 @@ pub fn all(dev: &Device, report: Report) {
     rms_norm(dev, report);
     add_rms_norm(dev, report);
     linear(dev, report);
+    argmax(dev, report);
     rotary(dev, report);
     swiglu(dev, report);
     embedding(dev, report);

@@ -1,0 +1,97 @@
+//! [`argmax`]: greedy decoding's choice over a vocabulary in one launch.
+
+use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+
+/// The index of the largest element of each row of `x` `(..., n)`, as U32 `(...)`: the first
+/// of equal values, and a NaN above every number (as `torch.argmax`). BF16, F16 or F32, on
+/// the CPU or CUDA; one kernel with a block a row on CUDA, 16-byte loads where aligned.
+/// Candle's argmax reduces a row in one block too but through a generic reduction: over
+/// LLaMA 3's 128k logits it takes longer than the LM head's product, and its ties and NaNs
+/// follow the reduction order.
+pub fn argmax(x: &Tensor) -> Result<Tensor> {
+    let Some((&n, outer)) = x.dims().split_last() else {
+        bail!("argmax: x is a scalar, expected (..., n)")
+    };
+    if n == 0 {
+        bail!(
+            "argmax: x has shape {:?}, expected a last dim of at least 1",
+            x.dims()
+        )
+    }
+    if u32::try_from(n).is_err() {
+        bail!("argmax: x's last dim {n} does not fit the U32 indices")
+    }
+    if !matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32) {
+        bail!("argmax: x is {:?}, expected BF16, F16 or F32", x.dtype())
+    }
+    let rows = outer.iter().product::<usize>();
+    x.contiguous()?
+        .reshape((rows, n))?
+        .apply_op1_no_bwd(&Argmax)?
+        .reshape(outer)
+}
+
+struct Argmax;
+
+/// Whether `a` ranks above `b` (NaN above every number; the caller keeps the first of ties).
+fn above(a: f32, b: f32) -> bool {
+    (a.is_nan() && !b.is_nan()) || a > b
+}
+
+impl CustomOp1 for Argmax {
+    fn name(&self) -> &'static str {
+        "argmax-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, n) = (l.dims()[0], l.dims()[1]);
+        let x = crate::cpu::gather_f32(s, l)?;
+        let out: Vec<u32> = x
+            .chunks(n)
+            .map(|row| {
+                let mut at = 0;
+                for (i, &v) in row.iter().enumerate() {
+                    if above(v, row[at]) {
+                        at = i;
+                    }
+                }
+                at as u32
+            })
+            .collect();
+        Ok((CpuStorage::U32(out), Shape::from(rows)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        use crate::train::kernels::Op;
+        use crate::train::kernels::TrainKernel;
+        use crate::train::launch::{self, Arg};
+        use candle::backend::BackendStorage;
+        let dev = &s.device;
+        let (rows, n) = (l.dims()[0], l.dims()[1]);
+        let name = TrainKernel::name(Op::Argmax, &[("argmax: x", s.dtype())])?;
+        let elem = s.dtype().size_in_bytes();
+        // Whole 16-byte vectors a row, from a 16-byte-aligned start (allocations are).
+        let vec = (n * elem).is_multiple_of(16) && (l.start_offset() * elem).is_multiple_of(16);
+        let stream = dev.cuda_stream();
+        let mut out = launch::alloc(dev, DType::U32, rows, false)?;
+        if rows > 0 {
+            let (x, _a) = launch::ptr(s, l, &stream)?;
+            let (o, _b) = launch::ptr_mut(&mut out, 0, &stream)?;
+            let args = [
+                Arg::Ptr(x),
+                Arg::Ptr(o),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+                Arg::I64(n as i64),
+                Arg::I32(i32::from(vec)),
+            ];
+            launch::launch(dev, name, rows.min(1 << 30), 1024, &args)?;
+        }
+        Ok((out, Shape::from(rows)))
+    }
+}
