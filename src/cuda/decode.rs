@@ -145,17 +145,15 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     // element.
     let mut out = unsafe { dev.alloc::<T>(out_elems)? };
     poison(&stream, &mut out)?;
-    // Unsplit calls need no partial buffers; one element keeps the allocation legal (CUDA
-    // rejects zero-byte allocations).
-    let partial_rows = if splits > 1 {
-        splits * p.b * p.h * p.s_q
+    // Unsplit calls need no partial buffers (in a CUDA graph each allocation is a node).
+    let mut partials = if splits > 1 {
+        let rows = splits * p.b * p.h * p.s_q;
+        // SAFETY: each split writes its rows of both buffers before it counts itself in; the
+        // last to arrive reads them.
+        Some(unsafe { (dev.alloc::<f32>(rows * p.d)?, dev.alloc::<f32>(rows)?) })
     } else {
-        1
+        None
     };
-    // SAFETY: each split writes its rows of both buffers before it counts itself in; the last
-    // to arrive reads them.
-    let mut o_partial = unsafe { dev.alloc::<f32>(partial_rows * p.d)? };
-    let mut lse_partial = unsafe { dev.alloc::<f32>(partial_rows)? };
     // SAFETY: the kernel (or the merge) writes the LSE of every row with a query.
     let mut lse_out = match p.want_lse || p.sinks.is_some() {
         true => Some(unsafe { dev.alloc::<f32>(p.b * p.h * p.s_q)? }),
@@ -231,8 +229,14 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         let (k_ptr, k_sync) = k_view.device_ptr(&stream);
         let (v_ptr, v_sync) = v_view.device_ptr(&stream);
         let (o_ptr, o_sync) = out.device_ptr_mut(&stream);
-        let (op_ptr, op_sync) = o_partial.device_ptr_mut(&stream);
-        let (lp_ptr, lp_sync) = lse_partial.device_ptr_mut(&stream);
+        let (op_ptr, lp_ptr, partial_syncs) = match &mut partials {
+            Some((o, l)) => {
+                let (op, os) = o.device_ptr_mut(&stream);
+                let (lp, ls) = l.device_ptr_mut(&stream);
+                (op, lp, Some((os, ls)))
+            }
+            None => (0, 0, None),
+        };
         let (counters_ptr, counters_sync) = match &mut counters {
             Some(c) => {
                 let (ptr, sync) = c.device_ptr_mut(&stream);
@@ -282,7 +286,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         // 0.0683 ms against 0.0707; docs/archive/PERF.md).
         Launch::new(plan.kernel, dtype, (p.hk * row_tiles, splits, p.b))
             .run_programmatic(&dev, &params)?;
-        drop((q_sync, k_sync, v_sync, o_sync, op_sync, lp_sync, syncs));
+        drop((q_sync, k_sync, v_sync, o_sync, partial_syncs, syncs));
         drop((counters_sync, lse_sync));
     }
     drop(counter_cache);

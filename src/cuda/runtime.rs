@@ -189,9 +189,12 @@ pub(crate) fn load_func(
 /// per-thread default stream) and grown on demand, so that launches that may overlap never
 /// share counters. Four threads sharing one set raced in split-KV decoding (a merge ran
 /// before its splits arrived; seen under compute-sanitizer's racecheck, which slows kernels).
-/// Entries live until exit (a few bytes per thread that decoded). Hold the cache's lock until
+/// Entries live until exit (a few bytes per thread that decoded), and so do outgrown ones. Hold the cache's lock until
 /// the launch is queued: another call on the stream must not grow (and free) them between.
 pub(crate) type StreamCounters = Vec<(StreamKey, CudaSlice<u32>)>;
+
+/// Counters that were outgrown, alive until exit (see [`stream_counters`]).
+static RETIRED_COUNTERS: Mutex<Vec<CudaSlice<u32>>> = Mutex::new(Vec::new());
 
 /// The zeroed counters for `dev`'s stream, at least `n` of them.
 pub(crate) fn stream_counters<'a>(
@@ -208,8 +211,16 @@ pub(crate) fn stream_counters<'a>(
         }
     };
     if cache[i].1.len() < n {
-        // The old slice is freed in stream order, after the launches that used it.
-        cache[i].1 = dev.alloc_zeros::<u32>(n.next_power_of_two())?;
+        // The old slice is kept, not freed: a CUDA graph captured with it replays with its
+        // address, and freed memory handed to another buffer would be counted into.
+        let old = std::mem::replace(
+            &mut cache[i].1,
+            dev.alloc_zeros::<u32>(n.next_power_of_two())?,
+        );
+        RETIRED_COUNTERS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(old);
     }
     Ok(&mut cache[i].1)
 }

@@ -210,7 +210,10 @@ impl Gemv {
             let blocks = (units * split)
                 .div_ceil(8)
                 .min(launch::max_stride_blocks(dev)?);
-            launch::launch(dev, name, blocks, 256, &args)?;
+            // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
+            // their first weight slices) while the kernel ahead finishes; they wait in
+            // `pdl_wait` before reading x or writing y.
+            launch::launch_programmatic(dev, name, blocks, 256, &args)?;
         }
         Ok((y, shape))
     }

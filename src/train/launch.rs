@@ -123,16 +123,25 @@ pub(crate) fn launch_programmatic(
     threads: u32,
     args: &[Arg],
 ) -> Result<()> {
-    let mut values = args.to_vec();
-    let mut ptrs: Vec<*mut std::ffi::c_void> = values
-        .iter_mut()
-        .map(|a| match a {
+    // Fixed arrays, not vectors: this runs several times a layer in a decoding step.
+    const MAX_ARGS: usize = 16;
+    if args.len() > MAX_ARGS {
+        bail!(
+            "train: {name} takes {} arguments, more than {MAX_ARGS}",
+            args.len()
+        )
+    }
+    let mut values = [Arg::I32(0); MAX_ARGS];
+    values[..args.len()].copy_from_slice(args);
+    let mut ptrs = [std::ptr::null_mut::<std::ffi::c_void>(); MAX_ARGS];
+    for (p, a) in ptrs.iter_mut().zip(values.iter_mut()) {
+        *p = match a {
             Arg::Ptr(p) => p as *mut u64 as *mut std::ffi::c_void,
             Arg::I64(x) => x as *mut i64 as *mut std::ffi::c_void,
             Arg::I32(x) => x as *mut i32 as *mut std::ffi::c_void,
             Arg::F32(x) => x as *mut f32 as *mut std::ffi::c_void,
-        })
-        .collect();
+        };
+    }
     // SAFETY: each pointer points into `values`, alive until the call returns (the driver
     // copies the parameters at launch), holding the kernel's parameter types in order; the
     // callers pass live buffers of the sizes the kernel indexes, as for `launch`.
@@ -144,7 +153,7 @@ pub(crate) fn launch_programmatic(
             (blocks, 1, 1),
             threads,
             0,
-            &mut ptrs,
+            &mut ptrs[..args.len()],
         )
     }
 }
