@@ -17,7 +17,7 @@
 namespace train {
 
 constexpr int GEMV_MMA_MAX_M = 16;
-constexpr int GEMV_MMA_WARPS = 8;  // blockDim.x == 256
+constexpr int GEMV_MMA_WARPS = 16;  // blockDim.x <= 512
 
 // 16 elements of row `r` at [k0, k0 + 16), zero past `k` (k % 8 == 0: a vector is whole or
 // absent) or for a row that is not there.
@@ -49,7 +49,7 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
   __shared__ float part[GEMV_MMA_WARPS][ACC][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int per_block = GEMV_MMA_WARPS / split;
+  const int per_block = (blockDim.x >> 5) / split;
   const int slot = warp / split, sub = warp % split;
   const int chunks = (k + 63) / 64;
   const int c_begin = sub * chunks / split, c_end = (sub + 1) * chunks / split;

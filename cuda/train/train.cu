@@ -120,9 +120,10 @@ using f32 = float;
 
 // Each row's first largest element (src/infer/argmax.rs).
 #define TRAIN_ARGMAX(NAME, T)                                                                \
-  extern "C" __global__ void NAME(const T* x, uint32_t* out, int64_t rows, int64_t n,        \
-                                  int64_t stride, int vec) {                                 \
-    train::argmax_rows(x, out, rows, n, stride, vec != 0);                                   \
+  extern "C" __global__ void NAME(const T* x, unsigned long long* part, unsigned* counters,  \
+                                  uint32_t* out, int64_t rows, int64_t n, int64_t stride,    \
+                                  int64_t chunk, int vec) {                                  \
+    train::argmax_rows(x, part, counters, out, rows, n, stride, chunk, vec != 0);           \
   }
 
 // The merge of partial attentions: parts in T, the output in O; the parameter block by value.

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """One decode step of an `ncu --metrics gpu__time_duration.sum --csv` log of the LLaMA example:
 one period of the log's tail, from after the last-but-one launch of the longest kernel (the LM
-head, once per step) to its last launch, grouped by name in launch order: calls, total and mean
-time."""
+head, once per step) to its last launch, grouped by name and grid in launch order (one kernel
+serves several products of different shapes): calls, total and mean time."""
 import csv
 import sys
 
@@ -13,7 +13,8 @@ def main(path):
         lines = [l for l in f if l.startswith('"')]
     for r in csv.DictReader(lines):
         if r.get("Metric Name") == "gpu__time_duration.sum":
-            rows.append((r["Kernel Name"].split("(")[0][:100], float(r["Metric Value"].replace(",", ""))))
+            name = r["Kernel Name"].split("(")[0][:100] + " " + r.get("Grid Size", "").replace(" ", "")
+            rows.append((name, float(r["Metric Value"].replace(",", ""))))
     if not rows:
         print("no kernels in", path)
         return

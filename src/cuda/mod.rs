@@ -18,6 +18,7 @@ mod decode;
 mod fwd;
 mod lpt_tail;
 mod overrides;
+pub(crate) use overrides::overrides;
 mod plan;
 mod runtime;
 mod tma;
@@ -26,4 +27,7 @@ pub(crate) use append::append;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::decode;
 pub(crate) use fwd::fwd;
-pub(crate) use runtime::{device_facts, launch_args_programmatic, poison, prepare_launch, Source};
+pub(crate) use runtime::{
+    device_facts, launch_args_programmatic, poison, prepare_launch, stream_counters, Source,
+    StreamCounters,
+};

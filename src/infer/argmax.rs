@@ -67,31 +67,63 @@ impl CustomOp1 for Argmax {
         s: &candle::CudaStorage,
         l: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        use crate::train::kernels::Op;
-        use crate::train::kernels::TrainKernel;
+        use crate::train::kernels::{Op, TrainKernel};
         use crate::train::launch::{self, Arg};
         use candle::backend::BackendStorage;
+        use candle::cuda_backend::cudarc::driver::DevicePtrMut;
         let dev = &s.device;
         let (rows, n) = (l.dims()[0], l.dims()[1]);
         let name = TrainKernel::name(Op::Argmax, &[("argmax: x", s.dtype())])?;
         let elem = s.dtype().size_in_bytes();
         // Whole 16-byte vectors a row, from a 16-byte-aligned start (allocations are).
         let vec = (n * elem).is_multiple_of(16) && (l.start_offset() * elem).is_multiple_of(16);
+        let slices = n.div_ceil(SLICE).min(MAX_SLICES);
+        // A multiple of 8 elements, so that every slice starts on a vector.
+        let chunk = n.div_ceil(slices).next_multiple_of(8);
+        let slices = n.div_ceil(chunk);
         let stream = dev.cuda_stream();
         let mut out = launch::alloc(dev, DType::U32, rows, false)?;
-        if rows > 0 {
-            let (x, _a) = launch::ptr(s, l, &stream)?;
-            let (o, _b) = launch::ptr_mut(&mut out, 0, &stream)?;
-            let args = [
-                Arg::Ptr(x),
-                Arg::Ptr(o),
-                Arg::I64(rows as i64),
-                Arg::I64(n as i64),
-                Arg::I64(n as i64),
-                Arg::I32(i32::from(vec)),
-            ];
-            launch::launch(dev, name, rows.min(1 << 30), 1024, &args)?;
+        if rows == 0 {
+            return Ok((out, Shape::from(rows)));
         }
+        // SAFETY: every slice's block writes its key before it counts itself in; the last
+        // reads them.
+        let mut part = unsafe { dev.alloc::<u64>(if slices > 1 { rows * slices } else { 1 })? };
+        // Held until the launch is queued (see `stream_counters`).
+        let mut cache = COUNTERS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let counters = crate::cuda::stream_counters(&mut cache, dev, rows)?;
+        let (x, _a) = launch::ptr(s, l, &stream)?;
+        let (o, _b) = launch::ptr_mut(&mut out, 0, &stream)?;
+        let (p, _c) = part.device_ptr_mut(&stream);
+        let (c, _d) = counters.device_ptr_mut(&stream);
+        let args = [
+            Arg::Ptr(x),
+            Arg::Ptr(p),
+            Arg::Ptr(c),
+            Arg::Ptr(o),
+            Arg::I64(rows as i64),
+            Arg::I64(n as i64),
+            Arg::I64(n as i64),
+            Arg::I64(chunk as i64),
+            Arg::I32(i32::from(vec)),
+        ];
+        launch::launch_grid(dev, name, (slices, rows.min(65535), 1), 256, &args)?;
+        drop((_a, _b, _c, _d));
+        drop(cache);
         Ok((out, Shape::from(rows)))
     }
 }
+
+/// Elements a block of the CUDA kernel reads: 32 per lane, four 16-byte vectors of bf16, so
+/// that a 128k vocabulary is 16 blocks each waiting on one round of loads.
+#[cfg(feature = "cuda")]
+const SLICE: usize = 8192;
+/// The most slices of a row.
+#[cfg(feature = "cuda")]
+const MAX_SLICES: usize = 1024;
+
+/// The arrival counters of the rows' last slices, per stream (`crate::cuda::stream_counters`).
+#[cfg(feature = "cuda")]
+static COUNTERS: std::sync::Mutex<crate::cuda::StreamCounters> = std::sync::Mutex::new(Vec::new());

@@ -207,13 +207,15 @@ impl Gemv {
             } else {
                 outs.div_ceil(16)
             };
+            // Eight warps a block, sixteen where sixteen share a tile.
+            let warps = split.max(8);
             let blocks = (units * split)
-                .div_ceil(8)
+                .div_ceil(warps)
                 .min(launch::max_stride_blocks(dev)?);
             // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
             // their first weight slices) while the kernel ahead finishes; they wait in
             // `pdl_wait` before reading x or writing y.
-            launch::launch_programmatic(dev, name, blocks, 256, &args)?;
+            launch::launch_programmatic(dev, name, blocks, 32 * warps as u32, &args)?;
         }
         Ok((y, shape))
     }
@@ -223,8 +225,8 @@ impl Gemv {
 #[cfg(feature = "cuda")]
 const GEMV_MAX_ROWS: usize = 4;
 
-/// Warps per output column (one to four rows) or per 16-column tile (more), each summing a
-/// slice of k; eight warps a block.
+/// Warps per output column (one to four rows) or per 16-column tile (more, up to 16:
+/// `CANDLE_FLASH_GEMV_SPLIT` chooses), each summing a slice of k.
 #[cfg(feature = "cuda")]
 fn split(rows: usize, k: usize, outs: usize, sms: usize) -> usize {
     if rows <= GEMV_MAX_ROWS {
@@ -237,6 +239,9 @@ fn split(rows: usize, k: usize, outs: usize, sms: usize) -> usize {
             c if c >= 512 => 2,
             _ => 1,
         };
+    }
+    if let Some(n) = crate::cuda::overrides().gemv_split {
+        return n;
     }
     // A tile's warp reads 2 KB of weight per 64-element chunk: split until the launch has
     // about two blocks a multiprocessor, keeping at least two chunks a warp; a power of two,

@@ -167,8 +167,19 @@ pub(crate) fn launch(
     threads: u32,
     args: &[Arg],
 ) -> Result<()> {
+    launch_grid(dev, name, (blocks, 1, 1), threads, args)
+}
+
+/// [`launch`] on a grid of up to three dimensions.
+pub(crate) fn launch_grid(
+    dev: &CudaDevice,
+    name: &str,
+    grid: (usize, usize, usize),
+    threads: u32,
+    args: &[Arg],
+) -> Result<()> {
     let Some((func, cfg)) =
-        crate::cuda::prepare_launch(dev, Source::Train, name, (blocks, 1, 1), threads, 0)?
+        crate::cuda::prepare_launch(dev, Source::Train, name, grid, threads, 0)?
     else {
         return Ok(());
     };
