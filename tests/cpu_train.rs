@@ -166,6 +166,19 @@ fn bad_input_names_the_argument() -> candle::Result<()> {
         candle_flash::infer::linear_swiglu(&x, &x.narrow(0, 0, 3)?),
         &["linear_swiglu: weight has 3 rows"],
     );
+    let normed = candle_flash::infer::rms_norm_linear;
+    assert_fails(
+        normed(&x, &w8.narrow(0, 0, 4)?, 1e-5, &x),
+        &["rms_norm_linear: weight has shape"],
+    );
+    assert_fails(
+        normed(&x, &w8, 1e-5, &x.narrow(1, 0, 4)?),
+        &["rms_norm_linear: weight has shape", "(n, 8)"],
+    );
+    assert_fails(
+        candle_flash::infer::rms_norm_linear_swiglu(&x, &w8, 1e-5, &x.narrow(0, 0, 3)?),
+        &["rms_norm_linear_swiglu: weight has 3 rows"],
+    );
     let argmax = candle_flash::infer::argmax;
     assert_fails(
         argmax(&Tensor::new(1f32, &cpu)?),

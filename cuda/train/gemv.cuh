@@ -7,6 +7,7 @@
 #include "common/pdl.cuh"
 #include "train/common.cuh"
 #include "train/gemv_mma.cuh"
+#include "train/norm.cuh"
 
 namespace train {
 
@@ -25,16 +26,59 @@ template <typename T> __device__ __forceinline__ float dot8(float acc, uint4 w, 
   return acc;
 }
 
+// x's M rows normalised (RMSNorm with weight g, as rms_norm_fwd rounds them) into shared
+// memory, for the product that follows: every block recomputes the norm of the few rows (a
+// few KB read from L2) rather than a kernel of its own writing them for the next to read.
+template <typename T, int M>
+__device__ const uint4* gemv_norm_rows(const T* __restrict__ x, const T* __restrict__ g, int k,
+                                       float eps) {
+  extern __shared__ uint4 xs[];
+  __shared__ float scratch[32];
+  const int chunks = k / 8;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* gv = reinterpret_cast<const uint4*>(g);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const uint4 v = __ldg(xv + (int64_t)m * chunks + c);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = pair_f(w[i], T());
+        ss = fmaf(f.x, f.x, ss);
+        ss = fmaf(f.y, f.y, ss);
+      }
+    }
+    const float rstd = exact_rstd(block_sum(ss, scratch), k, eps);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const uint4 v = __ldg(xv + (int64_t)m * chunks + c), gw = __ldg(gv + c);
+      const uint32_t a[4] = {v.x, v.y, v.z, v.w}, b[4] = {gw.x, gw.y, gw.z, gw.w};
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = pair_f(a[i], T()), w = pair_f(b[i], T());
+        o[i] = pack_pair(from_f<T>(f.x * rstd * w.x), from_f<T>(f.y * rstd * w.y));
+      }
+      xs[m * chunks + c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  __syncthreads();
+  return xs;
+}
+
 // Output columns in groups of blockDim / 32 / split (grid-stride over the groups), `split`
 // warps per column, each summing one slice of k: the dot products of x's M rows with weight
 // row j (and, with SWIGLU, row j + outs). Long rows are split so that a block keeps as many
 // 16-byte loads in flight as with short ones; the slices are summed in warp order through
 // shared memory (the same bits every run). x (M, k), w (n, k) and add (M, n) dense,
 // k % 8 == 0, every row 16-byte aligned; y (M, outs) with outs = n, or n / 2 with SWIGLU.
-template <typename T, int M, bool SWIGLU>
+// With NORM, x is first normalised by gemv_norm_rows (weight g, eps) and read from shared
+// memory.
+template <typename T, int M, bool SWIGLU, bool NORM>
 __device__ void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
                           const T* __restrict__ add, T* __restrict__ y, int n, int k,
-                          int split) {
+                          int split, const T* __restrict__ g, float eps) {
   __shared__ float part[GEMV_MAX_WARPS][2 * GEMV_MAX_M];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int per_block = (blockDim.x >> 5) / split;
@@ -58,8 +102,9 @@ __device__ void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
     }
   }
   pdl_wait();
-  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
-    const int j = g * per_block + slot;
+  if (NORM) xv = gemv_norm_rows<T, M>(x, g, k, eps);
+  for (int gi = blockIdx.x; gi < groups; gi += gridDim.x) {
+    const int j = gi * per_block + slot;
     float acc[M], acc2[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = acc2[m] = 0.f;
@@ -74,7 +119,8 @@ __device__ void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
         if (SWIGLU) wv2 = __ldcs(wr2 + c);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          const uint4 xm = __ldg(xv + (int64_t)m * chunks + c);
+          // Shared memory with NORM: a generic load there, the read-only path otherwise.
+          const uint4 xm = NORM ? xv[m * chunks + c] : __ldg(xv + (int64_t)m * chunks + c);
           acc[m] = dot8<T>(acc[m], wv, xm);
           if (SWIGLU) acc2[m] = dot8<T>(acc2[m], wv2, xm);
         }
@@ -121,18 +167,31 @@ __device__ void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
-template <typename T, bool SWIGLU>
-__device__ void gemv(const T* x, const T* w, const T* add, T* y, int m, int n, int k,
-                     int split) {
+template <typename T, bool SWIGLU, bool NORM>
+__device__ void gemv_m(const T* x, const T* w, const T* add, T* y, int m, int n, int k, int split,
+                       const T* g, float eps) {
   switch (m) {
-    case 1: gemv_rows<T, 1, SWIGLU>(x, w, add, y, n, k, split); break;
-    case 2: gemv_rows<T, 2, SWIGLU>(x, w, add, y, n, k, split); break;
-    case 3: gemv_rows<T, 3, SWIGLU>(x, w, add, y, n, k, split); break;
-    case 4: gemv_rows<T, 4, SWIGLU>(x, w, add, y, n, k, split); break;
+    case 1: gemv_rows<T, 1, SWIGLU, NORM>(x, w, add, y, n, k, split, g, eps); break;
+    case 2: gemv_rows<T, 2, SWIGLU, NORM>(x, w, add, y, n, k, split, g, eps); break;
+    case 3: gemv_rows<T, 3, SWIGLU, NORM>(x, w, add, y, n, k, split, g, eps); break;
+    case 4: gemv_rows<T, 4, SWIGLU, NORM>(x, w, add, y, n, k, split, g, eps); break;
     default:
-      // Five to sixteen rows: tensor cores (gemv_mma.cuh); the host sends more to the GEMM.
-      if (m <= GEMV_MMA_MAX_M) gemv_mma<T, SWIGLU>(x, w, add, y, m, n, k, split);
+      // Five to sixteen rows: tensor cores (gemv_mma.cuh), never with a norm (the host
+      // normalises them first); the host sends more rows to the GEMM.
+      if (!NORM && m <= GEMV_MMA_MAX_M) gemv_mma<T, SWIGLU>(x, w, add, y, m, n, k, split);
       break;
+  }
+}
+
+// g non-null: x normalised first (RMSNorm with weight g and eps; one to four rows, whose
+// normalised copy the launch gives as dynamic shared memory).
+template <typename T, bool SWIGLU>
+__device__ void gemv(const T* x, const T* w, const T* add, T* y, int m, int n, int k, int split,
+                     const T* g, float eps) {
+  if (g != nullptr) {
+    gemv_m<T, SWIGLU, true>(x, w, add, y, m, n, k, split, g, eps);
+  } else {
+    gemv_m<T, SWIGLU, false>(x, w, add, y, m, n, k, split, g, eps);
   }
 }
 

@@ -109,13 +109,13 @@ using f32 = float;
 // SwiGLU of a stacked gate-and-up weight.
 #define TRAIN_GEMV(NAME, T)                                                                  \
   extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
-                                  int k, int split) {                                        \
-    train::gemv<T, false>(x, w, add, y, m, n, k, split);                                     \
+                                  int k, int split, const T* g, float eps) {                 \
+    train::gemv<T, false>(x, w, add, y, m, n, k, split, g, eps);                             \
   }
 #define TRAIN_GEMV_SWIGLU(NAME, T)                                                           \
   extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
-                                  int k, int split) {                                        \
-    train::gemv<T, true>(x, w, add, y, m, n, k, split);                                      \
+                                  int k, int split, const T* g, float eps) {                 \
+    train::gemv<T, true>(x, w, add, y, m, n, k, split, g, eps);                              \
   }
 
 // Each row's first largest element (src/infer/argmax.rs).

@@ -97,6 +97,34 @@ impl Proj {
     }
 }
 
+impl Proj {
+    /// `forward(norm(x))`: one launch for both at a decoding step's few rows
+    /// (`candle_flash::infer::rms_norm_linear`), where the projection has no bias or adapter.
+    fn forward_normed(&self, x: &Tensor, norm: Option<&RmsNorm>) -> Result<Tensor> {
+        match norm {
+            Some(n) if self.bias.is_none() && self.lora.is_none() => {
+                let dt = x.dtype();
+                let w = self.weight.to_dtype(dt)?;
+                candle_flash::infer::rms_norm_linear(x, &n.weight.to_dtype(dt)?, n.eps as f32, &w)
+            }
+            Some(n) => self.forward(&n.forward(x, false)?),
+            None => self.forward(x),
+        }
+    }
+
+    /// `forward(x) + residual`, the add in the product's epilogue where it has no bias or
+    /// adapter (`candle_flash::infer::linear`'s `add`).
+    fn forward_add(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+        match residual {
+            Some(r) if self.bias.is_none() && self.lora.is_none() => {
+                candle_flash::infer::linear(x, &self.weight.to_dtype(x.dtype())?, Some(r))
+            }
+            Some(r) => self.forward(x)? + r,
+            None => self.forward(x),
+        }
+    }
+}
+
 fn init_normal() -> candle_nn::Init {
     candle_nn::Init::Randn {
         mean: 0.0,
@@ -104,8 +132,8 @@ fn init_normal() -> candle_nn::Init {
     }
 }
 
-/// RMSNorm: Candle's fused kernel for inference (fused with the residual add before it by
-/// `candle_flash::train::add_rms_norm`), `candle_flash::train::rms_norm` (which has a
+/// RMSNorm: Candle's fused kernel for inference (inside the projection after it at a
+/// decoding step: `Proj::forward_normed`), `candle_flash::train::rms_norm` (which has a
 /// backward) for training.
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
@@ -125,15 +153,6 @@ impl RmsNorm {
             return candle_flash::train::rms_norm(x, &self.weight, self.eps as f32);
         }
         candle_nn::ops::rms_norm(x, &self.weight.to_dtype(x.dtype())?, self.eps as f32)
-    }
-
-    /// `(residual + x, the norm of that sum)` in one kernel, for inference.
-    fn add_forward(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
-        let w = match self.weight.dtype() {
-            DType::F32 => self.weight.clone(),
-            _ => self.weight.to_dtype(x.dtype())?,
-        };
-        candle_flash::train::add_rms_norm(x, residual, &w, self.eps as f32)
     }
 }
 
@@ -461,12 +480,21 @@ impl Attention {
         Ok(())
     }
 
-    fn project(&self, x: &Tensor) -> Result<Qkv> {
+    /// q, k and v of `x`, normalised by `norm` first where given.
+    fn project(&self, x: &Tensor, norm: Option<&RmsNorm>) -> Result<Qkv> {
         let n = x.dim(0)?;
         let (h, hk, d) = (self.heads, self.kv_heads, self.head_dim);
+        let normed;
+        let x = match (norm, &self.qkv) {
+            (Some(_), Some(_)) | (None, _) => x,
+            (Some(nm), None) => {
+                normed = nm.forward(x, false)?;
+                &normed
+            }
+        };
         Ok(match &self.qkv {
             Some(qkv) => {
-                let y = qkv.forward(x)?.reshape((n, h + 2 * hk, d))?;
+                let y = qkv.forward_normed(x, norm)?.reshape((n, h + 2 * hk, d))?;
                 Qkv {
                     q: y.narrow(1, 0, h)?,
                     k: y.narrow(1, h, hk)?,
@@ -572,10 +600,14 @@ impl Attention {
         }
     }
 
+    /// The attention of `x` (normalised by `norm` first where given; `residual` added to the
+    /// output projection where given).
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Tensor,
+        norm: Option<&RmsNorm>,
+        residual: Option<&Tensor>,
         rope: &Rope,
         cos_sin: Option<&(Tensor, Tensor)>,
         pass: &Pass,
@@ -584,7 +616,7 @@ impl Attention {
         layer: usize,
     ) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let p = self.project(x)?;
+        let p = self.project(x, norm)?;
         let y = match pass {
             Pass::Packed {
                 varlen,
@@ -624,7 +656,8 @@ impl Attention {
                 self.step(&p, rope, cos_sin, cache, *on_device)?
             }
         };
-        self.o.forward(&y.reshape((n, self.heads * self.head_dim))?)
+        self.o
+            .forward_add(&y.reshape((n, self.heads * self.head_dim))?, residual)
     }
 
     /// `(b, s, hk, d)` → `(b, h, s, d)` with each K/V head copied for its query heads.
@@ -809,24 +842,51 @@ impl Mlp {
         Ok(())
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The MLP of `x` (normalised by `norm` first where given; `residual` added to the down
+    /// projection where given).
+    fn forward(
+        &self,
+        x: &Tensor,
+        norm: Option<&RmsNorm>,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let h = match &self.gate_up {
             // Both halves and the SwiGLU in one pass over the stacked weight at a decoding
-            // step's few rows; the matmul and the fused SwiGLU of its halves otherwise.
+            // step's few rows, the norm too; the matmul and the fused SwiGLU of its halves
+            // otherwise.
             Some(gu) if gu.bias.is_none() && gu.lora.is_none() => {
-                candle_flash::infer::linear_swiglu(x, &gu.weight.to_dtype(x.dtype())?)?
+                let dt = x.dtype();
+                let w = gu.weight.to_dtype(dt)?;
+                match norm {
+                    Some(n) => candle_flash::infer::rms_norm_linear_swiglu(
+                        x,
+                        &n.weight.to_dtype(dt)?,
+                        n.eps as f32,
+                        &w,
+                    )?,
+                    None => candle_flash::infer::linear_swiglu(x, &w)?,
+                }
             }
             Some(gu) => {
-                let y = gu.forward(x)?;
+                let y = gu.forward_normed(x, norm)?;
                 let i = y.dim(1)? / 2;
                 let (gate, up) = (y.narrow(1, 0, i)?, y.narrow(1, i, i)?);
                 // The fused kernel reads the two strided halves in place.
                 candle_flash::train::swiglu(&gate, &up)?
             }
             // One op with one backward kernel for both gradients.
-            None => candle_flash::train::swiglu(&self.gate.forward(x)?, &self.up.forward(x)?)?,
+            None => {
+                let normed = match norm {
+                    Some(n) => n.forward(x, false)?,
+                    None => x.clone(),
+                };
+                candle_flash::train::swiglu(
+                    &self.gate.forward(&normed)?,
+                    &self.up.forward(&normed)?,
+                )?
+            }
         };
-        self.down.forward(&h)
+        self.down.forward_add(&h, residual)
     }
 }
 
@@ -1068,32 +1128,41 @@ impl Llama {
             for (i, b) in self.blocks.iter().enumerate() {
                 let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
                 let h = b.norm1.forward(&x, train)?;
-                let h = b
-                    .attn
-                    .forward(&h, &self.rope, cos_sin, pass, self.attn, layer_cache, i)?;
+                let h = b.attn.forward(
+                    &h,
+                    None,
+                    None,
+                    &self.rope,
+                    cos_sin,
+                    pass,
+                    self.attn,
+                    layer_cache,
+                    i,
+                )?;
                 x = (x + h)?;
-                let h = b.mlp.forward(&b.norm2.forward(&x, train)?)?;
+                let h = b.mlp.forward(&b.norm2.forward(&x, train)?, None, None)?;
                 x = (x + h)?;
             }
             return self.norm.forward(&x, train);
         }
-        // Inference: each residual add fused with the norm after it (the next block's first,
-        // or the final one): one launch where there were two.
-        let Some(first) = self.blocks.first() else {
-            return self.norm.forward(&x, false);
-        };
-        let mut h = first.norm1.forward(&x, false)?;
+        // Inference: each norm inside the projection after it and each residual add inside
+        // the projection before it (at a decoding step's few rows: one launch each).
         for (i, b) in self.blocks.iter().enumerate() {
             let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
-            let a = b
-                .attn
-                .forward(&h, &self.rope, cos_sin, pass, self.attn, layer_cache, i)?;
-            (x, h) = b.norm2.add_forward(&a, &x)?;
-            let m = b.mlp.forward(&h)?;
-            let next = self.blocks.get(i + 1).map_or(&self.norm, |n| &n.norm1);
-            (x, h) = next.add_forward(&m, &x)?;
+            x = b.attn.forward(
+                &x,
+                Some(&b.norm1),
+                Some(&x),
+                &self.rope,
+                cos_sin,
+                pass,
+                self.attn,
+                layer_cache,
+                i,
+            )?;
+            x = b.mlp.forward(&x, Some(&b.norm2), Some(&x))?;
         }
-        Ok(h)
+        self.norm.forward(&x, false)
     }
 
     /// The logits `(n, vocab)` in f32 of final hidden states `(n, hidden)`.

@@ -41,9 +41,18 @@ pub fn linear(x: &Tensor, weight: &Tensor, add: Option<&Tensor>) -> Result<Tenso
             Some(a) => x2.apply_op3_no_bwd(
                 weight,
                 &a.reshape((shape.rows, shape.n))?,
-                &Gemv { swiglu: false },
+                &Gemv {
+                    swiglu: false,
+                    norm: None,
+                },
             )?,
-            None => x2.apply_op2_no_bwd(weight, &Gemv { swiglu: false })?,
+            None => x2.apply_op2_no_bwd(
+                weight,
+                &Gemv {
+                    swiglu: false,
+                    norm: None,
+                },
+            )?,
         };
         return y.reshape(out_dims);
     }
@@ -75,11 +84,88 @@ pub fn linear_swiglu(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     if few_rows(x, weight, None, &shape) {
         let x2 = x.reshape((shape.rows, shape.k))?;
         return x2
-            .apply_op2_no_bwd(weight, &Gemv { swiglu: true })?
+            .apply_op2_no_bwd(
+                weight,
+                &Gemv {
+                    swiglu: true,
+                    norm: None,
+                },
+            )?
             .reshape(out_dims);
     }
     let y = x.reshape((shape.rows, shape.k))?.matmul(&weight.t()?)?;
     crate::train::swiglu(&y.narrow(D::Minus1, 0, i)?, &y.narrow(D::Minus1, i, i)?)?
+        .reshape(out_dims)
+}
+
+/// `linear(rms_norm(x, norm_weight, eps), weight, None)`: a transformer block's input norm
+/// and the projection after it. At one to four rows (with [`linear`]'s other conditions, the
+/// norm weight in x's dtype, and the rows' normalised copy within 96 KB of shared memory)
+/// one launch, each block normalising the few rows itself, rounded as the separate norm
+/// rounds them; otherwise [`crate::train::rms_norm`] then [`linear`].
+pub fn rms_norm_linear(
+    x: &Tensor,
+    norm_weight: &Tensor,
+    eps: f32,
+    weight: &Tensor,
+) -> Result<Tensor> {
+    normed(x, norm_weight, eps, weight, false)
+}
+
+/// `linear_swiglu(rms_norm(x, norm_weight, eps), weight)`, in one launch where
+/// [`rms_norm_linear`]'s would be.
+pub fn rms_norm_linear_swiglu(
+    x: &Tensor,
+    norm_weight: &Tensor,
+    eps: f32,
+    weight: &Tensor,
+) -> Result<Tensor> {
+    normed(x, norm_weight, eps, weight, true)
+}
+
+/// Bytes of normalised rows one block of the fused kernel keeps in shared memory.
+const NORM_SMEM: usize = 96 * 1024;
+
+fn normed(x: &Tensor, g: &Tensor, eps: f32, weight: &Tensor, swiglu: bool) -> Result<Tensor> {
+    let op = if swiglu {
+        "rms_norm_linear_swiglu"
+    } else {
+        "rms_norm_linear"
+    };
+    crate::train::rms_norm::check(x, g, eps, op)?;
+    let shape = check(x, weight, op)?;
+    if swiglu && !shape.n.is_multiple_of(2) {
+        bail!(
+            "{op}: weight has {} rows, expected an even count (gate's rows, then up's)",
+            shape.n
+        )
+    }
+    let fused = few_rows(x, weight, None, &shape)
+        && shape.rows <= GEMV_MAX_ROWS
+        && shape.rows * shape.k * x.dtype().size_in_bytes() <= NORM_SMEM
+        && g.dtype() == x.dtype()
+        && !g.track_op()
+        && g.is_contiguous()
+        && g.layout().start_offset().is_multiple_of(8);
+    if !fused {
+        let h = crate::train::rms_norm(x, g, eps)?;
+        return match swiglu {
+            true => linear_swiglu(&h, weight),
+            false => linear(&h, weight, None),
+        };
+    }
+    let mut out_dims = x.dims().to_vec();
+    *out_dims.last_mut().expect("checked: x has a last dim") =
+        if swiglu { shape.n / 2 } else { shape.n };
+    x.reshape((shape.rows, shape.k))?
+        .apply_op3_no_bwd(
+            weight,
+            g,
+            &Gemv {
+                swiglu,
+                norm: Some(eps),
+            },
+        )?
         .reshape(out_dims)
 }
 
@@ -146,9 +232,11 @@ fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool
         && dense_aligned(weight)
 }
 
-/// The kernel as an op over `(x (rows, k), weight (n, k)[, add (rows, n)])`.
+/// The kernel as an op over `(x (rows, k), weight (n, k)[, add (rows, n)])`, or with `norm`
+/// (its eps) over `(x, weight, norm weight (k,))`.
 struct Gemv {
     swiglu: bool,
+    norm: Option<f32>,
 }
 
 /// `(rows, n)`, or `(rows, n / 2)` for the SwiGLU of the two halves.
@@ -163,7 +251,7 @@ impl Gemv {
         &self,
         (xs, xl): (&candle::CudaStorage, &Layout),
         (ws, wl): (&candle::CudaStorage, &Layout),
-        add: Option<(&candle::CudaStorage, &Layout)>,
+        third: Option<(&candle::CudaStorage, &Layout)>,
     ) -> Result<(candle::CudaStorage, Shape)> {
         use crate::train::kernels::{Op, TrainKernel};
         use crate::train::launch::{self, Arg};
@@ -184,12 +272,17 @@ impl Gemv {
         {
             let (x, _a) = launch::ptr(xs, xl, &stream)?;
             let (w, _b) = launch::ptr(ws, wl, &stream)?;
-            let (a, _c) = match add {
+            let (t, _c) = match third {
                 Some((s, l)) => {
                     let (p, g) = launch::ptr(s, l, &stream)?;
                     (p, Some(g))
                 }
                 None => (0, None),
+            };
+            // The third operand is the norm's weight with `norm`, the added rows otherwise.
+            let (a, g) = match self.norm {
+                Some(_) => (0, t),
+                None => (t, 0),
             };
             let (yp, _d) = launch::ptr_mut(&mut y, 0, &stream)?;
             let args = [
@@ -201,6 +294,8 @@ impl Gemv {
                 Arg::I32(n as i32),
                 Arg::I32(k as i32),
                 Arg::I32(split as i32),
+                Arg::Ptr(g),
+                Arg::F32(self.norm.unwrap_or(0.0)),
             ];
             let units = if rows <= GEMV_MAX_ROWS {
                 outs
@@ -215,14 +310,18 @@ impl Gemv {
             // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
             // their first weight slices) while the kernel ahead finishes; they wait in
             // `pdl_wait` before reading x or writing y.
-            launch::launch_programmatic(dev, name, blocks, 32 * warps as u32, &args)?;
+            // The fused norm's rows in dynamic shared memory.
+            let smem = match self.norm {
+                Some(_) => rows * k * xs.dtype().size_in_bytes(),
+                None => 0,
+            };
+            launch::launch_programmatic(dev, name, blocks, 32 * warps as u32, smem as u32, &args)?;
         }
         Ok((y, shape))
     }
 }
 
 /// `GEMV_MAX_M` in `cuda/train/gemv.cuh`: past it the kernel runs its tensor-core loop.
-#[cfg(feature = "cuda")]
 const GEMV_MAX_ROWS: usize = 4;
 
 /// Warps per output column (one to four rows) or per 16-column tile (more, up to 16:
@@ -257,19 +356,34 @@ fn split(rows: usize, k: usize, outs: usize, sms: usize) -> usize {
 /// The CPU never takes the kernel's path ([`few_rows`] asks for CUDA); the same product in
 /// f32, rounded as the kernel rounds, keeps the op whole.
 fn cpu(
-    swiglu: bool,
+    op: &Gemv,
     (xs, xl): (&CpuStorage, &Layout),
     (ws, wl): (&CpuStorage, &Layout),
-    add: Option<(&CpuStorage, &Layout)>,
+    third: Option<(&CpuStorage, &Layout)>,
 ) -> Result<(CpuStorage, Shape)> {
+    let swiglu = op.swiglu;
     let dtype = xs.dtype();
     let round = |v: f32| crate::cpu::round_to(v, dtype);
-    let (x, w) = (
+    let (mut x, w) = (
         crate::cpu::gather_f32(xs, xl)?,
         crate::cpu::gather_f32(ws, wl)?,
     );
-    let a = add.map(|(s, l)| crate::cpu::gather_f32(s, l)).transpose()?;
+    let t = third
+        .map(|(s, l)| crate::cpu::gather_f32(s, l))
+        .transpose()?;
     let (rows, k) = (xl.dims()[0], xl.dims()[1]);
+    let a = match (op.norm, t) {
+        (Some(eps), Some(g)) => {
+            for row in x.chunks_mut(k.max(1)) {
+                let rstd = crate::train::rms_norm::rstd(row, eps);
+                for (v, gw) in row.iter_mut().zip(&g) {
+                    *v = round(*v * rstd * gw);
+                }
+            }
+            None
+        }
+        (_, t) => t,
+    };
     let n = wl.dims()[0];
     let outs = if swiglu { n / 2 } else { n };
     let dot = |r: usize, j: usize| -> f32 {
@@ -310,7 +424,7 @@ impl CustomOp2 for Gemv {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        cpu(self.swiglu, (s1, l1), (s2, l2), None)
+        cpu(self, (s1, l1), (s2, l2), None)
     }
 
     #[cfg(feature = "cuda")]
@@ -339,7 +453,7 @@ impl CustomOp3 for Gemv {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        cpu(self.swiglu, (s1, l1), (s2, l2), Some((s3, l3)))
+        cpu(self, (s1, l1), (s2, l2), Some((s3, l3)))
     }
 
     #[cfg(feature = "cuda")]

@@ -9,6 +9,8 @@
 //!   tracks gradients, go to Candle's matmul, so it is a drop-in for a linear layer's forward.
 //! - [`linear_swiglu`]: `silu(x @ gate^T) * (x @ up^T)` from one stacked `[gate; up]` weight
 //!   in the same pass.
+//! - [`rms_norm_linear`], [`rms_norm_linear_swiglu`]: the same after an RMSNorm of x, which
+//!   at one to four rows each block computes itself (one launch where there were two).
 //! - [`argmax`]: each row's first largest element, a block a row (greedy decoding over a
 //!   vocabulary in one launch).
 //!
@@ -34,4 +36,4 @@ mod argmax;
 mod linear;
 
 pub use argmax::argmax;
-pub use linear::{linear, linear_swiglu, LINEAR_MAX_ROWS};
+pub use linear::{linear, linear_swiglu, rms_norm_linear, rms_norm_linear_swiglu, LINEAR_MAX_ROWS};

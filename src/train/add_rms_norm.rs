@@ -127,7 +127,7 @@ impl CustomOp3 for AddRmsNorm {
             // A block of 256 threads per row (grid-stride past CUDA's grid limit), launched
             // programmatically: the dispatch overlaps the kernel ahead (the kernel waits for
             // it before touching memory).
-            launch::launch_programmatic(dev, name, rows.min(1 << 30), 256, &args)?;
+            launch::launch_programmatic(dev, name, rows.min(1 << 30), 256, 0, &args)?;
         }
         Ok((out, stacked(l1)))
     }

@@ -121,6 +121,7 @@ pub(crate) fn launch_programmatic(
     name: &str,
     blocks: usize,
     threads: u32,
+    smem: u32,
     args: &[Arg],
 ) -> Result<()> {
     // Fixed arrays, not vectors: this runs several times a layer in a decoding step.
@@ -152,7 +153,7 @@ pub(crate) fn launch_programmatic(
             name,
             (blocks, 1, 1),
             threads,
-            0,
+            smem,
             &mut ptrs[..args.len()],
         )
     }

@@ -48,7 +48,7 @@ pub(crate) mod kernels;
 #[cfg(feature = "cuda")]
 pub(crate) mod launch;
 mod pool;
-mod rms_norm;
+pub(crate) mod rms_norm;
 mod rotary;
 // The attention sinks' kernels live in the training module and its catalogue.
 #[cfg(feature = "cuda")]

@@ -18,7 +18,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
 
 /// The checks of a norm of `x` by `weight` (shared with [`super::add_rms_norm`]); `op` names
 /// the function in the errors.
-pub(super) fn check(x: &Tensor, weight: &Tensor, eps: f32, op: &str) -> Result<()> {
+pub(crate) fn check(x: &Tensor, weight: &Tensor, eps: f32, op: &str) -> Result<()> {
     host::check_float(x, &format!("{op}: x"))?;
     host::check_same_device(x, weight, &format!("{op}: weight"))?;
     let hidden = x.dim(D::Minus1)?;
@@ -127,7 +127,7 @@ impl CustomOp2 for RmsNorm {
     }
 }
 
-pub(super) fn rstd(row: &[f32], eps: f32) -> f32 {
+pub(crate) fn rstd(row: &[f32], eps: f32) -> f32 {
     let ss: f32 = row.iter().map(|v| v * v).sum();
     1.0 / (ss / row.len().max(1) as f32 + eps).sqrt()
 }

@@ -414,19 +414,49 @@ fn linear_case(
         let x = randn(dims, dtype)?;
         // Weights of a linear layer's scale, so that sums over k stay near one.
         let w = (randn((n, k), DType::F32)? * (1.0 / (k as f64).sqrt()))?.to_dtype(dtype)?;
+        let swiglu = mode.ends_with("swiglu");
         let mut out = dims.to_vec();
-        *out.last_mut().unwrap() = if mode == "swiglu" { n / 2 } else { n };
+        *out.last_mut().unwrap() = if swiglu { n / 2 } else { n };
         let mut inputs = vec![x, w];
         if mode == "add" {
             inputs.push(randn(out.as_slice(), dtype)?);
         }
+        if mode.starts_with("norm") {
+            // A norm weight near one, as trained ones are.
+            inputs.push(((randn(k, DType::F32)? * 0.1)? + 1.0)?.to_dtype(dtype)?);
+        }
         let ours = |t: &[Tensor]| match mode {
             "swiglu" => candle_flash::infer::linear_swiglu(&t[0], &t[1]),
+            "norm" => candle_flash::infer::rms_norm_linear(&t[0], &t[2], 1e-5, &t[1]),
+            "norm_swiglu" => candle_flash::infer::rms_norm_linear_swiglu(&t[0], &t[2], 1e-5, &t[1]),
             _ => candle_flash::infer::linear(&t[0], &t[1], t.get(2)),
         };
-        let reference = |t: &[Tensor]| match mode {
-            "swiglu" => linear_swiglu_slow(t),
-            _ => linear_slow(t),
+        let reference = |t: &[Tensor]| {
+            // The norm as the op specifies it (train::rms_norm's math: f32, one rounding).
+            let normed = |t: &[Tensor]| -> Result<Vec<Tensor>> {
+                let dtype = t[0].dtype();
+                let wide = if dtype == DType::F64 {
+                    DType::F64
+                } else {
+                    DType::F32
+                };
+                let x = t[0].to_dtype(wide)?;
+                let k = x.dim(D::Minus1)? as f64;
+                let rstd = ((x.sqr()?.sum_keepdim(D::Minus1)? / k)? + 1e-5)?
+                    .sqrt()?
+                    .recip()?;
+                let h = x
+                    .broadcast_mul(&rstd)?
+                    .broadcast_mul(&t[2].to_dtype(wide)?)?
+                    .to_dtype(dtype)?;
+                Ok(vec![h, t[1].clone()])
+            };
+            match mode {
+                "swiglu" => linear_swiglu_slow(t),
+                "norm" => linear_slow(&normed(t)?),
+                "norm_swiglu" => linear_swiglu_slow(&normed(t)?),
+                _ => linear_slow(t),
+            }
         };
         untracked(&name, dev, &ours, &reference, &inputs)?;
         let differentiable = vec![true; inputs.len()];
@@ -467,9 +497,13 @@ pub fn linear(dev: &Device, report: Report) {
             (&[2, 36], 16),
         ];
         for (dims, n) in shapes {
-            for mode in ["plain", "add", "swiglu"] {
+            for mode in ["plain", "add", "swiglu", "norm", "norm_swiglu"] {
                 // SwiGLU's weight stacks two halves: an even row count.
-                let n = if mode == "swiglu" { n + n % 2 } else { n };
+                let n = if mode.ends_with("swiglu") {
+                    n + n % 2
+                } else {
+                    n
+                };
                 let (name, r) = linear_case(dev, dtype, dims, n, mode);
                 report(name, r);
             }
