@@ -37,6 +37,8 @@ fn stem(op: Op) -> (&'static str, usize) {
         Op::Combine => ("train_combine", 2),
         Op::Gemv => ("train_gemv", 1),
         Op::GemvSwiglu => ("train_gemv_swiglu", 1),
+        Op::GemvMma => ("train_gemv_mma", 1),
+        Op::GemvMmaSwiglu => ("train_gemv_mma_swiglu", 1),
         Op::Argmax => ("train_argmax", 1),
         Op::SinksFwd => ("train_sinks_fwd", 1),
         Op::SinksGrad => ("train_sinks_grad", 1),

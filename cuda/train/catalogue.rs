@@ -52,6 +52,11 @@ pub enum Op {
     Gemv,
     /// The same with the SwiGLU of a stacked gate-and-up weight's two halves, `(x)`.
     GemvSwiglu,
+    /// Five to sixteen rows on tensor cores, `(x)` (`gemv_mma.cuh`; its own kernel so that
+    /// its registers do not lower the one-to-four-row kernel's occupancy).
+    GemvMma,
+    /// The same with the SwiGLU, `(x)`.
+    GemvMmaSwiglu,
     /// Each row's index of its largest element, `(x)` (`argmax.cuh`, src/infer/argmax.rs).
     Argmax,
     /// The attention sinks' fix-up of the forward's (O, lse), in place, `(out)` (`sinks.cuh`,
@@ -134,6 +139,8 @@ pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
     (Op::Combine, COMBINE),
     (Op::Gemv, HALVES),
     (Op::GemvSwiglu, HALVES),
+    (Op::GemvMma, HALVES),
+    (Op::GemvMmaSwiglu, HALVES),
     (Op::Argmax, EACH),
     (Op::SinksFwd, HALVES),
     (Op::SinksGrad, HALVES),

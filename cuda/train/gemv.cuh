@@ -6,7 +6,6 @@
 #pragma once
 #include "common/pdl.cuh"
 #include "train/common.cuh"
-#include "train/gemv_mma.cuh"
 #include "train/norm.cuh"
 
 namespace train {
@@ -175,11 +174,7 @@ __device__ void gemv_m(const T* x, const T* w, const T* add, T* y, int m, int n,
     case 2: gemv_rows<T, 2, SWIGLU, NORM>(x, w, add, y, n, k, split, g, eps); break;
     case 3: gemv_rows<T, 3, SWIGLU, NORM>(x, w, add, y, n, k, split, g, eps); break;
     case 4: gemv_rows<T, 4, SWIGLU, NORM>(x, w, add, y, n, k, split, g, eps); break;
-    default:
-      // Five to sixteen rows: tensor cores (gemv_mma.cuh), never with a norm (the host
-      // normalises them first); the host sends more rows to the GEMM.
-      if (!NORM && m <= GEMV_MMA_MAX_M) gemv_mma<T, SWIGLU>(x, w, add, y, m, n, k, split);
-      break;
+    default: break;  // more rows: the tensor-core kernel (gemv_mma.cuh) or the GEMM
   }
 }
 

@@ -40,13 +40,15 @@ __device__ __forceinline__ void load16(uint32_t (&v)[8], const T* base, bool row
 // `split` warps per tile each summing one slice of k's 64-element chunks, the slices summed
 // in warp order through shared memory (the same bits every run). NG token groups of 8: rows
 // m <= 8 * NG. x (m, k), w (n, k), add (m, n) dense, k % 8 == 0, rows 16-byte aligned.
+// `part` holds GEMV_MMA_WARPS x ACC x 32 floats (one buffer for both NG: static shared
+// memory of each instantiation would add up past 48 KB).
 template <typename T, int NG, bool SWIGLU>
 __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
                               const T* __restrict__ add, T* __restrict__ y, int m, int n,
-                              int k, int split) {
+                              int k, int split, float* part_flat) {
   constexpr int HALVES = SWIGLU ? 2 : 1;
   constexpr int ACC = 4 * NG * HALVES;
-  __shared__ float part[GEMV_MMA_WARPS][ACC][32];
+  auto part = reinterpret_cast<float(*)[ACC][32]>(part_flat);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int per_block = (blockDim.x >> 5) / split;
@@ -139,10 +141,11 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
 template <typename T, bool SWIGLU>
 __device__ void gemv_mma(const T* x, const T* w, const T* add, T* y, int m, int n, int k,
                          int split) {
+  __shared__ float part[GEMV_MMA_WARPS * 4 * 2 * (SWIGLU ? 2 : 1) * 32];
   if (m <= 8) {
-    gemv_mma_rows<T, 1, SWIGLU>(x, w, add, y, m, n, k, split);
+    gemv_mma_rows<T, 1, SWIGLU>(x, w, add, y, m, n, k, split, part);
   } else {
-    gemv_mma_rows<T, 2, SWIGLU>(x, w, add, y, m, n, k, split);
+    gemv_mma_rows<T, 2, SWIGLU>(x, w, add, y, m, n, k, split, part);
   }
 }
 

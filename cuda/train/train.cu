@@ -16,6 +16,7 @@
 #include "train/sinks.cuh"
 #include "train/combine.cuh"
 #include "train/gemv.cuh"
+#include "train/gemv_mma.cuh"
 #include "train/argmax.cuh"
 
 using bf16 = __nv_bfloat16;
@@ -116,6 +117,18 @@ using f32 = float;
   extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
                                   int k, int split, const T* g, float eps) {                 \
     train::gemv<T, true>(x, w, add, y, m, n, k, split, g, eps);                              \
+  }
+
+// Five to sixteen rows on tensor cores (same operands; no norm).
+#define TRAIN_GEMV_MMA(NAME, T)                                                              \
+  extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
+                                  int k, int split, const T* g, float eps) {                 \
+    train::gemv_mma<T, false>(x, w, add, y, m, n, k, split);                                 \
+  }
+#define TRAIN_GEMV_MMA_SWIGLU(NAME, T)                                                       \
+  extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
+                                  int k, int split, const T* g, float eps) {                 \
+    train::gemv_mma<T, true>(x, w, add, y, m, n, k, split);                                  \
   }
 
 // Each row's first largest element (src/infer/argmax.rs).

@@ -258,10 +258,11 @@ impl Gemv {
         let dev = &xs.device;
         let (rows, k) = (xl.dims()[0], xl.dims()[1]);
         let n = wl.dims()[0];
-        let op = if self.swiglu {
-            Op::GemvSwiglu
-        } else {
-            Op::Gemv
+        let op = match (self.swiglu, rows <= GEMV_MAX_ROWS) {
+            (false, true) => Op::Gemv,
+            (true, true) => Op::GemvSwiglu,
+            (false, false) => Op::GemvMma,
+            (true, false) => Op::GemvMmaSwiglu,
         };
         let name = TrainKernel::name(op, &[("linear: x", xs.dtype())])?;
         let shape = out_shape(self.swiglu, xl, wl);
