@@ -48,6 +48,8 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
                               int k, int split, float* part_flat) {
   constexpr int HALVES = SWIGLU ? 2 : 1;
   constexpr int ACC = 4 * NG * HALVES;
+  // Chunks whose loads are in flight together: 4 KB of weight a warp either way.
+  constexpr int U = SWIGLU ? 2 : 4;
   auto part = reinterpret_cast<float(*)[ACC][32]>(part_flat);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -70,28 +72,39 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
         for (int e = 0; e < 4; ++e) acc[s][q][e] = 0.f;
     if (j0 < outs) {
       const bool r0 = j0 + g < outs, r1 = j0 + g + 8 < outs;
-#pragma unroll 2
-      for (int c = c_begin; c < c_end; ++c) {
-        const int k0 = c * 64 + 16 * t;
-        // A: weight rows j0 + g and j0 + g + 8 (and the up half's, outs further on).
-        uint32_t wa[HALVES][2][8];
+      // U chunks' loads issued before any of their mma: the loads and the mma are both
+      // inline asm the compiler keeps in order, so a plain unrolled loop would wait for
+      // each chunk before asking for the next.
+      for (int c0 = c_begin; c0 < c_end; c0 += U) {
+        uint32_t wa[U][HALVES][2][8];
+        uint32_t xb[U][NG][8];
 #pragma unroll
-        for (int s = 0; s < HALVES; ++s) {
-          load16<true>(wa[s][0], w, r0, int64_t(j0 + g + s * outs), k, k0);
-          load16<true>(wa[s][1], w, r1, int64_t(j0 + g + 8 + s * outs), k, k0);
-        }
-        // B: the rows of x, token g of each group of 8.
-        uint32_t xb[NG][8];
-#pragma unroll
-        for (int q = 0; q < NG; ++q) load16<false>(xb[q], x, g + 8 * q < m, int64_t(g + 8 * q), k, k0);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int u = 0; u < U; ++u) {
+          const bool in = c0 + u < c_end;
+          const int k0 = (c0 + u) * 64 + 16 * t;
+          // A: weight rows j0 + g and j0 + g + 8 (and the up half's, outs further on).
 #pragma unroll
           for (int s = 0; s < HALVES; ++s) {
-            const uint32_t a[4] = {wa[s][0][2 * j], wa[s][1][2 * j], wa[s][0][2 * j + 1],
-                                   wa[s][1][2 * j + 1]};
+            load16<true>(wa[u][s][0], w, in && r0, int64_t(j0 + g + s * outs), k, k0);
+            load16<true>(wa[u][s][1], w, in && r1, int64_t(j0 + g + 8 + s * outs), k, k0);
+          }
+          // B: the rows of x, token g of each group of 8.
 #pragma unroll
-            for (int q = 0; q < NG; ++q) MmaOp<T>::run(acc[s][q], a, xb[q][2 * j], xb[q][2 * j + 1]);
+          for (int q = 0; q < NG; ++q)
+            load16<false>(xb[u][q], x, in && g + 8 * q < m, int64_t(g + 8 * q), k, k0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int s = 0; s < HALVES; ++s) {
+              const uint32_t a[4] = {wa[u][s][0][2 * j], wa[u][s][1][2 * j],
+                                     wa[u][s][0][2 * j + 1], wa[u][s][1][2 * j + 1]};
+#pragma unroll
+              for (int q = 0; q < NG; ++q)
+                MmaOp<T>::run(acc[s][q], a, xb[u][q][2 * j], xb[u][q][2 * j + 1]);
+            }
           }
         }
       }

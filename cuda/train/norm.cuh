@@ -15,10 +15,27 @@ __device__ __forceinline__ float exact_rstd(float sum_sq, int cols, float eps) {
   return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, (float)cols), eps)));
 }
 
-// One warp per row.
+// One warp per row; or, launched with a block per row (gridDim.x >= rows: a decoding step's
+// few long rows, where a warp alone waits on each of its loads in turn), a block per row.
 template <typename T, typename W>
 __device__ void rms_norm_fwd(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
                              int64_t rows, int cols, float eps) {
+  if (gridDim.x >= rows) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    if (row >= rows) return;  // the whole block
+    const T* xr = x + row * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float v = to_f(xr[c]);
+      ss += v * v;
+    }
+    const float rstd = exact_rstd(block_sum(ss, scratch), cols, eps);
+    T* yr = y + row * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+      yr[c] = from_f<T>(to_f(xr[c]) * rstd * to_f(w[c]));
+    return;
+  }
   const int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
