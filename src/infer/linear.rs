@@ -220,6 +220,7 @@ fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool
     x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && (1..=LINEAR_MAX_ROWS).contains(&d.rows)
+        && (d.rows <= GEMV_MAX_ROWS || !mma_off())
         && d.k.is_multiple_of(8)
         && d.k > 0
         && d.n > 0
@@ -230,6 +231,14 @@ fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool
         && add.is_none_or(|a| !a.track_op() && a.is_contiguous())
         && dense_aligned(x)
         && dense_aligned(weight)
+}
+
+/// `CANDLE_FLASH_GEMV_MMA=0`: 5-16 rows to the GEMM (a comparison aid).
+fn mma_off() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::overrides().gemv_mma_off;
+    #[cfg(not(feature = "cuda"))]
+    false
 }
 
 /// The kernel as an op over `(x (rows, k), weight (n, k)[, add (rows, n)])`, or with `norm`
