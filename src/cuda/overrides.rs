@@ -22,7 +22,7 @@
 //! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
 //! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |
 //! | `CANDLE_FLASH_DECODE_WARPS` | `4` | split decode launches on 4-warp blocks |
-//! | `CANDLE_FLASH_GEMV_MMA` | `0` | `infer::linear` at 5-16 rows on Candle's matmul instead of the tensor-core kernel |
+//! | `CANDLE_FLASH_GEMV_MMA` | `1` | `infer::linear` at 5-16 rows on the tensor-core kernel instead of Candle's matmul (slower in the LLaMA step today: a comparison aid) |
 //! | `CANDLE_FLASH_GEMV_SPLIT` | 1, 2, 4, 8, 16 | warps per 16-column tile of `infer::linear` at 5-16 rows |
 //! | `CANDLE_FLASH_PDL` | `0` | no programmatic dependent launch |
 //! | `CANDLE_FLASH_POISON` | `1` | outputs filled with NaN before each launch (unwritten elements show) |
@@ -52,7 +52,7 @@ pub(crate) struct Overrides {
     pub det_group_off: bool,
     pub decode_splits: Option<usize>,
     pub decode_four_warps: bool,
-    pub gemv_mma_off: bool,
+    pub gemv_mma_on: bool,
     pub gemv_split: Option<usize>,
     pub pdl_off: bool,
     pub poison: bool,
@@ -87,7 +87,7 @@ impl Overrides {
             det_group_off: is("DET_GROUP", "0"),
             decode_splits: number("DECODE_SPLITS").filter(|&n| n > 0),
             decode_four_warps: is("DECODE_WARPS", "4"),
-            gemv_mma_off: is("GEMV_MMA", "0"),
+            gemv_mma_on: is("GEMV_MMA", "1"),
             gemv_split: number("GEMV_SPLIT").filter(|n| [1, 2, 4, 8, 16].contains(n)),
             pdl_off: is("PDL", "0"),
             poison: is("POISON", "1"),

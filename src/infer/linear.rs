@@ -4,10 +4,15 @@
 use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
-/// The most rows (tokens, after flattening x's leading dims) the few-row kernels take: one to
-/// four as dot products per lane, five to sixteen on tensor cores with the weight as the
-/// 16-row operand. More go to the GEMM, whose tiles are then full.
-pub const LINEAR_MAX_ROWS: usize = 16;
+/// The most rows (tokens, after flattening x's leading dims) the few-row kernel takes; more go
+/// to Candle's GEMM. (Five to sixteen rows also have a tensor-core kernel with the weight as
+/// the 16-row operand, `CANDLE_FLASH_GEMV_MMA=1`; in the LLaMA-1B step at batch 16 it is 3%
+/// slower than cuBLAS, so it is not the default.)
+pub const LINEAR_MAX_ROWS: usize = 4;
+
+/// The rows of the tensor-core kernel when `CANDLE_FLASH_GEMV_MMA=1`.
+#[cfg(feature = "cuda")]
+const MMA_MAX_ROWS: usize = 16;
 
 /// `x @ weight^T (+ add)`: `x` `(..., k)`, `weight` `(n, k)` as a linear layer stores it,
 /// `add` `(..., n)` (a residual stream, added after the product is rounded, as a separate
@@ -219,8 +224,7 @@ fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool
         |t: &Tensor| t.is_contiguous() && t.layout().start_offset().is_multiple_of(8);
     x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
-        && (1..=LINEAR_MAX_ROWS).contains(&d.rows)
-        && (d.rows <= GEMV_MAX_ROWS || !mma_off())
+        && (1..=max_rows()).contains(&d.rows)
         && d.k.is_multiple_of(8)
         && d.k > 0
         && d.n > 0
@@ -233,12 +237,13 @@ fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool
         && dense_aligned(weight)
 }
 
-/// `CANDLE_FLASH_GEMV_MMA=0`: 5-16 rows to the GEMM (a comparison aid).
-fn mma_off() -> bool {
+/// [`LINEAR_MAX_ROWS`], or 16 with `CANDLE_FLASH_GEMV_MMA=1` (a comparison aid).
+fn max_rows() -> usize {
     #[cfg(feature = "cuda")]
-    return crate::cuda::overrides().gemv_mma_off;
-    #[cfg(not(feature = "cuda"))]
-    false
+    if crate::cuda::overrides().gemv_mma_on {
+        return MMA_MAX_ROWS;
+    }
+    LINEAR_MAX_ROWS
 }
 
 /// The kernel as an op over `(x (rows, k), weight (n, k)[, add (rows, n)])`, or with `norm`

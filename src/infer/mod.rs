@@ -1,11 +1,11 @@
-//! Building blocks of a decoding step beside the attention: at up to sixteen tokens a step is
-//! a read of the model's weights, and what costs is how well each matrix product streams them
+//! Building blocks of a decoding step beside the attention: at a few tokens a step is a read
+//! of the model's weights, and what costs is how well each matrix product streams them
 //! and how many launches there are between them.
 //!
 //! - [`linear`]: `x @ weight^T`, optionally `+ add` (the residual stream), for the few rows
-//!   of a decoding step: every warp streams whole weight rows (bf16/f16 on CUDA; one to four
-//!   rows as dot products, five to sixteen on tensor cores), where a GEMM tiles the rows in
-//!   and leaves much of a small matrix's bandwidth unused. Other shapes, and anything that
+//!   of a decoding step: every warp streams whole weight rows (bf16/f16 on CUDA, one to four
+//!   rows), where a GEMM tiles the rows in and leaves much of a small matrix's bandwidth
+//!   unused. Other shapes, and anything that
 //!   tracks gradients, go to Candle's matmul, so it is a drop-in for a linear layer's forward.
 //! - [`linear_swiglu`]: `silu(x @ gate^T) * (x @ up^T)` from one stacked `[gate; up]` weight
 //!   in the same pass.

@@ -476,9 +476,10 @@ fn linear_case(
 
 pub fn linear(dev: &Device, report: Report) {
     for dtype in DTYPES {
-        // One to four rows (the dot-product kernel on CUDA in bf16/f16), five to sixteen
-        // (the tensor-core kernel: k past and short of its 64-element chunks, columns short
-        // of a 16-column tile, long rows split over warps), then the matmul's row counts.
+        // One to four rows (the few-row kernel on CUDA in bf16/f16), then the matmul's row
+        // counts; five to sixteen take the tensor-core kernel under CANDLE_FLASH_GEMV_MMA=1
+        // (k past and short of its 64-element chunks, columns short of a 16-column tile,
+        // long rows split over warps).
         let shapes: [(&[usize], usize); 15] = [
             (&[1, 8], 1),
             (&[1, 2048], 3072),
