@@ -133,8 +133,9 @@ fn init_normal() -> candle_nn::Init {
 }
 
 /// RMSNorm: Candle's fused kernel for inference (inside the projection after it at a
-/// decoding step: `Proj::forward_normed`), `candle_flash::train::rms_norm` (which has a
-/// backward) for training.
+/// decoding step's few rows: `Proj::forward_normed`; fused with the residual add before it
+/// otherwise: `add_forward`), `candle_flash::train::rms_norm` (which has a backward) for
+/// training.
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
     pub weight: Tensor,
@@ -153,6 +154,15 @@ impl RmsNorm {
             return candle_flash::train::rms_norm(x, &self.weight, self.eps as f32);
         }
         candle_nn::ops::rms_norm(x, &self.weight.to_dtype(x.dtype())?, self.eps as f32)
+    }
+
+    /// `(residual + x, the norm of that sum)` in one kernel, for inference.
+    fn add_forward(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        let w = match self.weight.dtype() {
+            DType::F32 => self.weight.clone(),
+            _ => self.weight.to_dtype(x.dtype())?,
+        };
+        candle_flash::train::add_rms_norm(x, residual, &w, self.eps as f32)
     }
 }
 
@@ -1145,14 +1155,39 @@ impl Llama {
             }
             return self.norm.forward(&x, train);
         }
-        // Inference: each norm inside the projection after it and each residual add inside
-        // the projection before it (at a decoding step's few rows: one launch each).
+        // Inference at a decoding step's few rows (the few-row kernels' count): each norm
+        // inside the projection after it, each residual add inside the one before it (one
+        // launch each).
+        if x.dim(0)? <= candle_flash::infer::LINEAR_MAX_ROWS {
+            for (i, b) in self.blocks.iter().enumerate() {
+                let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
+                x = b.attn.forward(
+                    &x,
+                    Some(&b.norm1),
+                    Some(&x),
+                    &self.rope,
+                    cos_sin,
+                    pass,
+                    self.attn,
+                    layer_cache,
+                    i,
+                )?;
+                x = b.mlp.forward(&x, Some(&b.norm2), Some(&x))?;
+            }
+            return self.norm.forward(&x, false);
+        }
+        // More rows go to the GEMM, which cannot take the add: each residual add fused with
+        // the norm after it instead (`add_rms_norm`, the next block's first or the final one).
+        let Some(first) = self.blocks.first() else {
+            return self.norm.forward(&x, false);
+        };
+        let mut h = first.norm1.forward(&x, false)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
-            x = b.attn.forward(
-                &x,
-                Some(&b.norm1),
-                Some(&x),
+            let a = b.attn.forward(
+                &h,
+                None,
+                None,
                 &self.rope,
                 cos_sin,
                 pass,
@@ -1160,9 +1195,12 @@ impl Llama {
                 layer_cache,
                 i,
             )?;
-            x = b.mlp.forward(&x, Some(&b.norm2), Some(&x))?;
+            (x, h) = b.norm2.add_forward(&a, &x)?;
+            let m = b.mlp.forward(&h, None, None)?;
+            let next = self.blocks.get(i + 1).map_or(&self.norm, |n| &n.norm1);
+            (x, h) = next.add_forward(&m, &x)?;
         }
-        self.norm.forward(&x, false)
+        Ok(h)
     }
 
     /// The logits `(n, vocab)` in f32 of final hidden states `(n, hidden)`.
