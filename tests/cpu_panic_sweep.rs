@@ -732,6 +732,9 @@ fn train_entry_points_never_panic() {
         ("scalar", Tensor::new(1f32, &CPU).unwrap()),
     ];
     for (xn, x) in &xs {
+        s.call(format!("infer::argmax {xn}"), || {
+            candle_flash::infer::argmax(x)
+        });
         for (wn, w) in &xs {
             for eps in [1e-6, 0.0, -1.0, f32::NAN, f32::INFINITY] {
                 s.call(format!("rms_norm {xn} {wn} {eps}"), || {
@@ -744,6 +747,24 @@ fn train_entry_points_never_panic() {
                 });
             }
             s.call(format!("swiglu {xn} {wn}"), || train::swiglu(x, w));
+            s.call(format!("infer::linear {xn} {wn}"), || {
+                candle_flash::infer::linear(x, w, None)
+            });
+            s.call(format!("infer::linear add {xn} {wn}"), || {
+                candle_flash::infer::linear(x, w, Some(x))
+            });
+            s.call(format!("infer::linear_swiglu {xn} {wn}"), || {
+                candle_flash::infer::linear_swiglu(x, w)
+            });
+            for (gn, g) in &xs {
+                s.call(format!("infer::rms_norm_linear {xn} {gn} {wn}"), || {
+                    candle_flash::infer::rms_norm_linear(x, g, 1e-6, w)
+                });
+                s.call(
+                    format!("infer::rms_norm_linear_swiglu {xn} {gn} {wn}"),
+                    || candle_flash::infer::rms_norm_linear_swiglu(x, g, f32::NAN, w),
+                );
+            }
             s.call(format!("rotary {xn} {wn}"), || train::rotary(x, w, w));
             s.call(format!("cross_entropy_rows {xn} {wn}"), || {
                 train::cross_entropy_rows(x, w)
