@@ -1134,21 +1134,23 @@ impl Llama {
             )
         };
         let cos_sin = cos_sin.as_ref();
+        // Layer i's attention of x (normalised first, the residual added to its output, where
+        // given): what differs between the passes below.
+        let attend = |b: &Block,
+                      x: &Tensor,
+                      norm: Option<&RmsNorm>,
+                      residual: Option<&Tensor>,
+                      cache: Option<&mut LayerCache>,
+                      i: usize| {
+            b.attn.forward(
+                x, norm, residual, &self.rope, cos_sin, pass, self.attn, cache, i,
+            )
+        };
         if train {
             for (i, b) in self.blocks.iter().enumerate() {
                 let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
                 let h = b.norm1.forward(&x, train)?;
-                let h = b.attn.forward(
-                    &h,
-                    None,
-                    None,
-                    &self.rope,
-                    cos_sin,
-                    pass,
-                    self.attn,
-                    layer_cache,
-                    i,
-                )?;
+                let h = attend(b, &h, None, None, layer_cache, i)?;
                 x = (x + h)?;
                 let h = b.mlp.forward(&b.norm2.forward(&x, train)?, None, None)?;
                 x = (x + h)?;
@@ -1161,17 +1163,7 @@ impl Llama {
         if x.dim(0)? <= candle_flash::infer::LINEAR_MAX_ROWS {
             for (i, b) in self.blocks.iter().enumerate() {
                 let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
-                x = b.attn.forward(
-                    &x,
-                    Some(&b.norm1),
-                    Some(&x),
-                    &self.rope,
-                    cos_sin,
-                    pass,
-                    self.attn,
-                    layer_cache,
-                    i,
-                )?;
+                x = attend(b, &x, Some(&b.norm1), Some(&x), layer_cache, i)?;
                 x = b.mlp.forward(&x, Some(&b.norm2), Some(&x))?;
             }
             return self.norm.forward(&x, false);
@@ -1184,17 +1176,7 @@ impl Llama {
         let mut h = first.norm1.forward(&x, false)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
-            let a = b.attn.forward(
-                &h,
-                None,
-                None,
-                &self.rope,
-                cos_sin,
-                pass,
-                self.attn,
-                layer_cache,
-                i,
-            )?;
+            let a = attend(b, &h, None, None, layer_cache, i)?;
             (x, h) = b.norm2.add_forward(&a, &x)?;
             let m = b.mlp.forward(&h, None, None)?;
             let next = self.blocks.get(i + 1).map_or(&self.norm, |n| &n.norm1);

@@ -5,8 +5,12 @@
 # ...) is compared in one run on one machine. Prints ms/step and % of the weight-read
 # roofline for each.
 #
-# Usage: bash scripts/model/llama-env-sweep.sh BATCH [VAR=VALUE | -] ...   ("-": no change)
-# Example: bash scripts/model/llama-env-sweep.sh 1 - CANDLE_FLASH_PDL=0 CANDLE_FLASH_DECODE_SPLITS=8
+# Usage: bash scripts/model/llama-env-sweep.sh BATCH SETTING ...
+#   SETTING: "-" (no change) or one or more VAR=VALUE words in one argument
+#   NEW=tokens (default 256) and REPEAT=runs (default 3) per setting
+# Example: bash scripts/model/llama-env-sweep.sh 1 - CANDLE_FLASH_PDL=0 \
+#   "CANDLE_FLASH_DECODE_SPLITS=8 CANDLE_FLASH_DECODE_WARPS=4"
+# (scripts/profile/decode-splits.sh runs its example rows through this.)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 [ $# -ge 2 ] || { echo "usage: $0 BATCH [VAR=VALUE | -] ..." >&2; exit 2; }
@@ -21,11 +25,11 @@ shift
 printf '| batch | setting | ms/step | %% of roofline |\n|---:|---|---:|---:|\n'
 for setting in "$@"; do
   envs=()
-  [ "$setting" = - ] || envs=("$setting")
+  [ "$setting" = - ] || read -r -a envs <<< "$setting"
   json=$(env "${envs[@]}" "$BIN/example-llama" --model "$d" --device cuda --dtype bf16 \
-    --random-prompt 512 --batch "$b" --max-new-tokens 256 --ignore-eos --quiet \
-    --stats-json --warmup --roofline --repeat 3 2> /tmp/llama-sweep.err | tail -n 1) ||
-    { tail -n 5 /tmp/llama-sweep.err; exit 1; }
+    --random-prompt 512 --batch "$b" --max-new-tokens "${NEW:-256}" --ignore-eos --quiet \
+    --stats-json --warmup --roofline --repeat "${REPEAT:-3}" 2> /tmp/llama-sweep.err | tail -n 1) ||
+    { tail -n 5 /tmp/llama-sweep.err >&2; exit 1; }
   python3 - "$b" "$setting" "$json" <<'EOF'
 import json, sys
 b, setting, s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -14,13 +14,10 @@ mkdir -p "$OUT"
 # shellcheck source=scripts/gpu/staged-bin.sh
 source scripts/gpu/staged-bin.sh
 staged_bin bench-attention || exit 1
-staged_bin example-llama || exit 1
 splits=("$@")
 [ ${#splits[@]} -gt 0 ] || splits=(1 2 4 8 16 32 64)
 log=$OUT/decode-splits.txt
 : > "$log"
-d=/tmp/llama-hf/llama-3.2-1b-random
-python3 -c "import sys; sys.path.insert(0, 'scripts/model'); import llama_hf; llama_hf.make_1b('$d')" > /dev/null 2>&1
 # One configuration: ENV... as `VAR=value` words. Prints the bench's graph rows (L, batch, ms,
 # %copy) and the example's ms/step and % of the weight-read roofline at batch 1 and 16.
 config() {
@@ -29,9 +26,9 @@ config() {
     rows=$(env "$@" CANDLE_FLASH_BENCH_DECODE=${SHAPES:-1x8192,8x8192} timeout 60 "$BIN/bench-attention" --decode-only 2>&1 |
       awk '$2 == "graph" {printf "%sx%s %s ms %s%%; ", $5, $4, $8, $10}')
   for b in 1 16; do
-    r=$(env "$@" timeout 60 "$BIN/example-llama" --model "$d" --device cuda --dtype bf16 --random-prompt 512 \
-      --batch "$b" --max-new-tokens 48 --ignore-eos --quiet --stats-json --warmup --roofline --repeat 2 2> /tmp/llama-splits.err |
-      tail -n 1 | python3 -c 'import json, sys; r = json.loads(sys.stdin.read()); print("%.3f ms %.0f%%" % (r["decode_ms_per_step"], r.get("roofline_pct", 0)))' 2> /dev/null)
+    # The sweep's table row: | batch | setting | ms/step | % of roofline |
+    r=$(NEW=48 REPEAT=2 timeout 120 bash scripts/model/llama-env-sweep.sh "$b" "$*" 2> /tmp/llama-splits.err |
+      awk -F'|' -v b="$b" '$2 == " " b " " {gsub(/ /, "", $4); gsub(/ /, "", $5); print $4 " ms " $5}')
     [ -n "$r" ] || r="failed: $(tail -n 1 /tmp/llama-splits.err)"
     [ "$b" = 1 ] && b1=$r || b16=$r
   done

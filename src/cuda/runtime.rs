@@ -189,8 +189,9 @@ pub(crate) fn load_func(
 /// per-thread default stream) and grown on demand, so that launches that may overlap never
 /// share counters. Four threads sharing one set raced in split-KV decoding (a merge ran
 /// before its splits arrived; seen under compute-sanitizer's racecheck, which slows kernels).
-/// Entries live until exit (a few bytes per thread that decoded), and so do outgrown ones. Hold the cache's lock until
-/// the launch is queued: another call on the stream must not grow (and free) them between.
+/// Entries live until exit (a few bytes per thread that decoded), and so do outgrown ones.
+/// Hold the cache's lock until the launch is queued: another call on the stream must not
+/// replace them in between.
 pub(crate) type StreamCounters = Vec<(StreamKey, CudaSlice<u32>)>;
 
 /// Counters that were outgrown, alive until exit (see [`stream_counters`]).

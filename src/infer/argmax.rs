@@ -4,10 +4,10 @@ use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// The index of the largest element of each row of `x` `(..., n)`, as U32 `(...)`: the first
 /// of equal values, and a NaN above every number (as `torch.argmax`). BF16, F16 or F32, on
-/// the CPU or CUDA; one kernel with a block a row on CUDA, 16-byte loads where aligned.
-/// Candle's argmax reduces a row in one block too but through a generic reduction: over
-/// LLaMA 3's 128k logits it takes longer than the LM head's product, and its ties and NaNs
-/// follow the reduction order.
+/// the CPU or CUDA. On CUDA one launch: each row cut into slices of 8192 elements, a block
+/// each (16-byte loads where aligned), merged by the row's last slice to finish. Candle's
+/// argmax gives a row one block: over LLaMA 3's 128k logits it takes longer than the LM
+/// head's product, and its ties and NaNs follow the reduction order.
 pub fn argmax(x: &Tensor) -> Result<Tensor> {
     let Some((&n, outer)) = x.dims().split_last() else {
         bail!("argmax: x is a scalar, expected (..., n)")

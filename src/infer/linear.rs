@@ -4,8 +4,8 @@
 use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
-/// The most rows (tokens, after flattening x's leading dims) the few-row kernel takes; more go
-/// to Candle's GEMM. (Five to sixteen rows also have a tensor-core kernel with the weight as
+/// The most rows (tokens, after flattening x's leading dims) the few-row kernel takes
+/// (`GEMV_MAX_M` in `cuda/train/gemv.cuh`); more go to Candle's GEMM. (Five to sixteen rows also have a tensor-core kernel with the weight as
 /// the 16-row operand, `CANDLE_FLASH_GEMV_MMA=1`; in the LLaMA-1B step at batch 16 it is 3%
 /// slower than cuBLAS, so it is not the default.)
 pub const LINEAR_MAX_ROWS: usize = 4;
@@ -146,7 +146,7 @@ fn normed(x: &Tensor, g: &Tensor, eps: f32, weight: &Tensor, swiglu: bool) -> Re
         )
     }
     let fused = few_rows(x, weight, None, &shape)
-        && shape.rows <= GEMV_MAX_ROWS
+        && shape.rows <= LINEAR_MAX_ROWS
         && shape.rows * shape.k * x.dtype().size_in_bytes() <= NORM_SMEM
         && g.dtype() == x.dtype()
         && !g.track_op()
@@ -272,7 +272,7 @@ impl Gemv {
         let dev = &xs.device;
         let (rows, k) = (xl.dims()[0], xl.dims()[1]);
         let n = wl.dims()[0];
-        let op = match (self.swiglu, rows <= GEMV_MAX_ROWS) {
+        let op = match (self.swiglu, rows <= LINEAR_MAX_ROWS) {
             (false, true) => Op::Gemv,
             (true, true) => Op::GemvSwiglu,
             (false, false) => Op::GemvMma,
@@ -312,7 +312,7 @@ impl Gemv {
                 Arg::Ptr(g),
                 Arg::F32(self.norm.unwrap_or(0.0)),
             ];
-            let units = if rows <= GEMV_MAX_ROWS {
+            let units = if rows <= LINEAR_MAX_ROWS {
                 outs
             } else {
                 outs.div_ceil(16)
@@ -322,28 +322,25 @@ impl Gemv {
             let blocks = (units * split)
                 .div_ceil(warps)
                 .min(launch::max_stride_blocks(dev)?);
-            // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
-            // their first weight slices) while the kernel ahead finishes; they wait in
-            // `pdl_wait` before reading x or writing y.
             // The fused norm's rows in dynamic shared memory.
             let smem = match self.norm {
                 Some(_) => rows * k * xs.dtype().size_in_bytes(),
                 None => 0,
             };
+            // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
+            // their first weight slices) while the kernel ahead finishes; they wait in
+            // `pdl_wait` before reading x or writing y.
             launch::launch_programmatic(dev, name, blocks, 32 * warps as u32, smem as u32, &args)?;
         }
         Ok((y, shape))
     }
 }
 
-/// `GEMV_MAX_M` in `cuda/train/gemv.cuh`: past it the kernel runs its tensor-core loop.
-const GEMV_MAX_ROWS: usize = 4;
-
 /// Warps per output column (one to four rows) or per 16-column tile (more, up to 16:
 /// `CANDLE_FLASH_GEMV_SPLIT` chooses), each summing a slice of k.
 #[cfg(feature = "cuda")]
 fn split(rows: usize, k: usize, outs: usize, sms: usize) -> usize {
-    if rows <= GEMV_MAX_ROWS {
+    if rows <= LINEAR_MAX_ROWS {
         // A long row cut into slices of at least 2048 elements, so that a block holds as
         // many loads in flight over a 8192-long row as over a 2048-long one (the 1B model's
         // down projection: 2048 columns alone would fill under two blocks a multiprocessor).

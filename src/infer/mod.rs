@@ -5,14 +5,14 @@
 //! - [`linear`]: `x @ weight^T`, optionally `+ add` (the residual stream), for the few rows
 //!   of a decoding step: every warp streams whole weight rows (bf16/f16 on CUDA, one to four
 //!   rows), where a GEMM tiles the rows in and leaves much of a small matrix's bandwidth
-//!   unused. Other shapes, and anything that
-//!   tracks gradients, go to Candle's matmul, so it is a drop-in for a linear layer's forward.
+//!   unused. Other shapes, and anything that tracks gradients, go to Candle's matmul, so it
+//!   is a drop-in for a linear layer's forward.
 //! - [`linear_swiglu`]: `silu(x @ gate^T) * (x @ up^T)` from one stacked `[gate; up]` weight
 //!   in the same pass.
 //! - [`rms_norm_linear`], [`rms_norm_linear_swiglu`]: the same after an RMSNorm of x, which
 //!   at one to four rows each block computes itself (one launch where there were two).
-//! - [`argmax`]: each row's first largest element, a block a row (greedy decoding over a
-//!   vocabulary in one launch).
+//! - [`argmax`]: each row's first largest element (greedy decoding over a vocabulary in one
+//!   launch).
 //!
 //! The fused residual add and norm around them is [`crate::train::add_rms_norm`].
 //!
