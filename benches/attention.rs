@@ -72,7 +72,7 @@ use candle::{
     Tensor, Var, D,
 };
 use candle_flash::{
-    combine, flash_attn_with_kvcache, flash_attn_with_kvcache_lse, BlockMask, FlashAttn,
+    combine, flash_attn_with_kvcache, flash_attn_with_kvcache_lse, quant, BlockMask, FlashAttn,
 };
 
 /// batch · seqlen for every shape, as in the FlashAttention-2 paper.
@@ -1145,15 +1145,18 @@ impl Bench {
             "impl", "pass", "hd", "L", "batch", "heads", "caches", "ms", "GB/s", "%copy", "host ms"
         );
         for (batch, seqlen) in decode_shapes() {
-            self.decode(&DecodeCase { batch, seqlen }, copy_gbps);
-            if let Some(path) = json {
-                self.write_json(path);
+            for fp8 in [false, true] {
+                self.decode(&DecodeCase { batch, seqlen, fp8 }, copy_gbps);
+                if let Some(path) = json {
+                    self.write_json(path);
+                }
             }
         }
         println!(
-            "# %copy: GB/s of K+V read / the copy bandwidth above. host ms: time to queue a call; \
-             close to ms means the host, not the GPU, sets the pace. check: max |ours - f32 \
-             reference| as a % of max |reference| (MISMATCH above {:.0}%)",
+            "# %copy: GB/s of K+V read / the copy bandwidth above. dec-fp8 / grph-fp8: the same \
+             calls over an F8E4M3 cache (one byte an element; its own GB/s). host ms: time to \
+             queue a call; close to ms means the host, not the GPU, sets the pace. check: max \
+             |ours - f32 reference| as a % of max |reference| (MISMATCH above {:.0}%)",
             100.0 * DECODE_CHECK_REL
         );
     }
@@ -1211,7 +1214,14 @@ impl Bench {
             }
         };
         let lens = vec![case.seqlen as u32; case.batch];
-        let opts = FlashAttn::new();
+        let opts = match &sets[0].scales {
+            Some((ks, vs)) => FlashAttn::new().kv_cache_scales(ks, vs),
+            None => FlashAttn::new(),
+        };
+        let (pass_eager, pass_graph) = match case.fp8 {
+            false => ("decode", "graph"),
+            true => ("dec-fp8", "grph-fp8"),
+        };
         let attend =
             |s: &DecodeInputs| flash_attn_with_kvcache(&s.q, &s.k, &s.v, None, &lens, &opts);
         let check = match try_run(|| decode_check(&sets[0], &attend(&sets[0])?)) {
@@ -1224,7 +1234,7 @@ impl Bench {
             try_run(|| time_ms_with(&dev, DECODE_TIMING, |i| attend(&sets[i % n]).map(drop)));
         let row = format!(
             "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
-            "decode",
+            pass_eager,
             case.seqlen,
             case.batch,
             format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
@@ -1243,7 +1253,10 @@ impl Bench {
         );
         let mut fields = vec![
             format!("\"impl\": \"{FLASH}\""),
-            "\"pass\": \"decode\"".into(),
+            format!(
+                "\"pass\": \"{}\"",
+                if case.fp8 { "decode-fp8" } else { "decode" }
+            ),
             format!("\"hd\": {DECODE_HD}"),
             format!("\"seqlen\": {}", case.seqlen),
             format!("\"batch\": {}", case.batch),
@@ -1282,7 +1295,7 @@ impl Bench {
         let timed = try_run(|| graph_timing(&dev, n, |i| attend_dev(&sets[i]).map(drop)));
         let row = format!(
             "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
-            "graph",
+            pass_graph,
             case.seqlen,
             case.batch,
             format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
@@ -1301,7 +1314,14 @@ impl Bench {
         );
         let mut fields = vec![
             format!("\"impl\": \"{FLASH}\""),
-            "\"pass\": \"decode-graph\"".into(),
+            format!(
+                "\"pass\": \"{}\"",
+                if case.fp8 {
+                    "decode-graph-fp8"
+                } else {
+                    "decode-graph"
+                }
+            ),
             format!("\"hd\": {DECODE_HD}"),
             format!("\"seqlen\": {}", case.seqlen),
             format!("\"batch\": {}", case.batch),
@@ -1382,12 +1402,15 @@ fn decode_shapes() -> Vec<(usize, usize)> {
 struct DecodeCase {
     batch: usize,
     seqlen: usize,
+    /// The cache is F8E4M3 (one byte an element, per-head scales).
+    fp8: bool,
 }
 
 impl DecodeCase {
     /// Bytes of K and V one call reads: 2·b·L·hk·d elements.
     fn kv_bytes(&self, dtype: DType) -> usize {
-        2 * self.batch * self.seqlen * DECODE_HEADS_K * DECODE_HD * dtype.size_in_bytes()
+        let elem = if self.fp8 { 1 } else { dtype.size_in_bytes() };
+        2 * self.batch * self.seqlen * DECODE_HEADS_K * DECODE_HD * elem
     }
 
     /// Caches to rotate over: at least DECODE_MIN_CACHES and DECODE_ROTATE_BYTES in all, at
@@ -1403,17 +1426,21 @@ impl fmt::Display for DecodeCase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "batch={} L={} heads={DECODE_HEADS}/{DECODE_HEADS_K} hd={DECODE_HD}",
-            self.batch, self.seqlen
+            "batch={} L={} heads={DECODE_HEADS}/{DECODE_HEADS_K} hd={DECODE_HD}{}",
+            self.batch,
+            self.seqlen,
+            if self.fp8 { " fp8 cache" } else { "" }
         )
     }
 }
 
-/// One decode input: q `(b, 1, h, d)` and a full cache `(b, L, hk, d)` of random values.
+/// One decode input: q `(b, 1, h, d)` and a full cache `(b, L, hk, d)` of random values; an
+/// F8E4M3 cache holds N(0, 1) values quantized with a scale of 4 per head.
 struct DecodeInputs {
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    scales: Option<(Tensor, Tensor)>,
 }
 
 impl DecodeInputs {
@@ -1421,19 +1448,48 @@ impl DecodeInputs {
         let randn = |rows: usize, heads: usize| {
             Tensor::randn(0f32, 1.0, (case.batch, rows, heads, DECODE_HD), dev)?.to_dtype(dtype)
         };
+        if !case.fp8 {
+            return Ok(Self {
+                q: randn(1, DECODE_HEADS)?,
+                k: randn(case.seqlen, DECODE_HEADS_K)?,
+                v: randn(case.seqlen, DECODE_HEADS_K)?,
+                scales: None,
+            });
+        }
+        let scale = Tensor::full(4f32, DECODE_HEADS_K, dev)?;
+        let fp8 = |rows: usize| {
+            let x = Tensor::randn(
+                0f32,
+                1.0,
+                (case.batch, rows, DECODE_HEADS_K, DECODE_HD),
+                dev,
+            )?;
+            quant::quantize_fp8(&x, &scale, quant::Fp8Scaling::PerHead)
+        };
         Ok(Self {
             q: randn(1, DECODE_HEADS)?,
-            k: randn(case.seqlen, DECODE_HEADS_K)?,
-            v: randn(case.seqlen, DECODE_HEADS_K)?,
+            k: fp8(case.seqlen)?,
+            v: fp8(case.seqlen)?,
+            scales: Some((scale.clone(), scale)),
         })
     }
 }
 
 /// max |out - reference| / max |reference|, the reference being Candle's attention in f32 on
-/// the same inputs (a guard against a fast but wrong kernel; NaN or inf anywhere gives inf).
+/// the same inputs (an F8E4M3 cache dequantized; a guard against a fast but wrong kernel; NaN
+/// or inf anywhere gives inf).
 fn decode_check(s: &DecodeInputs, out: &Tensor) -> Result<f64> {
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-    let reference = naive_attention(&f32(&s.q)?, &f32(&s.k)?, &f32(&s.v)?, None, false)?;
+    let (k, v) = match &s.scales {
+        None => (f32(&s.k)?, f32(&s.v)?),
+        Some((ks, vs)) => {
+            let real = |x: &Tensor, scale: &Tensor| {
+                quant::dequantize_fp8(x, scale, quant::Fp8Scaling::PerHead, DType::F32)
+            };
+            (real(&s.k, ks)?, real(&s.v, vs)?)
+        }
+    };
+    let reference = naive_attention(&f32(&s.q)?, &k, &v, None, false)?;
     let out = f32(out)?;
     // NaN compares false with everything: count the elements of finite magnitude.
     let finite = out.abs()?.le(f32::MAX as f64)?.to_dtype(DType::F32)?;

@@ -134,11 +134,14 @@ fn name(v: &Variant, dt: &str) -> String {
         ),
         Family::BwdWsPrep => format!("flash_bwd_ws_prep_{dt}_d{d}"),
         Family::BwdWsConvert => format!("flash_bwd_ws_convert_{dt}_d{d}"),
-        Family::Append => format!("flash_append_{dt}"),
-        Family::Decode => match v.groups {
-            4 => format!("flash_decode_{dt}_d{d}"),
-            w => format!("flash_decode_{dt}_d{d}_w{w}"),
-        },
+        Family::Append => format!("flash_append_{dt}{}", opt(v.fp8_cache, "_fp8")),
+        Family::Decode => {
+            let warps = match v.groups {
+                4 => String::new(),
+                w => format!("_w{w}"),
+            };
+            format!("flash_decode_{dt}_d{d}{warps}{}", opt(v.fp8_cache, "_fp8"))
+        }
     }
 }
 
@@ -213,7 +216,11 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
             flag(v.dropout),
             flag(v.deterministic)
         ),
-        Family::Decode => format!("DecodeTraits<{t}, {d}, {}>", v.groups),
+        Family::Decode => format!(
+            "DecodeTraits<{t}, {d}, {}, {}>",
+            v.groups,
+            flag(v.fp8_cache)
+        ),
         Family::BwdDsum | Family::BwdSm90Convert | Family::Append => return None,
     })
 }
@@ -239,7 +246,10 @@ fn body(v: &Variant, t: &str) -> String {
         Family::BwdWs => format!("flash_bwd_ws<{k}>(p)"),
         Family::BwdWsPrep => format!("flash_bwd_ws_prep<{k}>(p)"),
         Family::BwdWsConvert => format!("flash_bwd_ws_convert<{k}>(p)"),
-        Family::Append => format!("flash_append<{t}>(p)"),
+        Family::Append => {
+            let cache = if v.fp8_cache { "uint8_t" } else { t };
+            format!("flash_append<{t}, {cache}>(p)")
+        }
         Family::Decode => format!("flash_decode<{k}>(p)"),
     }
 }
@@ -373,6 +383,10 @@ fn check(rows: &[Variant]) -> anyhow::Result<()> {
             Family::Decode => needs(v.groups > 0, "warps (groups)")?,
             _ => {}
         }
+        needs(
+            !v.fp8_cache || matches!(v.family, Family::Append | Family::Decode),
+            "a KV-cache family for an e4m3 cache",
+        )?;
         let free = matches!(
             v.family,
             Family::BwdDsum | Family::BwdSm90Convert | Family::Append

@@ -42,6 +42,8 @@ fn stem(op: Op) -> (&'static str, usize) {
         Op::Argmax => ("train_argmax", 1),
         Op::SinksFwd => ("train_sinks_fwd", 1),
         Op::SinksGrad => ("train_sinks_grad", 1),
+        Op::Fp8Quantize => ("train_fp8_quantize", 1),
+        Op::Fp8Dequantize => ("train_fp8_dequantize", 1),
     }
 }
 

@@ -86,9 +86,9 @@ pub enum Family {
     BwdWsPrep,
     /// Its dq_accum to dQ (`flash_bwd_ws_convert_<dtype>_d<D>`).
     BwdWsConvert,
-    /// Appending rows to a KV cache (`flash_append_<dtype>`).
+    /// Appending rows to a KV cache (`flash_append_<dtype>[_fp8]`).
     Append,
-    /// Decoding against a KV cache (`flash_decode_<dtype>_d<D>[_w<W>]`).
+    /// Decoding against a KV cache (`flash_decode_<dtype>_d<D>[_w<W>][_fp8]`).
     Decode,
 }
 
@@ -175,6 +175,8 @@ pub struct Variant {
     pub dropout: bool,
     /// Adds dQ in a fixed order (`_det`).
     pub deterministic: bool,
+    /// The KV cache is e4m3 (`_fp8`): appending quantizes, decoding dequantizes.
+    pub fp8_cache: bool,
 }
 
 const fn row(family: Family, d: u16) -> Variant {
@@ -190,6 +192,7 @@ const fn row(family: Family, d: u16) -> Variant {
         packed: false,
         dropout: false,
         deterministic: false,
+        fp8_cache: false,
     }
 }
 
@@ -212,6 +215,10 @@ impl Variant {
     }
     const fn deterministic(mut self) -> Self {
         self.deterministic = true;
+        self
+    }
+    const fn fp8_cache(mut self) -> Self {
+        self.fp8_cache = true;
         self
     }
     const fn bounds(mut self, bounds: Bounds) -> Self {
@@ -443,7 +450,18 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_ws_helper(Family::BwdWsConvert, 256, 2),
     // decode/decode.cu: appending (block size the launcher's), decoding with 4-warp blocks
     // at every head dim class, and the split launches' blocks: 8 warps up to 128, 2 above.
+    // An e4m3 cache: the append, and decoding at the head dims models use (64, 96 for 80,
+    // 128, 256), 8-warp split blocks up to 128 (at 256 its half-size rings fit 4 warps on
+    // 99 KB devices).
     row(Family::Append, 0).bounds(Bounds::Free),
+    row(Family::Append, 0).bounds(Bounds::Free).fp8_cache(),
+    decode(64, 4).fp8_cache(),
+    decode(96, 4).fp8_cache(),
+    decode(128, 4).fp8_cache(),
+    decode(256, 4).fp8_cache(),
+    decode(64, 8).fp8_cache(),
+    decode(96, 8).fp8_cache(),
+    decode(128, 8).fp8_cache(),
     decode(32, 4),
     decode(64, 4),
     decode(96, 4),

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Tensor};
+use float8::F8E4M3;
 use half::{bf16, f16};
 
 use crate::cpu;
@@ -103,14 +104,19 @@ pub(crate) struct AppendOp {
     problem: AppendProblem,
     /// The rotated queries `(b, s_q, h, d)`, written by `cuda_fwd` when rotary is set.
     q_rot: Mutex<Option<Tensor>>,
+    /// An FP8 cache on the CPU: the problem's per-head scales, read before the op runs (not
+    /// inside it, where the new rows' storage is locked and might be the scales').
+    host_scale: Option<Vec<f32>>,
 }
 
 impl AppendOp {
-    pub fn new(problem: AppendProblem) -> Self {
-        Self {
+    pub fn new(problem: AppendProblem) -> Result<Self> {
+        let host_scale = host_scale(problem.quant.as_ref().map(|s| &s.0))?;
+        Ok(Self {
             problem,
             q_rot: Mutex::new(None),
-        }
+            host_scale,
+        })
     }
 
     /// Appends `new` to `cache` in place (no-op when there is nothing to write); returns the
@@ -142,15 +148,25 @@ impl InplaceOp2 for AppendOp {
         if p.rotary.is_some() {
             bail!("kv-cache append: the CPU rotates before appending, not inside the op")
         }
-        match (s1, s2) {
-            (CpuStorage::F32(c), CpuStorage::F32(n)) => append(p, c, l1, n, l2),
-            (CpuStorage::F16(c), CpuStorage::F16(n)) => append(p, c, l1, n, l2),
-            (CpuStorage::BF16(c), CpuStorage::BF16(n)) => append(p, c, l1, n, l2),
-            (c, n) => bail!(
+        match (s1, s2, &self.host_scale) {
+            (CpuStorage::F32(c), CpuStorage::F32(n), None) => append(p, c, l1, n, l2, same),
+            (CpuStorage::F16(c), CpuStorage::F16(n), None) => append(p, c, l1, n, l2, same),
+            (CpuStorage::BF16(c), CpuStorage::BF16(n), None) => append(p, c, l1, n, l2, same),
+            (CpuStorage::F8E4M3(c), CpuStorage::F32(n), Some(s)) => {
+                append(p, c, l1, n, l2, |h, x| quantize(x, s[h]))
+            }
+            (CpuStorage::F8E4M3(c), CpuStorage::F16(n), Some(s)) => {
+                append(p, c, l1, n, l2, |h, x: f16| quantize(x.to_f32(), s[h]))
+            }
+            (CpuStorage::F8E4M3(c), CpuStorage::BF16(n), Some(s)) => {
+                append(p, c, l1, n, l2, |h, x: bf16| quantize(x.to_f32(), s[h]))
+            }
+            (c, n, s) => bail!(
                 "kv-cache append: expected a cache and new rows of one dtype among F32, F16, \
-                 BF16, got {:?} and {:?}",
+                 BF16, or an F8E4M3 cache with scales, got {:?} and {:?} ({} scales)",
                 c.dtype(),
-                n.dtype()
+                n.dtype(),
+                if s.is_some() { "with" } else { "without" }
             ),
         }
     }
@@ -177,13 +193,34 @@ impl InplaceOp2 for AppendOp {
     }
 }
 
-/// The CPU append: `new` may have any strides; `cache` must be contiguous.
-fn append<T: Copy>(
+/// One new element into a cache of its own dtype.
+fn same<T>(_head: usize, x: T) -> T {
+    x
+}
+
+/// One new element into an e4m3 cache: `x / scale` by a true f32 division, then rounded to
+/// nearest even, saturating at ±448 (NaN stays NaN), the bytes the CUDA append writes.
+fn quantize(x: f32, scale: f32) -> F8E4M3 {
+    F8E4M3::from_f32(x / scale)
+}
+
+/// A scale tensor's values on the host when it lives on the CPU (CUDA kernels read it there).
+fn host_scale(t: Option<&Tensor>) -> Result<Option<Vec<f32>>> {
+    match t {
+        Some(t) if t.device().is_cpu() => Ok(Some(t.to_vec1::<f32>()?)),
+        _ => Ok(None),
+    }
+}
+
+/// The CPU append: `new` may have any strides; `cache` must be contiguous. Element `x` of
+/// head `h` is stored as `store(h, x)`.
+fn append<S: Copy, T>(
     p: &AppendProblem,
     cache: &mut [T],
     cache_layout: &Layout,
-    new: &[T],
+    new: &[S],
     new_layout: &Layout,
+    store: impl Fn(usize, S) -> T,
 ) -> Result<()> {
     let row_len = p.hk * p.d;
     let (c0, c1) = cache_range(
@@ -213,13 +250,9 @@ fn append<T: Copy>(
             let dst = &mut cache[row * row_len..][..row_len];
             for (h, dst) in dst.chunks_exact_mut(p.d).enumerate() {
                 let src = n0 + b * sb + i * si + h * sh;
-                if sd == 1 {
-                    dst.copy_from_slice(&new[src..][..p.d]);
-                } else {
-                    dst.iter_mut()
-                        .enumerate()
-                        .for_each(|(e, x)| *x = new[src + e * sd]);
-                }
+                dst.iter_mut()
+                    .enumerate()
+                    .for_each(|(e, x)| *x = store(h, new[src + e * sd]));
             }
         }
     }
@@ -234,6 +267,9 @@ pub(crate) struct DecodeOp {
     /// `(b, h, s_q)` f32 when `problem.want_lse`, written by `cpu_fwd` / `cuda_fwd`; shared
     /// with `run`, which hands the op itself to Candle.
     lse: Arc<Mutex<Option<Tensor>>>,
+    /// An FP8 cache on the CPU: the K and V scales, read by `run` before the op locks q's
+    /// storage (which the scales might share).
+    host_scales: Option<[Vec<f32>; 2]>,
 }
 
 impl DecodeOp {
@@ -241,6 +277,7 @@ impl DecodeOp {
         Self {
             problem,
             lse: Arc::new(Mutex::new(None)),
+            host_scales: None,
         }
     }
 
@@ -253,11 +290,16 @@ impl DecodeOp {
     /// Runs the op: `(b, s_q, h, d)` in q's dtype, and the LSE `(b, h, s_q)` when the problem
     /// asks for it.
     pub fn run(
-        self,
+        mut self,
         q: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if let Some(s) = &self.problem.kv_scales {
+            if let (Some(k), Some(v)) = (host_scale(Some(&s.k))?, host_scale(Some(&s.v))?) {
+                self.host_scales = Some([k, v]);
+            }
+        }
         let p = &self.problem;
         if p.b * p.s_q * p.h == 0 {
             let out = Tensor::zeros(self.out_shape(), q.dtype(), q.device())?;
@@ -355,8 +397,12 @@ impl CustomOp3 for DecodeOp {
     ) -> Result<(CpuStorage, Shape)> {
         let p = &self.problem;
         let q = cpu::gather_f32(s1, l1)?;
-        let k = gather_prefixes(p, s2, l2)?;
-        let v = gather_prefixes(p, s3, l3)?;
+        let [k_scale, v_scale] = match &self.host_scales {
+            Some([k, v]) => [Some(k.as_slice()), Some(v.as_slice())],
+            None => [None, None],
+        };
+        let k = gather_prefixes(p, s2, l2, k_scale)?;
+        let v = gather_prefixes(p, s3, l3, v_scale)?;
         // The real query rows, packed; padding rows (ragged queries) come back as zeros.
         let q_lens = self.q_lens()?;
         let row = p.h * p.d;
@@ -416,15 +462,32 @@ impl CustomOp3 for DecodeOp {
 }
 
 /// The first `seqlens[b]` tokens of every sequence of a cache, packed in f32:
-/// `(sum of seqlens, hk, d)`.
-fn gather_prefixes(p: &DecodeProblem, storage: &CpuStorage, layout: &Layout) -> Result<Vec<f32>> {
-    Ok(match storage {
-        CpuStorage::F32(x) => prefixes(p, x, layout, |x| x)?,
-        CpuStorage::F16(x) => prefixes(p, x, layout, f16::to_f32)?,
-        CpuStorage::BF16(x) => prefixes(p, x, layout, bf16::to_f32)?,
-        s => bail!(
-            "kv-cache: dtype {:?} is not supported on the CPU, expected F32, F16 or BF16",
-            s.dtype()
+/// `(sum of seqlens, hk, d)`. An F8E4M3 cache comes with its per-head `scale`: each element,
+/// as f32, is multiplied by its head's (the real value, as the CUDA kernels see it).
+fn gather_prefixes(
+    p: &DecodeProblem,
+    storage: &CpuStorage,
+    layout: &Layout,
+    scale: Option<&[f32]>,
+) -> Result<Vec<f32>> {
+    Ok(match (storage, scale) {
+        (CpuStorage::F32(x), None) => prefixes(p, x, layout, |x| x)?,
+        (CpuStorage::F16(x), None) => prefixes(p, x, layout, f16::to_f32)?,
+        (CpuStorage::BF16(x), None) => prefixes(p, x, layout, bf16::to_f32)?,
+        (CpuStorage::F8E4M3(x), Some(scale)) => {
+            let mut out = prefixes(p, x, layout, |x| x.to_f32())?;
+            // Rows of hk heads of d elements: chunk i belongs to head i % hk.
+            for (i, head) in out.chunks_exact_mut(p.d.max(1)).enumerate() {
+                let s = scale[i % p.hk.max(1)];
+                head.iter_mut().for_each(|x| *x *= s);
+            }
+            out
+        }
+        (s, scale) => bail!(
+            "kv-cache: dtype {:?} is not supported on the CPU {} scales, expected F32, F16 or \
+             BF16 without, or F8E4M3 with",
+            s.dtype(),
+            if scale.is_some() { "with" } else { "without" }
         ),
     })
 }

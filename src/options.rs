@@ -75,6 +75,19 @@ pub struct FlashAttn {
     /// Rotary embedding applied by the KV-cache calls to the new keys and the queries: see
     /// [`FlashAttn::rotary`].
     pub rotary: Option<Rotary>,
+    /// The dequantization scales of an F8E4M3 KV cache, read by the KV-cache calls: see
+    /// [`FlashAttn::kv_cache_scales`].
+    pub kv_cache_scales: Option<KvCacheScales>,
+}
+
+/// Per-head scales of an F8E4M3 (FP8) KV cache for [`FlashAttn::kv_cache_scales`]: a cached
+/// value, as f32, times its head's scale is the real key or value.
+#[derive(Clone, Debug)]
+pub struct KvCacheScales {
+    /// The key cache's scales, F32 `(num_heads_k,)` on q's device.
+    pub k: Tensor,
+    /// The value cache's scales, the same shape.
+    pub v: Tensor,
 }
 
 /// Rotary embedding tables for [`FlashAttn::rotary`].
@@ -90,7 +103,8 @@ pub struct Rotary {
 }
 
 impl PartialEq for FlashAttn {
-    /// Equal options; ALiBi slopes and sinks compare by tensor identity.
+    /// Equal options; ALiBi slopes, sinks, rotary tables and KV-cache scales compare by
+    /// tensor identity.
     fn eq(&self, other: &Self) -> bool {
         let same = |a: &Option<Tensor>, b: &Option<Tensor>| match (a, b) {
             (None, None) => true,
@@ -117,6 +131,11 @@ impl PartialEq for FlashAttn {
                 }
                 _ => false,
             }
+            && match (&self.kv_cache_scales, &other.kv_cache_scales) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.k.id() == b.k.id() && a.v.id() == b.v.id(),
+                _ => false,
+            }
     }
 }
 
@@ -135,6 +154,7 @@ impl Default for FlashAttn {
             block_mask: None,
             sinks: None,
             rotary: None,
+            kv_cache_scales: None,
         }
     }
 }
@@ -297,6 +317,27 @@ impl FlashAttn {
         self
     }
 
+    /// The dequantization scales of an F8E4M3 (FP8 e4m3) KV cache, for the KV-cache calls
+    /// ([`crate::flash_attn_with_kvcache`], its `_lse`, `_ragged` and paged forms, and
+    /// [`crate::flash_attn_with_kvcache_cascade`]'s own caches). `k_scale` and `v_scale` are
+    /// F32 `(num_heads_k,)` on q's device, one per cache head: a cached byte read as f32 times
+    /// its head's scale is the real key or value, and the call's append writes new rows as
+    /// `e4m3(x / scale[head])` (x after any rotary embedding, rounded to q's dtype, divided
+    /// in f32; round to nearest even, saturating at ±448, NaN kept). [`crate::quant::fp8_scales`] with
+    /// [`crate::quant::Fp8Scaling::PerHead`] computes such scales from sample keys or values.
+    ///
+    /// Required when the caches are `DType::F8E4M3` (an error naming `kv_cache_scales`
+    /// otherwise), an error with caches of any other dtype. [`crate::KvCache`] and
+    /// [`crate::PagedKvCache`] keep their scales themselves (`with_scales`) and refuse this
+    /// option. Other entry points report an error.
+    pub fn kv_cache_scales(mut self, k_scale: &Tensor, v_scale: &Tensor) -> Self {
+        self.kv_cache_scales = Some(KvCacheScales {
+            k: k_scale.clone(),
+            v: v_scale.clone(),
+        });
+        self
+    }
+
     /// The window, cap, slopes and block mask of a KV-cache decoding call with this shape,
     /// checked (the decoding call checks its sinks itself).
     pub(crate) fn score_mods(
@@ -359,6 +400,12 @@ impl FlashAttn {
             bail!(
                 "rotary: only the KV-cache calls apply rotary embedding; rotate q and k before \
                  this call (candle_flash::train::rotary)"
+            )
+        }
+        if self.kv_cache_scales.is_some() {
+            bail!(
+                "kv_cache_scales: only the KV-cache calls read FP8 cache scales; dequantize K \
+                 and V before this call (candle_flash::quant::dequantize_fp8)"
             )
         }
         let mods = self.checked_mods(&shape, device)?;

@@ -484,6 +484,17 @@ pub(crate) struct DecodeProblem {
     /// Attention sinks `(h)` in f32 ([`crate::sinks::values`]), applied to the output and
     /// LSE after the kernel.
     pub sinks: Option<Tensor>,
+    /// An F8E4M3 cache's dequantization scales; `None` for a cache in q's dtype.
+    pub kv_scales: Option<KvScales>,
+}
+
+/// The per-head dequantization scales of an F8E4M3 KV cache: a cached value times its
+/// head's scale is the real key or value. Each is `(num_heads_k,)` F32, contiguous, on the
+/// cache's device (checked by the call).
+#[derive(Clone, Debug)]
+pub(crate) struct KvScales {
+    pub k: Tensor,
+    pub v: Tensor,
 }
 
 /// One in-place append: `new` (b, s_new, hk, d) is written to cache rows
@@ -502,6 +513,19 @@ pub(crate) struct AppendProblem {
     pub paging: Paging,
     /// Rotates the new rows, and the queries, at their positions (the K append only).
     pub rotary: Option<RotaryProblem>,
+    /// An F8E4M3 cache: this cache's per-head scales `(hk,)` F32 (see [`KvScales`]); the new
+    /// rows are divided by their head's scale and rounded to e4m3 (saturating at ±448).
+    pub quant: Option<QuantScale>,
+}
+
+/// [`AppendProblem::quant`]: a scale tensor compared by identity.
+#[derive(Clone, Debug)]
+pub(crate) struct QuantScale(pub Tensor);
+
+impl PartialEq for QuantScale {
+    fn eq(&self, o: &Self) -> bool {
+        self.0.id() == o.0.id()
+    }
 }
 
 /// Rotary embedding fused into a KV-cache append: the new rows turn at positions

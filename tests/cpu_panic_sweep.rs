@@ -16,6 +16,7 @@ use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use candle::{DType, Device, Result, Tensor, Var};
+use candle_flash::quant::{dequantize_fp8, fp8_scales, quantize_fp8, Fp8Scaling};
 use candle_flash::train::{self, AdamW};
 use candle_flash::{
     attention_slow, attention_slow_dropout, attention_slow_with, combine, dropout_mask, flash_attn,
@@ -712,6 +713,129 @@ fn kv_cache_entry_points_never_panic() {
         }
     }
     s.finish("kvcache");
+}
+
+/// FP8 caches (scales of every wrong kind, appends and decoding with the pool) and the
+/// quantization helpers over the pool, with every scaling and scales of the wrong shape.
+#[test]
+fn fp8_and_quant_entry_points_never_panic() {
+    let mut s = Sweep::default();
+    let scale_pool = [
+        ("(2)", f(&[2])),
+        ("(1)", f(&[1])),
+        ("(0)", f(&[0])),
+        ("(2,1)", f(&[2, 1])),
+        ("f16 (2)", t(&[2], DType::F16)),
+        ("u32 (2)", t(&[2], DType::U32)),
+        ("nan (2)", (f(&[2]) * f64::NAN).unwrap()),
+        ("zeros (2)", f(&[2]).zeros_like().unwrap()),
+        ("rank 0", Tensor::new(1f32, &CPU).unwrap()),
+    ];
+    for &a in &[0usize, 1, 8, BIG, HUGE] {
+        s.call(format!("KvCache::new F8E4M3 {a}"), || {
+            KvCache::new(2, a, 2, 8, DType::F8E4M3, &CPU)
+        });
+        s.call(format!("PagedKvCache::new F8E4M3 {a}"), || {
+            PagedKvCache::new(2, a, 4, 2, 2, 8, DType::F8E4M3, &CPU)
+        });
+    }
+    let pool = pool();
+    for (sn, sc) in &scale_pool {
+        for (s2n, sc2) in [&scale_pool[0], &scale_pool[3], &scale_pool[6]].map(|p| (&p.0, &p.1)) {
+            let Some(mut cache) = s.call(format!("with_scales {sn} {s2n}"), || {
+                KvCache::new(2, 8, 2, 8, DType::F8E4M3, &CPU)?.with_scales(sc.clone(), sc2.clone())
+            }) else {
+                continue;
+            };
+            let mut paged = PagedKvCache::new(2, 4, 4, 2, 2, 8, DType::F8E4M3, &CPU)
+                .and_then(|p| p.with_scales(sc.clone(), sc2.clone()))
+                .unwrap();
+            for (qn, q) in pool.iter().step_by(2) {
+                for (kn, k) in pool.iter().step_by(5) {
+                    let what = format!("fp8 KvCache {sn} q {qn} k {kn}");
+                    let before = (fp8_bytes(cache.k()), fp8_bytes(cache.v()));
+                    let r = s.call(&what, || {
+                        cache.append_and_attend(q, k, k, &FlashAttn::new())
+                    });
+                    if r.is_none() && (fp8_bytes(cache.k()), fp8_bytes(cache.v())) != before {
+                        s.wrong(format!("{what}: failed, yet the cache changed"));
+                    }
+                    s.call(format!("fp8 PagedKvCache {sn} q {qn} k {kn}"), || {
+                        paged.append_and_attend(q, k, k, &FlashAttn::new())
+                    });
+                }
+                if q.rank() == 3 {
+                    s.call(format!("fp8 append_varlen {sn} {qn}"), || {
+                        cache.append_varlen(q, q, &[2, 3])
+                    });
+                }
+            }
+            cache.reset();
+            paged.reset();
+        }
+        let (q, kv) = (f(&[2, 1, 4, 8]), f(&[2, 1, 2, 8]));
+        let (k8, v8) = (
+            t(&[2, 8, 2, 8], DType::F8E4M3),
+            t(&[2, 8, 2, 8], DType::F8E4M3),
+        );
+        for (cn, kc, vc) in [("fp8", &k8, &v8), ("mixed", &k8, &pool[1].1)] {
+            for lens in [&[0u32, 0][..], &[u32::MAX, 0], &[7, 7], &[1]] {
+                let opts = FlashAttn::new().kv_cache_scales(sc, &scale_pool[0].1);
+                let what = format!("flash_attn_with_kvcache {cn} scales {sn} {lens:?}");
+                let before = (fp8_bytes(kc), fp8_bytes(&k8));
+                let r = s.call(&what, || {
+                    flash_attn_with_kvcache(&q, kc, vc, Some((&kv, &kv)), lens, &opts)
+                });
+                if r.is_none() && (fp8_bytes(kc), fp8_bytes(&k8)) != before {
+                    s.wrong(format!("{what}: failed, yet the cache changed"));
+                }
+                s.call(format!("forward with kv_cache_scales {sn}"), || {
+                    opts.forward(&q, &q, &q)
+                });
+            }
+        }
+    }
+    let scalings = [
+        Fp8Scaling::PerTensor,
+        Fp8Scaling::PerHead,
+        Fp8Scaling::PerBlock { rows: 0 },
+        Fp8Scaling::PerBlock { rows: 1 },
+        Fp8Scaling::PerBlock { rows: 3 },
+        Fp8Scaling::PerBlock { rows: BIG },
+        Fp8Scaling::PerBlock { rows: HUGE },
+    ];
+    for (xn, x) in &pool {
+        for &scaling in &scalings {
+            let what = format!("fp8_scales {xn} {scaling:?}");
+            let scales = s.call(&what, || fp8_scales(x, scaling));
+            for (sn, sc) in scales
+                .iter()
+                .map(|t| ("own", t))
+                .chain(scale_pool.iter().map(|(n, t)| (*n, t)))
+            {
+                let what = format!("quantize_fp8 {xn} {scaling:?} scales {sn}");
+                if let Some(q8) = s.call(&what, || quantize_fp8(x, sc, scaling)) {
+                    for dtype in [DType::F32, DType::BF16, DType::U8] {
+                        s.call(format!("dequantize_fp8 {what} {dtype:?}"), || {
+                            dequantize_fp8(&q8, sc, scaling, dtype)
+                        });
+                    }
+                }
+                s.call(format!("dequantize_fp8 of {xn} {scaling:?} {sn}"), || {
+                    dequantize_fp8(x, sc, scaling, DType::F32)
+                });
+            }
+        }
+    }
+    s.finish("fp8");
+}
+
+/// The bytes of an F8E4M3 tensor (others: empty).
+fn fp8_bytes(t: &Tensor) -> Vec<u8> {
+    match t.flatten_all().and_then(|t| t.to_vec1::<float8::F8E4M3>()) {
+        Ok(v) => v.into_iter().map(|x| x.to_bits()).collect(),
+        Err(_) => vec![],
+    }
 }
 
 /// The training ops with mismatched shapes, odd dtypes, out-of-range ids and targets, bad

@@ -10,7 +10,7 @@
 //!
 //! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
 //! runs only those sections: fwd, bwd, mods (window, softcap, ALiBi), sparse (block-sparse), varlen (varlen,
-//! padding, dropout), sinks (attention sinks), kvcache, misc
+//! padding, dropout), sinks (attention sinks), kvcache, fp8 (the FP8 KV cache), misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
 //! reliability, train (the fused training ops), property (random configurations over every
 //! option, tests/gpu/property.rs); `--sanitize` (scripts/gpu/sanitize.sh, with `--quick`) draws random inputs and
@@ -44,6 +44,10 @@ mod varlen_dropout;
 #[cfg(feature = "cuda")]
 #[path = "gpu/kvcache.rs"]
 mod kvcache;
+
+#[cfg(feature = "cuda")]
+#[path = "gpu/kvcache_fp8.rs"]
+mod kvcache_fp8;
 
 #[cfg(feature = "cuda")]
 #[path = "gpu/block_sparse.rs"]
@@ -948,7 +952,7 @@ mod cuda_suite {
     type Section = fn(&Device, bool, &mut Suite);
 
     /// The sections in the order they run; `--only` picks among them.
-    const SECTIONS: [(&str, Section); 11] = [
+    const SECTIONS: [(&str, Section); 12] = [
         ("fwd", fwd_section),
         ("bwd", bwd_section),
         ("mods", crate::mods::run),
@@ -956,6 +960,7 @@ mod cuda_suite {
         ("varlen", crate::varlen_dropout::run),
         ("sinks", crate::sinks::run),
         ("kvcache", crate::kvcache::run),
+        ("fp8", crate::kvcache_fp8::run),
         ("misc", misc_section),
         ("reliability", crate::reliability::run),
         ("train", train_section),

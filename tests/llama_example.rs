@@ -116,6 +116,91 @@ fn the_graph_step_decodes_like_the_eager_one() {
 }
 
 #[test]
+fn an_fp8_cache_decodes_close_to_the_f32_one_eager_and_on_the_device() {
+    // `--kv-cache-dtype fp8`: the prefill attends to its own keys (identical first logits),
+    // then every step reads e4m3 keys and values (per-head scales from the prompt) and stays
+    // close to the f32 cache; the device step agrees with the eager one.
+    let dir = builtin_dir("fp8-cache");
+    let p = prompts(&dir);
+    let load = || {
+        Checkpoint::open(&dir)
+            .unwrap()
+            .load(AttnImpl::Flash, DType::F32, &Device::Cpu, 512)
+            .unwrap()
+    };
+    let full = load();
+    let mut fp8 = load();
+    fp8.set_kv_cache_dtype(DType::F8E4M3).unwrap();
+    assert_eq!(fp8.kv_bytes_per_token() * 4, full.kv_bytes_per_token());
+    let mut graphs = graph::Graphs::new(false, 64);
+    for layout in [
+        CacheLayout::Contiguous,
+        CacheLayout::Paged { page_size: 16 },
+    ] {
+        let opts = greedy(12, layout);
+        let want = generate::generate(&full, &p, &opts, |_, _| {}).unwrap();
+        let got = generate::generate(&fp8, &p, &opts, |_, _| {}).unwrap();
+        assert_eq!(
+            max_diff(&got.logits[..1], &want.logits[..1]),
+            0.0,
+            "{layout:?}"
+        );
+        // Step i's logits follow the tokens before it: compared while both runs chose the
+        // same tokens (random weights leave near ties that quantization may tip).
+        let same = common_steps(&got.tokens, &want.tokens);
+        assert!(same >= 4, "{layout:?}: tokens part after {same} steps");
+        let scale = max_abs(&want.logits);
+        let diff = max_diff(&got.logits[..=same.min(11)], &want.logits[..=same.min(11)]);
+        assert!(
+            diff < 0.05 * scale,
+            "{layout:?}: logits differ by {diff} (max |logit| {scale})"
+        );
+        let g = generate::generate_with(&fp8, &p, &opts, &mut graphs, |_, _| {}).unwrap();
+        assert_eq!(g.stats.decode, "device step");
+        let same = common_steps(&g.tokens, &got.tokens);
+        assert!(
+            same >= 4,
+            "{layout:?}: the device step's tokens part after {same} steps"
+        );
+        let diff = max_diff(&g.logits[..=same.min(11)], &got.logits[..=same.min(11)]);
+        assert!(
+            diff < 0.02 * scale,
+            "{layout:?}: device step differs by {diff}"
+        );
+    }
+    // The naive attention has no FP8 cache.
+    let mut naive = Checkpoint::open(&dir)
+        .unwrap()
+        .load(AttnImpl::Naive, DType::F32, &Device::Cpu, 512)
+        .unwrap();
+    let err = naive.set_kv_cache_dtype(DType::F8E4M3).unwrap_err();
+    assert!(err.to_string().contains("--attention flash"), "{err}");
+}
+
+/// Steps (from the first) at which every sequence chose the same token in both runs.
+fn common_steps(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
+    let steps = a.iter().map(Vec::len).min().unwrap_or(0);
+    (0..steps)
+        .take_while(|&i| a.iter().zip(b).all(|(x, y)| x[i] == y[i]))
+        .count()
+}
+
+fn max_abs(xs: &[Tensor]) -> f32 {
+    xs.iter()
+        .map(|t| {
+            t.abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
 fn a_cache_stepped_on_the_device_refuses_eager_steps_until_reset() {
     let dir = builtin_dir("graph-mix");
     let model = Checkpoint::open(&dir)

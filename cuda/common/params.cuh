@@ -137,6 +137,9 @@ struct DecodeParams {
     // Split merge: one arrival counter per (b, h_k, row tile), zero at launch and left zero
     // (the last split of a tile resets its counter). Set whenever num_splits > 1.
     unsigned int* counters;
+    // An e4m3 cache (the `_fp8` kernels): per-K/V-head dequantization scales (h_k), f32.
+    const float* k_scale;
+    const float* v_scale;
     // Small batches pass their lengths with the launch instead of a host-to-device copy.
     int seqlens_inline[DECODE_INLINE_SEQLENS];
 };
@@ -165,4 +168,7 @@ struct AppendParams {
     const void* q;
     void* q_out;
     int64_t q_batch_stride, q_row_stride, q_head_stride;
+    // An e4m3 cache (`flash_append_fp8_*`): per-head scales (h_k), f32; rows are divided by
+    // theirs. Null otherwise.
+    const float* scale;
 };

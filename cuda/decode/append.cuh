@@ -5,8 +5,10 @@
 // Grid (max(s_new, s_q), h_k + h, b): block (i, y, b) writes K/V row i of head y < h_k, or
 // rotates query row i of head y - h_k.
 #pragma once
+#include <type_traits>
 #include "common/mma.cuh"
 #include "decode/decode_block.cuh"
+#include "decode/fp8.cuh"
 
 // 8 elements (one 16-byte chunk) as floats and back.
 template <typename T> struct Chunk8 {
@@ -26,23 +28,52 @@ template <typename T> struct Chunk8 {
             make_uint4(MmaOp<T>::pack(x[0], x[1]), MmaOp<T>::pack(x[2], x[3]),
                        MmaOp<T>::pack(x[4], x[5]), MmaOp<T>::pack(x[6], x[7]));
     }
+    // Into an e4m3 cache (8 bytes): rounded to T first, so that a rotated row is quantized
+    // from the value the 16-bit path would have stored (and the CPU, rotating in T, agrees).
+    __device__ __forceinline__ void store(uint8_t* dst, float scale) const {
+        float r[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float2 f = MmaOp<T>::unpack(MmaOp<T>::pack(x[2 * k], x[2 * k + 1]));
+            r[2 * k] = f.x;
+            r[2 * k + 1] = f.y;
+        }
+        *reinterpret_cast<uint2*>(dst) = quantize_e4m3x8(r, scale);
+    }
 };
+
+// A chunk into a cache row of C: T as it is, or e4m3 divided by the head's `scale`.
+template <typename T, typename C>
+__device__ __forceinline__ void store_chunk(C* dst, const Chunk8<T>& a, float scale) {
+    if constexpr (std::is_same_v<C, T>) {
+        a.store(dst);
+    } else {
+        a.store(dst, scale);
+    }
+}
 
 // Writes row `src` (d elements) to `dst`, rotated at position `pos` when the launch has
 // rotary tables: the first 2 * rot_half elements turn by the angles of row `pos` (clamped to
 // the tables: device lengths are unchecked), in pairs (j, j + rot_half) or, interleaved,
 // (2j, 2j + 1); the rest is copied. f32 arithmetic, one rounding. rot_half is a multiple of 8
-// (checked on the host), so a chunk never straddles the rotated and copied parts.
-template <typename T>
-__device__ __forceinline__ void append_row(const AppendParams& ap, T* dst, const T* src,
-                                           int64_t pos) {
+// (checked on the host), so a chunk never straddles the rotated and copied parts. A cache of
+// C = uint8_t is e4m3, each element divided by `scale` (its head's) on the way.
+template <typename T, typename C>
+__device__ __forceinline__ void append_row(const AppendParams& ap, C* dst, const T* src,
+                                           int64_t pos, float scale = 1.f) {
     const int rot = ap.rot_cos != nullptr ? 2 * ap.rot_half : 0;
     const int64_t row = min(pos, int64_t(ap.rot_rows) - 1);
     const float* cs = ap.rot_cos + row * ap.rot_half;
     const float* sn = ap.rot_sin + row * ap.rot_half;
     for (int c = threadIdx.x * CHUNK; c < ap.d; c += blockDim.x * CHUNK) {
         if (c >= rot) {
-            *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+            if constexpr (std::is_same_v<C, T>) {
+                *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+            } else {
+                Chunk8<T> a;
+                a.load(src + c);
+                a.store(dst + c, scale);
+            }
             continue;
         }
         Chunk8<T> a;
@@ -55,7 +86,7 @@ __device__ __forceinline__ void append_row(const AppendParams& ap, T* dst, const
                 a.x[2 * k] = x0 * cs[j] - x1 * sn[j];
                 a.x[2 * k + 1] = x1 * cs[j] + x0 * sn[j];
             }
-            a.store(dst + c);
+            store_chunk(dst + c, a, scale);
             continue;
         }
         if (c >= ap.rot_half) continue;  // the second half: its partner chunk writes it
@@ -67,12 +98,13 @@ __device__ __forceinline__ void append_row(const AppendParams& ap, T* dst, const
             a.x[k] = x0 * cs[c + k] - x1 * sn[c + k];
             b.x[k] = x1 * cs[c + k] + x0 * sn[c + k];
         }
-        a.store(dst + c);
-        b.store(dst + c + ap.rot_half);
+        store_chunk(dst + c, a, scale);
+        store_chunk(dst + c + ap.rot_half, b, scale);
     }
 }
 
-template <typename T> __device__ __forceinline__ void flash_append(const AppendParams& ap) {
+// C: the cache's element, T (the new rows' type) or uint8_t for an e4m3 cache (ap.scale).
+template <typename T, typename C> __device__ __forceinline__ void flash_append(const AppendParams& ap) {
     const int i = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
     const int64_t start = unsigned(ap.start[b]);
     // Ragged: the sequence's own count of new (and query) rows.
@@ -92,9 +124,9 @@ template <typename T> __device__ __forceinline__ void flash_append(const AppendP
     // Host starts were checked to fit the cache; device ones are dropped past its capacity.
     const int64_t j = start + i;
     if (j >= cache_capacity(ap.block_table, ap.max_pages, ap.page_size)) return;
-    T* dst = rows.row(static_cast<T*>(ap.cache), ap.cache_page_stride, ap.cache_row_stride,
+    C* dst = rows.row(static_cast<C*>(ap.cache), ap.cache_page_stride, ap.cache_row_stride,
                       ap.cache_head_stride, int(j));
     const T* src = static_cast<const T*>(ap.src) + b * ap.src_batch_stride +
                    int64_t(i) * ap.src_row_stride + y * ap.src_head_stride;
-    append_row(ap, dst, src, j);
+    append_row(ap, dst, src, j, std::is_same_v<C, T> ? 1.f : ap.scale[y]);
 }

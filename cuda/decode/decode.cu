@@ -13,8 +13,10 @@
 // below. The query heads that share a K/V head are folded into the rows of one tile (GQA
 // packing): row r holds token r / group of head h_k * group + r % group, so each K/V element
 // is read once per group, not per head.
+#include <type_traits>
 #include "decode/append.cuh"
 #include "decode/decode_block.cuh"
+#include "decode/fp8.cuh"
 #include "common/gemm.cuh"
 #include "common/mask/visibility.cuh"
 #include "common/pdl.cuh"
@@ -28,13 +30,23 @@
 // reads every K/V byte once and does little math per byte, so what matters is many copies
 // in flight, no block-wide barrier inside the loop, and few instructions per byte: at 12
 // warps per SM the loop must stay near 300 instructions per 8 KB tile to keep up with HBM.
-template <typename T_, int D_, int NWARPS_ = 4> struct DecodeTraits {
+//
+// FP8 = true: the cache is e4m3 (decode/fp8.cuh): its rows are D bytes, handled as D / 2
+// 16-bit units by the copies, and the matmuls run in f16 whatever T is.
+template <typename T_, int D_, int NWARPS_ = 4, bool FP8_ = false> struct DecodeTraits {
     using T = T_;
+    static constexpr bool FP8 = FP8_;
+    // The tiles' storage unit: 16-bit elements, or pairs of e4m3 bytes.
+    using U = std::conditional_t<FP8, uint16_t, T>;
+    // The mma's element type.
+    using M = std::conditional_t<FP8, __half, T>;
     static constexpr int D = D_, NWARPS = NWARPS_, THREADS = 32 * NWARPS;
     static constexpr int ROWS = 16;  // one m16 tile of packed (token, head) rows
     static constexpr int BN = 16;    // keys per warp tile
+    static constexpr int UNITS = FP8 ? D / 2 : D;  // 16-bit units per K/V row
     static constexpr int STRIDE = D + SMEM_PAD;        // Q tile pitch (padded rows)
-    static constexpr int PITCH = SwizzledRows<D>::PITCH;  // K/V tile pitch (swizzled rows)
+    static constexpr int PITCH = SwizzledRows<UNITS>::PITCH;  // K/V tile pitch (units)
+    static constexpr int ROW_BYTES = PITCH * 2;
     static constexpr int DT = D / 8;
     // Q's A fragments stay in registers across tiles up to D = 128 (32 registers); larger
     // head dims need those registers for O and re-read Q from shared memory.
@@ -45,13 +57,16 @@ template <typename T_, int D_, int NWARPS_ = 4> struct DecodeTraits {
     // Partial-O loads in flight per thread in the merge (merge_splits): 4 registers
     // each, which small head dims would pay for in occupancy.
     static constexpr int MERGE_UNROLL = D <= 32 ? 8 : 16;
-    static constexpr int RING = 2 * 2 * BN * PITCH;  // per warp: 2 stages x (K, V), elements
+    // Two stages for e4m3 tiles too: four (as many bytes in flight as the 16-bit ring) were
+    // slower at every shape (H200, (8, 8k) 0.0410 ms against 0.0403; docs/archive/PERF.md).
+    static constexpr int RING = 2 * 2 * BN * PITCH;  // per warp: 2 stages x (K, V), units
     // The merge reuses the rings as f32: NWARPS x ROWS x D partial O, then row max and sum.
     static constexpr int MERGE_BYTES = NWARPS * ROWS * (D + 2) * 4;
     static_assert(ROWS * STRIDE * int(sizeof(T)) % 128 == 0, "K/V rings start 128-byte aligned");
+    static_assert(!FP8 || D % 32 == 0, "e4m3 tiles are read 32 columns at a time");
     // Q tile, rings (or the merge's buffers), then the merge's arrival count.
     static constexpr int ARRIVED_OFFSET = ROWS * STRIDE * int(sizeof(T)) +
-        (NWARPS * RING * int(sizeof(T)) > MERGE_BYTES ? NWARPS * RING * int(sizeof(T)) : MERGE_BYTES);
+        (NWARPS * RING * 2 > MERGE_BYTES ? NWARPS * RING * 2 : MERGE_BYTES);
     static constexpr int SMEM_BYTES = ARRIVED_OFFSET + 16;
 };
 
@@ -240,7 +255,11 @@ __device__ __forceinline__ void pad_rows(const DecodeParams& dp, int b, int h_k,
 
 template <class K> __device__ __forceinline__ void flash_decode(const DecodeParams& dp) {
     using T = typename K::T;
+    using U = typename K::U;
+    using M = typename K::M;
     constexpr int D = K::D, BN = K::BN, STRIDE = K::STRIDE, PITCH = K::PITCH, DT = K::DT;
+    // Cache strides arrive in elements; the tiles move 16-bit units (two e4m3 bytes).
+    constexpr int PER_UNIT = K::FP8 ? 2 : 1;
     constexpr int NW = K::NWARPS;
     constexpr int ROWS = K::ROWS, KSTEPS = D / 16;
     const AttnParams& p = dp.a;
@@ -256,7 +275,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     // boundary moved each sector twice: 16.8 M sectors for 8.4 M at (8, 8k)).
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* rings = sQ + ROWS * STRIDE;  // 128-byte aligned (static_assert in DecodeTraits)
+    U* rings = reinterpret_cast<U*>(sQ + ROWS * STRIDE);  // 128-byte aligned (DecodeTraits)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int group = p.h_h_k_ratio;
     const int rows = p.seqlen_q * group;  // packed (token, head) rows of one K/V head
@@ -308,8 +327,13 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     // sequence), found with one block-table read per tile, done a step ahead so that its
     // latency hides behind the current tile. Pages of other sizes (not a multiple of 16)
     // look every row up.
-    const T* k_head = static_cast<const T*>(p.k) + h_k * p.k_head_stride;
-    const T* v_head = static_cast<const T*>(p.v) + h_k * p.v_head_stride;
+    const int64_t k_batch = p.k_batch_stride / PER_UNIT, k_row = p.k_row_stride / PER_UNIT;
+    const int64_t v_batch = p.v_batch_stride / PER_UNIT, v_row = p.v_row_stride / PER_UNIT;
+    const U* k_base = static_cast<const U*>(p.k);
+    const U* v_base = static_cast<const U*>(p.v);
+    const U* k_head = k_base + h_k * (p.k_head_stride / PER_UNIT);
+    const U* v_head = v_base + h_k * (p.v_head_stride / PER_UNIT);
+    const int units_valid = p.d / PER_UNIT;
     const int* table = dp.block_table;
     const bool row_lookup = table != nullptr && dp.page_size % BN != 0;
     const CacheRows cache{table, dp.max_pages, dp.page_size, b, h_k, dp.num_pages};
@@ -320,34 +344,32 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                    ? clamp_page(my_pages[tile * BN / dp.page_size], dp.num_pages)
                    : 0;
     };
-    const WarpTileCopy<T, BN, D> copy(lane);
+    const WarpTileCopy<U, BN, K::UNITS> copy(lane);
     const bool full_cols = p.d == D;
 
-    T* ring = rings + warp * K::RING;  // stage s: K at ring + s * 2 * BN * PITCH, V after it
+    U* ring = rings + warp * K::RING;  // stage s: K at ring + s * 2 * BN * PITCH, V after it
     const auto prefetch = [&](int tile, int stage, int page) {
         const int n0 = tile * BN;
-        T* sK = ring + stage * 2 * BN * PITCH;
-        T* sV = sK + BN * PITCH;
+        U* sK = ring + stage * 2 * BN * PITCH;
+        U* sV = sK + BN * PITCH;
         if (row_lookup) {
             const int j = n0 + lane % BN;
             const bool is_v = lane >= BN;
-            const T* my_row = j >= seqlen_k ? nullptr
-                : is_v ? cache.row(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride,
-                                   p.v_head_stride, j)
-                       : cache.row(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
-                                   p.k_head_stride, j);
-            copy.gathered(sK, sV, my_row, static_cast<const T*>(p.k), p.d);
+            const U* my_row = j >= seqlen_k ? nullptr
+                : is_v ? cache.row(v_base, v_batch, v_row, p.v_head_stride / PER_UNIT, j)
+                       : cache.row(k_base, k_batch, k_row, p.k_head_stride / PER_UNIT, j);
+            copy.gathered(sK, sV, my_row, k_base, units_valid);
             return;
         }
         const int r0 = table == nullptr ? n0 : n0 % dp.page_size;
-        const T* kt = k_head + page * p.k_batch_stride + int64_t(r0) * p.k_row_stride;
-        const T* vt = v_head + page * p.v_batch_stride + int64_t(r0) * p.v_row_stride;
+        const U* kt = k_head + page * k_batch + int64_t(r0) * k_row;
+        const U* vt = v_head + page * v_batch + int64_t(r0) * v_row;
         if (full_cols && n0 + BN <= seqlen_k) {
-            copy.full(sK, kt, p.k_row_stride);
-            copy.full(sV, vt, p.v_row_stride);
+            copy.full(sK, kt, k_row);
+            copy.full(sV, vt, v_row);
         } else {
-            copy.partial(sK, kt, p.k_row_stride, seqlen_k - n0, p.d);
-            copy.partial(sV, vt, p.v_row_stride, seqlen_k - n0, p.d);
+            copy.partial(sK, kt, k_row, seqlen_k - n0, units_valid);
+            copy.partial(sV, vt, v_row, seqlen_k - n0, units_valid);
         }
     };
 
@@ -360,9 +382,14 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     cp_async_commit();  // one group per step, empty or not, so wait<1> always means "this tile"
     cp_async_wait<1>();  // Q landed (this thread's part) ...
     __syncthreads();     // ... and everyone's
+    if constexpr (K::FP8) {  // f16, carrying the K scale, in the K fragments' k order
+        q_to_f16_permuted<T, ROWS, D, STRIDE, K::THREADS>(sQ, dp.k_scale[h_k], tid);
+        __syncthreads();
+    }
+    const M* sQm = reinterpret_cast<const M*>(sQ);
     uint32_t qf[K::Q_IN_REGS ? KSTEPS : 1][4];
     if constexpr (K::Q_IN_REGS) {
-        const uint32_t q_base = smem_addr(sQ + (lane % 16) * STRIDE + (lane / 16) * 8);
+        const uint32_t q_base = smem_addr(sQm + (lane % 16) * STRIDE + (lane / 16) * 8);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) ldmatrix_x4(qf[kk], q_base + kk * 16 * int(sizeof(T)));
     }
@@ -372,16 +399,22 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         cp_async_commit();
         cp_async_wait<1>();
         __syncwarp();  // this tile landed for the whole warp
-        const T* sK = ring + stage * 2 * BN * PITCH;
+        const U* sK = ring + stage * 2 * BN * PITCH;
         float s[1][2][4];
         zero(s);
-        gemm_qk<T, KSTEPS, STRIDE, PITCH, K::Q_IN_REGS>(s, qf, sQ, sK, lane);
+        if constexpr (K::FP8)
+            gemm_qk_fp8<KSTEPS, STRIDE, K::ROW_BYTES, K::Q_IN_REGS>(s, qf, sQm, sK, lane);
+        else
+            gemm_qk<T, KSTEPS, STRIDE, PITCH, K::Q_IN_REGS>(s, qf, sQ, sK, lane);
         mask.apply<1, 2>(s, m0, tile * BN, lane,
                          mask.template block_needs_mask<BN>(q_first, q_last, tile * BN), group);
         softmax.update(s, o, p.scale_log2);
         uint32_t pa[1][1][4];
-        pack_a<T, 1, 2>(s, pa);
-        gemm_pv<T, DT, PITCH>(o, pa, sK + BN * PITCH, lane);
+        pack_a<M, 1, 2>(s, pa);
+        if constexpr (K::FP8)
+            gemm_pv_fp8<DT, K::ROW_BYTES>(o, pa, sK + BN * PITCH, lane);
+        else
+            gemm_pv<T, DT, PITCH>(o, pa, sK + BN * PITCH, lane);
         __syncwarp();  // every lane is done with this stage before it is refilled
     }
     cp_async_wait<0>();
@@ -404,10 +437,14 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
             sM[warp * ROWS + row] = softmax.row_max[0][r];
             sL[warp * ROWS + row] = l;
         }
+        if constexpr (K::FP8) {
+            store_o_fp8(sO + (warp * ROWS + row) * D, o, r, t);
+        } else {
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            *reinterpret_cast<float2*>(sO + (warp * ROWS + row) * D + dt * 8 + 2 * t) =
-                make_float2(o[0][dt][2 * r], o[0][dt][2 * r + 1]);
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(sO + (warp * ROWS + row) * D + dt * 8 + 2 * t) =
+                    make_float2(o[0][dt][2 * r], o[0][dt][2 * r + 1]);
+        }
     }
     __syncthreads();
     // One thread per row turns the warps' (max, sum) into merge weights, written over sM:
@@ -444,6 +481,9 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         }
     }
     __syncthreads();
+    // An e4m3 cache's V scale, applied once to the output (partials included: the merge is
+    // linear in them).
+    const float v_scale = K::FP8 ? dp.v_scale[h_k] : 1.f;
     for (int e = tid; e < ROWS * D; e += K::THREADS) {
         const int row = e / D, col = e % D;
         const int token = (m0 + row) / group;
@@ -451,6 +491,7 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         float x = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; ++w) x += sM[w * ROWS + row] * sO[(w * ROWS + row) * D + col];
+        x *= v_scale;
         const int head = h_k * group + (m0 + row) % group;
         if (split_out) {
             const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;

@@ -64,6 +64,10 @@ pub enum Op {
     SinksFwd,
     /// The sinks' gradient: per-block partials, summed by `RmsDw`, `(out)`.
     SinksGrad,
+    /// A tensor to e4m3 bytes divided by its group's scale, `(x)` (`quant.cuh`, src/quant/).
+    Fp8Quantize,
+    /// e4m3 bytes times their scale, `(y)`.
+    Fp8Dequantize,
 }
 
 /// An element type a kernel is instantiated for.
@@ -144,6 +148,8 @@ pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
     (Op::Argmax, EACH),
     (Op::SinksFwd, HALVES),
     (Op::SinksGrad, HALVES),
+    (Op::Fp8Quantize, EACH),
+    (Op::Fp8Dequantize, EACH),
 ];
 
 impl Dtypes {

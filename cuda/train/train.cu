@@ -3,7 +3,8 @@
 // ops and, in a training graph, the per-op gradient bookkeeping of that chain. The attention's
 // own helpers live here too: the sinks' fix-up and gradient (src/sinks.rs), the merge of
 // partial attentions (src/combine.rs); and the decoding step's: the residual add fused with
-// its norm, the few-row matrix products and the greedy argmax (src/infer/). One macro per kernel kind holds its signature; the
+// its norm, the few-row matrix products and the greedy argmax (src/infer/); FP8 quantization
+// (src/quant/). One macro per kernel kind holds its signature; the
 // kernels themselves, their names and element types, come from the catalogue
 // (cuda/train/catalogue.rs), which build.rs turns into the `instances/train.inc` included at
 // the end. The launchers find them there by op and dtypes.
@@ -18,6 +19,7 @@
 #include "train/gemv.cuh"
 #include "train/gemv_mma.cuh"
 #include "train/argmax.cuh"
+#include "train/quant.cuh"
 
 using bf16 = __nv_bfloat16;
 using f16 = __half;
@@ -154,6 +156,18 @@ using f32 = float;
                                   const float* sinks, float* part, int64_t n, int rows,      \
                                   int heads, int d) {                                        \
     train::sinks_grad(o, dout, lse, sinks, part, n, rows, heads, d);                         \
+  }
+
+// FP8 (e4m3) quantization of a (b, s, h, d) tensor and back (src/quant/): T the float side.
+#define TRAIN_FP8_QUANTIZE(NAME, T)                                                          \
+  extern "C" __global__ void NAME(const T* x, uint8_t* q, const float* scales, int64_t n,    \
+                                  int d, int h, int s, int block_rows, int mode) {           \
+    train::fp8_quantize(x, q, scales, n, d, h, s, block_rows, mode);                         \
+  }
+#define TRAIN_FP8_DEQUANTIZE(NAME, T)                                                        \
+  extern "C" __global__ void NAME(const uint8_t* q, T* y, const float* scales, int64_t n,    \
+                                  int d, int h, int s, int block_rows, int mode) {           \
+    train::fp8_dequantize(q, y, scales, n, d, h, s, block_rows, mode);                       \
   }
 
 #include "instances/train.inc"

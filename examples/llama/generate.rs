@@ -253,7 +253,7 @@ impl Stepper for Eager {
             layout,
             batch,
             capacity,
-            model.dtype(),
+            model.kv_cache_dtype(),
             model.device(),
         )?;
         Ok(self.cache.insert(cache))

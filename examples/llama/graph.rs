@@ -281,7 +281,7 @@ impl Stepper for Graphs {
                 layout,
                 batch,
                 capacity,
-                model.dtype(),
+                model.kv_cache_dtype(),
                 model.device(),
             )?;
             let slot = Slot {

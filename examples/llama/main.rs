@@ -50,6 +50,15 @@ enum Attention {
     Naive,
 }
 
+/// The KV cache's element type.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum KvCacheDtype {
+    /// the model's dtype (--dtype)
+    Auto,
+    /// F8E4M3: half a bf16 cache's bytes, per-head scales calibrated on each prompt
+    Fp8,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum Impl {
     /// this example's model (attention per --attention)
@@ -125,6 +134,10 @@ struct Args {
     paged: bool,
     #[arg(long, default_value_t = 16)]
     page_size: usize,
+    /// The KV cache's dtype: `fp8` keeps keys and values in e4m3 with per-head scales
+    /// (flash attention; on CUDA head_dim a multiple of 16).
+    #[arg(long, value_enum, default_value_t = KvCacheDtype::Auto)]
+    kv_cache_dtype: KvCacheDtype,
     #[arg(long, value_enum, default_value_t = Attention::Flash)]
     attention: Attention,
     #[arg(long = "impl", value_enum, default_value_t = Impl::CandleFlash)]
@@ -430,6 +443,7 @@ fn report(
             "model": ckpt.dir.display().to_string(),
             "impl": attention,
             "paged": args.paged,
+            "kv_cache_dtype": format!("{:?}", args.kv_cache_dtype).to_lowercase(),
             "dtype": format!("{dt:?}"),
             "device": if dev.is_cuda() { "cuda" } else { "cpu" },
             "batch": s.batch,
@@ -468,6 +482,9 @@ fn main() -> Result<()> {
     let dt = generate::choose_dtype(args.dtype.as_deref(), &dev, flash)?;
     if args.repeat == 0 {
         bail!("--repeat: must be at least 1")
+    }
+    if args.kv_cache_dtype == KvCacheDtype::Fp8 && !flash {
+        bail!("--kv-cache-dtype fp8: needs candle-flash's attention (--impl candle-flash --attention flash)")
     }
     let ckpt = open_model(&args)?;
     let prompts = prompts(&args, &ckpt)?;
@@ -532,7 +549,10 @@ fn main() -> Result<()> {
         }
         Impl::CandleFlash => {
             let max_len = ids.iter().map(Vec::len).max().unwrap_or(0) + args.max_new_tokens;
-            let model = ckpt.load(attn_impl(&args), dt, &dev, max_len)?;
+            let mut model = ckpt.load(attn_impl(&args), dt, &dev, max_len)?;
+            if args.kv_cache_dtype == KvCacheDtype::Fp8 {
+                model.set_kv_cache_dtype(DType::F8E4M3)?;
+            }
             // Graphs on CUDA with flash attention; the warm-up (3 tokens) captures the step
             // the timed runs replay: the caches are made for max_len whatever the run.
             // --no-cuda-graph runs the same device step uncaptured: the same kernels and

@@ -270,6 +270,38 @@ pub struct Cache {
     on_device: bool,
 }
 
+/// An F8E4M3 cache's per-head scales, allocated once (ones until the prefill calibrates them
+/// in place, see [`fill_cache`], so that a CUDA graph captured over the cache keeps reading
+/// the live values); `None` for a cache in the model's dtype.
+fn fp8_scales(dtype: DType, hk: usize, dev: &Device) -> Result<Option<(Tensor, Tensor)>> {
+    if dtype != DType::F8E4M3 {
+        return Ok(None);
+    }
+    let ones = || Tensor::ones(hk, DType::F32, dev);
+    Ok(Some((ones()?, ones()?)))
+}
+
+/// Headroom of the FP8 scales over the prompt's largest |k| and |v| per head: later tokens
+/// may be larger, and past 448 × scale e4m3 saturates.
+const FP8_HEADROOM: f64 = 2.0;
+
+/// Sets an FP8 layer cache's scales (in place) from the prompts' keys and values `(n, hk,
+/// d)`: each head's largest magnitude times [`FP8_HEADROOM`] maps to e4m3's 448. The cache is
+/// empty here, so nothing it holds is reinterpreted.
+fn calibrate_fp8(scales: Option<(&Tensor, &Tensor)>, k: &Tensor, v: &Tensor) -> Result<()> {
+    let Some((ks, vs)) = scales else {
+        return Ok(());
+    };
+    for (scale, x) in [(ks, k), (vs, v)] {
+        let per_head = candle_flash::quant::fp8_scales(
+            &x.unsqueeze(0)?,
+            candle_flash::quant::Fp8Scaling::PerHead,
+        )?;
+        scale.slice_set(&(per_head * FP8_HEADROOM)?, 0, 0)?;
+    }
+    Ok(())
+}
+
 /// How the KV cache is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheLayout {
@@ -296,11 +328,15 @@ impl Cache {
                 Ok(match (attn, layout) {
                     (AttnImpl::Naive, _) => LayerCache::Naive(NaiveCache::default()),
                     (AttnImpl::Flash, CacheLayout::Contiguous) => {
-                        LayerCache::Flash(KvCache::new(batch, capacity, hk, d, dtype, dev)?)
+                        let c = KvCache::new(batch, capacity, hk, d, dtype, dev)?;
+                        LayerCache::Flash(match fp8_scales(dtype, hk, dev)? {
+                            Some((k, v)) => c.with_scales(k, v)?,
+                            None => c,
+                        })
                     }
                     (AttnImpl::Flash, CacheLayout::Paged { page_size }) => {
                         let per_seq = capacity.div_ceil(page_size);
-                        LayerCache::Paged(PagedKvCache::new(
+                        let c = PagedKvCache::new(
                             batch,
                             batch * per_seq,
                             page_size,
@@ -309,7 +345,11 @@ impl Cache {
                             d,
                             dtype,
                             dev,
-                        )?)
+                        )?;
+                        LayerCache::Paged(match fp8_scales(dtype, hk, dev)? {
+                            Some((k, v)) => c.with_scales(k, v)?,
+                            None => c,
+                        })
                     }
                 })
             })
@@ -586,6 +626,10 @@ impl Attention {
             (LayerCache::Paged(c), None) => c.append_and_attend(&q, &k, &v, &opts),
             (LayerCache::Naive(c), None) => self.naive_step(c, &q, &k, &v),
             (LayerCache::Flash(c), Some(s)) => {
+                let opts = match c.scales() {
+                    Some((ks, vs)) => opts.kv_cache_scales(ks, vs),
+                    None => opts,
+                };
                 candle_flash::flash_attn_with_kvcache(&q, c.k(), c.v(), new_kv, &s.lengths, &opts)
             }
             (LayerCache::Paged(c), Some(s)) => {
@@ -593,6 +637,10 @@ impl Attention {
                     candle::bail!("a device step over a paged cache needs its block table")
                 };
                 let pages = c.max_pages_per_seq();
+                let opts = match c.scales() {
+                    Some((ks, vs)) => opts.kv_cache_scales(ks, vs),
+                    None => opts,
+                };
                 candle_flash::flash_attn_with_paged_kvcache(
                     &q,
                     c.k(),
@@ -773,8 +821,14 @@ fn packed_mask(seqlens: &[usize], max: usize, dev: &Device) -> Result<Tensor> {
 /// Writes the prompts' keys and values `(n, hk, d)` (packed by `seqlens`) into an empty cache.
 fn fill_cache(cache: &mut LayerCache, k: &Tensor, v: &Tensor, seqlens: &[usize]) -> Result<()> {
     match cache {
-        LayerCache::Flash(c) => c.append_varlen(k, v, seqlens),
-        LayerCache::Paged(c) => c.append_varlen(k, v, seqlens),
+        LayerCache::Flash(c) => {
+            calibrate_fp8(c.scales(), k, v)?;
+            c.append_varlen(k, v, seqlens)
+        }
+        LayerCache::Paged(c) => {
+            calibrate_fp8(c.scales(), k, v)?;
+            c.append_varlen(k, v, seqlens)
+        }
         LayerCache::Naive(c) => {
             let max = seqlens.iter().copied().max().unwrap_or(0);
             let pad = Padding::from_lengths(seqlens, max)?;
@@ -920,6 +974,8 @@ pub struct Llama {
     rope: Rope,
     attn: AttnImpl,
     dtype: DType,
+    /// The KV cache's dtype: the activations', or F8E4M3 ([`Llama::set_kv_cache_dtype`]).
+    kv_dtype: DType,
 }
 
 impl Llama {
@@ -979,6 +1035,7 @@ impl Llama {
             rope,
             attn,
             dtype,
+            kv_dtype: dtype,
         })
     }
 
@@ -1002,6 +1059,27 @@ impl Llama {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype the caches this model makes are in.
+    pub fn kv_cache_dtype(&self) -> DType {
+        self.kv_dtype
+    }
+
+    /// Keeps the KV cache in `dtype`: the model's, or F8E4M3 (flash attention only; per-head
+    /// scales calibrated on each prefill's keys and values).
+    pub fn set_kv_cache_dtype(&mut self, dtype: DType) -> Result<()> {
+        if dtype != self.dtype && dtype != DType::F8E4M3 {
+            candle::bail!(
+                "kv cache dtype: expected the model's {:?} or F8E4M3, got {dtype:?}",
+                self.dtype
+            )
+        }
+        if dtype == DType::F8E4M3 && self.attn != AttnImpl::Flash {
+            candle::bail!("an F8E4M3 KV cache needs --attention flash")
+        }
+        self.kv_dtype = dtype;
+        Ok(())
     }
 
     pub fn device(&self) -> &Device {
@@ -1341,7 +1419,7 @@ impl Llama {
     /// Bytes of keys and values one cached token holds over all layers.
     pub fn kv_bytes_per_token(&self) -> usize {
         let c = &self.cfg;
-        c.num_hidden_layers * 2 * c.num_kv_heads() * c.head_dim() * self.dtype.size_in_bytes()
+        c.num_hidden_layers * 2 * c.num_kv_heads() * c.head_dim() * self.kv_dtype.size_in_bytes()
     }
 
     /// The rows of `hidden` `(n, hidden)` at the last token of each packed sequence.

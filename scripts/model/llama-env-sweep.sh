@@ -6,8 +6,9 @@
 # roofline for each.
 #
 # Usage: bash scripts/model/llama-env-sweep.sh BATCH SETTING ...
-#   SETTING: "-" (no change) or one or more VAR=VALUE words in one argument
-#   NEW=tokens (default 256) and REPEAT=runs (default 3) per setting
+#   SETTING: "-" (no change) or one or more words in one argument: VAR=VALUE sets a variable,
+#   --flag=value passes an argument to the example (e.g. --kv-cache-dtype=fp8)
+#   NEW=tokens (default 256), REPEAT=runs (default 3) and PROMPT=tokens (default 512)
 # Example: bash scripts/model/llama-env-sweep.sh 1 - CANDLE_FLASH_PDL=0 \
 #   "CANDLE_FLASH_DECODE_SPLITS=8 CANDLE_FLASH_DECODE_WARPS=4"
 # (scripts/profile/decode-splits.sh runs its example rows through this.)
@@ -24,15 +25,19 @@ b=$1
 shift
 printf '| batch | setting | ms/step | %% of roofline |\n|---:|---|---:|---:|\n'
 for setting in "$@"; do
-  envs=()
-  [ "$setting" = - ] || read -r -a envs <<< "$setting"
+  envs=() extra=() words=()
+  [ "$setting" = - ] || read -r -a words <<< "$setting"
+  for w in "${words[@]}"; do
+    case $w in --*) extra+=("$w") ;; *) envs+=("$w") ;; esac
+  done
   json=$(env "${envs[@]}" "$BIN/example-llama" --model "$d" --device cuda --dtype bf16 \
-    --random-prompt 512 --batch "$b" --max-new-tokens "${NEW:-256}" --ignore-eos --quiet \
-    --stats-json --warmup --roofline --repeat "${REPEAT:-3}" 2> /tmp/llama-sweep.err | tail -n 1) ||
+    --random-prompt "${PROMPT:-512}" --batch "$b" --max-new-tokens "${NEW:-256}" --ignore-eos \
+    --quiet --stats-json --warmup --roofline --repeat "${REPEAT:-3}" "${extra[@]}" \
+    2> /tmp/llama-sweep.err | tail -n 1) ||
     { tail -n 5 /tmp/llama-sweep.err >&2; exit 1; }
   python3 - "$b" "$setting" "$json" <<'EOF'
 import json, sys
 b, setting, s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-print(f"| {b} | {'default' if setting == '-' else setting} | {s['decode_ms_per_step']:.3f} | {s['roofline_pct']:.0f}% |")
+print(f"| {b} | {'default' if setting == '-' else setting} | {s['decode_ms_per_step']:.3f} | {s['roofline_pct']:.0f}% |", flush=True)
 EOF
 done

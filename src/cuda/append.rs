@@ -6,6 +6,7 @@ use candle::cuda_backend::cudarc::driver::sys::CUdeviceptr;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::CudaDType;
 use candle::{bail, CudaStorage, DType, Layout, Result};
+use float8::F8E4M3;
 use half::{bf16, f16};
 
 use super::abi::strides3;
@@ -51,6 +52,7 @@ pub(super) struct AppendParams {
     pub(super) q_batch_stride: i64,
     pub(super) q_row_stride: i64,
     pub(super) q_head_stride: i64,
+    pub(super) scale: CUdeviceptr,
 }
 
 // SAFETY: as above.
@@ -68,14 +70,26 @@ pub(crate) fn append(
     new: &CudaStorage,
     new_layout: &Layout,
 ) -> Result<Option<CudaStorage>> {
-    match cache.dtype() {
-        DType::F16 => append_typed::<f16>(problem, cache, cache_layout, new, new_layout),
-        DType::BF16 => append_typed::<bf16>(problem, cache, cache_layout, new, new_layout),
-        dt => bail!("k_cache: dtype {dt:?} is not supported on CUDA, expected F16 or BF16"),
+    let (p, c, cl, n, nl) = (problem, cache, cache_layout, new, new_layout);
+    match (c.dtype(), n.dtype()) {
+        (DType::F16, DType::F16) => append_typed::<f16, f16>(p, c, cl, n, nl),
+        (DType::BF16, DType::BF16) => append_typed::<bf16, bf16>(p, c, cl, n, nl),
+        (DType::F8E4M3, DType::F16) => append_typed::<f16, F8E4M3>(p, c, cl, n, nl),
+        (DType::F8E4M3, DType::BF16) => append_typed::<bf16, F8E4M3>(p, c, cl, n, nl),
+        (DType::F16 | DType::BF16 | DType::F8E4M3, dt) => bail!(
+            "k_new: dtype {dt:?} cannot be appended to a {:?} cache on CUDA (expected the \
+             cache's dtype, or F16/BF16 for an F8E4M3 cache)",
+            c.dtype()
+        ),
+        (dt, _) => {
+            bail!("k_cache: dtype {dt:?} is not supported on CUDA, expected F16, BF16 or F8E4M3")
+        }
     }
 }
 
-fn append_typed<T: CudaDType + DeviceRepr + 'static>(
+/// `T`: the new rows' (and q's) element; `C`: the cache's, `T` or F8E4M3 (quantized with the
+/// problem's scales).
+fn append_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr + 'static>(
     problem: &AppendProblem,
     cache: &mut CudaStorage,
     cache_layout: &Layout,
@@ -90,7 +104,11 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static>(
     }
     let dev = cache.device.clone();
     let stream = dev.cuda_stream();
-    let dtype = cache.dtype();
+    let dtype = new.dtype();
+    let fp8_cache = cache.dtype() == DType::F8E4M3;
+    if fp8_cache != problem.quant.is_some() {
+        bail!("kv_cache_scales: expected scales exactly when the cache is F8E4M3")
+    }
     let start = match &problem.start {
         Indices::Host(start) => Some(to_device_i32_shared(&dev, start)?),
         Indices::Device(_) => None,
@@ -111,7 +129,7 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static>(
     let [src_batch_stride, src_row_stride, src_head_stride] = strides3(new_layout);
     let new_view = new.as_cuda_slice::<T>()?.slice(new_layout.start_offset()..);
     let mut cache_view = cache
-        .as_cuda_slice_mut::<T>()?
+        .as_cuda_slice_mut::<C>()?
         .slice_mut(cache_layout.start_offset()..);
     let mut syncs = vec![];
     let (cache_ptr, cache_sync) = cache_view.device_ptr_mut(&stream);
@@ -121,6 +139,8 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static>(
         0 => None,
         n => Some(unsafe { dev.alloc::<T>(problem.b * n * problem.d)? }),
     };
+    let scale_lock = lock_tensor(problem.quant.as_ref().map(|s| &s.0));
+    let (scale_ptr, _scale_sync) = locked_ptr::<f32, _>(&scale_lock, &stream, "kv_cache_scales")?;
     let rot_locks = [
         lock_tensor(rot.map(|r| &r.cos)),
         lock_tensor(rot.map(|r| &r.sin)),
@@ -171,10 +191,11 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static>(
         q_batch_stride,
         q_row_stride,
         q_head_stride,
+        scale: scale_ptr,
     };
     // One thread per 8 columns of a row, whole warps.
     let threads = problem.d.div_ceil(8).next_multiple_of(32) as u32;
-    let Some(kernel) = Kernel::of(Family::Append, 0, |_| true) else {
+    let Some(kernel) = Kernel::of(Family::Append, 0, |v| v.fp8_cache == fp8_cache) else {
         bail!("kv-cache append: no append kernel")
     };
     let heads = problem.hk + if q_rows > 0 { h } else { 0 };

@@ -9,6 +9,7 @@ use candle::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUfunction_attribut
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
+use float8::F8E4M3;
 use half::{bf16, f16};
 
 use super::abi::{rows_i32, strides3, to_i32, AttnParams};
@@ -45,6 +46,8 @@ pub(super) struct DecodeParams {
     pub(super) lse_partial: CUdeviceptr,
     pub(super) lse: CUdeviceptr,
     pub(super) counters: CUdeviceptr,
+    pub(super) k_scale: CUdeviceptr,
+    pub(super) v_scale: CUdeviceptr,
     pub(super) seqlens_inline: [i32; INLINE_SEQLENS],
 }
 
@@ -97,14 +100,23 @@ pub(crate) fn decode(
     k_cache: (&CudaStorage, &Layout),
     v_cache: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
-    match q.0.dtype() {
-        DType::F16 => decode_typed::<f16>(problem, q, k_cache, v_cache),
-        DType::BF16 => decode_typed::<bf16>(problem, q, k_cache, v_cache),
-        dt => bail!("q: dtype {dt:?} is not supported on CUDA, expected F16 or BF16"),
+    match (q.0.dtype(), k_cache.0.dtype()) {
+        (DType::F16, DType::F16) => decode_typed::<f16, f16>(problem, q, k_cache, v_cache),
+        (DType::BF16, DType::BF16) => decode_typed::<bf16, bf16>(problem, q, k_cache, v_cache),
+        (DType::F16, DType::F8E4M3) => decode_typed::<f16, F8E4M3>(problem, q, k_cache, v_cache),
+        (DType::BF16, DType::F8E4M3) => decode_typed::<bf16, F8E4M3>(problem, q, k_cache, v_cache),
+        (DType::F16 | DType::BF16, dt) => bail!(
+            "k_cache: dtype {dt:?} is not supported with q in {:?} on CUDA, expected q's dtype \
+             or F8E4M3",
+            q.0.dtype()
+        ),
+        (dt, _) => bail!("q: dtype {dt:?} is not supported on CUDA, expected F16 or BF16"),
     }
 }
 
-fn decode_typed<T: CudaDType + DeviceRepr>(
+/// `T`: q's (and the output's) element; `C`: the cache's, `T` or F8E4M3 (the `_fp8` kernels,
+/// with the problem's scales).
+fn decode_typed<T: CudaDType + DeviceRepr, C: CudaDType + DeviceRepr>(
     problem: &DecodeProblem,
     (q, ql): (&CudaStorage, &Layout),
     (kc, kl): (&CudaStorage, &Layout),
@@ -126,6 +138,12 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
         Indices::Host(lens) => lens.iter().copied().max().unwrap_or(0) as usize,
         Indices::Device(_) => p.paging.capacity(),
     };
+    let fp8_cache = kc.dtype() == DType::F8E4M3;
+    let scales = match (&p.kv_scales, fp8_cache) {
+        (Some(s), true) => Some(s),
+        (None, false) => None,
+        _ => bail!("kv_cache_scales: expected scales exactly when the cache is F8E4M3"),
+    };
     let facts = device_facts(&dev)?;
     let plan = plan_decode(
         &DecodeQuery {
@@ -133,6 +151,7 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             rows: p.s_q * group,
             pairs: p.b * p.hk,
             max_len,
+            fp8_cache,
         },
         facts.sms,
         facts.smem,
@@ -222,8 +241,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
     a.set_mods(&p.mods, p.scale, p.s_q, max_len);
     {
         let q_view = q.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
-        let k_view = kc.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
-        let v_view = vc.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+        let k_view = kc.as_cuda_slice::<C>()?.slice(kl.start_offset()..);
+        let v_view = vc.as_cuda_slice::<C>()?.slice(vl.start_offset()..);
         let mut syncs = vec![];
         let (q_ptr, q_sync) = q_view.device_ptr(&stream);
         let (k_ptr, k_sync) = k_view.device_ptr(&stream);
@@ -244,6 +263,14 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             }
             None => (0, None),
         };
+        let scale_locks = [
+            lock_tensor(scales.map(|s| &s.k)),
+            lock_tensor(scales.map(|s| &s.v)),
+        ];
+        let (k_scale, _k_scale_sync) =
+            locked_ptr::<f32, _>(&scale_locks[0], &stream, "kv_cache_scales")?;
+        let (v_scale, _v_scale_sync) =
+            locked_ptr::<f32, _>(&scale_locks[1], &stream, "kv_cache_scales")?;
         let slopes = lock_slopes(&p.mods);
         let (alibi, _slopes_sync) = locked_ptr::<f32, _>(&slopes, &stream, "alibi_slopes")?;
         a.alibi_slopes = alibi;
@@ -278,6 +305,8 @@ fn decode_typed<T: CudaDType + DeviceRepr>(
             lse_partial: lp_ptr,
             lse: lse_ptr,
             counters: counters_ptr,
+            k_scale,
+            v_scale,
             seqlens_inline,
         };
         // A decode step is a few tens of microseconds, so the launch gap after the kernel

@@ -14,8 +14,8 @@ pub(super) fn check_fits_u32(value: usize, name: &str) -> Result<()> {
 }
 
 /// What a constructor is given, checked as the first call would check it: the cache
-/// `(outer, rows, num_heads_k, head_dim)` of `dtype` on `device` (rows: capacity or page
-/// size). Absurd sizes are an error here rather than an aborted allocation.
+/// `(outer, rows, num_heads_k, head_dim)` of `dtype` (q's, or F8E4M3) on `device` (rows:
+/// capacity or page size). Absurd sizes are an error here rather than an aborted allocation.
 pub(super) fn check_cache_args(
     dims: [(usize, &str); 4],
     dtype: DType,
@@ -26,7 +26,14 @@ pub(super) fn check_cache_args(
         bail!("num_heads_k: must be > 0")
     }
     params::check_head_dim(device, d, "head_dim:")?;
-    params::check_dtype(device, dtype, "dtype:")?;
+    if dtype == DType::F8E4M3 {
+        // The FP8 cache's own rule (see FlashAttn::kv_cache_scales): q stays in its dtype.
+        if device.is_cuda() && !d.is_multiple_of(16) {
+            bail!("head_dim: an F8E4M3 cache on CUDA needs head_dim a multiple of 16, got {d}")
+        }
+    } else {
+        params::check_dtype(device, dtype, "dtype:")?;
+    }
     // Both caches at once, tried on the CPU before candle's allocation (which aborts).
     let sizes = dims.map(|(n, _)| n);
     let names = dims.map(|(_, name)| name).join(" x ");

@@ -7,11 +7,13 @@
 //! device and dtype: a prefill writes each cache row once, so a dedicated kernel would save
 //! only launches.
 
-use candle::{bail, Result, Tensor};
+use candle::{bail, DType, Result, Tensor};
 
 use super::call::check_new_kv_apart;
 use super::contiguous::KvCache;
+use super::fp8;
 use super::paged::PagedKvCache;
+use crate::params;
 
 /// The checked shape of a ragged append: the new length of every sequence.
 fn check(
@@ -39,7 +41,10 @@ fn check(
                 t.dims()
             )
         }
-        if t.dtype() != cache.dtype() {
+        if cache.dtype() == DType::F8E4M3 {
+            // An FP8 cache takes rows in a dtype its calls take for q (quantized on the way).
+            params::check_dtype(cache.device(), t.dtype(), &format!("{name}: dtype"))?;
+        } else if t.dtype() != cache.dtype() {
             bail!(
                 "{name}: dtype {:?} differs from the cache's {:?}",
                 t.dtype(),
@@ -91,8 +96,13 @@ impl KvCache {
     /// [`crate::FlashAttn::forward_varlen`] takes them. No attention runs: this is the cache
     /// fill after a packed prefill of prompts of different lengths.
     ///
+    /// An FP8 cache takes rows of any dtype its calls take for q and stores them quantized
+    /// with its scales ([`KvCache::with_scales`]), the bytes [`KvCache::append_and_attend`]
+    /// would write.
+    ///
     /// Errors (nothing is written and the lengths are unchanged): shapes, dtype or device
-    /// unlike the cache's, `seqlens_new` not one entry per sequence, a sequence over capacity.
+    /// unlike the cache's, `seqlens_new` not one entry per sequence, a sequence over capacity,
+    /// an FP8 cache without scales.
     ///
     /// ```
     /// # fn main() -> candle::Result<()> {
@@ -121,6 +131,8 @@ impl KvCache {
             &self.lengths,
             capacity,
         )?;
+        let (k_new, v_new) =
+            &fp8::cache_rows(&self.k, self.scales.as_ref(), k_new, v_new, "KvCache")?;
         let (k_rows, v_rows) = (rows_view(&self.k)?, rows_view(&self.v)?);
         let mut start = 0;
         for (b, &n) in seqlens_new.iter().enumerate() {
@@ -159,6 +171,8 @@ impl PagedKvCache {
             &self.lengths,
             capacity,
         )?;
+        let (k_new, v_new) =
+            &fp8::cache_rows(&self.k, self.scales.as_ref(), k_new, v_new, "PagedKvCache")?;
         let (table, free) = self.allocate_for(&lengths)?;
         let (k_rows, v_rows) = (rows_view(&self.k)?, rows_view(&self.v)?);
         let ps = self.page_size;

@@ -7,10 +7,11 @@ use crate::decode::{AppendOp, DecodeOp};
 use crate::layout::aligned;
 use crate::options::FlashAttn;
 use crate::params::{
-    self, AppendProblem, AttnShape, DecodeProblem, Indices, Paging, RotaryProblem,
+    self, AppendProblem, AttnShape, DecodeProblem, Indices, Paging, QuantScale, RotaryProblem,
 };
 
 use super::args::{device_indices, BlockTable, CacheSeqlens, HostOrDevice};
+use super::fp8;
 use super::rotary::{self, RotaryCall};
 
 /// Shape of the new keys and values, in messages.
@@ -96,8 +97,7 @@ impl Call {
                 k_cache.dims()
             )
         }
-        params::check_like_q(q, k_cache, kn)?;
-        params::check_like_q(q, v_cache, vn)?;
+        let fp8 = fp8::check_cache_dtypes(q, (k_cache, kn), (v_cache, vn), d)?;
         let (outer, rows, hk, dk) = k_dims;
         if dk != d {
             bail!("{kn}: head_dim {dk} differs from q's head_dim {d}")
@@ -105,6 +105,7 @@ impl Call {
         if hk == 0 || h % hk != 0 {
             bail!("{kn}: num_heads_k {hk} must divide q's num_heads {h} (MQA/GQA)")
         }
+        let kv_scales = fp8::call_scales(opts, fp8, q, hk, kn)?;
         check_cache_storage(k_cache, v_cache, kn, vn, new_kv.is_some())?;
         let shape = AttnShape::fixed(b, s_q, rows, h, hk, d);
         params::check_supported(q, k_cache, v_cache, &shape)?;
@@ -274,6 +275,7 @@ impl Call {
                 new_lens: ragged_new.clone(),
                 paging: paging.clone(),
                 rotary: None,
+                quant: None,
             };
             let (k_rotary, cpu_rotary) = match (&rotary, &starts) {
                 (Some(r), Indices::Host(st)) if q.device().is_cpu() => {
@@ -281,18 +283,29 @@ impl Call {
                 }
                 (r, _) => (r.clone(), None),
             };
+            // An FP8 cache: each append quantizes with its own cache's scales.
+            let (k_quant, v_quant) = match &kv_scales {
+                Some(s) => (Some(QuantScale(s.k.clone())), Some(QuantScale(s.v.clone()))),
+                None => (None, None),
+            };
             let k = AppendOp::new(AppendProblem {
                 rotary: k_rotary,
+                quant: k_quant,
                 ..problem.clone()
-            });
-            Append {
+            })?;
+            let v = AppendOp::new(AppendProblem {
+                quant: v_quant,
+                ..problem
+            })?;
+            Ok::<_, candle::Error>(Append {
                 k,
-                v: AppendOp::new(problem),
+                v,
                 k_new,
                 v_new,
                 cpu_rotary,
-            }
+            })
         });
+        let append = append.transpose()?;
         let decode = DecodeProblem {
             b,
             s_q,
@@ -309,6 +322,7 @@ impl Call {
             paging,
             want_lse,
             sinks,
+            kv_scales,
         };
         Ok(Self { append, decode })
     }

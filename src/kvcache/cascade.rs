@@ -30,6 +30,9 @@ use crate::options::FlashAttn;
 ///   attention over the whole cache would hide the prefix's last keys from the first
 ///   queries, which the cascade does not). Rotary embedding inside the append, windows and ALiBi depend on
 ///   positions the own cache does not know (they start after the prefix) and are refused.
+/// - FP8: the own caches may be F8E4M3 with `opts.kv_cache_scales`, as for
+///   [`flash_attn_with_kvcache`](super::flash_attn_with_kvcache); the prefix stays in q's
+///   dtype (it is read once per batch, so quantizing it saves little).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_with_kvcache_cascade<'a>(
     q: &Tensor,
@@ -123,6 +126,7 @@ pub fn flash_attn_with_kvcache_cascade<'a>(
     let whole = FlashAttn {
         causal: false,
         sinks: None,
+        kv_cache_scales: None,
         ..opts.clone()
     };
     let rows = b * s_q;

@@ -27,6 +27,7 @@ mod args;
 mod call;
 mod cascade;
 mod contiguous;
+mod fp8;
 mod paged;
 mod rotary;
 
@@ -63,7 +64,11 @@ pub use paged::PagedKvCache;
 ///   `(batch, num_heads)`, the bias `-slope · |i + seqlen_k - seqlen_q - j|`. Query rows
 ///   that see no key output zeros.
 /// - dtypes: f16/bf16 on CUDA (head_dim a multiple of 8), f32/f16/bf16 on the CPU (computed
-///   in f32); `head_dim` in `1..=256`. All tensors share dtype and device.
+///   in f32); `head_dim` in `1..=256`. All tensors share dtype and device, except that the
+///   two caches may be F8E4M3 (FP8 e4m3, half the memory of bf16) with their per-head
+///   scales in `opts` ([`FlashAttn::kv_cache_scales`]): new rows are quantized as they are
+///   appended, cached values dequantized as they are read (on CUDA head_dim must then be a
+///   multiple of 16).
 ///
 /// Returns `(batch, seqlen_q, num_heads, head_dim)` in q's dtype; the attention runs over the
 /// first `cache_seqlens[b] + seqlen_new` tokens of sequence `b`. It has no gradient
@@ -73,7 +78,9 @@ pub use paged::PagedKvCache;
 /// shapes of `q`, the caches and `k_new`/`v_new`; dtypes and devices; `head_dim` and
 /// `num_heads_k` rules; a non-contiguous cache; `k_new` or `v_new` a view of either cache;
 /// `cache_seqlens` of the wrong length or a sequence that would exceed `capacity`;
-/// `dropout_p > 0` (not supported in decoding); a bad `softmax_scale`, `window_size`,
+/// `dropout_p > 0` (not supported in decoding); caches of two dtypes; `kv_cache_scales`
+/// missing for F8E4M3 caches, given for others, or not F32 `(num_heads_k,)` on q's device;
+/// a bad `softmax_scale`, `window_size`,
 /// `softcap` or `alibi_slopes` (as in [`FlashAttn::forward`]). Every argument is checked
 /// before the first write; only a failure of the device itself (a kernel launch, after the
 /// checks) can leave rows at and past `cache_seqlens[b]` written, never the rows before.

@@ -6,7 +6,8 @@ use candle::{bail, DType, Device, Result, Tensor};
 use super::alloc_checks::{check_cache_args, check_fits_u32};
 use super::args::HostOrDevice;
 use super::call::{lengths_after, CacheKind, Call};
-use crate::options::FlashAttn;
+use super::fp8;
+use crate::options::{FlashAttn, KvCacheScales};
 use crate::params::{self, Paging};
 
 /// A paged KV cache for one attention layer: a pool of `num_pages` pages of `page_size`
@@ -31,15 +32,21 @@ pub struct PagedKvCache {
     pub(super) block_table: Vec<u32>,
     /// Free pages; the next one handed out is the last.
     pub(super) free: Vec<u32>,
+    /// An FP8 pool's per-head scales ([`PagedKvCache::with_scales`]).
+    pub(super) scales: Option<KvCacheScales>,
 }
 
 impl PagedKvCache {
     /// A zero-filled pool `(num_pages, page_size, num_heads_k, head_dim)` of `dtype` on
     /// `device` for `batch` sequences of up to `max_pages_per_seq * page_size` tokens each,
-    /// every sequence empty and every page free.
+    /// every sequence empty and every page free. Dtypes as for [`KvCache::new`]: an F8E4M3
+    /// pool needs [`PagedKvCache::with_scales`].
     ///
     /// Errors: `page_size == 0`, a `num_pages` or capacity that does not fit u32, a `batch`
-    /// past i32, a block table that cannot fit in memory, and allocation errors.
+    /// past i32, a block table that cannot fit in memory, an F8E4M3 pool on CUDA whose
+    /// head_dim is not a multiple of 16, and allocation errors.
+    ///
+    /// [`KvCache::new`]: super::KvCache::new
     #[allow(clippy::too_many_arguments)] // the sizes of a pool; each is one plain number
     pub fn new(
         batch: usize,
@@ -84,7 +91,29 @@ impl PagedKvCache {
             max_pages: max_pages_per_seq,
             block_table: vec![0; batch * max_pages_per_seq],
             free: all_pages(num_pages),
+            scales: None,
         })
+    }
+
+    /// Gives an F8E4M3 pool its per-head scales, as [`KvCache::with_scales`] does.
+    ///
+    /// Errors: a pool that is not F8E4M3; scales that are not F32 `(num_heads_k,)` on the
+    /// pool's device.
+    ///
+    /// [`KvCache::with_scales`]: super::KvCache::with_scales
+    pub fn with_scales(mut self, k_scale: Tensor, v_scale: Tensor) -> Result<Self> {
+        self.scales = Some(fp8::cache_scales(
+            &self.k,
+            &k_scale,
+            &v_scale,
+            "PagedKvCache",
+        )?);
+        Ok(self)
+    }
+
+    /// The K and V scales of an FP8 pool ([`PagedKvCache::with_scales`]); `None` otherwise.
+    pub fn scales(&self) -> Option<(&Tensor, &Tensor)> {
+        self.scales.as_ref().map(|s| (&s.k, &s.v))
     }
 
     /// Pages held by sequence `b`.
@@ -138,8 +167,9 @@ impl PagedKvCache {
     ///
     /// Errors: those of [`flash_attn_with_paged_kvcache`]; `cache_seqlens` when a sequence
     /// would exceed `max_pages_per_seq * page_size` tokens; "out of pages" when the pool has
-    /// too few free pages. On error nothing is written, no page is taken and the lengths are
-    /// unchanged.
+    /// too few free pages; `kv_cache_scales` set in `opts`, or an FP8 pool without scales
+    /// (as for [`KvCache::append_and_attend`]). On error nothing is written, no page is taken
+    /// and the lengths are unchanged.
     ///
     /// [`KvCache::append_and_attend`]: super::KvCache::append_and_attend
     /// [`flash_attn_with_paged_kvcache`]: super::flash_attn_with_paged_kvcache
@@ -150,6 +180,7 @@ impl PagedKvCache {
         v_new: &Tensor,
         opts: &FlashAttn,
     ) -> Result<Tensor> {
+        let opts = &*fp8::cache_opts(opts, &self.k, self.scales.as_ref(), "PagedKvCache")?;
         // A k_new of the wrong rank allocates nothing; the call below reports it.
         let s_new = match k_new.dims() {
             &[_, s_new, _, _] => s_new,

@@ -27,6 +27,8 @@ pub(crate) struct DecodeQuery {
     pub pairs: usize,
     /// Keys of the longest sequence.
     pub max_len: usize,
+    /// The cache is e4m3 (the `_fp8` kernels).
+    pub fp8_cache: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -47,7 +49,14 @@ pub(crate) fn plan_decode(
     residency: impl Fn(Kernel) -> Result<usize>,
 ) -> Result<DecodePlan> {
     let d = head_dim_class(q.d);
-    let Some(shapes) = shapes(d) else {
+    let Some(shapes) = shapes(d, q.fp8_cache) else {
+        if q.fp8_cache {
+            bail!(
+                "k_cache: no F8E4M3-cache decode kernel for head_dim {} (compiled for head dims \
+                 up to 64, 96 and 128, and 256); use a bf16/f16 cache",
+                q.d
+            )
+        }
         bail!("flash-attn decode: no kernel for head dim {d}")
     };
     let fits = |k: &Kernel| k.geometry().smem as usize <= smem;
@@ -101,10 +110,11 @@ struct Shapes {
     wide: Option<Kernel>,
 }
 
-/// [`Shapes`] of head dim class `d`, found in the catalogue once per class (a decode step asks
-/// per layer).
-fn shapes(d: usize) -> Option<Shapes> {
-    static BY_CLASS: OnceLock<Vec<(usize, Shapes)>> = OnceLock::new();
+/// [`Shapes`] of head dim class `d` for a 16-bit or an e4m3 cache, found in the catalogue
+/// once per class (a decode step asks per layer).
+fn shapes(d: usize, fp8_cache: bool) -> Option<Shapes> {
+    type Table = Vec<(usize, bool, Shapes)>;
+    static BY_CLASS: OnceLock<Table> = OnceLock::new();
     let table = BY_CLASS.get_or_init(|| {
         let mut table = vec![];
         for k in Kernel::ALL {
@@ -113,18 +123,26 @@ fn shapes(d: usize) -> Option<Shapes> {
                 continue;
             }
             let other = |pred: fn(u8) -> bool| {
-                Kernel::find(|w| w.family == Family::Decode && w.d == v.d && pred(w.groups))
+                Kernel::find(|w| {
+                    w.family == Family::Decode
+                        && w.d == v.d
+                        && w.fp8_cache == v.fp8_cache
+                        && pred(w.groups)
+                })
             };
             let shapes = Shapes {
                 base: k,
                 narrow: other(|g| g < BASE_WARPS),
                 wide: other(|g| g > BASE_WARPS),
             };
-            table.push((usize::from(v.d), shapes));
+            table.push((usize::from(v.d), v.fp8_cache, shapes));
         }
         table
     });
-    table.iter().find(|(c, _)| *c == d).map(|(_, s)| *s)
+    table
+        .iter()
+        .find(|(c, f, _)| *c == d && *f == fp8_cache)
+        .map(|(.., s)| *s)
 }
 
 /// How many slices of each sequence's key range run in parallel, for `blocks` = batch x K/V

@@ -1,0 +1,232 @@
+//! FP8 (e4m3) quantization helpers for keys and values laid out `(batch, seq, heads,
+//! head_dim)`: scales from the data, and the conversions to and from `DType::F8E4M3`.
+//!
+//! A quantized element is `e4m3(x / scale)` and its real value `e4m3 · scale`, with one
+//! scale per group of elements ([`Fp8Scaling`]). The scale of a group is its absolute
+//! maximum over 448, e4m3's largest finite value, so the group's largest element lands on
+//! it and nothing saturates. Everything is written in candle tensor ops (abs, max, division,
+//! casts), so it runs wherever candle does, on the CPU and on CUDA, without kernels of its
+//! own.
+//!
+//! The FP8 KV cache ([`crate::FlashAttn::kv_cache_scales`], [`crate::KvCache::with_scales`])
+//! takes [`Fp8Scaling::PerHead`] scales; [`quantize_fp8`] with them writes the bytes its
+//! append writes.
+//!
+//! ```
+//! # fn main() -> candle::Result<()> {
+//! use candle::{DType, Device, Tensor};
+//! use candle_flash::quant::{dequantize_fp8, fp8_scales, quantize_fp8, Fp8Scaling};
+//! let k = Tensor::randn(0f32, 1.0, (2, 10, 4, 64), &Device::Cpu)?; // (batch, seq, heads, d)
+//! let scaling = Fp8Scaling::PerBlock { rows: 4 };
+//! let scales = fp8_scales(&k, scaling)?; // (batch, heads, ceil(seq / rows))
+//! assert_eq!(scales.dims(), &[2, 4, 3]);
+//! let q8 = quantize_fp8(&k, &scales, scaling)?;
+//! assert_eq!(q8.dtype(), DType::F8E4M3);
+//! let back = dequantize_fp8(&q8, &scales, scaling, DType::F32)?;
+//! // e4m3 keeps 3 mantissa bits: an element moves by at most 2^-4 of itself (or, for the
+//! // smallest, e4m3's subnormals, 2^-10 of its group's scale), so by at most max |k| / 16.
+//! let max_abs = |t: &Tensor| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>();
+//! assert!(max_abs(&(&back - &k)?)? <= max_abs(&k)? / 16.0);
+//! # Ok(()) }
+//! ```
+
+use candle::{bail, DType, Result, Tensor};
+
+#[cfg(feature = "cuda")]
+mod kernel;
+
+/// e4m3's largest finite magnitude: a group's absolute maximum maps onto it.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// How elements of a `(batch, seq, heads, head_dim)` tensor share a scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Scaling {
+    /// One scale for the whole tensor: scales of shape `(1,)`.
+    PerTensor,
+    /// One scale per head, over every batch, token and element: `(heads,)`, the form the FP8
+    /// KV cache takes.
+    PerHead,
+    /// One scale per block of `rows` consecutive tokens of one (batch, head), across
+    /// head_dim: `(batch, heads, ceil(seq / rows))`; the last block of a sequence may be
+    /// shorter. `rows` must be > 0.
+    PerBlock {
+        /// Tokens per block.
+        rows: usize,
+    },
+}
+
+/// The input of every helper: rank 4 of a float dtype. Returns its dims.
+fn check_input(x: &Tensor, name: &str) -> Result<[usize; 4]> {
+    let &[b, s, h, d] = x.dims() else {
+        bail!(
+            "{name}: expected rank 4 (batch, seq, heads, head_dim), got shape {:?}",
+            x.dims()
+        )
+    };
+    match x.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::F8E4M3 => Ok([b, s, h, d]),
+        dt => bail!("{name}: expected a float dtype (F32, F16, BF16, F64, F8E4M3), got {dt:?}"),
+    }
+}
+
+impl Fp8Scaling {
+    /// The scales' shape for a tensor of `dims`; checks `rows`.
+    fn scales_shape(self, [b, s, h, _]: [usize; 4]) -> Result<Vec<usize>> {
+        Ok(match self {
+            Fp8Scaling::PerTensor => vec![1],
+            Fp8Scaling::PerHead => vec![h],
+            Fp8Scaling::PerBlock { rows: 0 } => {
+                bail!("scaling: PerBlock needs rows > 0, got 0")
+            }
+            Fp8Scaling::PerBlock { rows } => vec![b, h, s.div_ceil(rows)],
+        })
+    }
+
+    /// `scales`, checked against `dims`, as a tensor that broadcasts over the elements:
+    /// `(1, 1, 1, 1)`, `(1, 1, heads, 1)` or `(batch, seq, heads, 1)`.
+    fn broadcastable(self, scales: &Tensor, x: &Tensor, dims: [usize; 4]) -> Result<Tensor> {
+        let want = self.scales_shape(dims)?;
+        if scales.dtype() != DType::F32 {
+            bail!("scales: expected dtype F32, got {:?}", scales.dtype())
+        }
+        if scales.dims() != want.as_slice() {
+            bail!(
+                "scales: expected shape {want:?} for {self:?} of x {:?}, got {:?}",
+                x.dims(),
+                scales.dims()
+            )
+        }
+        if !scales.device().same_device(x.device()) {
+            bail!(
+                "scales: expected x's device ({:?}), got {:?}",
+                x.device().location(),
+                scales.device().location()
+            )
+        }
+        let [b, s, h, _] = dims;
+        match self {
+            Fp8Scaling::PerTensor => scales.reshape((1, 1, 1, 1)),
+            Fp8Scaling::PerHead => scales.reshape((1, 1, h, 1)),
+            Fp8Scaling::PerBlock { rows } => {
+                // Token t of a sequence reads its block's scale, t / rows.
+                let blocks: Vec<u32> = (0..s).map(|t| (t / rows) as u32).collect();
+                let blocks = Tensor::from_vec(blocks, s, x.device())?;
+                // (b, h, nb) -> (b, h, s) -> (b, s, h, 1)
+                scales
+                    .index_select(&blocks, 2)?
+                    .transpose(1, 2)?
+                    .reshape((b, s, h, 1))
+            }
+        }
+    }
+}
+
+/// FP8 scales of `x` `(batch, seq, heads, head_dim)` (any float dtype): each group's
+/// `max |x| / 448` in F32, shaped as [`Fp8Scaling`] says. A group whose absolute maximum is 0
+/// (or so small that the division underflows) gets scale 1, never 0.
+///
+/// Errors: `x` not rank 4 or not a float; `PerBlock { rows: 0 }`; `x` holding a NaN or an
+/// infinity (no scale represents it). That check reads one scalar back, so on a GPU the call
+/// waits for the device once.
+pub fn fp8_scales(x: &Tensor, scaling: Fp8Scaling) -> Result<Tensor> {
+    let dims = check_input(x, "x")?;
+    if x.dtype() == DType::F8E4M3 {
+        bail!("x: already F8E4M3; take the scales of the values it came from")
+    }
+    let shape = scaling.scales_shape(dims)?;
+    if x.elem_count() == 0 {
+        return Tensor::ones(shape, DType::F32, x.device());
+    }
+    let xa = x.detach().to_dtype(DType::F32)?.abs()?;
+    // NaN · 0 and inf · 0 are NaN, finite · 0 is 0: the sum is finite iff every element is
+    // (a max would skip a NaN; a plain sum could overflow on large, finite data).
+    let probe = xa.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()?;
+    if !probe.is_finite() {
+        bail!("x: holds a NaN or an infinite value; FP8 scales need finite data")
+    }
+    let [b, s, h, d] = dims;
+    let amax = match scaling {
+        Fp8Scaling::PerTensor => xa.flatten_all()?.max_keepdim(0)?,
+        Fp8Scaling::PerHead => xa.max(3)?.max(1)?.max(0)?,
+        Fp8Scaling::PerBlock { rows } => {
+            // A block longer than the sequence is the sequence (no padding past it).
+            let rows = rows.min(s);
+            let nb = s.div_ceil(rows);
+            // Zero rows pad the last block; they do not change its maximum.
+            xa.pad_with_zeros(1, 0, nb * rows - s)?
+                .reshape((b, nb, rows, h, d))?
+                .max(4)?
+                .max(2)?
+                .transpose(1, 2)?
+                .contiguous()?
+        }
+    };
+    // A true division (`Tensor / f64` multiplies by the reciprocal): amax / scale rounds to
+    // 448, never past e4m3's saturation threshold.
+    let scale = amax.broadcast_div(&Tensor::new(E4M3_MAX, x.device())?)?;
+    let ones = scale.ones_like()?;
+    scale.eq(0f32)?.where_cond(&ones, &scale)
+}
+
+/// `x` `(batch, seq, heads, head_dim)` (any float dtype) as F8E4M3: each element is
+/// `e4m3(x / scale)` in f32 (a true division), rounded to nearest even, saturating at ±448
+/// (NaN stays NaN). `scales` is F32 on x's device, shaped as [`fp8_scales`] returns them for
+/// `scaling`; they should be positive and finite (they are not read back to check: a 0 gives
+/// ±448 or NaN bytes).
+///
+/// No clamp precedes the rounding: it saturates by itself, on the CPU (float8's `from_f32`)
+/// and on CUDA (this crate's kernel, `cvt` with `satfinite`; candle-core 0.11.1's own CUDA
+/// casts to F8E4M3 fail), with the same rule, and a clamp would turn NaN into a number.
+///
+/// Errors: `x` not rank 4 or not a float; `scales` of another dtype, shape or device;
+/// `PerBlock { rows: 0 }`.
+pub fn quantize_fp8(x: &Tensor, scales: &Tensor, scaling: Fp8Scaling) -> Result<Tensor> {
+    let dims = check_input(x, "x")?;
+    let s = scaling.broadcastable(scales, x, dims)?;
+    if x.dtype() == DType::F8E4M3 {
+        bail!("x: already F8E4M3; quantize the values it came from")
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() != DType::F64 {
+        return kernel::quantize(&x.detach(), scales, scaling);
+    }
+    x.detach()
+        .to_dtype(DType::F32)?
+        .broadcast_div(&s)?
+        .to_dtype(DType::F8E4M3)
+}
+
+/// The real values of an F8E4M3 tensor `x` `(batch, seq, heads, head_dim)`: each element as
+/// f32 times its group's scale, returned in `dtype` (F32, F16, BF16 or F64). `scales` as for
+/// [`quantize_fp8`].
+///
+/// Errors: `x` not rank 4 or not F8E4M3; `scales` of another dtype, shape or device;
+/// `PerBlock { rows: 0 }`; another `dtype`.
+pub fn dequantize_fp8(
+    x: &Tensor,
+    scales: &Tensor,
+    scaling: Fp8Scaling,
+    dtype: DType,
+) -> Result<Tensor> {
+    let dims = check_input(x, "x")?;
+    if x.dtype() != DType::F8E4M3 {
+        bail!("x: expected dtype F8E4M3, got {:?}", x.dtype())
+    }
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        bail!("dtype: expected F32, F16, BF16 or F64, got {dtype:?}")
+    }
+    let s = scaling.broadcastable(scales, x, dims)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let wide = if dtype == DType::F64 {
+            DType::F32
+        } else {
+            dtype
+        };
+        return kernel::dequantize(&x.detach(), scales, scaling, wide)?.to_dtype(dtype);
+    }
+    x.detach()
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&s)?
+        .to_dtype(dtype)
+}
