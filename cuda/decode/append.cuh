@@ -3,7 +3,8 @@
 // row's position, FlashAttention's rotary_cos / rotary_sin), and, in the launch that appends
 // K, the query rows rotated into a buffer of their own for the decode kernel that follows.
 // Grid (max(s_new, s_q), h_k + h, b): block (i, y, b) writes K/V row i of head y < h_k, or
-// rotates query row i of head y - h_k.
+// rotates query row i of head y - h_k. An e4m3 cache gets each row divided by its head's scale
+// and rounded (decode/fp8.cuh).
 #pragma once
 #include <type_traits>
 #include "common/mma.cuh"

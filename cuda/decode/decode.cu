@@ -4,6 +4,7 @@
 //   flash_decode_<dtype>_d<D>     one split of the key range for 16 packed rows   grid (h_k * tiles, splits, b)
 //   flash_decode_<dtype>_d<D>_w8  the same with 8 warps (split launches, D <= 128)
 //   flash_decode_<dtype>_d<D>_w2  with 2 warps, D > 128 on 99 KB devices (sm_86/89)
+//   ..._fp8, flash_append_<dtype>_fp8   the same over an e4m3 cache (decode/fp8.cuh)
 // When split, the last split of each row tile to finish merges them by their LSE
 // (flash-decoding; merge_splits, through DecodeParams::counters).
 // The decode kernel reuses the forward's softmax, mask and fragment packing (softmax.cuh,
