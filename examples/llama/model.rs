@@ -273,7 +273,7 @@ pub struct Cache {
 /// An F8E4M3 cache's per-head scales, allocated once (ones until the prefill calibrates them
 /// in place, see [`fill_cache`], so that a CUDA graph captured over the cache keeps reading
 /// the live values); `None` for a cache in the model's dtype.
-fn fp8_scales(dtype: DType, hk: usize, dev: &Device) -> Result<Option<(Tensor, Tensor)>> {
+fn unit_fp8_scales(dtype: DType, hk: usize, dev: &Device) -> Result<Option<(Tensor, Tensor)>> {
     if dtype != DType::F8E4M3 {
         return Ok(None);
     }
@@ -329,7 +329,7 @@ impl Cache {
                     (AttnImpl::Naive, _) => LayerCache::Naive(NaiveCache::default()),
                     (AttnImpl::Flash, CacheLayout::Contiguous) => {
                         let c = KvCache::new(batch, capacity, hk, d, dtype, dev)?;
-                        LayerCache::Flash(match fp8_scales(dtype, hk, dev)? {
+                        LayerCache::Flash(match unit_fp8_scales(dtype, hk, dev)? {
                             Some((k, v)) => c.with_scales(k, v)?,
                             None => c,
                         })
@@ -346,7 +346,7 @@ impl Cache {
                             dtype,
                             dev,
                         )?;
-                        LayerCache::Paged(match fp8_scales(dtype, hk, dev)? {
+                        LayerCache::Paged(match unit_fp8_scales(dtype, hk, dev)? {
                             Some((k, v)) => c.with_scales(k, v)?,
                             None => c,
                         })
