@@ -13,8 +13,10 @@ use crate::train::launch::{self, Arg};
 
 /// Which way, and the output's dtype when dequantizing.
 #[derive(Clone, Copy)]
-enum Direction {
+pub(super) enum Direction {
+    /// x to e4m3 bytes divided by its scales.
     Quantize,
+    /// e4m3 bytes times their scales, in this dtype (F32, F16 or BF16).
     Dequantize(DType),
 }
 
@@ -26,27 +28,16 @@ struct Fp8Cast {
     dims: [usize; 4],
 }
 
-/// `x` (contiguous, checked) as e4m3 bytes divided by `scales` (contiguous, checked).
-pub(super) fn quantize(x: &Tensor, scales: &Tensor, scaling: Fp8Scaling) -> Result<Tensor> {
-    let dims = dims4(x)?;
-    let op = Fp8Cast {
-        direction: Direction::Quantize,
-        scaling,
-        dims,
-    };
-    x.contiguous()?.apply_op2_no_bwd(&scales.contiguous()?, &op)
-}
-
-/// e4m3 `x` times `scales`, in `dtype` (F32, F16 or BF16).
-pub(super) fn dequantize(
+/// `x` `(b, s, h, d)` converted `direction`-wise with `scales` (both checked by the caller).
+pub(super) fn cast(
     x: &Tensor,
     scales: &Tensor,
     scaling: Fp8Scaling,
-    dtype: DType,
+    direction: Direction,
 ) -> Result<Tensor> {
     let dims = dims4(x)?;
     let op = Fp8Cast {
-        direction: Direction::Dequantize(dtype),
+        direction,
         scaling,
         dims,
     };

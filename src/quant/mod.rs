@@ -188,7 +188,7 @@ pub fn quantize_fp8(x: &Tensor, scales: &Tensor, scaling: Fp8Scaling) -> Result<
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && x.dtype() != DType::F64 {
-        return kernel::quantize(&x.detach(), scales, scaling);
+        return kernel::cast(&x.detach(), scales, scaling, kernel::Direction::Quantize);
     }
     x.detach()
         .to_dtype(DType::F32)?
@@ -223,7 +223,8 @@ pub fn dequantize_fp8(
         } else {
             dtype
         };
-        return kernel::dequantize(&x.detach(), scales, scaling, wide)?.to_dtype(dtype);
+        let to = kernel::Direction::Dequantize(wide);
+        return kernel::cast(&x.detach(), scales, scaling, to)?.to_dtype(dtype);
     }
     x.detach()
         .to_dtype(DType::F32)?
