@@ -46,6 +46,18 @@ pub(crate) fn gather_f32(storage: &CpuStorage, layout: &Layout) -> Result<Vec<f3
     })
 }
 
+/// Copies a (possibly strided, offset) F8E4M3 tensor into a contiguous row-major `Vec<f32>`
+/// of its stored values (exact: every e4m3 value is an f32); the FP8 forward's inputs.
+pub(crate) fn gather_e4m3(storage: &CpuStorage, layout: &Layout) -> Result<Vec<f32>> {
+    match storage {
+        CpuStorage::F8E4M3(x) => Ok(gather(x, layout, |x| x.to_f32())),
+        s => bail!(
+            "flash-attn fp8: expected an F8E4M3 storage, got {:?}",
+            s.dtype()
+        ),
+    }
+}
+
 fn gather<T: Copy>(src: &[T], layout: &Layout, f: impl Fn(T) -> f32) -> Vec<f32> {
     let len = layout.shape().elem_count();
     if len == 0 {
@@ -581,7 +593,14 @@ fn bwd_group(
 
 /// Copies rows `row0..row0 + len` of head `head` out of a `(rows, heads, d)` buffer into a
 /// `(len, d)` matrix.
-fn head_rows(x: &[f32], row0: usize, len: usize, head: usize, heads: usize, d: usize) -> Vec<f32> {
+pub(crate) fn head_rows(
+    x: &[f32],
+    row0: usize,
+    len: usize,
+    head: usize,
+    heads: usize,
+    d: usize,
+) -> Vec<f32> {
     let mut out = Vec::with_capacity(len * d);
     for r in row0..row0 + len {
         out.extend_from_slice(&x[(r * heads + head) * d..][..d]);
@@ -591,7 +610,7 @@ fn head_rows(x: &[f32], row0: usize, len: usize, head: usize, heads: usize, d: u
 
 /// The inverse of [`head_rows`]: writes a `(len, d)` matrix into rows `row0..row0 + len` of
 /// head `head`.
-fn put_head_rows(
+pub(crate) fn put_head_rows(
     x: &mut [f32],
     rows: &[f32],
     row0: usize,
@@ -607,7 +626,7 @@ fn put_head_rows(
 
 /// `a · b` with eight partial sums, which the compiler maps onto SIMD lanes (it may not
 /// reorder a single f32 sum by itself). The order is fixed, so the result is deterministic.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 8;
     let mut acc = [0f32; LANES];
     let (a8, b8) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
@@ -627,13 +646,13 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `y += alpha · x`.
-fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
+pub(crate) fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += alpha * x);
 }
 
 /// `(0..n).map(f)` on all cores, results in task order. `work` is the multiply-adds of all
 /// tasks together.
-fn par_map<T: Send>(n: usize, work: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+pub(crate) fn par_map<T: Send>(n: usize, work: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |t| t.get())
         .min(n);

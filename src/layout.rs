@@ -6,13 +6,20 @@ use candle::{Result, Tensor};
 /// The CUDA kernels read 16-byte chunks: every stride but the last, and the start offset, must
 /// be a multiple of 8 elements. A tensor that is not is copied once into a contiguous one.
 pub(crate) fn aligned(t: &Tensor) -> Result<Tensor> {
+    aligned_to(t, 8)
+}
+
+/// [`aligned`] for elements of any size: on CUDA, every stride but the last and the start
+/// offset a multiple of `elems` elements (16 bytes: 8 of f16/bf16, 16 of e4m3), else a
+/// contiguous copy.
+pub(crate) fn aligned_to(t: &Tensor, elems: usize) -> Result<Tensor> {
     if !t.device().is_cuda() {
         return Ok(t.clone());
     }
-    let ok = t.layout().start_offset().is_multiple_of(8)
+    let ok = t.layout().start_offset().is_multiple_of(elems)
         && t.stride()[..t.rank() - 1]
             .iter()
-            .all(|s| s.is_multiple_of(8));
+            .all(|s| s.is_multiple_of(elems));
     if ok {
         Ok(t.clone())
     } else {

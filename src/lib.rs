@@ -19,6 +19,9 @@
 //!   in place; [`KvCache`] and [`PagedKvCache`] keep a layer's cache and lengths. The caches
 //!   may be FP8 (`DType::F8E4M3`, [`FlashAttn::kv_cache_scales`]), with [`quant`]'s helpers
 //!   to compute scales and to quantize.
+//! - FP8 attention: q, k and v in `DType::F8E4M3` with their dequantization factors
+//!   ([`FlashAttn::fp8_descales`]), output in BF16 (FlashAttention-3's FP8 forward, for
+//!   inference); [`quant::hadamard`] rotates q and k against outlier features first.
 //! - CUDA (feature `cuda`): hand-written tensor-core kernels for f16/bf16.
 //! - CPU: the same op in f32 math (tiled online softmax), for f32/f16/bf16 inputs.
 //! - [`FlashAttn::window`], [`FlashAttn::softcap`], [`FlashAttn::alibi_slopes`]: sliding-window
@@ -66,6 +69,7 @@ mod cuda_overrides;
 mod decode;
 mod dropout;
 mod failpoint;
+mod fp8_fwd;
 mod fwd;
 pub mod infer;
 mod kvcache;
@@ -100,7 +104,7 @@ pub use kvcache::{
     flash_attn_with_paged_kvcache_lse, flash_attn_with_paged_kvcache_ragged, BlockTable,
     CacheSeqlens, HostOrDevice, KvCache, PagedKvCache,
 };
-pub use options::{flash_attn, FlashAttn, KvCacheScales, Rotary};
+pub use options::{flash_attn, FlashAttn, KvCacheScales, QkvDescales, Rotary};
 pub use padding::Padding;
 pub use params::MAX_HEAD_DIM;
 pub use reference::{attention_slow, attention_slow_dropout, attention_slow_with};

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle::{bail, DType, Result, Tensor};
 
 use crate::bwd::FlashAttnBwdOp;
+use crate::fp8_fwd;
 use crate::fwd::FlashAttnOp;
 use crate::layout::aligned;
 use crate::padding::Padding;
@@ -78,6 +79,23 @@ pub struct FlashAttn {
     /// The dequantization scales of an F8E4M3 KV cache, read by the KV-cache calls: see
     /// [`FlashAttn::kv_cache_scales`].
     pub kv_cache_scales: Option<KvCacheScales>,
+    /// The dequantization factors of F8E4M3 q, k and v: see [`FlashAttn::fp8_descales`].
+    /// `None`: 1 for all three.
+    pub fp8_descales: Option<QkvDescales>,
+    /// The output dtype of FP8 attention: see [`FlashAttn::out_dtype`]. `None`: BF16.
+    pub out_dtype: Option<DType>,
+}
+
+/// The dequantization factors ("descales") of F8E4M3 (FP8) q, k and v for
+/// [`FlashAttn::fp8_descales`]: a stored value, as f32, times its factor is the real value.
+#[derive(Clone, Debug)]
+pub struct QkvDescales {
+    /// q's factors, F32 `(1,)` (per tensor) or `(num_heads,)` (per query head), on q's device.
+    pub q: Tensor,
+    /// k's factors, F32 `(1,)` or `(num_heads_k,)` (per K/V head).
+    pub k: Tensor,
+    /// v's factors, as k's.
+    pub v: Tensor,
 }
 
 /// Per-head scales of an F8E4M3 (FP8) KV cache for [`FlashAttn::kv_cache_scales`]: a cached
@@ -103,8 +121,8 @@ pub struct Rotary {
 }
 
 impl PartialEq for FlashAttn {
-    /// Equal options; ALiBi slopes, sinks, rotary tables and KV-cache scales compare by
-    /// tensor identity.
+    /// Equal options; ALiBi slopes, sinks, rotary tables, KV-cache scales and FP8 descales
+    /// compare by tensor identity.
     fn eq(&self, other: &Self) -> bool {
         let same = |a: &Option<Tensor>, b: &Option<Tensor>| match (a, b) {
             (None, None) => true,
@@ -136,6 +154,14 @@ impl PartialEq for FlashAttn {
                 (Some(a), Some(b)) => a.k.id() == b.k.id() && a.v.id() == b.v.id(),
                 _ => false,
             }
+            && match (&self.fp8_descales, &other.fp8_descales) {
+                (None, None) => true,
+                (Some(a), Some(b)) => {
+                    (a.q.id(), a.k.id(), a.v.id()) == (b.q.id(), b.k.id(), b.v.id())
+                }
+                _ => false,
+            }
+            && self.out_dtype == other.out_dtype
     }
 }
 
@@ -155,6 +181,8 @@ impl Default for FlashAttn {
             sinks: None,
             rotary: None,
             kv_cache_scales: None,
+            fp8_descales: None,
+            out_dtype: None,
         }
     }
 }
@@ -338,6 +366,89 @@ impl FlashAttn {
         self
     }
 
+    /// FP8 attention: the dequantization factors of F8E4M3 (FP8 e4m3) q, k and v, for
+    /// [`FlashAttn::forward`], [`FlashAttn::forward_with_lse`], [`FlashAttn::forward_varlen`]
+    /// (and its `_with_lse`) and [`FlashAttn::forward_padded`]. A stored byte, as f32, times
+    /// its factor is the real value: exactly the scales [`crate::quant::fp8_scales`] returns
+    /// for [`crate::quant::Fp8Scaling::PerTensor`] or [`crate::quant::Fp8Scaling::PerHead`],
+    /// so that [`crate::quant::quantize_fp8`] with those scales and this option round-trip.
+    ///
+    /// - `q`: F32 `(1,)` (per tensor) or `(num_heads,)` (per query head), on q's device;
+    /// - `k`, `v`: F32 `(1,)` or `(num_heads_k,)` (per K/V head), on q's device.
+    ///
+    /// Without this option the factors are 1. They are not read back to check them (a NaN or
+    /// an infinity goes into the result).
+    ///
+    /// What FP8 attention computes, per query head `h`, its K/V head `g = h / (num_heads /
+    /// num_heads_k)` and query row `i`, in f32 (the CPU computes exactly this; the CUDA kernel
+    /// the same with its own summation order and an online softmax, whose running maximum may
+    /// round a few probabilities against a smaller maximum than the row's):
+    /// 1. dequantize q and k: `q_i = q8_i · qd[h]`, `k_j = k8_j · kd[g]`; v stays raw;
+    /// 2. `S_ij = scale · q_i · k_j` over the keys the causal mask (bottom-right aligned) shows
+    ///    row `i` (`scale` = `softmax_scale`, by default `1 / sqrt(head_dim)`);
+    /// 3. `m_i = max_j S_ij`, `P_ij = exp(S_ij - m_i)`, `l_i = Σ_j P_ij` (before rounding);
+    /// 4. `O_i = (Σ_j e4m3(P_ij) · v8_j) · (vd[g] / l_i)`, with `e4m3` rounding to nearest
+    ///    even, as the FP8 tensor cores take `P` (FlashAttention-3's FP8 forward); `O` is then
+    ///    rounded to the output dtype ([`FlashAttn::out_dtype`], BF16 by default);
+    /// 5. the LSE of [`FlashAttn::forward_with_lse`] is `m_i + ln(l_i)` in f32, natural log;
+    ///    a row that sees no key gets `O_i = 0` and LSE `-inf`.
+    ///
+    /// Rounding `P` to e4m3 (3 mantissa bits) is the error FP8 adds beyond that of the
+    /// quantized inputs. Outlier features of q and k make per-tensor scales coarse:
+    /// [`crate::quant::hadamard`] applied to q and k before quantizing spreads them
+    /// (FlashAttention-3's incoherent processing) and leaves `q · kᵀ` unchanged.
+    ///
+    /// FP8 calls take `causal`, `softmax_scale`, MQA/GQA and variable-length batches;
+    /// dropout, windows, softcap, ALiBi, block masks, sinks, rotary and KV-cache scales are an
+    /// error with FP8 inputs, and so is the backward (FP8 attention is inference only: train
+    /// in BF16 or F16). With inputs that are not F8E4M3 this option is an error.
+    ///
+    /// ```
+    /// # fn main() -> candle::Result<()> {
+    /// use candle::{DType, Device, Tensor};
+    /// use candle_flash::quant::{fp8_scales, quantize_fp8, Fp8Scaling};
+    /// use candle_flash::FlashAttn;
+    /// let dev = Device::Cpu;
+    /// let q = Tensor::randn(0f32, 1.0, (1, 64, 8, 64), &dev)?;
+    /// let k = Tensor::randn(0f32, 1.0, (1, 64, 2, 64), &dev)?;
+    /// let v = Tensor::randn(0f32, 1.0, (1, 64, 2, 64), &dev)?;
+    /// let scaling = Fp8Scaling::PerHead; // or PerTensor
+    /// let (sq, sk, sv) = (
+    ///     fp8_scales(&q, scaling)?, // (num_heads,) F32: max |q| / 448 per head
+    ///     fp8_scales(&k, scaling)?,
+    ///     fp8_scales(&v, scaling)?,
+    /// );
+    /// let (q8, k8, v8) = (
+    ///     quantize_fp8(&q, &sq, scaling)?, // F8E4M3
+    ///     quantize_fp8(&k, &sk, scaling)?,
+    ///     quantize_fp8(&v, &sv, scaling)?,
+    /// );
+    /// let attn = FlashAttn::new().causal(true).fp8_descales(&sq, &sk, &sv);
+    /// let out = attn.forward(&q8, &k8, &v8)?;
+    /// assert_eq!((out.dims(), out.dtype()), (&[1, 64, 8, 64][..], DType::BF16));
+    /// let exact = FlashAttn::new().causal(true).forward(&q, &k, &v)?;
+    /// let diff = (out.to_dtype(DType::F32)? - exact)?;
+    /// let rmse = diff.sqr()?.mean_all()?.sqrt()?.to_scalar::<f32>()?;
+    /// assert!(rmse < 0.05); // e4m3 keeps 3 mantissa bits: about 0.015 here
+    /// # Ok(()) }
+    /// ```
+    pub fn fp8_descales(mut self, q: &Tensor, k: &Tensor, v: &Tensor) -> Self {
+        self.fp8_descales = Some(QkvDescales {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+        });
+        self
+    }
+
+    /// The output dtype of FP8 attention (F8E4M3 q, k and v): BF16 (the default) or F16, and
+    /// F32 on the CPU (checked when the op runs). Other calls return q's dtype and report this
+    /// option as an error.
+    pub fn out_dtype(mut self, dtype: DType) -> Self {
+        self.out_dtype = Some(dtype);
+        self
+    }
+
     /// The window, cap, slopes and block mask of a KV-cache decoding call with this shape,
     /// checked (the decoding call checks its sinks itself).
     pub(crate) fn score_mods(
@@ -371,7 +482,7 @@ impl FlashAttn {
 
     /// The problem description of one call: checks the scale and dropout probability, draws
     /// the RNG offset.
-    fn problem(
+    pub(crate) fn problem(
         &self,
         shape: AttnShape,
         varlen: Option<&VarLen>,
@@ -435,11 +546,16 @@ impl FlashAttn {
     ///   (MQA/GQA: query head `h` reads K/V head `h / (num_heads / num_heads_k)`).
     /// - dtypes: f16 or bf16 on CUDA; f32, f16 or bf16 on CPU (computed in f32). All three
     ///   tensors share dtype and device. Only the last dimension must be contiguous.
-    /// - `head_dim` in `1..=256`; on CUDA a multiple of 8.
+    /// - FP8: q, k and v all F8E4M3 (e4m3, inference only) with their dequantization factors
+    ///   ([`FlashAttn::fp8_descales`]) give the output in [`FlashAttn::out_dtype`] (BF16 by
+    ///   default), on the CPU and on Hopper GPUs; see [`FlashAttn::fp8_descales`] for what it
+    ///   computes and which options it takes.
+    /// - `head_dim` in `1..=256`; on CUDA a multiple of 8 (the FP8 kernel may ask for more).
     ///
-    /// Returns `(batch, seqlen_q, num_heads, head_dim)` in the input dtype. Differentiable:
-    /// `backward()` through the result gives gradients for q, k and v. A seqlen of 0 gives an
-    /// empty result; `seqlen_k == 0` gives zeros.
+    /// Returns `(batch, seqlen_q, num_heads, head_dim)` in the input dtype (FP8: the
+    /// [`FlashAttn::out_dtype`]). Differentiable (FP8 inputs excepted): `backward()` through
+    /// the result gives gradients for q, k and v. A seqlen of 0 gives an empty result;
+    /// `seqlen_k == 0` gives zeros.
     ///
     /// With [`FlashAttn::dropout`], kept probabilities are scaled by `1 / (1 - p)`; the
     /// backward uses the same mask. [`FlashAttn::window`] restricts each query to a band of
@@ -451,7 +567,10 @@ impl FlashAttn {
     /// head_dim, contiguity, scale, dropout_p, `window_size` with a negative side other than
     /// -1, a `softcap` that is negative or not finite, `alibi_slopes` that are not f32
     /// `(num_heads)` or `(batch, num_heads)` on q's device, `sinks` that are not F32, F16 or
-    /// BF16 `(num_heads)` on q's device).
+    /// BF16 `(num_heads)` on q's device; with FP8 inputs, one of q, k, v that is not F8E4M3,
+    /// an option FP8 does not take, `fp8_descales` of the wrong dtype, shape or device and an
+    /// `out_dtype` the device does not write; with other inputs, `fp8_descales` or
+    /// `out_dtype` set).
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         Ok(self.forward_with_lse(q, k, v)?.0)
     }
@@ -462,6 +581,10 @@ impl FlashAttn {
     /// gradient. With [`FlashAttn::sinks`] it is `log(exp(sinks[h]) + sum_j exp(s_ij))`, the
     /// log of the denominator with the sink (`sinks[h]` for rows that see no key).
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        if fp8_fwd::is_fp8(q, k, v) {
+            return fp8_fwd::forward(self, q, k, v, None);
+        }
+        fp8_fwd::refuse_fp8_options(self, q, "forward")?;
         let shape = params::validate(q, k, v)?;
         let sinks = self.checked_sinks(q, shape.h)?;
         FlashAttnOp::new(self.problem(shape, None, q.device())?, self.deterministic)
@@ -524,6 +647,13 @@ impl FlashAttn {
         lse: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        if fp8_fwd::is_fp8(q, k, v) {
+            bail!(
+                "backward: FP8 (F8E4M3) attention is inference only and has no backward pass; \
+                 train with BF16 or F16 q, k and v"
+            )
+        }
+        fp8_fwd::refuse_fp8_options(self, q, "backward")?;
         let shape = params::validate(q, k, v)?;
         params::validate_bwd_inputs(q, out, lse, grad_out, &shape)?;
         self.checked_sinks(q, shape.h)?;
@@ -638,9 +768,9 @@ impl FlashAttn {
     /// - `varlen`: the offsets, with `total_q = cu_seqlens_q[num_seqs]` and
     ///   `total_k = cu_seqlens_k[num_seqs]`.
     ///
-    /// Returns `(total_q, num_heads, head_dim)` in the input dtype; differentiable like
-    /// [`FlashAttn::forward`]. Query rows that see no key (a sequence with no key, or the
-    /// causal mask) give zeros. Dtypes, head_dim and the other options as in
+    /// Returns `(total_q, num_heads, head_dim)` in the input dtype (FP8: the
+    /// [`FlashAttn::out_dtype`]); differentiable like [`FlashAttn::forward`]. Query rows that
+    /// see no key (a sequence with no key, or the causal mask) give zeros. Dtypes, head_dim and the other options as in
     /// [`FlashAttn::forward`]. Dropout: see [`crate::dropout_mask`] for the mask of each
     /// sequence.
     ///
@@ -671,6 +801,10 @@ impl FlashAttn {
         v: &Tensor,
         varlen: &VarLen,
     ) -> Result<(Tensor, Tensor)> {
+        if fp8_fwd::is_fp8(q, k, v) {
+            return fp8_fwd::forward(self, q, k, v, Some(varlen));
+        }
+        fp8_fwd::refuse_fp8_options(self, q, "forward_varlen")?;
         let shape = params::validate_varlen(q, k, v, varlen)?;
         let sinks = self.checked_sinks(q, shape.h)?;
         FlashAttnOp::new(

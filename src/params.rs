@@ -236,6 +236,19 @@ pub(crate) fn validate_varlen(
     v: &Tensor,
     varlen: &crate::VarLen,
 ) -> Result<AttnShape> {
+    let shape = validate_varlen_shapes(q, k, v, varlen)?;
+    check_supported(q, k, v, &shape)?;
+    Ok(shape)
+}
+
+/// [`validate_varlen`] without the device's dtype and head_dim checks: packed q, k, v against
+/// each other and against the offsets of `varlen` (the FP8 forward checks the rest itself).
+pub(crate) fn validate_varlen_shapes(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    varlen: &crate::VarLen,
+) -> Result<AttnShape> {
     let dims = [
         dims3(q, "q", "(total_q, num_heads, head_dim)")?,
         dims3(k, "k", "(total_k, num_heads_k, head_dim)")?,
@@ -261,7 +274,6 @@ pub(crate) fn validate_varlen(
         total_q,
         total_k,
     };
-    check_supported(q, k, v, &shape)?;
     Ok(shape)
 }
 

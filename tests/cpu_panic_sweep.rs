@@ -16,7 +16,7 @@ use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use candle::{DType, Device, Result, Tensor, Var};
-use candle_flash::quant::{dequantize_fp8, fp8_scales, quantize_fp8, Fp8Scaling};
+use candle_flash::quant::{dequantize_fp8, fp8_scales, hadamard, quantize_fp8, Fp8Scaling};
 use candle_flash::train::{self, AdamW};
 use candle_flash::{
     attention_slow, attention_slow_dropout, attention_slow_with, combine, dropout_mask, flash_attn,
@@ -828,6 +828,199 @@ fn fp8_and_quant_entry_points_never_panic() {
         }
     }
     s.finish("fp8");
+}
+
+/// The real values of an FP8 input `(.., heads, d)` under `descale` (`None`: 1), in f32:
+/// the stored values times their head's factor. `None` where the descale does not fit.
+fn dequantized(x8: &Tensor, descale: Option<&Tensor>) -> Option<Tensor> {
+    let x = x8.to_dtype(DType::F32).ok()?;
+    let Some(ds) = descale else { return Some(x) };
+    let heads = x.dims().get(x.rank().checked_sub(2)?).copied()?;
+    let n = ds.elem_count();
+    let mut shape = vec![1; x.rank()];
+    if n == heads {
+        shape[x.rank() - 2] = heads;
+    } else if n != 1 {
+        return None;
+    }
+    x.broadcast_mul(&ds.reshape(shape).ok()?).ok()
+}
+
+/// FP8 attention: the pool in F8E4M3 (beside tensors of other dtypes) under descales and
+/// output dtypes of every wrong kind and the options FP8 refuses, through every entry point
+/// (forward, LSE, varlen, padded, backward, autograd); `Ok` forwards are checked against
+/// f32 attention of the dequantized inputs. Then `quant::hadamard` over the pool.
+#[test]
+fn fp8_attention_and_hadamard_never_panic() {
+    let mut rng = StdRng::seed_from_u64(0xf8);
+    let mut s = Sweep::default();
+    let pool = pool();
+    let mut inputs: Vec<(String, Tensor)> = pool
+        .iter()
+        .filter_map(|(n, x)| {
+            let x8 = s.call(format!("to F8E4M3 {n}"), || x.to_dtype(DType::F8E4M3))?;
+            Some((format!("fp8 {n}"), x8))
+        })
+        .collect();
+    let fp8_count = inputs.len();
+    inputs.extend(
+        pool.iter()
+            .step_by(3)
+            .map(|(n, x)| (n.to_string(), x.clone())),
+    );
+    let descales = [
+        ("(1)", f(&[1]).abs().unwrap()),
+        ("(4)", f(&[4]).abs().unwrap()),
+        ("(2)", f(&[2]).abs().unwrap()),
+        ("(3)", f(&[3])),
+        ("(0)", f(&[0])),
+        ("rank 0", Tensor::new(0.5f32, &CPU).unwrap()),
+        ("(1,4)", f(&[1, 4])),
+        ("f16 (1)", t(&[1], DType::F16)),
+        ("u32 (4)", t(&[4], DType::U32)),
+        ("nan (1)", (f(&[1]) * f64::NAN).unwrap()),
+        (
+            "inf (4)",
+            (f(&[4]).ones_like().unwrap() * f64::INFINITY).unwrap(),
+        ),
+        ("zeros (2)", f(&[2]).zeros_like().unwrap()),
+    ];
+    let mut opts: Vec<(String, FlashAttn)> = vec![("default".into(), FlashAttn::new())];
+    for (n, d) in &descales {
+        for (n2, d2) in [&descales[0], &descales[2], &descales[4]].map(|p| (&p.0, &p.1)) {
+            for causal in [false, true] {
+                opts.push((
+                    format!("descales q {n} kv {n2} causal {causal}"),
+                    FlashAttn::new().causal(causal).fp8_descales(d, d2, d2),
+                ));
+            }
+        }
+    }
+    for dt in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::U8,
+        DType::F8E4M3,
+    ] {
+        opts.push((format!("out_dtype {dt:?}"), FlashAttn::new().out_dtype(dt)));
+    }
+    opts.extend(options(&mut rng));
+    let varlens: Vec<(String, VarLen)> = [
+        (&[3usize, 2][..], &[5usize, 5][..]),
+        (&[5], &[7]),
+        (&[0, 5], &[10, 0]),
+    ]
+    .iter()
+    .filter_map(|(a, b)| Some((format!("{a:?} {b:?}"), VarLen::from_seqlens(a, b).ok()?)))
+    .collect();
+    let pad = Padding::from_lengths(&[5, 2], 5).unwrap();
+    let calls = |s: &mut Sweep, what: &str, q: &Tensor, k: &Tensor, v: &Tensor, o: &FlashAttn| {
+        let out = s.call(format!("fp8 forward {what}"), || o.forward(q, k, v));
+        if let Some((out, lse)) = s.call(format!("fp8 forward_with_lse {what}"), || {
+            o.forward_with_lse(q, k, v)
+        }) {
+            s.call(format!("fp8 backward {what}"), || {
+                o.backward(q, k, v, &out, &lse, &out)
+            });
+        }
+        s.call(format!("fp8 autograd {what}"), || {
+            let qv = Var::from_tensor(q)?;
+            o.forward(&qv, k, v)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .backward()
+                .map(drop)
+        });
+        s.call(format!("fp8 forward_padded {what}"), || {
+            o.forward_padded(q, k, v, &pad, &pad)
+        });
+        for (vn, varlen) in &varlens {
+            s.call(format!("fp8 forward_varlen {vn} {what}"), || {
+                o.forward_varlen(q, k, v, varlen)
+            });
+        }
+        // An Ok forward of finite FP8 inputs against f32 attention of their real values
+        // (e4m3 keeps P to 2^-4 relative: a tenth of max |v| is ample).
+        let Some(out) = out else { return };
+        let plain = o.fp8_descales.is_none()
+            || o.fp8_descales.as_ref().is_some_and(|d| {
+                [&d.q, &d.k, &d.v].iter().all(|t| {
+                    t.to_vec1::<f32>()
+                        .is_ok_and(|v| v.iter().all(|x| x.is_finite()))
+                })
+            });
+        if !plain || o.dropout_p != 0.0 {
+            return;
+        }
+        let ds = o.fp8_descales.as_ref();
+        let (Some(qr), Some(kr), Some(vr)) = (
+            dequantized(q, ds.map(|d| &d.q)),
+            dequantized(k, ds.map(|d| &d.k)),
+            dequantized(v, ds.map(|d| &d.v)),
+        ) else {
+            return;
+        };
+        let finite = |x: &Tensor| {
+            x.abs()
+                .and_then(|x| x.flatten_all()?.max(0)?.to_scalar::<f32>())
+                .is_ok_and(|m| m.is_finite())
+        };
+        if !(finite(&qr) && finite(&kr) && finite(&vr)) || out.elem_count() == 0 {
+            return;
+        }
+        let mut exact_opts = FlashAttn::new().causal(o.causal);
+        exact_opts.softmax_scale = o.softmax_scale;
+        let Some(exact) = s.call(format!("fp8 oracle {what}"), || {
+            exact_opts.forward(&qr, &kr, &vr)
+        }) else {
+            return;
+        };
+        let err = s.call(format!("fp8 compare {what}"), || {
+            let diff = (out.to_dtype(DType::F32)? - &exact)?.abs()?;
+            let vmax = vr.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            Ok((diff.flatten_all()?.max(0)?.to_scalar::<f32>()?, vmax))
+        });
+        if let Some((err, vmax)) = err {
+            let close = err <= 0.1 * vmax + 1e-3; // false for NaN
+            if !close {
+                s.wrong(format!(
+                    "{what}: max error {err} against f32 attention (max |v| {vmax})"
+                ));
+            }
+        }
+    };
+    let (q, k) = (&inputs[0].1, &inputs[1].1);
+    for (oname, o) in &opts {
+        calls(&mut s, &format!("std/gqa, {oname}"), q, k, k, o);
+    }
+    for _ in 0..1200 {
+        let pick = |rng: &mut StdRng| {
+            if rng.random_bool(0.8) {
+                rng.random_range(0..fp8_count)
+            } else {
+                rng.random_range(0..inputs.len())
+            }
+        };
+        let (a, b) = (pick(&mut rng), pick(&mut rng));
+        let c = if rng.random_bool(0.7) {
+            b
+        } else {
+            pick(&mut rng)
+        };
+        let (oname, o) = &opts[rng.random_range(0..opts.len())];
+        let what = format!(
+            "q {}, k {}, v {}, {oname}",
+            inputs[a].0, inputs[b].0, inputs[c].0
+        );
+        calls(&mut s, &what, &inputs[a].1, &inputs[b].1, &inputs[c].1, o);
+    }
+    let named = pool.iter().map(|(n, x)| (n.to_string(), x));
+    for (n, x) in named.chain(inputs.iter().map(|(n, x)| (n.clone(), x))) {
+        s.call(format!("hadamard {n}"), || hadamard(x));
+    }
+    s.finish("fp8 attention");
 }
 
 /// The bytes of an F8E4M3 tensor (others: empty).

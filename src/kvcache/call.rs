@@ -241,6 +241,13 @@ impl Call {
                  use FlashAttn::forward"
             )
         }
+        if opts.fp8_descales.is_some() || opts.out_dtype.is_some() {
+            bail!(
+                "fp8_descales / out_dtype: options of FP8 q, k and v in FlashAttn::forward; \
+                 KV-cache decoding takes an FP8 cache through kv_cache_scales, with q in its \
+                 own dtype; leave them unset"
+            )
+        }
         let mods = opts.score_mods(&shape, q.device())?;
         let sinks = match &opts.sinks {
             Some(t) => {

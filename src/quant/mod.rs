@@ -10,7 +10,9 @@
 //!
 //! The FP8 KV cache ([`crate::FlashAttn::kv_cache_scales`], [`crate::KvCache::with_scales`])
 //! takes [`Fp8Scaling::PerHead`] scales; [`quantize_fp8`] with them writes the bytes its
-//! append writes.
+//! append writes. FP8 attention ([`crate::FlashAttn::fp8_descales`]) takes
+//! [`Fp8Scaling::PerTensor`] or [`Fp8Scaling::PerHead`] scales of q, k and v, and
+//! [`hadamard`] rotates q and k before they are quantized, against outlier features.
 //!
 //! ```
 //! # fn main() -> candle::Result<()> {
@@ -32,8 +34,11 @@
 
 use candle::{bail, DType, Result, Tensor};
 
+mod hadamard;
 #[cfg(feature = "cuda")]
 mod kernel;
+
+pub use hadamard::{hadamard, MAX_HADAMARD_DIM};
 
 /// e4m3's largest finite magnitude: a group's absolute maximum maps onto it.
 pub const E4M3_MAX: f32 = 448.0;
