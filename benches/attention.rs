@@ -28,7 +28,7 @@
 //! does not.
 //!
 //! ```text
-//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --cascade-only | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
+//! cargo bench --features cuda --bench attention -- [--quick] [--decode-only | --no-decode | --cascade-only | --mods-only | --sparse-only | --varlen-only | --fp8-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]
 //! ```
 //! On the lent GPU it runs as `bench-attention --json $OUT/bench.json` (scripts/gpu/stage.sh
 //! builds it, scripts/gpu/suite.sh --bench runs it). Built without the `cuda` feature, or run
@@ -38,6 +38,9 @@
 //! scripts/bench/compare.py can put both side by side: batch·seqlen = 16k tokens, hidden 2048
 //! (hd 64/128/256 → 32/16/8 heads), seqlen 512..16k, causal and not, plus GQA 32/8 heads at
 //! hd 128.
+//!
+//! `--fp8-only`: the FP8 (e4m3) forward beside our bf16 forward on the MHA grid shapes (hd 128,
+//! `CANDLE_FLASH_BENCH_HDS` for others), inputs quantized per tensor.
 //!
 //! Decode (always run after the grid; `--decode-only` runs only it): GQA 32/8 heads, hd 128,
 //! one query token per sequence attending to all `L` cached tokens, (batch, L) in
@@ -166,7 +169,7 @@ const DECODE_TIMING: Timing = Timing {
 };
 
 const USAGE: &str =
-    "usage: bench-attention [--quick] [--decode-only | --no-decode | --cascade-only | --mods-only | --sparse-only | --varlen-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]";
+    "usage: bench-attention [--quick] [--decode-only | --no-decode | --cascade-only | --mods-only | --sparse-only | --varlen-only | --fp8-only] [--no-naive] [--fwd-only | --bwd-only] [--dropout P] [--deterministic] [--dtype bf16|f16] [--json PATH]";
 
 fn main() {
     if !cfg!(feature = "cuda") {
@@ -204,6 +207,7 @@ struct Args {
     mods_only: bool,
     sparse_only: bool,
     varlen_only: bool,
+    fp8_only: bool,
     dropout: f32,
     deterministic: bool,
     dtype: DType,
@@ -223,6 +227,7 @@ impl Args {
             mods_only: false,
             sparse_only: false,
             varlen_only: false,
+            fp8_only: false,
             dropout: 0.0,
             deterministic: false,
             dtype: DType::BF16,
@@ -240,6 +245,7 @@ impl Args {
                 "--mods-only" => args.mods_only = true,
                 "--sparse-only" => args.sparse_only = true,
                 "--varlen-only" => args.varlen_only = true,
+                "--fp8-only" => args.fp8_only = true,
                 "--deterministic" => args.deterministic = true,
                 "--json" => args.json = Some(it.next().ok_or("--json needs a path")?.into()),
                 "--dropout" => {
@@ -508,6 +514,10 @@ fn run(args: &Args, dev: &Device) {
     }
     if args.varlen_only {
         bench.varlen_section();
+        return;
+    }
+    if args.fp8_only {
+        bench.fp8_section();
         return;
     }
     if args.sparse_only {
@@ -810,6 +820,79 @@ impl Bench {
     /// x2.5 for bwd), as the grid does; "vs fixed" is the ratio of TFLOP/s to the fixed-length
     /// batch's. `CANDLE_FLASH_WS_PACKED=0` in a second run times the kernels packed batches
     /// had before the warp-specialized ones.
+    /// The FP8 (e4m3) forward against our bf16 forward on the same shapes (16k tokens per
+    /// batch, hidden 2048): ms, TFLOP/s and the ratio. Inputs quantized per tensor.
+    fn fp8_section(&mut self) {
+        println!(
+            "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7}",
+            "pass",
+            "hd",
+            "seqlen",
+            "batch",
+            "heads",
+            "causal",
+            "bf16 ms",
+            "bf16 TF",
+            "fp8 ms",
+            "fp8 TF",
+            "fp8/bf16"
+        );
+        use candle_flash::quant::{fp8_scales, quantize_fp8, Fp8Scaling};
+        let dev = self.dev.clone();
+        let fp8_hds: Vec<usize> = std::env::var("CANDLE_FLASH_BENCH_HDS")
+            .ok()
+            .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+            .unwrap_or_else(|| vec![128]);
+        for &hd in &fp8_hds {
+            for seqlen in [512usize, 1024, 2048, 4096, 8192, 16384] {
+                for causal in [false, true] {
+                    let heads = HIDDEN / hd;
+                    let batch = TOKENS / seqlen;
+                    let run = || -> Result<(f64, f64)> {
+                        let x = || Tensor::randn(0f32, 1.0, (batch, seqlen, heads, hd), &dev);
+                        let (q, k, v) = (x()?, x()?, x()?);
+                        let quant = |t: &Tensor| -> Result<(Tensor, Tensor)> {
+                            let s = fp8_scales(t, Fp8Scaling::PerTensor)?;
+                            Ok((quantize_fp8(t, &s, Fp8Scaling::PerTensor)?, s))
+                        };
+                        let ((q8, qs), (k8, ks), (v8, vs)) = (quant(&q)?, quant(&k)?, quant(&v)?);
+                        let bf = |t: &Tensor| t.to_dtype(DType::BF16);
+                        let (qb, kb, vb) = (bf(&q)?, bf(&k)?, bf(&v)?);
+                        let opts = FlashAttn::new().causal(causal);
+                        let bf16_ms = time_ms(&dev, |_| opts.forward(&qb, &kb, &vb).map(|_| ()))?;
+                        let fp8 = opts.clone().fp8_descales(&qs, &ks, &vs);
+                        let fp8_ms = time_ms(&dev, |_| fp8.forward(&q8, &k8, &v8).map(|_| ()))?;
+                        Ok((bf16_ms, fp8_ms))
+                    };
+                    let flop = 4.0
+                        * (batch * heads * hd) as f64
+                        * (seqlen * seqlen) as f64
+                        * visible_share(seqlen, causal, -1, -1);
+                    match run() {
+                        Ok((b_ms, f_ms)) => {
+                            let tf = |ms: f64| flop / (ms * 1e-3) / 1e12;
+                            println!(
+                                "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9.4} {:>9.1} {:>9.4} {:>9.1} {:>6.2}x",
+                                "fwd-fp8", hd, seqlen, batch, heads, causal, b_ms, tf(b_ms), f_ms,
+                                tf(f_ms), b_ms / f_ms
+                            );
+                        }
+                        Err(e) => println!(
+                            "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} error: {}",
+                            "fwd-fp8",
+                            hd,
+                            seqlen,
+                            batch,
+                            heads,
+                            causal,
+                            first_line(&e)
+                        ),
+                    }
+                }
+            }
+        }
+    }
+
     fn varlen_section(&mut self) {
         /// (layout, pass, causal, ms, TFLOP)
         type VarlenRow = (&'static str, &'static str, bool, f64, f64);

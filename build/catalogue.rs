@@ -83,7 +83,7 @@ fn name(v: &Variant, dt: &str) -> String {
             // The head dim's base shape (no suffix): two warpgroups, its fewest keys per tile.
             let base_bn = CATALOGUE
                 .iter()
-                .filter(|w| w.family == Family::FwdWs && w.d == d && w.groups == 2)
+                .filter(|w| w.family == Family::FwdWs && w.d == d && w.groups == 2 && !w.fp8)
                 .map(|w| w.bn)
                 .min()
                 .unwrap_or(v.bn);
@@ -95,10 +95,11 @@ fn name(v: &Variant, dt: &str) -> String {
                 String::new()
             };
             format!(
-                "flash_fwd_ws_{dt}_d{d}{shape}{}{}{}",
+                "flash_fwd_ws_{dt}_d{d}{shape}{}{}{}{}",
                 mods_suffix(v.mods),
                 opt(v.packed, "_packed"),
-                opt(v.dropout, "_dropout")
+                opt(v.dropout, "_dropout"),
+                opt(v.fp8, "_fp8")
             )
         }
         Family::BwdDsum => format!("flash_bwd_dsum_{dt}"),
@@ -134,13 +135,13 @@ fn name(v: &Variant, dt: &str) -> String {
         ),
         Family::BwdWsPrep => format!("flash_bwd_ws_prep_{dt}_d{d}"),
         Family::BwdWsConvert => format!("flash_bwd_ws_convert_{dt}_d{d}"),
-        Family::Append => format!("flash_append_{dt}{}", opt(v.fp8_cache, "_fp8")),
+        Family::Append => format!("flash_append_{dt}{}", opt(v.fp8, "_fp8")),
         Family::Decode => {
             let warps = match v.groups {
                 4 => String::new(),
                 w => format!("_w{w}"),
             };
-            format!("flash_decode_{dt}_d{d}{warps}{}", opt(v.fp8_cache, "_fp8"))
+            format!("flash_decode_{dt}_d{d}{warps}{}", opt(v.fp8, "_fp8"))
         }
     }
 }
@@ -191,13 +192,14 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
         ),
         // CANDLE_FLASH_WS_PINGPONG: sm90/fwd_ws.cu's A/B switch (true unless defined).
         Family::FwdWs => format!(
-            "WsTraits<{t}, {d}, {}, {}, {}, CANDLE_FLASH_WS_PINGPONG, {}, {}, {}>",
+            "WsTraits<{t}, {d}, {}, {}, {}, CANDLE_FLASH_WS_PINGPONG, {}, {}, {}, {}>",
             v.bn,
             v.stages,
             v.groups,
             mods_c(v.mods),
             flag(v.packed),
-            flag(v.dropout)
+            flag(v.dropout),
+            flag(v.fp8)
         ),
         Family::BwdDkdv if v.tile == Tile::Small => format!("BwdKvSmall256<{t}>::Kv"),
         Family::BwdDkdv => format!("BwdConfig<{t}, {d}>::Kv"),
@@ -216,11 +218,7 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
             flag(v.dropout),
             flag(v.deterministic)
         ),
-        Family::Decode => format!(
-            "DecodeTraits<{t}, {d}, {}, {}>",
-            v.groups,
-            flag(v.fp8_cache)
-        ),
+        Family::Decode => format!("DecodeTraits<{t}, {d}, {}, {}>", v.groups, flag(v.fp8)),
         Family::BwdDsum | Family::BwdSm90Convert | Family::Append => return None,
     })
 }
@@ -247,7 +245,7 @@ fn body(v: &Variant, t: &str) -> String {
         Family::BwdWsPrep => format!("flash_bwd_ws_prep<{k}>(p)"),
         Family::BwdWsConvert => format!("flash_bwd_ws_convert<{k}>(p)"),
         Family::Append => {
-            let cache = if v.fp8_cache { "uint8_t" } else { t };
+            let cache = if v.fp8 { "uint8_t" } else { t };
             format!("flash_append<{t}, {cache}>(p)")
         }
         Family::Decode => format!("flash_decode<{k}>(p)"),
@@ -384,8 +382,10 @@ fn check(rows: &[Variant]) -> anyhow::Result<()> {
             _ => {}
         }
         needs(
-            !v.fp8_cache || matches!(v.family, Family::Append | Family::Decode),
-            "a KV-cache family for an e4m3 cache",
+            !v.fp8
+                || matches!(v.family, Family::Append | Family::Decode)
+                || (v.family == Family::FwdWs && v.mods == Mods::None && !v.dropout),
+            "a KV-cache family or the plain warp-specialized forward for e4m3 operands",
         )?;
         let free = matches!(
             v.family,

@@ -16,6 +16,8 @@ struct Job {
     args: Vec<String>,
     /// Rough cost for the queue's order (longest first): source bytes x images.
     cost: usize,
+    /// The newest modification time among the files it reads (stale if its output is older).
+    newest: SystemTime,
 }
 
 pub fn build() -> anyhow::Result<()> {
@@ -32,14 +34,15 @@ pub fn build() -> anyhow::Result<()> {
     }
     println!("cargo:rerun-if-changed=cuda");
     let mut sources = vec![];
-    let mut newest = std::fs::metadata("build.rs")?.modified()?;
     for path in crate::abi_layout::files(Path::new("cuda"), &["cu", "cuh", "rs"])? {
         println!("cargo:rerun-if-changed={}", path.display());
-        newest = newest.max(std::fs::metadata(&path)?.modified()?);
         if path.extension().is_some_and(|e| e == "cu") {
             sources.push(path);
         }
     }
+    // A job is stale when build.rs or a file its source includes (transitively) is newer
+    // than its image: a change to one kernel's file rebuilds that kernel alone.
+    let build_rs = std::fs::metadata("build.rs")?.modified()?;
     let targets = targets()?;
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     let mut common: Vec<String> = ["-std=c++17", "-O3", "--use_fast_math", "-Icuda"]
@@ -98,9 +101,12 @@ pub fn build() -> anyhow::Result<()> {
                         &[("all", "")]
                     };
                     let mut images = vec![];
+                    let newest = src.newest(&out_dir)?.max(build_rs);
                     for &(part, define) in parts {
                         let cost = src.bytes * (codes.len() + 1) / parts.len();
-                        let (job, image) = job(set, src, &dir, part, define, &codes, &common, cost);
+                        let (mut job, image) =
+                            job(set, src, &dir, part, define, &codes, &common, cost);
+                        job.newest = newest;
                         jobs.push(job);
                         images.push(image);
                     }
@@ -119,12 +125,7 @@ pub fn build() -> anyhow::Result<()> {
         }
         writeln!(consts, "}}")?;
     }
-    // A kernel is stale when its generated instantiations changed too (they are rewritten
-    // only when their text does).
-    for entry in std::fs::read_dir(out_dir.join("instances"))? {
-        newest = newest.max(entry?.metadata()?.modified()?);
-    }
-    run_jobs(jobs, newest)?;
+    run_jobs(jobs)?;
     std::fs::write(out_dir.join("ptx.rs"), consts)?;
     Ok(())
 }
@@ -179,6 +180,7 @@ fn job(
         out,
         args,
         cost,
+        newest: SystemTime::UNIX_EPOCH,
     };
     (job, image)
 }
@@ -269,6 +271,11 @@ struct Source {
     by_dtype: bool,
     /// Bytes of it and its headers: the job-order estimate before any build was timed.
     bytes: usize,
+    /// It and the headers it includes, transitively.
+    files: Vec<PathBuf>,
+    /// The generated files it includes (`instances/...`, under OUT_DIR), rewritten by the
+    /// build script only when their text changes.
+    generated: Vec<String>,
 }
 
 impl Source {
@@ -286,6 +293,7 @@ impl Source {
         let by_dtype = std::fs::read_to_string(path)?.contains("CANDLE_FLASH_ONLY_BF16");
         let (mut bytes, mut arch_tests) = (0, false);
         let mut seen = BTreeSet::new();
+        let mut generated = vec![];
         let mut stack = vec![path.to_path_buf()];
         while let Some(file) = stack.pop() {
             if !seen.insert(file.clone()) {
@@ -302,7 +310,9 @@ impl Source {
                     .and_then(|rest| rest.strip_suffix('"'))
                 {
                     // The catalogue's instantiations (OUT_DIR) test no architecture.
-                    if !name.starts_with("instances/") {
+                    if name.starts_with("instances/") {
+                        generated.push(name.to_string());
+                    } else {
                         stack.push(Path::new("cuda").join(name));
                     }
                 }
@@ -315,20 +325,35 @@ impl Source {
             arch_tests,
             by_dtype,
             bytes,
+            files: seen.into_iter().collect(),
+            generated,
         })
+    }
+
+    /// The newest modification time of its files and of the generated ones under `out_dir`.
+    fn newest(&self, out_dir: &Path) -> anyhow::Result<SystemTime> {
+        let mut newest = SystemTime::UNIX_EPOCH;
+        let generated = self.generated.iter().map(|name| out_dir.join(name));
+        for file in self.files.iter().cloned().chain(generated) {
+            let modified = std::fs::metadata(&file)
+                .and_then(|m| m.modified())
+                .with_context(|| format!("reading the time of {}", file.display()))?;
+            newest = newest.max(modified);
+        }
+        Ok(newest)
     }
 }
 
-/// Runs the jobs whose output is missing, older than `newest` or built by another command,
+/// Runs the jobs whose output is missing, older than their inputs or built by another command,
 /// on a pool of threads.
-fn run_jobs(jobs: Vec<Job>, newest: SystemTime) -> anyhow::Result<()> {
+fn run_jobs(jobs: Vec<Job>) -> anyhow::Result<()> {
     let mut stale: Vec<Job> = jobs
         .into_iter()
         .filter(|job| {
             let stamp = job.out.with_extension("cmd");
             let fresh = std::fs::metadata(&job.out)
                 .and_then(|m| m.modified())
-                .is_ok_and(|t| t >= newest)
+                .is_ok_and(|t| t >= job.newest)
                 && std::fs::read_to_string(&stamp).is_ok_and(|s| s == job.args.join(" "));
             !fresh
         })

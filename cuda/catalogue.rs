@@ -175,8 +175,9 @@ pub struct Variant {
     pub dropout: bool,
     /// Adds dQ in a fixed order (`_det`).
     pub deterministic: bool,
-    /// The KV cache is e4m3 (`_fp8`): appending quantizes, decoding dequantizes.
-    pub fp8_cache: bool,
+    /// E4M3 operands (`_fp8`): the KV cache (appending quantizes, decoding dequantizes), or
+    /// the warp-specialized forward's q, k and v (its output in the dtype of the name).
+    pub fp8: bool,
 }
 
 const fn row(family: Family, d: u16) -> Variant {
@@ -192,7 +193,7 @@ const fn row(family: Family, d: u16) -> Variant {
         packed: false,
         dropout: false,
         deterministic: false,
-        fp8_cache: false,
+        fp8: false,
     }
 }
 
@@ -217,8 +218,8 @@ impl Variant {
         self.deterministic = true;
         self
     }
-    const fn fp8_cache(mut self) -> Self {
-        self.fp8_cache = true;
+    const fn fp8(mut self) -> Self {
+        self.fp8 = true;
         self
     }
     const fn bounds(mut self, bounds: Bounds) -> Self {
@@ -356,6 +357,9 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(64, 128, 4, 2).packed().dropout(),
     fwd_ws(128, 128, 2, 2).packed().dropout(),
     fwd_ws(256, 80, 2, 2).packed().dropout(),
+    // E4M3 q, k, v (FP8 wgmma, V transposed in shared memory by the producer warpgroup).
+    fwd_ws(128, 128, 2, 2).fp8(),
+    fwd_ws(128, 128, 2, 2).packed().fp8(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and
@@ -454,14 +458,14 @@ pub const CATALOGUE: &[Variant] = &[
     // 128, 256), 8-warp split blocks up to 128 (at 256 its half-size rings fit 4 warps on
     // 99 KB devices).
     row(Family::Append, 0).bounds(Bounds::Free),
-    row(Family::Append, 0).bounds(Bounds::Free).fp8_cache(),
-    decode(64, 4).fp8_cache(),
-    decode(96, 4).fp8_cache(),
-    decode(128, 4).fp8_cache(),
-    decode(256, 4).fp8_cache(),
-    decode(64, 8).fp8_cache(),
-    decode(96, 8).fp8_cache(),
-    decode(128, 8).fp8_cache(),
+    row(Family::Append, 0).bounds(Bounds::Free).fp8(),
+    decode(64, 4).fp8(),
+    decode(96, 4).fp8(),
+    decode(128, 4).fp8(),
+    decode(256, 4).fp8(),
+    decode(64, 8).fp8(),
+    decode(96, 8).fp8(),
+    decode(128, 8).fp8(),
     decode(32, 4),
     decode(64, 4),
     decode(96, 4),

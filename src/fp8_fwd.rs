@@ -330,7 +330,7 @@ struct HostDescales {
 /// Per query head `h` of sequence `b` and query row `i` (K/V head `g = h / (num_heads /
 /// num_heads_k)`), in f32: `q_i = q8_i · qd[h]`, `k_j = k8_j · kd[g]`, `S_j = scale · (q_i ·
 /// k_j)` over the keys `j` the causal mask shows; `m = max_j S_j`; `P_j = exp(S_j - m)`;
-/// `l = Σ_j P_j` (the unrounded P); `O_i = (Σ_j e4m3(P_j) · v8_j) · (vd[g] / l)`;
+/// `l = Σ_j P_j` (the unrounded P); `O_i = (Σ_j e4m3(256 P_j) / 256 · v8_j) · (vd[g] / l)`;
 /// `LSE_i = m + ln(l)`. A row that sees no key gets `O_i = 0`, `LSE_i = -inf`.
 fn attn_fwd_fp8(
     p: &Problem,
@@ -401,7 +401,8 @@ fn fwd_head(
         for (j, &s_j) in (lo..hi).zip(&scores) {
             let p_j = (s_j - m).exp();
             l += p_j;
-            let p8 = F8E4M3::from_f32(p_j).to_f32();
+            // The kernel's offset: P in [0, 256] (sm90/softmax_fp8.cuh), exact powers of two.
+            let p8 = F8E4M3::from_f32(p_j * 256.0).to_f32() / 256.0;
             cpu::axpy(acc, p8, &v[j * d..][..d]);
         }
         let norm = vd / l;

@@ -381,15 +381,17 @@ impl FlashAttn {
     ///
     /// What FP8 attention computes, per query head `h`, its K/V head `g = h / (num_heads /
     /// num_heads_k)` and query row `i`, in f32 (the CPU computes exactly this; the CUDA kernel
-    /// the same with its own summation order and an online softmax, whose running maximum may
-    /// round a few probabilities against a smaller maximum than the row's):
+    /// the same with its own summation order and an online softmax, which rounds each key
+    /// tile's probabilities against the row's maximum so far, never above the row's):
     /// 1. dequantize q and k: `q_i = q8_i · qd[h]`, `k_j = k8_j · kd[g]`; v stays raw;
     /// 2. `S_ij = scale · q_i · k_j` over the keys the causal mask (bottom-right aligned) shows
     ///    row `i` (`scale` = `softmax_scale`, by default `1 / sqrt(head_dim)`);
     /// 3. `m_i = max_j S_ij`, `P_ij = exp(S_ij - m_i)`, `l_i = Σ_j P_ij` (before rounding);
-    /// 4. `O_i = (Σ_j e4m3(P_ij) · v8_j) · (vd[g] / l_i)`, with `e4m3` rounding to nearest
-    ///    even, as the FP8 tensor cores take `P` (FlashAttention-3's FP8 forward); `O` is then
-    ///    rounded to the output dtype ([`FlashAttn::out_dtype`], BF16 by default);
+    /// 4. `O_i = (Σ_j e4m3(256 · P_ij) / 256 · v8_j) · (vd[g] / l_i)`, with `e4m3` rounding
+    ///    to nearest even, as the FP8 tensor cores take `P` (FlashAttention-3's FP8 forward,
+    ///    whose offset of 2^8 keeps probabilities down to 2^-17 of the maximum in e4m3's
+    ///    range); `O` is then rounded to the output dtype ([`FlashAttn::out_dtype`], BF16 by
+    ///    default);
     /// 5. the LSE of [`FlashAttn::forward_with_lse`] is `m_i + ln(l_i)` in f32, natural log;
     ///    a row that sees no key gets `O_i = 0` and LSE `-inf`.
     ///

@@ -200,13 +200,15 @@ fn oracle(
                 let o = ((q0 + i) * h + hq) * d;
                 for (&j, &s) in visible.iter().zip(&scores) {
                     let p = (s - m).exp();
-                    let p8 = e4m3(p);
+                    let p8 = e4m3(p * 256.0) / 256.0;
                     let vj = &v[((k0 + j) * hk + g) * d..][..d];
                     for c in 0..d {
                         exact[o + c] += p * vj[c] / l;
                         emulated[o + c] += p8 * vj[c] / l;
                     }
-                    let gap = e4m3(p * (1.0 + TIE_BAND)) - e4m3(p * (1.0 - TIE_BAND));
+                    let gap = (e4m3(256.0 * p * (1.0 + TIE_BAND))
+                        - e4m3(256.0 * p * (1.0 - TIE_BAND)))
+                        / 256.0;
                     slack[o / d] += gap * max_abs(vj) / l;
                 }
             }

@@ -10,7 +10,8 @@
 //!
 //! Flags: `--quick` runs a reduced grid (for compute-sanitizer); `--only SECTION[,SECTION]`
 //! runs only those sections: fwd, bwd, mods (window, softcap, ALiBi), sparse (block-sparse), varlen (varlen,
-//! padding, dropout), sinks (attention sinks), kvcache, fp8 (the FP8 KV cache), misc
+//! padding, dropout), sinks (attention sinks), kvcache, fp8 (the FP8 KV cache), fp8fwd (the FP8
+//! forward), misc
 //! (training step, memory, strided inputs, repeatability, CPU vs CUDA, input errors),
 //! reliability, train (the fused training ops), property (random configurations over every
 //! option, tests/gpu/property.rs); `--sanitize` (scripts/gpu/sanitize.sh, with `--quick`) draws random inputs and
@@ -48,6 +49,10 @@ mod kvcache;
 #[cfg(feature = "cuda")]
 #[path = "gpu/kvcache_fp8.rs"]
 mod kvcache_fp8;
+
+#[cfg(feature = "cuda")]
+#[path = "gpu/fwd_fp8.rs"]
+mod fwd_fp8;
 
 #[cfg(feature = "cuda")]
 #[path = "gpu/block_sparse.rs"]
@@ -952,7 +957,7 @@ mod cuda_suite {
     type Section = fn(&Device, bool, &mut Suite);
 
     /// The sections in the order they run; `--only` picks among them.
-    const SECTIONS: [(&str, Section); 12] = [
+    const SECTIONS: [(&str, Section); 13] = [
         ("fwd", fwd_section),
         ("bwd", bwd_section),
         ("mods", crate::mods::run),
@@ -961,6 +966,7 @@ mod cuda_suite {
         ("sinks", crate::sinks::run),
         ("kvcache", crate::kvcache::run),
         ("fp8", crate::kvcache_fp8::run),
+        ("fp8fwd", crate::fwd_fp8::run),
         ("misc", misc_section),
         ("reliability", crate::reliability::run),
         ("train", train_section),

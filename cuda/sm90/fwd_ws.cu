@@ -43,6 +43,8 @@
 #include "sm90/ring.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
+#include "sm90/softmax_fp8.cuh"
+#include "sm90/wgmma_fp8.cuh"
 
 // The kernel's parameter: tensor maps of q, k, v and o over (d, rows, heads, batch) with boxes
 // of 64 columns x BM (q), BN (k, v) or 64 (o) rows, then the usual parameters (the same struct
@@ -60,18 +62,26 @@ struct FwdTmaParams {
     // hand out their query blocks heaviest first across all of them (longest_first_tail);
     // 0: none.
     int tail_heads;
+    // The FP8 kernels' dequantization factors (a stored e4m3 value times its factor is the
+    // real one): per tensor (stride 0) or per head (stride 1; q's by query head, k's and v's
+    // by key/value head). Unused by the others.
+    const float *q_descale, *k_descale, *v_descale;
+    int q_descale_stride, kv_descale_stride;
 };
 
 // Shared memory with q Q slots (read back for the host by the geometry probe, build/catalogue.rs): q Q tiles, STAGES K
-// tiles, STAGES V tiles, the O tile staged for its store (o_bytes, or none), then the barriers
-// (full and empty per Q, K and V slot); per Q slot its work tile's index, written by the
-// producer before it fills Q; under a block mask per K slot its key tile (KeyInfo), written by
-// the producer; 1 KB to align the tiles to a swizzle atom.
+// tiles, STAGES V tiles (with FP8, STAGES more of V transposed: kv_tiles 3), the O tile
+// staged for its store (o_bytes, or none), then the barriers (full and empty per Q, K and V
+// slot, and per transposed V slot); per Q slot its work tile's index, written by the producer
+// before it fills Q; under a block mask per K slot its key tile (KeyInfo), with FP8 per V slot
+// whether it holds a tile (VInfo), written by the producer; 1 KB to align the tiles to a
+// swizzle atom.
 struct WsLayout {
     int o, bar, tile, key, bytes;
-    static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages, int o_bytes) {
-        const int o = q * q_bytes + 2 * stages * kv_bytes, bar = o + o_bytes;
-        const int tile = (bar + (2 * q + 4 * stages) * 8 + 15) / 16 * 16;
+    static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages, int o_bytes,
+                                 int kv_tiles = 2) {
+        const int o = q * q_bytes + kv_tiles * stages * kv_bytes, bar = o + o_bytes;
+        const int tile = (bar + (2 * q + 2 * kv_tiles * stages) * 8 + 15) / 16 * 16;
         return {o, bar, tile, tile + 16 * q, tile + 16 * q + 16 + 1024};
     }
 };
@@ -79,10 +89,17 @@ struct WsLayout {
 // MODS (common/mask/levels.cuh): with the softcap and ALiBi code (entry points `..._mods`),
 // also with the block mask's (`..._sparse`); the others are never given such a problem
 // (src/cuda/plan/fwd.rs) and keep their registers.
+// FP8: q, k and v in e4m3 (uint8_t in shared memory), O in T; V is transposed in shared
+// memory by the producer warpgroup's other warps for the e4m3 wgmma (sm90/wgmma_fp8.cuh).
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
-          int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false>
+          int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false, bool FP8_ = false>
 struct WsTraits {
-    using T = T_;
+    using T = T_;  // O's type (and q's, k's and v's but with FP8)
+    static constexpr bool FP8 = FP8_;
+    // Bytes per q, k, v element; a 128-byte panel row holds PANEL_COLS of them.
+    static constexpr int ELEM = FP8 ? 1 : 2, PANEL_COLS = 128 / ELEM;
+    // The transposed V tiles beside K's and V's (FP8).
+    static constexpr int KV_TILES = FP8 ? 3 : 2;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int MODS = MODS_;
@@ -107,7 +124,7 @@ struct WsTraits {
     // packed batches at a sequence's end, END_ALIGNED rows before 0); the others never copy.
     static constexpr bool O_MAY_COPY = PACKED || END_ALIGNED;
     static constexpr int NT = BN / 8, DT = D / 8;
-    static constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+    static constexpr int Q_BYTES = BM * D * ELEM, KV_BYTES = BN * D * ELEM, O_BYTES = BM * D * 2;
     // Two Q slots where shared memory has room (d = 64, d = 128 with 128-key tiles): the
     // producer then loads the next work tile's Q while the consumers still run the last one's
     // final key tiles, instead of after their last S (a short row, 4 key tiles at 512, waited
@@ -118,20 +135,22 @@ struct WsTraits {
     // docs/archive/PERF.md, "Three Q slots in the d 64 two-warpgroup forward").
     static constexpr bool THREE_Q =
         D == 64 && CONSUMERS == 2 &&
-        WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
+        WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, O_BYTES).bytes <= 232448;
     static constexpr int Q_STAGES =
-        THREE_Q ? 3 : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0).bytes <= 232448 ? 2 : 1;
+        THREE_Q                                                                  ? 3
+        : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0, KV_TILES).bytes <= 232448 ? 2
+                                                                                  : 1;
     // O through shared memory and a TMA store (WsConsumer::store_staged) where the tile fits
     // beside the Q slots, else straight from registers.
     static constexpr bool O_STAGED =
-        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, Q_BYTES).bytes <= 232448;
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_BYTES, KV_TILES).bytes <= 232448;
     static constexpr WsLayout LAYOUT =
-        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_STAGED ? Q_BYTES : 0);
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_STAGED ? O_BYTES : 0, KV_TILES);
     // d = 256, one Q slot and no room for O: each warpgroup stages its O in its own 64 rows of
     // the Q tile, free after its last S, and hands the slot back once the store has read them
     // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
     // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers).
-    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256;
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256 && !FP8;
     static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
     static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
     static constexpr int KEY_OFFSET = LAYOUT.key, SMEM_BYTES = LAYOUT.bytes;
@@ -149,10 +168,18 @@ struct WsTraits {
     // 3's split): 1.017-1.018x at 2k-4k non-causal (H100); at d = 64 it lost 2.6% at 512
     // causal (docs/archive/PERF.md, "240 consumer registers in the d 128 forward"). The mods
     // and block-mask producers spill at 24, d = 256's below 40.
-    static constexpr bool LEAN_PRODUCER = CONSUMERS == 2 && MODS == MODS_NONE && D == 128;
-    static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
-    static constexpr int CONSUMER_REGS = LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
-    static_assert(D % 64 == 0, "panels are 64 columns wide");
+    // FP8: the producer warpgroup's transposing warps keep 56 (their 4 x 4 byte blocks and
+    // addresses), the consumers 224.
+    static constexpr bool LEAN_PRODUCER =
+        CONSUMERS == 2 && MODS == MODS_NONE && D == 128 && !FP8;
+    static constexpr int PRODUCER_REGS = FP8 ? 56 : LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
+    static constexpr int CONSUMER_REGS =
+        FP8 ? 224 : LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
+    // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.
+    static constexpr int TRANSPOSERS = 3;
+    static_assert(D % PANEL_COLS == 0, "panels are 128 bytes wide");
+    static_assert(!FP8 || (BN % 128 == 0 && MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
+                  "FP8: transposed V in 128-key panels, no score mods, no dropout, two consumers");
     static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 };
@@ -167,6 +194,10 @@ template <class K> struct WsSmem {
     }
     __device__ __forceinline__ uint32_t v(int st) const {
         return base + K::Q_STAGES * K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
+    }
+    // FP8: V transposed (D rows of BN key bytes), what P V reads.
+    __device__ __forceinline__ uint32_t vt(int st) const {
+        return base + K::Q_STAGES * K::Q_BYTES + (2 * K::STAGES + st) * K::KV_BYTES;
     }
     __device__ __forceinline__ uint32_t full_q(int qs) const {
         return base + K::BAR_OFFSET + 8 * qs;
@@ -183,6 +214,20 @@ template <class K> struct WsSmem {
     }
     __device__ __forceinline__ uint32_t empty_v(int st) const {
         return full_q(QB + 3 * K::STAGES + st);
+    }
+    __device__ __forceinline__ uint32_t full_vt(int st) const {
+        return full_q(QB + 4 * K::STAGES + st);
+    }
+    __device__ __forceinline__ uint32_t empty_vt(int st) const {
+        return full_q(QB + 5 * K::STAGES + st);
+    }
+    // The barriers of the V operand of P V as the consumers see it: the one it lands on and
+    // the one they release it through (with FP8 the transposed tile's).
+    __device__ __forceinline__ uint32_t pv_full(int st) const {
+        return K::FP8 ? full_vt(st) : full_v(st);
+    }
+    __device__ __forceinline__ uint32_t pv_empty(int st) const {
+        return K::FP8 ? empty_vt(st) : empty_v(st);
     }
     __device__ __forceinline__ uint32_t tile(int qs) const {
         return base + K::TILE_OFFSET + 16 * qs;
@@ -280,10 +325,13 @@ template <class K> struct WsTile {
 // once they are done with the slot's last Q, it copies the next tile's Q, and under the
 // dynamic schedule the tile's index (an index past the last tile tells them to stop) beside
 // it, both completing on the slot's barrier; then K and V of the tile's key tiles, last
-// first, each into the next slot once the consumers have released it.
+// first, each into the next slot once the consumers have released it. With FP8 a V slot is
+// released by the warps that transpose it, and each carries a word saying that it holds a tile
+// (VInfo: 1; the word 0 after the last tells the transposers to stop, end_v_stream). Returns
+// the key tiles it loaded.
 template <class K>
-__device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
-                                           int tiles) {
+__device__ __forceinline__ int ws_produce(const FwdTmaParams& P, const WsSmem<K>& sm,
+                                          int tiles) {
     // Each Q slot's index goes through a global slot of its own: with two or three Q slots the
     // producer may write the next index before the last one's bulk copy has landed.
     unsigned int* slots = P.tile_counter == nullptr
@@ -308,7 +356,7 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
                 t = fetch(t);
         }
         const bool last = t >= tiles;
-        if (last && slots == nullptr) return;  // the consumers walk the same tiles and stop
+        if (last && slots == nullptr) return it;  // the consumers walk the same tiles and stop
         const QSlot<K> qs(q_uses);
         tma::wait(sm.empty_q(qs.st), qs.phase ^ 1);
         const WsTile<K> w(P.a, last ? 0 : t, tiles, P.tail_heads);
@@ -326,11 +374,12 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
             tma::arrive_expect_tx(sm.full_q(qs.st), bytes);
         }
         if (slot != nullptr) tma::load_bulk(sm.tile(qs.st), slot, 16, sm.full_q(qs.st));
-        if (last) return;
+        if (last) return it;
         const TmaSeq ts = tma_seq<K::PACKED>(w.seq, w.bidb);
+        constexpr int PANELS = K::D / K::PANEL_COLS, COLS = K::PANEL_COLS;
         if (q)
-            tma::load_tile<K::BM, K::D / 64>(sm.q(qs.st), P.q, sm.full_q(qs.st), ts.q0 + w.m0,
-                                             w.bidh, ts.batch);
+            tma::load_tile<K::BM, PANELS, COLS>(sm.q(qs.st), P.q, sm.full_q(qs.st),
+                                                ts.q0 + w.m0, w.bidh, ts.batch);
         int state = w.last_state;
         for (int nb = w.key_tiles() > 0 ? w.nb_end - 1 : -1, next, next_state; nb >= 0;
              nb = next, state = next_state, ++it) {
@@ -343,14 +392,46 @@ __device__ __forceinline__ void ws_produce(const FwdTmaParams& P, const WsSmem<K
             if constexpr (K::KEYS_FROM_PRODUCER)
                 st_shared(sm.key(s.st), KeyInfo{nb, state, next < 0}.pack());
             tma::arrive_expect_tx(sm.full_k(s.st), K::KV_BYTES);
-            tma::load_tile<K::BN, K::D / 64>(sm.k(s.st), P.k, sm.full_k(s.st),
-                                             ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
+            tma::load_tile<K::BN, PANELS, COLS>(sm.k(s.st), P.k, sm.full_k(s.st),
+                                                ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
             tma::wait(sm.empty_v(s.st), s.phase ^ 1);
+            if constexpr (K::FP8) st_shared(sm.key(s.st), 1);
             tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
-            tma::load_tile<K::BN, K::D / 64>(sm.v(s.st), P.v, sm.full_v(s.st),
-                                             ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
+            tma::load_tile<K::BN, PANELS, COLS>(sm.v(s.st), P.v, sm.full_v(s.st),
+                                                ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
         }
         t = fetch(t);
+    }
+}
+
+// FP8: after the producer's last key tile (`tiles_loaded` of them), a V slot without a tile
+// (VInfo 0), which stops the transposers.
+template <class K>
+__device__ __forceinline__ void end_v_stream(const WsSmem<K>& sm, int tiles_loaded) {
+    const Slot<K> s(tiles_loaded);
+    tma::wait(sm.empty_v(s.st), s.phase ^ 1);
+    st_shared(sm.key(s.st), 0);
+    tma::arrive(sm.full_v(s.st));
+}
+
+// FP8: the producer warpgroup's warps 1-3 transpose each V tile once it lands and its slot of
+// transposed V is free (sm90/wgmma_fp8.cuh: transpose_v_fp8), then hand the transposed tile
+// to the consumers and the V slot back to the producer. `thread` counts from 0 in warp 1.
+template <class K>
+__device__ __forceinline__ void ws_transpose(const WsSmem<K>& sm, int thread) {
+    for (int it = 0;; ++it) {
+        const Slot<K> s(it);
+        tma::wait(sm.full_v(s.st), s.phase);
+        if (ld_shared(sm.key(s.st)) == 0) return;
+        tma::wait(sm.empty_vt(s.st), s.phase ^ 1);
+        sm90::transpose_v_fp8<K::BN, K::D>(sm.vt(s.st), sm.v(s.st), thread, 32 * K::TRANSPOSERS);
+        // The stores (generic proxy) become visible to the wgmmas (async proxy) that read them.
+        sm90::fence_proxy_async();
+        __syncwarp();
+        if (thread % 32 == 0) {
+            tma::arrive(sm.full_vt(s.st));
+            tma::arrive(sm.empty_v(s.st));
+        }
     }
 }
 
@@ -373,6 +454,9 @@ template <class K> struct WsConsumer {
     // forward's work tiles as one stream of key tiles").
     static constexpr bool CARRY =
         K::Q_STAGES > 1 && D == 64 && K::CONSUMERS == 2 && K::MODS == MODS_NONE;
+    static_assert(!(CARRY && K::FP8), "the FP8 descales are set per work tile in run()");
+    // k steps of P V: k16 (two n8 tiles of P) or with FP8 k32 (four).
+    static constexpr int PV_STEPS = K::FP8 ? NT / 4 : NT / 2;
 
     // Named barriers 1 .. CONSUMERS pass the pingpong turns; EPILOGUE_BAR + g orders
     // warpgroup g's writes of the staged O tile around its TMA stores.
@@ -384,8 +468,36 @@ template <class K> struct WsConsumer {
     const int group, warp_row0, lane;
     int qs;  // the Q slot of the work tile being run
     float o[1][DT][4];
-    uint32_t pa[1][NT / 2][4];  // P of the previous tile, the A operand of P V
+    uint32_t pa[1][PV_STEPS][4];  // P of the previous tile, the A operand of P V
     OnlineSoftmax<1> softmax;
+    // FP8: the work tile's softmax scale (log2 and natural units) times q's and k's descale
+    // factors, and v's (set_descales); the others read AttnParams' scale.
+    float fp8_scale_log2 = 0.f, fp8_scale = 0.f, fp8_v = 1.f;
+
+    __device__ __forceinline__ void set_descales(const WsTile<K>& w) {
+        if constexpr (K::FP8) {
+            const float qk = P.q_descale[w.bidh * P.q_descale_stride] *
+                             P.k_descale[w.bidh_k * P.kv_descale_stride];
+            fp8_scale_log2 = p.scale_log2 * qk;
+            fp8_scale = p.scale * qk;
+            fp8_v = P.v_descale[w.bidh_k * P.kv_descale_stride];
+        }
+    }
+    __device__ __forceinline__ float scale_log2() const {
+        return K::FP8 ? fp8_scale_log2 : p.scale_log2;
+    }
+    // P's registers held until the P V that reads them is done (sm90/wgmma_fp8.cuh). The
+    // 16-bit kernels, measured without it and never seen wrong, keep their schedules.
+    __device__ __forceinline__ void fence_pa() {
+        if constexpr (K::FP8) sm90::fence_operand(pa[0]);
+    }
+    // P (S after the softmax) as the A operand of P V.
+    __device__ __forceinline__ void pack_p(const float (&s)[1][NT][4]) {
+        if constexpr (K::FP8)
+            sm90::pack_a_fp8<NT>(s[0], pa[0]);
+        else
+            pack_a<T, 1, NT>(s, pa);
+    }
 
     // Pingpong: warpgroup g issues its matmuls once barrier 1 + g completes, then lets the
     // next one (round robin) go. The last warpgroup arrives once before its first turn so
@@ -398,26 +510,38 @@ template <class K> struct WsConsumer {
     }
 
     // S = Q K^T of the tile in slot st, issued (one commit group).
+    // A k step spans 32 bytes of a panel row either way (k16, or k32 of e4m3).
     __device__ __forceinline__ void issue_s(float (&s)[1][NT][4], int st) const {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            sm90::Wgmma<T, BN>::ss(s[0], sm90::kmajor_desc(sm.q(qs) + group * 64 * 128, BM, kk),
-                                    sm90::kmajor_desc(sm.k(st), BN, kk), kk > 0);
+        for (int kk = 0; kk < D * K::ELEM / 32; ++kk) {
+            const uint64_t a = sm90::kmajor_desc(sm.q(qs) + group * 64 * 128, BM, kk);
+            const uint64_t b = sm90::kmajor_desc(sm.k(st), BN, kk);
+            if constexpr (K::FP8)
+                sm90::WgmmaFp8<BN>::ss(s[0], a, b, kk > 0);
+            else
+                sm90::Wgmma<T, BN>::ss(s[0], a, b, kk > 0);
+        }
         sm90::commit();
     }
 
     // O += P V of the tile in slot st, issued (one commit group). Head dims past 128 take
-    // two n128 halves (panels 0-1 and 2-3).
+    // two n128 halves (panels 0-1 and 2-3). With FP8, V^T's rows are the head dim (K-major,
+    // a half is 128 of its rows).
     __device__ __forceinline__ void issue_pv(int st) {
         constexpr int N = D > 128 ? 128 : D;
 #pragma unroll
         for (int half = 0; half < D / N; ++half) {
             float(&oh)[N / 8][4] = *reinterpret_cast<float(*)[N / 8][4]>(&o[0][half * N / 8]);
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                sm90::Wgmma<T, N>::rs(oh, pa[0][kk],
-                                      sm90::mnmajor_desc(sm.v(st) + half * 2 * BN * 128, BN, kk),
-                                      1);
+            for (int kk = 0; kk < PV_STEPS; ++kk) {
+                if constexpr (K::FP8)
+                    sm90::WgmmaFp8<N>::rs(
+                        oh, pa[0][kk], sm90::kmajor_desc(sm.vt(st) + half * N * 128, D, kk), 1);
+                else
+                    sm90::Wgmma<T, N>::rs(
+                        oh, pa[0][kk], sm90::mnmajor_desc(sm.v(st) + half * 2 * BN * 128, BN, kk),
+                        1);
+            }
         }
         sm90::commit();
     }
@@ -444,8 +568,13 @@ template <class K> struct WsConsumer {
     }
     // 1 / l, times 1 / (1 - p) with dropout.
     __device__ __forceinline__ void finalize(int r, float* inv_sum, float* row_lse) const {
-        softmax.finalize(0, r, p.scale, inv_sum, row_lse);
+        softmax.finalize(0, r, K::FP8 ? fp8_scale : p.scale, inv_sum, row_lse);
         if constexpr (K::DROPOUT) *inv_sum *= p.rp_keep;
+        if constexpr (K::FP8) {
+            *inv_sum *= fp8_v;
+            // The row sum carries P's 2^8 (sm90/softmax_fp8.cuh); -inf stays.
+            *row_lse -= FP8_P_SHIFT * 0.6931471805599453f;
+        }
     }
 
     // Each consumer warp arrives once its reads of the slot (its wgmmas) completed.
@@ -508,18 +637,19 @@ template <class K> struct WsConsumer {
     // the last P V is done.
     __device__ __forceinline__ bool exp_scores(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
                                                float (&alpha)[1][2], const TileMask& m) const {
+        if constexpr (K::FP8) return exp_and_factors_fp8(st, s, alpha, scale_log2());
         // seqlen_q is never negative: the ties' zero is 0.
         const float zero = __int_as_float(min(p.seqlen_q, 0));
         if (cap_in_softmax(m))
             return st.template exp_and_factors<FIXED, true, true>(
-                s, alpha, p.scale_log2, p.softcap_max_log2, zero, p.softcap_pre);
+                s, alpha, scale_log2(), p.softcap_max_log2, zero, p.softcap_pre);
         // The kernels whose exponentials ptxas ran back to back (OnlineSoftmax): 1.4-2.3%
         // faster; not dropout's or the block mask's, which the tie made 1.6-2.8% and 6.4%
         // slower (H100; docs/archive/PERF.md, "Why ptxas ran the exponentials back to back,
         // and a tie that stops it" and "The softcap's tanh in the exponentials' loop").
         constexpr bool INTERLEAVE =
             D == 64 && K::CONSUMERS == 2 && !K::DROPOUT && K::MODS == MODS_NONE;
-        return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, p.scale_log2,
+        return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, scale_log2(),
                                                               p.softcap_max_log2, zero);
     }
 
@@ -620,8 +750,8 @@ template <class K> struct WsConsumer {
         take_turn();
         pass_turn();
         release(sm.empty_k(s.st));
-        tma::wait(sm.full_v(s.st), s.phase);
-        release(sm.empty_v(s.st));
+        tma::wait(sm.pv_full(s.st), s.phase);
+        release(sm.pv_empty(s.st));
     }
 
     // The first key tile of w that this warpgroup sees, from slot `it` (the tiles before it
@@ -658,7 +788,7 @@ template <class K> struct WsConsumer {
         float alpha[1][2];
         if (exp_scores(softmax, s, alpha, m)) softmax.rescale(o, alpha);
         drop(s, keep);
-        pack_a<T, 1, NT>(s, pa);
+        pack_p(s);
     }
 
     // The next key tile of w (with `boundary`, its first: the last one was another work
@@ -674,7 +804,7 @@ template <class K> struct WsConsumer {
         if constexpr (!K::KEYS_FROM_PRODUCER) tma::wait(sm.full_k(cur.st), cur.phase);
         // V(j-1) came before K(j); waiting for it here keeps the two issues back to back
         // (ptxas fences between them if a wait loop separates them).
-        tma::wait(sm.full_v(prev.st), prev.phase);
+        tma::wait(sm.pv_full(prev.st), prev.phase);
         take_turn();
         sm90::fence_operand(o[0]);
         sm90::fence();
@@ -693,7 +823,8 @@ template <class K> struct WsConsumer {
             exp_scores(next, s, alpha, m);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
-            release(sm.empty_v(prev.st));
+            fence_pa();
+            release(sm.pv_empty(prev.st));
             store(done);
             zero(o);
             softmax = next;
@@ -702,17 +833,18 @@ template <class K> struct WsConsumer {
             const bool rescale = exp_scores(softmax, s, alpha, m);
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
-            release(sm.empty_v(prev.st));
+            fence_pa();
+            release(sm.pv_empty(prev.st));
             if (rescale) softmax.rescale(o, alpha);
         }
         drop(s, keep);
-        pack_a<T, 1, NT>(s, pa);
+        pack_p(s);
     }
 
     // The last P V, alone, from slot `it`.
     __device__ __forceinline__ void last_pv(int it) {
         const Slot<K> last(it);
-        tma::wait(sm.full_v(last.st), last.phase);
+        tma::wait(sm.pv_full(last.st), last.phase);
         take_turn();
         sm90::fence_operand(o[0]);
         sm90::fence();
@@ -720,7 +852,8 @@ template <class K> struct WsConsumer {
         pass_turn();
         sm90::wait<0>();
         sm90::fence_operand(o[0]);
-        release(sm.empty_v(last.st));
+        fence_pa();
+        release(sm.pv_empty(last.st));
     }
 
     // Every work tile of the block (CARRY), their key tiles last first, in one stream: a work
@@ -872,7 +1005,12 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
             tma::mbar_init(sm.full_k(st), 1);
             tma::mbar_init(sm.full_v(st), 1);
             tma::mbar_init(sm.empty_k(st), 4 * K::CONSUMERS);
-            tma::mbar_init(sm.empty_v(st), 4 * K::CONSUMERS);
+            // With FP8 the transposing warps read V; the consumers read V^T.
+            tma::mbar_init(sm.empty_v(st), K::FP8 ? K::TRANSPOSERS : 4 * K::CONSUMERS);
+            if constexpr (K::FP8) {
+                tma::mbar_init(sm.full_vt(st), K::TRANSPOSERS);
+                tma::mbar_init(sm.empty_vt(st), 4 * K::CONSUMERS);
+            }
         }
         tma::fence_barrier_init();
     }
@@ -884,9 +1022,12 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
     if (warpgroup == 0) {
         tma::regs_dealloc<K::PRODUCER_REGS>();
         if (tid == 0) {
-            ws_produce<K>(P, sm, tiles);
+            const int loaded = ws_produce<K>(P, sm, tiles);
+            if constexpr (K::FP8) end_v_stream<K>(sm, loaded);
             // No more loads: the next kernel's blocks may take the SMs this grid leaves.
             pdl_launch_dependents();
+        } else if constexpr (K::FP8) {
+            if (tid >= 32) ws_transpose<K>(sm, tid - 32);
         }
         return;
     }
@@ -907,6 +1048,7 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         if (dynamic) t = ld_shared(sm.tile(qs.st));
         if (t >= tiles) break;
         const WsTile<K> w(p, t, tiles, P.tail_heads);
+        c.set_descales(w);
         zero(c.o);
         c.softmax = OnlineSoftmax<1>();
         // A tile without keys: zeros and LSE -inf from registers, its Q slot released here

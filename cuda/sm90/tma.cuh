@@ -121,14 +121,15 @@ __device__ __forceinline__ void bulk_wait_all() {
     asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-// A ROWS x (64 PANELS) tile of one head at (row, head, batch), one box per 64-column panel,
-// into consecutive panels at `dst` (the layout of wgmma.cuh).
-template <int ROWS, int PANELS>
+// A ROWS x (COLS PANELS) tile of one head at (row, head, batch), one box per panel of COLS
+// columns (128 bytes: 64 16-bit or 128 8-bit elements), into consecutive panels at `dst` (the
+// layout of wgmma.cuh).
+template <int ROWS, int PANELS, int COLS = 64>
 __device__ __forceinline__ void load_tile(uint32_t dst, const TmaDesc& desc, uint32_t bar, int row,
                                           int head, int batch) {
 #pragma unroll
     for (int panel = 0; panel < PANELS; ++panel)
-        load_4d(dst + panel * ROWS * 128, desc, bar, panel * 64, row, head, batch);
+        load_4d(dst + panel * ROWS * 128, desc, bar, panel * COLS, row, head, batch);
 }
 
 // The inverse of load_tile: PANELS boxes of 64 columns, the panels PANEL_ROWS rows apart from

@@ -195,7 +195,7 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr +
     };
     // One thread per 8 columns of a row, whole warps.
     let threads = problem.d.div_ceil(8).next_multiple_of(32) as u32;
-    let Some(kernel) = Kernel::of(Family::Append, 0, |v| v.fp8_cache == fp8_cache) else {
+    let Some(kernel) = Kernel::of(Family::Append, 0, |v| v.fp8 == fp8_cache) else {
         bail!("kv-cache append: no append kernel")
     };
     let heads = problem.hk + if q_rows > 0 { h } else { 0 };

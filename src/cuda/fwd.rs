@@ -89,7 +89,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let packed = problem.varlen.as_ref().map(|_| (s.total_q, s.total_k));
         let ws = plan
             .ws
-            .and_then(|k| tma::fwd_params(&params, dtype, k, packed).map(|p| (k, p)));
+            .and_then(|k| tma::fwd_params(&params, dtype, dtype, k, packed).map(|p| (k, p)));
         if let Some((kernel, mut ws_params)) = ws {
             let g = kernel.geometry();
             let tiles = s.sq.div_ceil(g.bm as usize) * s.h * s.b;

@@ -16,6 +16,7 @@ mod bwd_ws;
 mod catalogue;
 mod decode;
 mod fwd;
+mod fwd_fp8;
 mod lpt_tail;
 mod overrides;
 pub(crate) use overrides::overrides;
@@ -27,6 +28,7 @@ pub(crate) use append::append;
 pub(crate) use bwd::bwd;
 pub(crate) use decode::decode;
 pub(crate) use fwd::fwd;
+pub(crate) use fwd_fp8::fwd_fp8;
 pub(crate) use runtime::{
     device_facts, launch_args_programmatic, poison, prepare_launch, stream_counters, Source,
     StreamCounters,

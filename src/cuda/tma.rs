@@ -34,6 +34,13 @@ pub(super) struct FwdTmaParams {
     /// Under the dynamic schedule, the (sequence, head) pairs at the end of the walk whose
     /// query blocks go heaviest first across all of them (`longest_first_tail`); 0: none.
     pub tail_heads: i32,
+    /// The FP8 kernels' dequantization factors (f32; null for the others) and their head
+    /// strides (0: one for the tensor, 1: one per head).
+    pub q_descale: sys::CUdeviceptr,
+    pub k_descale: sys::CUdeviceptr,
+    pub v_descale: sys::CUdeviceptr,
+    pub q_descale_stride: i32,
+    pub kv_descale_stride: i32,
 }
 
 // SAFETY: plain-old-data with the C layout of `FwdTmaParams`, passed by value as a kernel
@@ -53,8 +60,8 @@ pub(super) struct TileSource {
 }
 
 impl TileSource {
-    /// A tensor map copying boxes of 64 columns x `box_rows` rows of one head into 128-byte
-    /// swizzled panels, zero past the tensor's extent. `None` where TMA cannot address the
+    /// A tensor map copying boxes of 128 bytes (64 16-bit or 128 8-bit columns) x `box_rows`
+    /// rows of one head into 128-byte swizzled panels, zero past the tensor's extent. `None` where TMA cannot address the
     /// tensor (a base or stride not a multiple of 16 bytes, broadcast strides): the caller
     /// then runs a kernel that copies with per-thread loads.
     pub fn encode(&self, box_rows: usize) -> Option<TmaDesc> {
@@ -63,16 +70,17 @@ impl TileSource {
             CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
             CUtensorMapSwizzle as Swizzle,
         };
-        let ty = match self.dtype {
-            DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            DType::BF16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        let (ty, elem) = match self.dtype {
+            DType::F16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
+            DType::BF16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
+            DType::F8E4M3 => (Ty::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
             _ => return None,
         };
         let dims = [self.d, self.rows, self.heads, self.b].map(|x| x as u64);
         // A dimension of extent 1 is never stepped over; give it a stride TMA accepts.
         let mut strides = [0u64; 3];
         for (i, &s) in self.strides.iter().enumerate() {
-            let bytes = (s.max(0) as u64) * 2;
+            let bytes = (s.max(0) as u64) * elem;
             strides[i] = if dims[i + 1] == 1 { 16 } else { bytes };
         }
         if !self.ptr.is_multiple_of(16)
@@ -82,7 +90,7 @@ impl TileSource {
         {
             return None;
         }
-        let boxes = [64u32, box_rows as u32, 1, 1];
+        let boxes = [128 / elem as u32, box_rows as u32, 1, 1];
         let unit = [1u32; 4];
         let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
         // SAFETY: the arrays have the rank's lengths (4 dims, 3 strides past the first, 4 box
@@ -147,16 +155,18 @@ pub(super) fn extents(a: &AttnParams, packed: Option<(usize, usize)>) -> (usize,
 
 /// The parameter block of the warp-specialized forward `kernel` for `a` (pointers and
 /// strides set), or `None` where TMA cannot address q, k or v; `packed` as in [`extents`].
+/// q, k and v are `dtype`, O `out_dtype` (the same but for the FP8 kernels).
 pub(super) fn fwd_params(
     a: &AttnParams,
     dtype: DType,
+    out_dtype: DType,
     kernel: Kernel,
     packed: Option<(usize, usize)>,
 ) -> Option<FwdTmaParams> {
     let g = kernel.geometry();
     let (bm, bn) = (g.bm as usize, g.bn as usize);
     let (b, rows_q, rows_k) = extents(a, packed);
-    let source = |ptr, rows: usize, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
+    let source = |ptr, dtype, rows: usize, heads: i32, [batch, row, head]: [i64; 3]| TileSource {
         ptr,
         dtype,
         b,
@@ -170,13 +180,18 @@ pub(super) fn fwd_params(
     let v = [a.v_batch_stride, a.v_row_stride, a.v_head_stride];
     let o = [a.o_batch_stride, a.o_row_stride, a.o_head_stride];
     Some(FwdTmaParams {
-        q: source(a.q, rows_q, a.h, q).encode(bm)?,
-        k: source(a.k, rows_k, a.h_k, k).encode(bn)?,
-        v: source(a.v, rows_k, a.h_k, v).encode(bn)?,
+        q: source(a.q, dtype, rows_q, a.h, q).encode(bm)?,
+        k: source(a.k, dtype, rows_k, a.h_k, k).encode(bn)?,
+        v: source(a.v, dtype, rows_k, a.h_k, v).encode(bn)?,
         // Each consumer warpgroup stores its own 64 rows.
-        o: source(a.o, rows_q, a.h, o).encode(64)?,
+        o: source(a.o, out_dtype, rows_q, a.h, o).encode(64)?,
         a: *a,
         tile_counter: 0,
         tail_heads: 0,
+        q_descale: 0,
+        k_descale: 0,
+        v_descale: 0,
+        q_descale_stride: 0,
+        kv_descale_stride: 0,
     })
 }

@@ -124,10 +124,7 @@ fn shapes(d: usize, fp8_cache: bool) -> Option<Shapes> {
             }
             let other = |pred: fn(u8) -> bool| {
                 Kernel::find(|w| {
-                    w.family == Family::Decode
-                        && w.d == v.d
-                        && w.fp8_cache == v.fp8_cache
-                        && pred(w.groups)
+                    w.family == Family::Decode && w.d == v.d && w.fp8 == v.fp8 && pred(w.groups)
                 })
             };
             let shapes = Shapes {
@@ -135,7 +132,7 @@ fn shapes(d: usize, fp8_cache: bool) -> Option<Shapes> {
                 narrow: other(|g| g < BASE_WARPS),
                 wide: other(|g| g > BASE_WARPS),
             };
-            table.push((usize::from(v.d), v.fp8_cache, shapes));
+            table.push((usize::from(v.d), v.fp8, shapes));
         }
         table
     });

@@ -133,7 +133,7 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
         return None;
     }
     let features = |v: &crate::cuda::catalogue::Variant| {
-        v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout
+        v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout && !v.fp8
     };
     if q.dropout || q.mods != Mods::None {
         return Kernel::of(Family::FwdWs, d, features);
@@ -154,7 +154,9 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
             "base" => Kernel::ALL
                 .iter()
                 .map(|k| k.variant())
-                .filter(|v| v.family == Family::FwdWs && usize::from(v.d) == d && v.groups == 2)
+                .filter(|v| {
+                    v.family == Family::FwdWs && usize::from(v.d) == d && v.groups == 2 && !v.fp8
+                })
                 .map(|v| (2, Some(usize::from(v.bn))))
                 .min(),
             "g3" => Some((3, None)),

@@ -1,0 +1,154 @@
+//! The FP8 (e4m3) forward's launcher: the warp-specialized Hopper kernel with e4m3 q, k and v
+//! (`flash_fwd_ws_<out dtype>_d<D>[_packed]_fp8`, cuda/sm90/fwd_ws.cu with FP8 traits), its
+//! descale factors, and the errors where it cannot run.
+
+use std::sync::Mutex;
+
+use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+use candle::cuda_backend::CudaDType;
+use candle::{bail, CudaStorage, DType, Layout, Result};
+use float8::F8E4M3;
+use half::{bf16, f16};
+
+use super::abi::AttnParams;
+use super::buffers::{lock_tensor, locked_ptr, seq_offsets, set_seq_offsets};
+use super::catalogue::{Family, Kernel};
+use super::lpt_tail::Tail;
+use super::runtime::{device_facts, poison, stream_counters, Launch, StreamCounters};
+use super::tma;
+use crate::fp8_fwd::Fp8Descales;
+use crate::params::Problem;
+
+/// FP8 forward: q, k, v F8E4M3 storages; returns `(out, lse)`, out `(b, sq, h, d)` (packed:
+/// `(total_q, h, d)`) contiguous in `out_dtype` (F16 or BF16), lse as [`super::fwd`]'s.
+pub(crate) fn fwd_fp8(
+    problem: &Problem,
+    descales: &Fp8Descales,
+    out_dtype: DType,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, CudaStorage)> {
+    match out_dtype {
+        DType::F16 => fwd_fp8_typed::<f16>(problem, descales, out_dtype, q, k, v),
+        DType::BF16 => fwd_fp8_typed::<bf16>(problem, descales, out_dtype, q, k, v),
+        dt => {
+            bail!("out_dtype: {dt:?} is not supported for FP8 inputs on CUDA, expected F16 or BF16")
+        }
+    }
+}
+
+/// The FP8 kernel for head dim `d` (packed batches or not), or the error that names what
+/// is compiled.
+fn kernel(d: usize, packed: bool) -> Result<Kernel> {
+    if let Some(k) = Kernel::of(Family::FwdWs, d, |v| v.fp8 && v.packed == packed) {
+        return Ok(k);
+    }
+    let mut dims: Vec<u16> = Kernel::ALL
+        .iter()
+        .map(|k| k.variant())
+        .filter(|v| v.family == Family::FwdWs && v.fp8)
+        .map(|v| v.d)
+        .collect();
+    dims.sort_unstable();
+    dims.dedup();
+    bail!("q: head_dim {d} has no FP8 kernel on CUDA, expected one of {dims:?}")
+}
+
+fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
+    problem: &Problem,
+    descales: &Fp8Descales,
+    out_dtype: DType,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, CudaStorage)> {
+    let s = problem.shape;
+    let dev = q.device.clone();
+    let facts = device_facts(&dev)?;
+    if !facts.hopper() {
+        bail!(
+            "q: F8E4M3 attention needs a Hopper GPU (compute capability 9.x, e4m3 wgmma); \
+             this one is {}.x: dequantize (candle_flash::quant::dequantize_fp8) and run the \
+             f16/bf16 forward",
+            facts.major
+        )
+    }
+    let packed = problem.varlen.is_some();
+    let kernel = kernel(s.d, packed)?;
+    let stream = dev.cuda_stream();
+    let q_view = q.as_cuda_slice::<F8E4M3>()?.slice(ql.start_offset()..);
+    let k_view = k.as_cuda_slice::<F8E4M3>()?.slice(kl.start_offset()..);
+    let v_view = v.as_cuda_slice::<F8E4M3>()?.slice(vl.start_offset()..);
+    // SAFETY: every element of out and lse is written by the kernel (rows < sq, cols < d).
+    let mut out = unsafe { dev.alloc::<T>(s.q_elems())? };
+    let mut lse = unsafe { dev.alloc::<f32>(s.h * s.total_q)? };
+    poison(&stream, &mut out)?;
+    poison(&stream, &mut lse)?;
+
+    {
+        let mut params = AttnParams::new(problem, ql, kl, vl)?;
+        let offsets = seq_offsets(problem, &dev)?;
+        let _offset_syncs = set_seq_offsets(&mut params, &offsets, &stream);
+        let (q_ptr, _q_sync) = q_view.device_ptr(&stream);
+        let (k_ptr, _k_sync) = k_view.device_ptr(&stream);
+        let (v_ptr, _v_sync) = v_view.device_ptr(&stream);
+        let (o_ptr, _o_sync) = out.device_ptr_mut(&stream);
+        let (lse_ptr, _lse_sync) = lse.device_ptr_mut(&stream);
+        (params.q, params.k, params.v, params.o, params.lse) =
+            (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
+
+        let packed_rows = problem.varlen.as_ref().map(|_| (s.total_q, s.total_k));
+        let Some(mut ws) = tma::fwd_params(&params, DType::F8E4M3, out_dtype, kernel, packed_rows)
+        else {
+            bail!(
+                "q: the FP8 kernel copies with TMA, which needs q, k and v with 16-byte aligned \
+                 starts and row, head and batch strides (a multiple of 16 elements, none \
+                 broadcast)"
+            )
+        };
+        let locks = [&descales.q, &descales.k, &descales.v].map(|t| lock_tensor(Some(t)));
+        let (q_descale, _qd_sync) = locked_ptr::<f32, _>(&locks[0], &stream, "fp8_descales")?;
+        let (k_descale, _kd_sync) = locked_ptr::<f32, _>(&locks[1], &stream, "fp8_descales")?;
+        let (v_descale, _vd_sync) = locked_ptr::<f32, _>(&locks[2], &stream, "fp8_descales")?;
+        let per_head = |t: &candle::Tensor| i32::from(t.elem_count() > 1);
+        (ws.q_descale, ws.k_descale, ws.v_descale) = (q_descale, k_descale, v_descale);
+        ws.q_descale_stride = per_head(&descales.q);
+        ws.kv_descale_stride = per_head(&descales.k);
+        if per_head(&descales.v) != ws.kv_descale_stride {
+            bail!("fp8_descales: k's and v's descales must both be per tensor or both per head")
+        }
+
+        let g = kernel.geometry();
+        let tiles = s.sq.div_ceil(g.bm as usize) * s.h * s.b;
+        if tiles > i32::MAX as usize {
+            bail!("q: {tiles} query tiles exceed the kernel's 32-bit tile index")
+        }
+        let masked = problem.causal || packed;
+        let (blocks, dynamic) = tma::ws_grid(tiles, facts.sms, masked);
+        static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
+        let mut cache = dynamic.then(|| {
+            COUNTERS
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        });
+        let slots = tma::tile_slots(kernel, blocks);
+        let counter = match cache.as_deref_mut() {
+            Some(cache) => Some(stream_counters(cache, &dev, slots)?),
+            None => None,
+        };
+        let _counter_sync = counter.map(|c| {
+            let (ptr, sync) = c.device_ptr_mut(&stream);
+            ws.tile_counter = ptr;
+            sync
+        });
+        if dynamic {
+            ws.tail_heads = Tail::Forward.pairs(s.h * s.b, s.sq.div_ceil(g.bm as usize), blocks);
+        }
+        Launch::new(kernel, out_dtype, (blocks, 1, 1)).run_programmatic(&dev, &ws)?;
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        CudaStorage::wrap_cuda_slice(lse, dev),
+    ))
+}

@@ -1,0 +1,366 @@
+//! GPU tests for the FP8 (e4m3) forward: q, k and v quantized with per-tensor or per-head
+//! scales, the kernel's output and LSE against attention over the dequantized inputs.
+//!
+//! Accuracy rule (FP8-aware, FlashAttention's way): the reference is f32 attention over the
+//! dequantized q, k, v (exact up to f32); the low-precision baseline is the same math with the
+//! probabilities rounded to e4m3 before P V (as the kernel takes them: e4m3(256 p) / 256, the
+//! kernel's one rounding inside the attention; the row sums stay f32) and the output rounded to its dtype. Our max error must be at most
+//! 2x the baseline's, plus 1e-5. The LSE (from f32 scores of the same inputs) within 2e-3
+//! (absolute plus relative). Varlen batches are checked sequence by sequence.
+
+use candle::{DType, Device, Result, Tensor, D};
+use candle_flash::quant::{dequantize_fp8, fp8_scales, quantize_fp8, Fp8Scaling};
+use candle_flash::{FlashAttn, VarLen};
+
+use crate::cuda_suite::{check_output, has_nan, max_abs_diff, randn, reference_device, Suite};
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    sq: usize,
+    sk: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+    causal: bool,
+    per_head: bool,
+    out: DType,
+}
+
+/// One e4m3 input: the bytes and descales on the device, the dequantized values in f32 on
+/// the reference device.
+struct Quantized {
+    x8: Tensor,
+    descale: Tensor,
+    real: Tensor,
+}
+
+fn quantize(x: &Tensor, per_head: bool) -> Result<Quantized> {
+    let scaling = if per_head {
+        Fp8Scaling::PerHead
+    } else {
+        Fp8Scaling::PerTensor
+    };
+    let descale = fp8_scales(x, scaling)?;
+    let x8 = quantize_fp8(x, &descale, scaling)?;
+    let real = dequantize_fp8(&x8, &descale, scaling, DType::F32)?;
+    let real = real.to_device(&reference_device(x.device()))?;
+    Ok(Quantized { x8, descale, real })
+}
+
+/// `(b, s, hk, d)` -> `(b, h, s, d)`, each K/V head repeated for its query heads.
+fn heads_first(x: &Tensor, h: usize) -> Result<Tensor> {
+    let (b, s, hk, d) = x.dims4()?;
+    x.transpose(1, 2)?
+        .unsqueeze(2)?
+        .broadcast_as((b, hk, h / hk, s, d))?
+        .reshape((b, h, s, d))
+}
+
+/// e4m3 rounding of a rank-4 f32 tensor (scale 1), on its device.
+fn round_e4m3(x: &Tensor) -> Result<Tensor> {
+    let one = Tensor::new(&[1f32], x.device())?;
+    let x8 = quantize_fp8(x, &one, Fp8Scaling::PerTensor)?;
+    dequantize_fp8(&x8, &one, Fp8Scaling::PerTensor, DType::F32)
+}
+
+/// Attention over f32 `(b, s, h, d)` inputs: `(out, lse)`, out `(b, sq, h, d)` f32, lse
+/// `(b, h, sq)`; `round_p` rounds the probabilities to e4m3 before P V (the baseline).
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal: bool,
+    round_p: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (_, sq, h, _) = q.dims4()?;
+    let sk = k.dim(1)?;
+    let qh = q.transpose(1, 2)?.contiguous()?;
+    let (kh, vh) = (
+        heads_first(k, h)?.contiguous()?,
+        heads_first(v, h)?.contiguous()?,
+    );
+    let mut s = (qh.matmul(&kh.t()?)? * scale as f64)?;
+    if causal {
+        // Bottom-right: row i sees keys j <= i + sk - sq.
+        let mask: Vec<f32> = (0..sq)
+            .flat_map(|i| {
+                (0..sk).map(move |j| {
+                    if j as i64 <= i as i64 + sk as i64 - sq as i64 {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (sq, sk), q.device())?;
+        s = s.broadcast_add(&mask)?;
+    }
+    let m = s.max_keepdim(D::Minus1)?;
+    // Rows that see no key: max -inf; subtracting 0 keeps their exponentials 0.
+    let finite = m.ne(f32::NEG_INFINITY)?;
+    let m0 = finite.where_cond(&m, &m.zeros_like()?)?;
+    let p = s.broadcast_sub(&m0)?.exp()?;
+    let l = p.sum_keepdim(D::Minus1)?;
+    // The kernel's P is 256 at the maximum (sm90/softmax_fp8.cuh): e4m3(256 p) / 256.
+    let p = if round_p {
+        (round_e4m3(&(p * 256.0)?)? / 256.0)?
+    } else {
+        p
+    };
+    let l_safe = l.maximum(1e-30)?;
+    let o = p.matmul(&vh)?.broadcast_div(&l_safe)?;
+    let lse = (m.squeeze(D::Minus1)? + l.squeeze(D::Minus1)?.log()?)?;
+    Ok((o.transpose(1, 2)?.contiguous()?, lse))
+}
+
+fn check_lse(ours: &Tensor, reference: &Tensor) -> Result<()> {
+    let ours = ours.to_device(reference.device())?.to_dtype(DType::F32)?;
+    let (a, r) = (
+        ours.flatten_all()?.to_vec1::<f32>()?,
+        reference.flatten_all()?.to_vec1::<f32>()?,
+    );
+    for (i, (&a, &r)) in a.iter().zip(&r).enumerate() {
+        let ok = if r == f32::NEG_INFINITY {
+            a == f32::NEG_INFINITY
+        } else {
+            (a - r).abs() <= 2e-3 * (1.0 + r.abs())
+        };
+        if !ok {
+            candle::bail!("lse[{i}]: {a} against {r}")
+        }
+    }
+    Ok(())
+}
+
+fn fixed_case(dev: &Device, c: &Case) -> Result<()> {
+    let scale = 1.0 / (c.d as f32).sqrt();
+    let q = quantize(&randn(&[c.b, c.sq, c.h, c.d], DType::F32, dev)?, c.per_head)?;
+    let k = quantize(
+        &randn(&[c.b, c.sk, c.hk, c.d], DType::F32, dev)?,
+        c.per_head,
+    )?;
+    let v = quantize(
+        &randn(&[c.b, c.sk, c.hk, c.d], DType::F32, dev)?,
+        c.per_head,
+    )?;
+    let (out, lse) = FlashAttn::new()
+        .causal(c.causal)
+        .fp8_descales(&q.descale, &k.descale, &v.descale)
+        .out_dtype(c.out)
+        .forward_with_lse(&q.x8, &k.x8, &v.x8)?;
+    if out.dtype() != c.out || out.dims() != [c.b, c.sq, c.h, c.d] {
+        candle::bail!("out: {:?} {:?}", out.dtype(), out.dims())
+    }
+    if has_nan(&out)? {
+        candle::bail!("NaN in the output")
+    }
+    let (reference, lse_ref) = attention(&q.real, &k.real, &v.real, scale, c.causal, false)?;
+    let (low, _) = attention(&q.real, &k.real, &v.real, scale, c.causal, true)?;
+    let low = low.to_dtype(c.out)?;
+    check_output("out", &out, &low, &reference)?;
+    check_lse(&lse, &lse_ref)
+}
+
+/// Packed sequences of `lens` (queries and keys alike), against each sequence alone.
+fn varlen_case(dev: &Device, lens: &[usize], h: usize, hk: usize, causal: bool) -> Result<()> {
+    let (d, total) = (128, lens.iter().sum::<usize>());
+    let scale = 1.0 / (d as f32).sqrt();
+    let q = quantize(&randn(&[1, total, h, d], DType::F32, dev)?, true)?;
+    let k = quantize(&randn(&[1, total, hk, d], DType::F32, dev)?, true)?;
+    let v = quantize(&randn(&[1, total, hk, d], DType::F32, dev)?, true)?;
+    let varlen = VarLen::from_seqlens(lens, lens)?;
+    let (out, lse) = FlashAttn::new()
+        .causal(causal)
+        .fp8_descales(&q.descale, &k.descale, &v.descale)
+        .forward_varlen_with_lse(
+            &q.x8.squeeze(0)?,
+            &k.x8.squeeze(0)?,
+            &v.x8.squeeze(0)?,
+            &varlen,
+        )?;
+    let mut start = 0;
+    for (i, &n) in lens.iter().enumerate() {
+        let part = |t: &Tensor| t.narrow(1, start, n);
+        let (reference, lse_ref) = attention(
+            &part(&q.real)?,
+            &part(&k.real)?,
+            &part(&v.real)?,
+            scale,
+            causal,
+            false,
+        )?;
+        let (low, _) = attention(
+            &part(&q.real)?,
+            &part(&k.real)?,
+            &part(&v.real)?,
+            scale,
+            causal,
+            true,
+        )?;
+        let ours = out.narrow(0, start, n)?.unsqueeze(0)?;
+        check_output(
+            &format!("sequence {i}"),
+            &ours,
+            &low.to_dtype(DType::BF16)?,
+            &reference,
+        )?;
+        check_lse(&lse.narrow(1, start, n)?.unsqueeze(0)?, &lse_ref)?;
+        start += n;
+    }
+    Ok(())
+}
+
+/// The descales act as the dequantization says: doubling v's doubles the output, doubling
+/// q's doubles the scores (the same as a doubled softmax scale).
+fn descale_case(dev: &Device) -> Result<()> {
+    let (b, s, h, d) = (1, 300, 4, 128);
+    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
+    let k = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
+    let v = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
+    let run = |qd: &Tensor, vd: &Tensor, softmax_scale: f32| {
+        FlashAttn::new()
+            .softmax_scale(softmax_scale)
+            .fp8_descales(qd, &k.descale, vd)
+            .out_dtype(DType::F32)
+            .forward(&q.x8, &k.x8, &v.x8)
+    };
+    let base = 1.0 / (d as f32).sqrt();
+    let plain = run(&q.descale, &v.descale, base);
+    let Err(_) = plain else {
+        // F32 output is a CPU-only dtype; on CUDA it must be refused.
+        candle::bail!("out_dtype F32 on CUDA: expected an error")
+    };
+    let run = |qd: &Tensor, vd: &Tensor, softmax_scale: f32| {
+        FlashAttn::new()
+            .softmax_scale(softmax_scale)
+            .fp8_descales(qd, &k.descale, vd)
+            .out_dtype(DType::BF16)
+            .forward(&q.x8, &k.x8, &v.x8)?
+            .to_dtype(DType::F32)
+    };
+    let plain = run(&q.descale, &v.descale, base)?;
+    let v2 = run(&q.descale, &(&v.descale * 2.0)?, base)?;
+    let diff = max_abs_diff(&v2, &(&plain * 2.0)?)?;
+    let mag = plain.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    if diff > 1e-2 * mag {
+        candle::bail!("v descale x2: output off by {diff} (|out| up to {mag})")
+    }
+    let q2 = run(&(&q.descale * 2.0)?, &v.descale, base)?;
+    let scale2 = run(&q.descale, &v.descale, 2.0 * base)?;
+    let diff = max_abs_diff(&q2, &scale2)?;
+    if diff > 1e-2 * mag {
+        candle::bail!("q descale x2 against softmax scale x2: {diff}")
+    }
+    if max_abs_diff(&q2, &plain)? < 1e-3 * mag {
+        candle::bail!("q descale x2 left the output unchanged")
+    }
+    Ok(())
+}
+
+/// Inputs the kernel refuses with an error (never a launch).
+fn error_cases(dev: &Device) -> Result<()> {
+    let x = quantize(&randn(&[1, 64, 2, 64], DType::F32, dev)?, false)?;
+    match FlashAttn::new()
+        .fp8_descales(&x.descale, &x.descale, &x.descale)
+        .forward(&x.x8, &x.x8, &x.x8)
+    {
+        Err(e) if e.to_string().contains("head_dim") => {}
+        Err(e) => candle::bail!("head_dim 64: unexpected error {e}"),
+        Ok(_) => candle::bail!("head_dim 64 has no FP8 kernel: expected an error"),
+    }
+    let y = quantize(&randn(&[1, 64, 2, 128], DType::F32, dev)?, true)?;
+    let bad = Tensor::ones(3, DType::F32, dev)?;
+    match FlashAttn::new()
+        .fp8_descales(&bad, &y.descale, &y.descale)
+        .forward(&y.x8, &y.x8, &y.x8)
+    {
+        Err(e) if e.to_string().contains("fp8_descales") => {}
+        Err(e) => candle::bail!("descale of 3 heads: unexpected error {e}"),
+        Ok(_) => candle::bail!("a q descale of 3 for 2 heads: expected an error"),
+    }
+    Ok(())
+}
+
+pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
+    let mut cases = vec![];
+    let shapes: &[(usize, usize, usize, usize, usize)] = &[
+        (1, 1, 1, 4, 4),
+        (2, 1, 1023, 8, 2),
+        (2, 113, 113, 8, 2),
+        (1, 113, 1023, 4, 4),
+        (2, 1023, 1023, 4, 1),
+        (2, 512, 256, 8, 4),
+        (1, 2048, 2048, 8, 8),
+        (1, 4096, 4096, 2, 2),
+    ];
+    for &(b, sq, sk, h, hk) in shapes {
+        if quick && sq * sk > 1 << 20 {
+            continue;
+        }
+        for causal in [false, true] {
+            for per_head in [false, true] {
+                let out = if per_head { DType::BF16 } else { DType::F16 };
+                cases.push(Case {
+                    b,
+                    sq,
+                    sk,
+                    h,
+                    hk,
+                    d: 128,
+                    causal,
+                    per_head,
+                    out,
+                });
+            }
+        }
+    }
+    for c in &cases {
+        let name = format!(
+            "fp8fwd b{} sq{} sk{} h{}/{} d{} causal={} per_head={} {:?}",
+            c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.per_head, c.out
+        );
+        suite.record(&name, fixed_case(dev, c));
+    }
+    for causal in [false, true] {
+        let lens: &[usize] = &[1, 113, 300, 64, 257];
+        suite.record(
+            &format!("fp8fwd varlen {lens:?} causal={causal}"),
+            varlen_case(dev, lens, 8, 2, causal),
+        );
+    }
+    suite.record("fp8fwd descales", descale_case(dev));
+    suite.record("fp8fwd errors", error_cases(dev));
+    // The same call on the CPU (the op's reference implementation) and on the device agree
+    // by the rule too: both round P to e4m3.
+    suite.record("fp8fwd cpu vs cuda", cpu_vs_cuda(dev));
+}
+
+fn cpu_vs_cuda(dev: &Device) -> Result<()> {
+    let (b, s, h, hk, d) = (1, 200, 4, 2, 128);
+    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
+    let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
+    let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
+    let cpu = Device::Cpu;
+    let on_cpu = |t: &Tensor| t.to_device(&cpu);
+    let opts = |qd: &Tensor, kd: &Tensor, vd: &Tensor| {
+        FlashAttn::new().causal(true).fp8_descales(qd, kd, vd)
+    };
+    let ours = opts(&q.descale, &k.descale, &v.descale).forward(&q.x8, &k.x8, &v.x8)?;
+    let theirs = opts(
+        &on_cpu(&q.descale)?,
+        &on_cpu(&k.descale)?,
+        &on_cpu(&v.descale)?,
+    )
+    .forward(&on_cpu(&q.x8)?, &on_cpu(&k.x8)?, &on_cpu(&v.x8)?)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    let (reference, _) = attention(&q.real, &k.real, &v.real, scale, true, false)?;
+    check_output(
+        "cuda against the cpu op's error",
+        &ours,
+        &theirs,
+        &reference,
+    )
+}
