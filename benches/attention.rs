@@ -39,7 +39,7 @@
 //! (hd 64/128/256 → 32/16/8 heads), seqlen 512..16k, causal and not, plus GQA 32/8 heads at
 //! hd 128.
 //!
-//! `--fp8-only`: the FP8 (e4m3) forward beside our bf16 forward on the MHA grid shapes (hd 128,
+//! `--fp8-only`: the FP8 (e4m3) forward beside our bf16 forward on the MHA grid shapes (hd 128, 256;
 //! `CANDLE_FLASH_BENCH_HDS` for others), inputs quantized per tensor.
 //!
 //! Decode (always run after the grid; `--decode-only` runs only it): GQA 32/8 heads, hd 128,
@@ -842,7 +842,7 @@ impl Bench {
         let fp8_hds: Vec<usize> = std::env::var("CANDLE_FLASH_BENCH_HDS")
             .ok()
             .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-            .unwrap_or_else(|| vec![128]);
+            .unwrap_or_else(|| vec![128, 256]);
         for &hd in &fp8_hds {
             for seqlen in [512usize, 1024, 2048, 4096, 8192, 16384] {
                 for causal in [false, true] {

@@ -360,6 +360,8 @@ pub const CATALOGUE: &[Variant] = &[
     // E4M3 q, k, v (FP8 wgmma, V transposed in shared memory by the producer warpgroup).
     fwd_ws(128, 128, 2, 2).fp8(),
     fwd_ws(128, 128, 2, 2).packed().fp8(),
+    fwd_ws(256, 64, 2, 2).fp8(),
+    fwd_ws(256, 64, 2, 2).packed().fp8(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and

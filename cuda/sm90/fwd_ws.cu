@@ -168,18 +168,22 @@ struct WsTraits {
     // 3's split): 1.017-1.018x at 2k-4k non-causal (H100); at d = 64 it lost 2.6% at 512
     // causal (docs/archive/PERF.md, "240 consumer registers in the d 128 forward"). The mods
     // and block-mask producers spill at 24, d = 256's below 40.
-    // FP8: the producer warpgroup's transposing warps keep 56 (their 4 x 4 byte blocks and
-    // addresses), the consumers 224.
+    // FP8: the producer warpgroup's transposing warps (two ldmatrix units in flight) keep 40
+    // like the two-warpgroup producers, the consumers 232.
     static constexpr bool LEAN_PRODUCER =
         CONSUMERS == 2 && MODS == MODS_NONE && D == 128 && !FP8;
-    static constexpr int PRODUCER_REGS = FP8 ? 56 : LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
-    static constexpr int CONSUMER_REGS =
-        FP8 ? 224 : LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
+    static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
+    static constexpr int CONSUMER_REGS = LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
     // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.
     static constexpr int TRANSPOSERS = 3;
     static_assert(D % PANEL_COLS == 0, "panels are 128 bytes wide");
-    static_assert(!FP8 || (BN % 128 == 0 && MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
-                  "FP8: transposed V in 128-key panels, no score mods, no dropout, two consumers");
+    // FP8 with 64-key tiles (d = 256, whose registers hold no wider S): the two slots of
+    // transposed V share one tile of 128-key rows, slot st in its bytes 64 st..64 st + 63
+    // (a k step's 32 bytes stay inside a swizzled row either way).
+    static constexpr bool VT_HALVES = FP8 && BN == 64;
+    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALVES && STAGES == 2)) &&
+                           MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
+                  "FP8: transposed V in 128-key rows, no score mods, no dropout, two consumers");
     static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 };
@@ -195,10 +199,13 @@ template <class K> struct WsSmem {
     __device__ __forceinline__ uint32_t v(int st) const {
         return base + K::Q_STAGES * K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
     }
-    // FP8: V transposed (D rows of BN key bytes), what P V reads.
+    // FP8: V transposed (D rows of BN key bytes), what P V reads: its tile, and the first
+    // byte of its keys in the tile's rows (K::VT_HALVES: two slots share a tile).
     __device__ __forceinline__ uint32_t vt(int st) const {
-        return base + K::Q_STAGES * K::Q_BYTES + (2 * K::STAGES + st) * K::KV_BYTES;
+        return base + K::Q_STAGES * K::Q_BYTES +
+               (2 * K::STAGES + (K::VT_HALVES ? 0 : st)) * K::KV_BYTES;
     }
+    __device__ __forceinline__ int vt_key0(int st) const { return K::VT_HALVES ? 64 * st : 0; }
     __device__ __forceinline__ uint32_t full_q(int qs) const {
         return base + K::BAR_OFFSET + 8 * qs;
     }
@@ -424,7 +431,10 @@ __device__ __forceinline__ void ws_transpose(const WsSmem<K>& sm, int thread) {
         tma::wait(sm.full_v(s.st), s.phase);
         if (ld_shared(sm.key(s.st)) == 0) return;
         tma::wait(sm.empty_vt(s.st), s.phase ^ 1);
-        sm90::transpose_v_fp8<K::BN, K::D>(sm.vt(s.st), sm.v(s.st), thread, 32 * K::TRANSPOSERS);
+#ifndef CANDLE_FLASH_FP8_NO_TRANSPOSE  // the A/B build that times the rest (wrong results)
+        sm90::transpose_v_fp8<K::BN, K::D>(sm.vt(s.st), sm.vt_key0(s.st), sm.v(s.st), thread,
+                                           32 * K::TRANSPOSERS);
+#endif
         // The stores (generic proxy) become visible to the wgmmas (async proxy) that read them.
         sm90::fence_proxy_async();
         __syncwarp();
@@ -535,8 +545,10 @@ template <class K> struct WsConsumer {
 #pragma unroll
             for (int kk = 0; kk < PV_STEPS; ++kk) {
                 if constexpr (K::FP8)
-                    sm90::WgmmaFp8<N>::rs(
-                        oh, pa[0][kk], sm90::kmajor_desc(sm.vt(st) + half * N * 128, D, kk), 1);
+                    sm90::WgmmaFp8<N>::rs(oh, pa[0][kk],
+                                          sm90::kmajor_desc(sm.vt(st) + half * N * 128, D,
+                                                            kk + sm.vt_key0(st) / 32),
+                                          1);
                 else
                     sm90::Wgmma<T, N>::rs(
                         oh, pa[0][kk], sm90::mnmajor_desc(sm.v(st) + half * 2 * BN * 128, BN, kk),

@@ -89,38 +89,44 @@ __device__ __forceinline__ uint32_t panel_byte(int row, int b) {
     return (b / 128) * ROWS * 128 + row * 128 + ((((b % 128) / 16) ^ (row % 8)) * 16) + b % 16;
 }
 
-// Transposes an e4m3 V tile (BN key rows x D bytes, TMA's panels) into V^T (D rows x BN key
-// bytes, panels of 128 keys) in the permuted key order, by `threads` threads from `thread`.
-// A unit is four keys (2t, 2t + 1, 8 + 2t, 9 + 2t of a 16-key group: A positions 4t..4t + 3)
-// by four head-dim bytes: four 4-byte loads, a 4 x 4 byte transpose (8 byte permutes), four
-// 4-byte stores. Within a warp, lanes take t = lane % 4, the 16-key group's low bit from lane
-// / 4 % 2 and four head-dim words from lane / 8, so that loads and stores each touch 16
-// banks twice (two wavefronts).
+// Transposes an e4m3 V tile (BN key rows x D bytes, TMA's panels) into V^T (D rows of 128-key
+// panels, its keys from byte key0 of the rows) in the permuted key order, by `threads` threads
+// from `thread`.
+// A unit is 16 keys x 32 head-dim bytes: ldmatrix.trans reads them as four 8 x 8 matrices of
+// 16-bit pairs (keys 0-7 and 8-15 of two 16-byte chunks), giving lane 4c + t the bytes of
+// head-dim pair c for keys 2t, 2t + 1 (and 8 + 2t, 9 + 2t); one byte permute per register
+// pair makes the even or the odd head-dim row's 4 bytes at A positions 4t..4t + 3; stmatrix
+// writes them as four 8 x 8 matrices of V^T rows. Lanes of rows c >= 4 hold the odd row in
+// their first register and the even one in their second, so that each stored matrix has rows
+// of all eight residues mod 8 (its 16-byte chunks in eight banks groups of the swizzle) where
+// even rows alone took two wavefronts. Units go two at a time, both loads first.
 template <int BN, int D>
-__device__ __forceinline__ void transpose_v_fp8(uint32_t vt, uint32_t v, int thread, int threads) {
-    static_assert(BN % 32 == 0 && D % 16 == 0, "whole warp steps");
-    constexpr int STEPS = BN / 32 * (D / 16);  // warp steps: 32 keys x 16 head-dim bytes
-    const int lane = thread % 32, t = lane % 4, g_lo = lane / 4 % 2, w_lo = lane / 8;
-    for (int step = thread / 32; step < STEPS; step += threads / 32) {
-        const int key_group = (step % (BN / 32)) * 2 + g_lo, w = (step / (BN / 32)) * 4 + w_lo;
-        const int key0 = key_group * 16 + 2 * t, col = 4 * w;
-        uint32_t r[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int key = key0 + (j % 2) + (j / 2) * 8;
-            asm volatile("ld.shared.b32 %0, [%1];\n"
-                         : "=r"(r[j])
-                         : "r"(v + panel_byte<BN>(key, col)));
-        }
-        const uint32_t t0 = __byte_perm(r[0], r[1], 0x5140), t1 = __byte_perm(r[0], r[1], 0x7362);
-        const uint32_t t2 = __byte_perm(r[2], r[3], 0x5140), t3 = __byte_perm(r[2], r[3], 0x7362);
-        const uint32_t out[4] = {__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632),
-                                 __byte_perm(t1, t3, 0x5410), __byte_perm(t1, t3, 0x7632)};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(vt + panel_byte<D>(col + i, key_group * 16 + 4 * t)),
-                         "r"(out[i])
-                         : "memory");
+__device__ __forceinline__ void transpose_v_fp8(uint32_t vt, int key0, uint32_t v, int thread,
+                                                int threads) {
+    constexpr int GROUPS = BN / 16, UNITS = GROUPS * (D / 32);
+    const int lane = thread % 32, warps = threads / 32, m = lane / 8, r = lane % 8;
+    const bool high = lane / 4 >= 4;  // this lane's rows c >= 4
+    const uint32_t first = high ? 0x7531 : 0x6420, second = high ? 0x6420 : 0x7531;
+    const auto src = [&](int u) {
+        const int g = u % GROUPS, h = u / GROUPS;
+        return v + panel_byte<BN>(16 * g + (m % 2) * 8 + r, 16 * (2 * h + m / 2));
+    };
+    const auto dst = [&](int u) {
+        const int g = u % GROUPS, h = u / GROUPS;
+        return vt + panel_byte<D>(32 * h + 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4)),
+                                  key0 + 16 * g);
+    };
+    const auto store = [&](int u, const uint32_t (&x)[4]) {
+        stmatrix_x4(dst(u), __byte_perm(x[0], x[1], first), __byte_perm(x[0], x[1], second),
+                    __byte_perm(x[2], x[3], first), __byte_perm(x[2], x[3], second));
+    };
+    for (int u = thread / 32; u < UNITS; u += 2 * warps) {
+        uint32_t a[4], b[4];
+        const bool two = u + warps < UNITS;
+        ldmatrix_x4_trans(a, src(u));
+        if (two) ldmatrix_x4_trans(b, src(u + warps));
+        store(u, a);
+        if (two) store(u + warps, b);
     }
 }
 

@@ -165,8 +165,13 @@ fn fixed_case(dev: &Device, c: &Case) -> Result<()> {
 }
 
 /// Packed sequences of `lens` (queries and keys alike), against each sequence alone.
-fn varlen_case(dev: &Device, lens: &[usize], h: usize, hk: usize, causal: bool) -> Result<()> {
-    let (d, total) = (128, lens.iter().sum::<usize>());
+fn varlen_case(
+    dev: &Device,
+    lens: &[usize],
+    (h, hk, d): (usize, usize, usize),
+    causal: bool,
+) -> Result<()> {
+    let total = lens.iter().sum::<usize>();
     let scale = 1.0 / (d as f32).sqrt();
     let q = quantize(&randn(&[1, total, h, d], DType::F32, dev)?, true)?;
     let k = quantize(&randn(&[1, total, hk, d], DType::F32, dev)?, true)?;
@@ -286,17 +291,23 @@ fn error_cases(dev: &Device) -> Result<()> {
 
 pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     let mut cases = vec![];
-    let shapes: &[(usize, usize, usize, usize, usize)] = &[
-        (1, 1, 1, 4, 4),
-        (2, 1, 1023, 8, 2),
-        (2, 113, 113, 8, 2),
-        (1, 113, 1023, 4, 4),
-        (2, 1023, 1023, 4, 1),
-        (2, 512, 256, 8, 4),
-        (1, 2048, 2048, 8, 8),
-        (1, 4096, 4096, 2, 2),
+    // (b, sq, sk, h, hk, d): every compiled head dim (128, 256).
+    let shapes: &[(usize, usize, usize, usize, usize, usize)] = &[
+        (1, 1, 1, 4, 4, 128),
+        (2, 1, 1023, 8, 2, 128),
+        (2, 113, 113, 8, 2, 128),
+        (1, 113, 1023, 4, 4, 128),
+        (2, 1023, 1023, 4, 1, 128),
+        (2, 512, 256, 8, 4, 128),
+        (1, 2048, 2048, 8, 8, 128),
+        (1, 4096, 4096, 2, 2, 128),
+        (1, 1, 1, 2, 2, 256),
+        (2, 113, 1023, 8, 2, 256),
+        (1, 1023, 1023, 4, 4, 256),
+        (2, 512, 256, 4, 1, 256),
+        (1, 2048, 2048, 4, 4, 256),
     ];
-    for &(b, sq, sk, h, hk) in shapes {
+    for &(b, sq, sk, h, hk, d) in shapes {
         if quick && sq * sk > 1 << 20 {
             continue;
         }
@@ -309,7 +320,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                     sk,
                     h,
                     hk,
-                    d: 128,
+                    d,
                     causal,
                     per_head,
                     out,
@@ -324,12 +335,14 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         );
         suite.record(&name, fixed_case(dev, c));
     }
-    for causal in [false, true] {
-        let lens: &[usize] = &[1, 113, 300, 64, 257];
-        suite.record(
-            &format!("fp8fwd varlen {lens:?} causal={causal}"),
-            varlen_case(dev, lens, 8, 2, causal),
-        );
+    for d in [128, 256] {
+        for causal in [false, true] {
+            let lens: &[usize] = &[1, 113, 300, 64, 257];
+            suite.record(
+                &format!("fp8fwd varlen {lens:?} d{d} causal={causal}"),
+                varlen_case(dev, lens, (8, 2, d), causal),
+            );
+        }
     }
     suite.record("fp8fwd descales", descale_case(dev));
     suite.record("fp8fwd errors", error_cases(dev));
