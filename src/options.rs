@@ -552,7 +552,9 @@ impl FlashAttn {
     ///   ([`FlashAttn::fp8_descales`]) give the output in [`FlashAttn::out_dtype`] (BF16 by
     ///   default), on the CPU and on Hopper GPUs; see [`FlashAttn::fp8_descales`] for what it
     ///   computes and which options it takes.
-    /// - `head_dim` in `1..=256`; on CUDA a multiple of 8 (the FP8 kernel may ask for more).
+    /// - `head_dim` in `1..=256`; on CUDA a multiple of 8. FP8 on CUDA: a Hopper GPU (sm_90)
+    ///   and head_dim 128 or 256 (an error names the head dims compiled otherwise), q, k and v
+    ///   with 16-byte aligned strides (the call copies those that are not).
     ///
     /// Returns `(batch, seqlen_q, num_heads, head_dim)` in the input dtype (FP8: the
     /// [`FlashAttn::out_dtype`]). Differentiable (FP8 inputs excepted): `backward()` through
