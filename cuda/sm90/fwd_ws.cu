@@ -464,7 +464,7 @@ template <class K> struct WsConsumer {
     // forward's work tiles as one stream of key tiles").
     static constexpr bool CARRY =
         K::Q_STAGES > 1 && D == 64 && K::CONSUMERS == 2 && K::MODS == MODS_NONE;
-    static_assert(!(CARRY && K::FP8), "the FP8 descales are set per work tile in run()");
+    static_assert(!(CARRY && K::FP8), "FP8 descales are set by flash_fwd_ws's work-tile loop");
     // k steps of P V: k16 (two n8 tiles of P) or with FP8 k32 (four).
     static constexpr int PV_STEPS = K::FP8 ? NT / 4 : NT / 2;
 

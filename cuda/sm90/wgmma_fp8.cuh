@@ -47,8 +47,8 @@ SM90_WGMMA_FP8(128, 64, 65, 66, 67, 68, 69)
 #undef SM90_WGMMA_FP8
 
 // Keeps the A operand's registers of an in-flight wgmma as they are until this point (the
-// instruction reads them asynchronously, until its wait): without it ptxas may reuse them for
-// the softmax's temporaries while P V still runs.
+// instruction reads them asynchronously, until its wait, while the compiler sees them read at
+// issue), as CUTLASS's warpgroup_fence_operand does.
 template <int KT> __device__ __forceinline__ void fence_operand(uint32_t (&a)[KT][4]) {
 #pragma unroll
     for (int i = 0; i < KT; ++i)
