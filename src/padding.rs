@@ -117,8 +117,30 @@ impl Padding {
             return Tensor::zeros(flat, x.dtype(), x.device());
         }
         flat[0] = self.batch * self.seqlen;
-        x.reshape(flat)?
-            .index_select(&self.index_tensor(x.device())?, 0)
+        let x = x.reshape(flat)?;
+        if x.dtype() == candle::DType::F8E4M3 && x.device().is_cuda() {
+            // candle-core 0.11.1's CUDA index_select asks for `is_u32_f8e4m3`, which its
+            // kernels name `is_u32_f8_e4m3` ("named symbol not found"); its copies of F8E4M3
+            // work, so the real tokens go as one narrow per run of consecutive positions.
+            return self.unpad_by_runs(&x);
+        }
+        x.index_select(&self.index_tensor(x.device())?, 0)
+    }
+
+    /// `x` `(batch * seqlen, ...)` packed by concatenating its runs of consecutive real rows.
+    fn unpad_by_runs(&self, x: &Tensor) -> Result<Tensor> {
+        let mut parts = vec![];
+        let mut i = 0;
+        while i < self.indices.len() {
+            let start = self.indices[i] as usize;
+            let mut len = 1;
+            while i + len < self.indices.len() && self.indices[i + len] as usize == start + len {
+                len += 1;
+            }
+            parts.push(x.narrow(0, start, len)?);
+            i += len;
+        }
+        Tensor::cat(&parts, 0)
     }
 
     /// Scatters a packed tensor back: `(total, ...)` → `(batch, seqlen, ...)`, zeros in the
@@ -193,4 +215,34 @@ fn check_size(batch: usize, seqlen: usize, name: &str) -> Result<()> {
         bail!("{name}: batch {batch} x seqlen {seqlen} exceeds u32::MAX positions")
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The runs path (FP8 on CUDA) packs what index_select packs, for right, left and holed
+    /// padding.
+    #[test]
+    fn unpad_by_runs_equals_index_select() -> Result<()> {
+        let dev = Device::Cpu;
+        let mask = Tensor::new(
+            &[
+                [1u8, 1, 1, 0, 0],
+                [0, 0, 1, 1, 1],
+                [1, 0, 1, 0, 1],
+                [1, 1, 1, 1, 1],
+            ],
+            &dev,
+        )?;
+        let pad = Padding::from_mask(&mask)?;
+        let x = Tensor::arange(0f32, 4.0 * 5.0 * 3.0, &dev)?.reshape((20, 3))?;
+        let by_runs = pad.unpad_by_runs(&x)?.to_vec2::<f32>()?;
+        let selected = x
+            .index_select(&pad.index_tensor(&dev)?, 0)?
+            .to_vec2::<f32>()?;
+        assert_eq!(by_runs, selected);
+        assert_eq!(by_runs.len(), 3 + 3 + 3 + 5);
+        Ok(())
+    }
 }

@@ -218,6 +218,53 @@ fn varlen_case(
     Ok(())
 }
 
+/// A padded FP8 batch (right, left and holed padding) equals the packed call on the same
+/// tokens, zeros in the padded rows (the unpad goes by runs of rows on CUDA: Padding).
+fn padded_case(dev: &Device) -> Result<()> {
+    let (b, s, h, hk, d) = (3, 200, 4, 2, 128);
+    let mask: Vec<u8> = (0..b * s)
+        .map(|i| {
+            let (row, t) = (i / s, i % s);
+            u8::from(match row {
+                0 => t < 150,
+                1 => t >= 37,
+                _ => t % 3 != 1,
+            })
+        })
+        .collect();
+    let pad = candle_flash::Padding::from_mask(&Tensor::from_vec(mask.clone(), (b, s), dev)?)?;
+    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
+    let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
+    let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
+    let opts = FlashAttn::new()
+        .causal(true)
+        .fp8_descales(&q.descale, &k.descale, &v.descale);
+    let padded = opts.forward_padded(&q.x8, &k.x8, &v.x8, &pad, &pad)?;
+    // The same tokens packed on the CPU (index_select of F8E4M3 works there).
+    let cpu = Device::Cpu;
+    let packed = |t: &Tensor| -> Result<Tensor> { pad.unpad(&t.to_device(&cpu)?)?.to_device(dev) };
+    let varlen = VarLen::from_padding(&pad, &pad)?;
+    let packed_out =
+        opts.forward_varlen(&packed(&q.x8)?, &packed(&k.x8)?, &packed(&v.x8)?, &varlen)?;
+    let diff = max_abs_diff(&pad.unpad(&padded)?, &packed_out)?;
+    if diff != 0.0 {
+        candle::bail!("padded against packed: max difference {diff}")
+    }
+    let zeros: Vec<f32> = padded
+        .to_dtype(DType::F32)?
+        .abs()?
+        .sum_keepdim(3)?
+        .sum_keepdim(2)?
+        .flatten_all()?
+        .to_vec1()?;
+    for (i, (&m, &z)) in mask.iter().zip(&zeros).enumerate() {
+        if m == 0 && z != 0.0 {
+            candle::bail!("padded row {i}: not zero")
+        }
+    }
+    Ok(())
+}
+
 /// The descales act as the dequantization says: doubling v's doubles the output, doubling
 /// q's doubles the scores (the same as a doubled softmax scale).
 fn descale_case(dev: &Device) -> Result<()> {
@@ -344,6 +391,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             );
         }
     }
+    suite.record("fp8fwd padded", padded_case(dev));
     suite.record("fp8fwd descales", descale_case(dev));
     suite.record("fp8fwd errors", error_cases(dev));
     // The same call on the CPU (the op's reference implementation) and on the device agree
