@@ -9,12 +9,13 @@
 //! e4m3 V, V's descale applied with the normalisation at the end. The public contract is on
 //! [`crate::FlashAttn::fp8_descales`].
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use float8::F8E4M3;
 
 use crate::cpu;
+use crate::fwd::LseSlot;
 use crate::layout::aligned_to;
 use crate::options::FlashAttn;
 use crate::params::{self, AttnShape, Problem};
@@ -190,7 +191,7 @@ struct Fp8FwdOp {
     descales: Fp8Descales,
     out_dtype: DType,
     /// `(b, h, sq)` (packed: `(h, total_q)`) f32, written by `cpu_fwd` / `cuda_fwd`.
-    lse: Mutex<Option<Tensor>>,
+    lse: LseSlot,
 }
 
 impl Fp8FwdOp {
@@ -199,7 +200,7 @@ impl Fp8FwdOp {
             problem,
             descales,
             out_dtype,
-            lse: Mutex::new(None),
+            lse: LseSlot::default(),
         }
     }
 
@@ -216,24 +217,7 @@ impl Fp8FwdOp {
         let (q, k, v) = (align(q)?, align(k)?, align(v)?);
         let op = Arc::new(self);
         let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(OpHandle(op.clone()))))?;
-        let lse = match op.lse.lock() {
-            Ok(mut guard) => guard.take(),
-            Err(_) => bail!("flash-attn fp8: LSE lock poisoned by a panic in another thread"),
-        };
-        match lse {
-            Some(lse) => Ok((out, lse)),
-            None => bail!("flash-attn fp8: the forward pass produced no LSE"),
-        }
-    }
-
-    fn store_lse(&self, lse: Tensor) -> Result<()> {
-        match self.lse.lock() {
-            Ok(mut guard) => {
-                *guard = Some(lse);
-                Ok(())
-            }
-            Err(_) => bail!("flash-attn fp8: LSE lock poisoned by a panic in another thread"),
-        }
+        Ok((out, op.lse.get()?))
     }
 }
 
@@ -267,7 +251,7 @@ impl CustomOp3 for OpHandle {
         };
         let (out, lse) = attn_fwd_fp8(&op.problem, &descales, &q, &k, &v);
         let lse = Tensor::from_vec(lse, op.problem.lse_shape(), &candle::Device::Cpu)?;
-        op.store_lse(lse)?;
+        op.lse.store(lse)?;
         Ok((cpu::to_storage(out, op.out_dtype)?, op.problem.q_shape()))
     }
 
@@ -290,13 +274,8 @@ impl CustomOp3 for OpHandle {
             (s2, l2),
             (s3, l3),
         )?;
-        let lse = Tensor::from_storage(
-            candle::Storage::Cuda(lse),
-            op.problem.lse_shape(),
-            candle::op::BackpropOp::none(),
-            false,
-        );
-        op.store_lse(lse)?;
+        let lse = crate::fwd::detached(lse, op.problem.lse_shape());
+        op.lse.store(lse)?;
         Ok((out, op.problem.q_shape()))
     }
 

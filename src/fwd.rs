@@ -21,7 +21,45 @@ pub(crate) struct FlashAttnOp {
     sinks: Option<Tensor>,
     /// `(b, h, sq)` (packed: `(h, total_q)`) f32, written by `cpu_fwd` / `cuda_fwd`, read by
     /// `bwd`; with sinks, the LSE of the denominator with the sink.
-    lse: Mutex<Option<Tensor>>,
+    lse: LseSlot,
+}
+
+/// The LSE a forward op's launch writes and its caller reads back (`apply_op3_arc` returns
+/// only the output): the bf16/f16 forward's and the FP8 one's.
+#[derive(Default)]
+pub(crate) struct LseSlot(Mutex<Option<Tensor>>);
+
+impl LseSlot {
+    pub fn store(&self, lse: Tensor) -> Result<()> {
+        match self.0.lock() {
+            Ok(mut guard) => {
+                *guard = Some(lse);
+                Ok(())
+            }
+            Err(_) => bail!("flash-attn: LSE lock poisoned by a panic in another thread"),
+        }
+    }
+
+    pub fn get(&self) -> Result<Tensor> {
+        match self.0.lock() {
+            Ok(guard) => match guard.as_ref() {
+                Some(lse) => Ok(lse.clone()),
+                None => bail!("flash-attn: the forward pass produced no LSE"),
+            },
+            Err(_) => bail!("flash-attn: LSE lock poisoned by a panic in another thread"),
+        }
+    }
+}
+
+/// A CUDA storage computed by a launcher as a tensor outside any graph.
+#[cfg(feature = "cuda")]
+pub(crate) fn detached(storage: candle::CudaStorage, shape: Shape) -> Tensor {
+    Tensor::from_storage(
+        candle::Storage::Cuda(storage),
+        shape,
+        candle::op::BackpropOp::none(),
+        false,
+    )
 }
 
 impl FlashAttnOp {
@@ -30,7 +68,7 @@ impl FlashAttnOp {
             problem,
             deterministic,
             sinks: None,
-            lse: Mutex::new(None),
+            lse: LseSlot::default(),
         }
     }
 
@@ -65,7 +103,7 @@ impl FlashAttnOp {
         let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
         let op = Arc::new(self);
         let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(OpHandle(op.clone()))))?;
-        let lse = op.take_lse()?;
+        let lse = op.lse.get()?;
         let out = match (sinks, &op.sinks) {
             (Some(user), Some(values)) if user.track_op() => {
                 sinks::with_grad(&out, user, values, &lse, SinkLayout::of(&op.problem))?
@@ -73,26 +111,6 @@ impl FlashAttnOp {
             _ => out,
         };
         Ok((out, lse))
-    }
-
-    fn take_lse(&self) -> Result<Tensor> {
-        match self.lse.lock() {
-            Ok(guard) => match guard.as_ref() {
-                Some(lse) => Ok(lse.clone()),
-                None => bail!("flash-attn: the forward pass produced no LSE"),
-            },
-            Err(_) => bail!("flash-attn: LSE lock poisoned by a panic in another thread"),
-        }
-    }
-
-    fn store_lse(&self, lse: Tensor) -> Result<()> {
-        match self.lse.lock() {
-            Ok(mut guard) => {
-                *guard = Some(lse);
-                Ok(())
-            }
-            Err(_) => bail!("flash-attn: LSE lock poisoned by a panic in another thread"),
-        }
     }
 }
 
@@ -124,7 +142,7 @@ impl CustomOp3 for OpHandle {
             sinks::fix_up_host(&mut out, &mut lse, &s.to_vec1::<f32>()?, layout);
         }
         let lse = Tensor::from_vec(lse, op.lse_shape(), &candle::Device::Cpu)?;
-        op.store_lse(lse)?;
+        op.lse.store(lse)?;
         Ok((cpu::to_storage(out, s1.dtype())?, op.out_shape()))
     }
 
@@ -143,13 +161,8 @@ impl CustomOp3 for OpHandle {
         if let Some(s) = &op.sinks {
             sinks::fix_up_cuda(&mut out, &mut lse, s, SinkLayout::of(&op.problem))?;
         }
-        let lse = Tensor::from_storage(
-            candle::Storage::Cuda(lse),
-            op.lse_shape(),
-            candle::op::BackpropOp::none(),
-            false,
-        );
-        op.store_lse(lse)?;
+        let lse = detached(lse, op.lse_shape());
+        op.lse.store(lse)?;
         Ok((out, op.out_shape()))
     }
 
@@ -162,7 +175,7 @@ impl CustomOp3 for OpHandle {
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let op = &self.0;
-        let lse = op.take_lse()?;
+        let lse = op.lse.get()?;
         let (dq, dk, dv) = FlashAttnBwdOp::new(op.problem.clone(), op.deterministic)
             .run(q, k, v, out, grad_out, &lse)?;
         Ok((Some(dq), Some(dk), Some(dv)))
