@@ -40,7 +40,8 @@
 //! hd 128.
 //!
 //! `--fp8-only`: the FP8 (e4m3) forward beside our bf16 forward on the MHA grid shapes (hd 128, 256;
-//! `CANDLE_FLASH_BENCH_HDS` for others), inputs quantized per tensor.
+//! `CANDLE_FLASH_BENCH_HDS` for others), inputs quantized per tensor
+//! (`CANDLE_FLASH_BENCH_FP8_BLOCKS=1`: per block of 128 rows).
 //!
 //! Decode (always run after the grid; `--decode-only` runs only it): GQA 32/8 heads, hd 128,
 //! one query token per sequence attending to all `L` cached tokens, (batch, L) in
@@ -821,7 +822,8 @@ impl Bench {
     /// batch's. `CANDLE_FLASH_WS_PACKED=0` in a second run times the kernels packed batches
     /// had before the warp-specialized ones.
     /// The FP8 (e4m3) forward against our bf16 forward on the same shapes (16k tokens per
-    /// batch, hidden 2048): ms, TFLOP/s and the ratio. Inputs quantized per tensor.
+    /// batch, hidden 2048): ms, TFLOP/s and the ratio. Inputs quantized per tensor (or per
+    /// block: `CANDLE_FLASH_BENCH_FP8_BLOCKS=1`).
     fn fp8_section(&mut self) {
         println!(
             "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7}",
@@ -837,8 +839,16 @@ impl Bench {
             "fp8 TF",
             "fp8/bf16"
         );
-        use candle_flash::quant::{fp8_scales, quantize_fp8, Fp8Scaling};
+        use candle_flash::quant::{fp8_scales, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS};
         let dev = self.dev.clone();
+        let scaling = if std::env::var("CANDLE_FLASH_BENCH_FP8_BLOCKS").is_ok_and(|v| v == "1") {
+            println!("FP8 descales per block of {FP8_BLOCK_ROWS} rows");
+            Fp8Scaling::PerBlock {
+                rows: FP8_BLOCK_ROWS,
+            }
+        } else {
+            Fp8Scaling::PerTensor
+        };
         let fp8_hds: Vec<usize> = std::env::var("CANDLE_FLASH_BENCH_HDS")
             .ok()
             .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
@@ -852,8 +862,8 @@ impl Bench {
                         let x = || Tensor::randn(0f32, 1.0, (batch, seqlen, heads, hd), &dev);
                         let (q, k, v) = (x()?, x()?, x()?);
                         let quant = |t: &Tensor| -> Result<(Tensor, Tensor)> {
-                            let s = fp8_scales(t, Fp8Scaling::PerTensor)?;
-                            Ok((quantize_fp8(t, &s, Fp8Scaling::PerTensor)?, s))
+                            let s = fp8_scales(t, scaling)?;
+                            Ok((quantize_fp8(t, &s, scaling)?, s))
                         };
                         let ((q8, qs), (k8, ks), (v8, vs)) = (quant(&q)?, quant(&k)?, quant(&v)?);
                         let bf = |t: &Tensor| t.to_dtype(DType::BF16);

@@ -1,8 +1,9 @@
 //! FlashAttention-3's FP8 accuracy experiment (§4.3, "Numerical error"): q, k and v drawn
 //! from N(0, 1) with 0.1% of their entries replaced by N(0, 10²) outliers, as trained models'
 //! activations have them; each attention variant's RMSE against f64 attention of the
-//! unquantized inputs. FP8 rows quantize q, k and v to e4m3 with one scale per tensor or per
-//! head (`quant::fp8_scales`); "+ Hadamard" rotates q and k first (`quant::hadamard`), which
+//! unquantized inputs. FP8 rows quantize q, k and v to e4m3 with one scale per tensor, per
+//! head or per block of 128 tokens of each head (`quant::fp8_scales`, block quantization);
+//! "+ Hadamard" rotates q and k first (`quant::hadamard`, incoherent processing), which
 //! leaves the scores unchanged and spreads the outliers over every feature, so the scales
 //! fit the bulk of the values better.
 //!
@@ -17,7 +18,7 @@
 
 use anyhow::{bail, Result};
 use candle::{DType, Device, Tensor};
-use candle_flash::quant::{fp8_scales, hadamard, quantize_fp8, Fp8Scaling};
+use candle_flash::quant::{fp8_scales, hadamard, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS};
 use candle_flash::{attention_slow, flash_attn, FlashAttn};
 use clap::{Parser, ValueEnum};
 
@@ -33,7 +34,8 @@ enum Dev {
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "FP8 attention's error against f64 attention, with and without Hadamard rotation"
+    about = "FP8 attention's error against f64 attention: per-tensor, per-head and per-block \
+             scales, with and without Hadamard rotation"
 )]
 struct Args {
     /// Tokens of q, k and v (default: 1024 on the CPU, 4096 on CUDA).
@@ -173,24 +175,31 @@ fn main() -> Result<()> {
         Ok(flash_attn(&q, &k, &v, args.causal)?)
     };
     let fp8 = |scaling, rotate| fp8_attention(&on_device, scaling, rotate, args.causal);
-    let mut rows: Vec<(&str, Tensor)> = vec![
-        ("bf16 (flash_attn)", half(DType::BF16)?),
-        ("fp16 (flash_attn)", half(DType::F16)?),
-        ("fp8 per-tensor", fp8(Fp8Scaling::PerTensor, false)?),
-        ("fp8 per-head", fp8(Fp8Scaling::PerHead, false)?),
+    let mut rows: Vec<(String, Tensor)> = vec![
+        ("bf16 (flash_attn)".into(), half(DType::BF16)?),
+        ("fp16 (flash_attn)".into(), half(DType::F16)?),
     ];
+    let per_block = Fp8Scaling::PerBlock {
+        rows: FP8_BLOCK_ROWS,
+    };
+    let scalings = [
+        ("per-tensor", Fp8Scaling::PerTensor),
+        ("per-head", Fp8Scaling::PerHead),
+        ("per-block", per_block),
+    ];
+    for (name, scaling) in scalings {
+        rows.push((format!("fp8 {name}"), fp8(scaling, false)?));
+    }
     // The Walsh-Hadamard matrix exists for powers of two only.
     let rotatable = d.is_power_of_two();
     if rotatable {
-        rows.push((
-            "fp8 per-tensor + Hadamard",
-            fp8(Fp8Scaling::PerTensor, true)?,
-        ));
-        rows.push(("fp8 per-head + Hadamard", fp8(Fp8Scaling::PerHead, true)?));
+        for (name, scaling) in scalings {
+            rows.push((format!("fp8 {name} + Hadamard"), fp8(scaling, true)?));
+        }
     }
     let errors = rows
         .iter()
-        .map(|(name, out)| Ok((*name, rmse(out, &reference)?)))
+        .map(|(name, out)| Ok((name.as_str(), rmse(out, &reference)?)))
         .collect::<Result<Vec<_>>>()?;
     let baseline = errors[2].1;
 

@@ -19,27 +19,54 @@ use crate::fwd::LseSlot;
 use crate::layout::aligned_to;
 use crate::options::FlashAttn;
 use crate::params::{self, AttnShape, Problem};
+use crate::quant::FP8_BLOCK_ROWS;
 use crate::varlen::VarLen;
 
 /// e4m3 elements per 16 bytes: the CUDA kernels' alignment of every stride but the last.
 const E4M3_PER_16_BYTES: usize = 16;
 
-/// The dequantization factors of one FP8 call, complete and checked: F32, rank 1, on q's
-/// device, contiguous from the start of their storage (offset 0); `q` of length 1 (per
-/// tensor) or num_heads (per query head), `k` and `v` of length 1 or num_heads_k (per K/V
-/// head). A stored e4m3 value, as f32, times its factor is the real value.
+/// The dequantization factors of one FP8 call, complete and checked: F32 on q's device,
+/// contiguous from the start of their storage (offset 0), each of one of three forms:
+/// `(1,)` (per tensor), `(heads,)` (per head: num_heads for q, num_heads_k for k and v) or
+/// `(batch, heads, blocks)` (per block of [`FP8_BLOCK_ROWS`] rows of one sequence and head).
+/// A stored e4m3 value, as f32, times its factor is the real value.
 pub(crate) struct Fp8Descales {
     pub q: Tensor,
     pub k: Tensor,
     pub v: Tensor,
 }
 
-/// The factor of `head` in a descale vector of length 1 (per tensor) or one per head.
-fn descale_of(descale: &[f32], head: usize) -> f32 {
-    if descale.len() == 1 {
-        descale[0]
-    } else {
-        descale[head]
+impl Fp8Descales {
+    /// Element strides of a descale over (sequence, head, block of [`FP8_BLOCK_ROWS`] rows):
+    /// the factor of row `r` of sequence `b`, head `h` is at `b s[0] + h s[1] + r / 128 s[2]`.
+    pub fn strides(t: &Tensor) -> [usize; 3] {
+        match *t.dims() {
+            [1] => [0, 0, 0],
+            [_] => [0, 1, 0],
+            [_, h, nb] => [h * nb, nb, 1],
+            _ => unreachable!("checked by check_descale"),
+        }
+    }
+}
+
+/// One descale on the host with its [`Fp8Descales::strides`].
+struct HostDescale {
+    data: Vec<f32>,
+    strides: [usize; 3],
+}
+
+impl HostDescale {
+    fn new(t: &Tensor) -> Result<Self> {
+        Ok(Self {
+            data: t.flatten_all()?.to_vec1()?,
+            strides: Fp8Descales::strides(t),
+        })
+    }
+
+    /// The factor of row `row` (of its sequence) of sequence `b`, head `head`.
+    fn at(&self, b: usize, head: usize, row: usize) -> f32 {
+        let [sb, sh, sr] = self.strides;
+        self.data[b * sb + head * sh + row / FP8_BLOCK_ROWS * sr]
     }
 }
 
@@ -89,7 +116,7 @@ pub(crate) fn forward(
     }
     let out_dtype = opts.out_dtype.unwrap_or(DType::BF16);
     params::check_dtype(q.device(), out_dtype, "out_dtype:")?;
-    let descales = checked_descales(opts, q, &shape)?;
+    let descales = checked_descales(opts, q, &shape, varlen.is_some())?;
     let problem = opts.problem(shape, varlen, q.device())?;
     Fp8FwdOp::new(problem, descales, out_dtype).run(q, k, v)
 }
@@ -136,7 +163,12 @@ fn refuse_unsupported(opts: &FlashAttn) -> Result<()> {
 
 /// The call's descales: the user's, checked (F32 `(1,)` or one per head, on q's device), or
 /// 1 for all three.
-fn checked_descales(opts: &FlashAttn, q: &Tensor, shape: &AttnShape) -> Result<Fp8Descales> {
+fn checked_descales(
+    opts: &FlashAttn,
+    q: &Tensor,
+    shape: &AttnShape,
+    opts_varlen: bool,
+) -> Result<Fp8Descales> {
     let Some(user) = &opts.fp8_descales else {
         let one = Tensor::ones(1, DType::F32, q.device())?;
         return Ok(Fp8Descales {
@@ -145,26 +177,60 @@ fn checked_descales(opts: &FlashAttn, q: &Tensor, shape: &AttnShape) -> Result<F
             v: one,
         });
     };
+    let blocks = |rows: usize| rows.div_ceil(FP8_BLOCK_ROWS);
+    let varlen = opts_varlen;
     Ok(Fp8Descales {
-        q: check_descale(&user.q, "q", (shape.h, "num_heads"), q)?,
-        k: check_descale(&user.k, "k", (shape.hk, "num_heads_k"), q)?,
-        v: check_descale(&user.v, "v", (shape.hk, "num_heads_k"), q)?,
+        q: check_descale(
+            &user.q,
+            "q",
+            (shape.h, "num_heads"),
+            (shape.b, blocks(shape.sq)),
+            varlen,
+            q,
+        )?,
+        k: check_descale(
+            &user.k,
+            "k",
+            (shape.hk, "num_heads_k"),
+            (shape.b, blocks(shape.sk)),
+            varlen,
+            q,
+        )?,
+        v: check_descale(
+            &user.v,
+            "v",
+            (shape.hk, "num_heads_k"),
+            (shape.b, blocks(shape.sk)),
+            varlen,
+            q,
+        )?,
     })
 }
 
-/// One descale: F32, `(1,)` or `(heads,)`, on q's device. Returned detached, contiguous and
-/// at the start of its storage (the kernel reads a plain array).
+/// One descale: F32 on q's device, `(1,)`, `(heads,)` or `(batch, heads, blocks)` with
+/// `blocks` = ceil(seqlen / [`FP8_BLOCK_ROWS`]) (variable-length batches: at least that for
+/// the longest sequence). Returned detached, contiguous and at the start of its storage (the
+/// kernel reads a plain array).
 fn check_descale(
     t: &Tensor,
     name: &str,
     (heads, heads_name): (usize, &str),
+    (batch, blocks): (usize, usize),
+    varlen: bool,
     q: &Tensor,
 ) -> Result<Tensor> {
-    let shape_ok = matches!(t.dims(), &[n] if n == 1 || n == heads);
+    let shape_ok = match *t.dims() {
+        [n] => n == 1 || n == heads,
+        [b, h, nb] => b == batch && h == heads && (nb == blocks || (varlen && nb > blocks)),
+        _ => false,
+    };
     if t.dtype() != DType::F32 || !shape_ok {
+        let at_least = if varlen { "at least " } else { "" };
         bail!(
-            "fp8_descales: {name}'s descale must be F32 of shape (1,) (per tensor) or \
-             ({heads},) (one per head, {heads_name}), got {:?} of shape {:?}",
+            "fp8_descales: {name}'s descale must be F32 of shape (1,) (per tensor), \
+             ({heads},) (one per head, {heads_name}) or ({batch}, {heads}, {at_least}{blocks}) \
+             (one per block of {FP8_BLOCK_ROWS} rows of each sequence and head), got {:?} of \
+             shape {:?}",
             t.dtype(),
             t.dims()
         )
@@ -245,9 +311,9 @@ impl CustomOp3 for OpHandle {
         let v = cpu::gather_e4m3(s3, l3)?;
         let d = &op.descales;
         let descales = HostDescales {
-            q: d.q.to_vec1()?,
-            k: d.k.to_vec1()?,
-            v: d.v.to_vec1()?,
+            q: HostDescale::new(&d.q)?,
+            k: HostDescale::new(&d.k)?,
+            v: HostDescale::new(&d.v)?,
         };
         let (out, lse) = attn_fwd_fp8(&op.problem, &descales, &q, &k, &v);
         let lse = Tensor::from_vec(lse, op.problem.lse_shape(), &candle::Device::Cpu)?;
@@ -296,9 +362,9 @@ impl CustomOp3 for OpHandle {
 
 /// The descales on the host.
 struct HostDescales {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    q: HostDescale,
+    k: HostDescale,
+    v: HostDescale,
 }
 
 /// The FP8 forward on the CPU, the semantics of the op (see [`FlashAttn::fp8_descales`]).
@@ -307,10 +373,11 @@ struct HostDescales {
 /// and the natural-log LSE in the layout of [`Problem::lse_index`].
 ///
 /// Per query head `h` of sequence `b` and query row `i` (K/V head `g = h / (num_heads /
-/// num_heads_k)`), in f32: `q_i = q8_i · qd[h]`, `k_j = k8_j · kd[g]`, `S_j = scale · (q_i ·
-/// k_j)` over the keys `j` the causal mask shows; `m = max_j S_j`; `P_j = exp(S_j - m)`;
-/// `l = Σ_j P_j` (the unrounded P); `O_i = (Σ_j e4m3(256 P_j) / 256 · v8_j) · (vd[g] / l)`;
-/// `LSE_i = m + ln(l)`. A row that sees no key gets `O_i = 0`, `LSE_i = -inf`.
+/// num_heads_k)`), in f32, with `qd_i`, `kd_j`, `vd_j` the descales of row `i` and key `j`
+/// (the same for every row but per block): `q_i = q8_i · qd_i`, `k_j = k8_j · kd_j`, `S_j =
+/// scale · (q_i · k_j)` over the keys `j` the causal mask shows; `m = max_j S_j`; `P_j =
+/// exp(S_j - m)`; `l = Σ_j P_j` (the unrounded P); `O_i = (Σ_j e4m3(256 P_j) / 256 · vd_j ·
+/// v8_j) / l`; `LSE_i = m + ln(l)`. A row that sees no key gets `O_i = 0`, `LSE_i = -inf`.
 fn attn_fwd_fp8(
     p: &Problem,
     descales: &HostDescales,
@@ -325,19 +392,25 @@ fn attn_fwd_fp8(
         let (b, head) = (t / s.h, t % s.h);
         let ((q0, sq), (k0, sk)) = (p.seq_q(b), p.seq_k(b));
         let kv_head = head / s.group();
-        let dequantized = |rows: Vec<f32>, descale: f32| -> Vec<f32> {
-            rows.into_iter().map(|x| x * descale).collect()
+        // Row r of the sequence times its descale.
+        let dequantized = |rows: Vec<f32>, descale: &HostDescale, head: usize| -> Vec<f32> {
+            rows.chunks(s.d)
+                .enumerate()
+                .flat_map(|(r, row)| {
+                    let f = descale.at(b, head, r);
+                    row.iter().map(move |&x| x * f)
+                })
+                .collect()
         };
-        let q = dequantized(
-            cpu::head_rows(q, q0, sq, head, s.h, s.d),
-            descale_of(&descales.q, head),
-        );
+        let q = dequantized(cpu::head_rows(q, q0, sq, head, s.h, s.d), &descales.q, head);
         let k = dequantized(
             cpu::head_rows(k, k0, sk, kv_head, s.hk, s.d),
-            descale_of(&descales.k, kv_head),
+            &descales.k,
+            kv_head,
         );
         let v = cpu::head_rows(v, k0, sk, kv_head, s.hk, s.d);
-        fwd_head(p, (sq, sk), &q, &k, &v, descale_of(&descales.v, kv_head))
+        let vd: Vec<f32> = (0..sk).map(|j| descales.v.at(b, kv_head, j)).collect();
+        fwd_head(p, (sq, sk), &q, &k, &v, &vd)
     });
     let mut out = vec![0f32; s.q_elems()];
     let mut lse = vec![f32::NEG_INFINITY; s.h * s.total_q];
@@ -351,16 +424,16 @@ fn attn_fwd_fp8(
 }
 
 /// One query head of one sequence, `(sq, sk)` rows: dequantized `q` `(sq, d)` and `k`
-/// `(sk, d)`, raw e4m3 `v` `(sk, d)` and its descale `vd`. Returns `(out (sq, d), lse (sq))`.
-/// Two passes over each row's scores (max, then exponentials), so every probability is rounded
-/// to e4m3 relative to the row's own maximum.
+/// `(sk, d)`, raw e4m3 `v` `(sk, d)` and each key's descale `vd` `(sk)`. Returns `(out (sq,
+/// d), lse (sq))`. Two passes over each row's scores (max, then exponentials), so every
+/// probability is rounded to e4m3 relative to the row's own maximum.
 fn fwd_head(
     p: &Problem,
     (sq, sk): (usize, usize),
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    vd: f32,
+    vd: &[f32],
 ) -> (Vec<f32>, Vec<f32>) {
     let d = p.shape.d;
     let mut out = vec![0f32; sq * d];
@@ -382,9 +455,9 @@ fn fwd_head(
             l += p_j;
             // The kernel's offset: P in [0, 256] (sm90/softmax_fp8.cuh), exact powers of two.
             let p8 = F8E4M3::from_f32(p_j * 256.0).to_f32() / 256.0;
-            cpu::axpy(acc, p8, &v[j * d..][..d]);
+            cpu::axpy(acc, p8 * vd[j], &v[j * d..][..d]);
         }
-        let norm = vd / l;
+        let norm = 1.0 / l;
         acc.iter_mut().for_each(|o| *o *= norm);
         lse[i] = m + l.ln();
     }

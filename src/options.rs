@@ -90,9 +90,11 @@ pub struct FlashAttn {
 /// [`FlashAttn::fp8_descales`]: a stored value, as f32, times its factor is the real value.
 #[derive(Clone, Debug)]
 pub struct QkvDescales {
-    /// q's factors, F32 `(1,)` (per tensor) or `(num_heads,)` (per query head), on q's device.
+    /// q's factors, F32 `(1,)` (per tensor), `(num_heads,)` (per query head) or `(batch,
+    /// num_heads, ceil(seqlen_q / 128))` (per block of 128 rows), on q's device.
     pub q: Tensor,
-    /// k's factors, F32 `(1,)` or `(num_heads_k,)` (per K/V head).
+    /// k's factors, F32 `(1,)`, `(num_heads_k,)` (per K/V head) or `(batch, num_heads_k,
+    /// ceil(seqlen_k / 128))`.
     pub k: Tensor,
     /// v's factors, as k's.
     pub v: Tensor,
@@ -370,24 +372,33 @@ impl FlashAttn {
     /// [`FlashAttn::forward`], [`FlashAttn::forward_with_lse`], [`FlashAttn::forward_varlen`]
     /// (and its `_with_lse`) and [`FlashAttn::forward_padded`]. A stored byte, as f32, times
     /// its factor is the real value: exactly the scales [`crate::quant::fp8_scales`] returns
-    /// for [`crate::quant::Fp8Scaling::PerTensor`] or [`crate::quant::Fp8Scaling::PerHead`],
-    /// so that [`crate::quant::quantize_fp8`] with those scales and this option round-trip.
+    /// for [`crate::quant::Fp8Scaling::PerTensor`], [`crate::quant::Fp8Scaling::PerHead`] or
+    /// `Fp8Scaling::PerBlock { rows: `[`crate::quant::FP8_BLOCK_ROWS`]` }`, so that
+    /// [`crate::quant::quantize_fp8`] with those scales and this option round-trip. Each of
+    /// q, k and v takes any of the three forms (F32, on q's device):
     ///
-    /// - `q`: F32 `(1,)` (per tensor) or `(num_heads,)` (per query head), on q's device;
-    /// - `k`, `v`: F32 `(1,)` or `(num_heads_k,)` (per K/V head), on q's device.
+    /// - per tensor: `(1,)`;
+    /// - per head: `(num_heads,)` for q, `(num_heads_k,)` for k and v;
+    /// - per block: `(batch, num_heads, ceil(seqlen_q / 128))` for q, `(batch, num_heads_k,
+    ///   ceil(seqlen_k / 128))` for k and v, a factor per block of 128 rows of each sequence
+    ///   and head (block quantization: an outlier coarsens its block's scale only). With
+    ///   [`FlashAttn::forward_varlen`] a sequence's blocks count from its first row and the
+    ///   last dimension is at least ceil(max_seqlen / 128); [`FlashAttn::forward_padded`]
+    ///   refuses them (padding moves rows between blocks).
     ///
-    /// Without this option the factors are 1. They are not read back to check them (a NaN or
-    /// an infinity goes into the result).
+    /// Without this option the factors are 1. They should be positive and finite; they are
+    /// not read back to check (a NaN or an infinity goes into the result).
     ///
     /// What FP8 attention computes, per query head `h`, its K/V head `g = h / (num_heads /
     /// num_heads_k)` and query row `i`, in f32 (the CPU computes exactly this; the CUDA kernel
     /// the same with its own summation order and an online softmax, which rounds each key
     /// tile's probabilities against the row's maximum so far, never above the row's):
-    /// 1. dequantize q and k: `q_i = q8_i · qd[h]`, `k_j = k8_j · kd[g]`; v stays raw;
+    /// 1. dequantize q and k: `q_i = q8_i · qd_i`, `k_j = k8_j · kd_j` (`qd_i` q's factor for
+    ///    head `h` and row `i`, `kd_j` k's for head `g` and key `j`); v stays raw;
     /// 2. `S_ij = scale · q_i · k_j` over the keys the causal mask (bottom-right aligned) shows
     ///    row `i` (`scale` = `softmax_scale`, by default `1 / sqrt(head_dim)`);
     /// 3. `m_i = max_j S_ij`, `P_ij = exp(S_ij - m_i)`, `l_i = Σ_j P_ij` (before rounding);
-    /// 4. `O_i = (Σ_j e4m3(256 · P_ij) / 256 · v8_j) · (vd[g] / l_i)`, with `e4m3` rounding
+    /// 4. `O_i = (Σ_j e4m3(256 · P_ij) / 256 · vd_j · v8_j) / l_i`, with `e4m3` rounding
     ///    to nearest even, as the FP8 tensor cores take `P` (FlashAttention-3's FP8 forward,
     ///    whose offset of 2^8 keeps probabilities down to 2^-17 of the maximum in e4m3's
     ///    range); `O` is then rounded to the output dtype ([`FlashAttn::out_dtype`], BF16 by
@@ -839,6 +850,15 @@ impl FlashAttn {
         q_pad: &Padding,
         kv_pad: &Padding,
     ) -> Result<Tensor> {
+        if let Some(d) = &self.fp8_descales {
+            if [&d.q, &d.k, &d.v].iter().any(|t| t.rank() == 3) {
+                candle::bail!(
+                    "fp8_descales: per-block descales index each sequence's rows from its \
+                     first token, which padding moves; with forward_padded pass per-tensor or \
+                     per-head descales, or unpad and call forward_varlen"
+                )
+            }
+        }
         let varlen = VarLen::from_padding(q_pad, kv_pad)?;
         let (q, k, v) = (
             q_pad.unpad_named(q, "q")?,

@@ -26,7 +26,8 @@ mod common;
 
 use candle::{DType, Device, Tensor, Var};
 use candle_flash::quant::{
-    dequantize_fp8, fp8_scales, hadamard, quantize_fp8, Fp8Scaling, MAX_HADAMARD_DIM,
+    dequantize_fp8, fp8_scales, hadamard, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS,
+    MAX_HADAMARD_DIM,
 };
 use candle_flash::{flash_attn, flash_attn_with_kvcache, FlashAttn, Padding, VarLen};
 use common::assert_fails;
@@ -110,8 +111,9 @@ fn quantize(x: &Tensor, scaling: Fp8Scaling) -> Fp8Input {
     Fp8Input { x8, descale, real }
 }
 
-/// The real values of an e4m3 tensor `(.., heads, d)` with per-tensor `(1,)` or per-head
-/// descales.
+/// The real values of an e4m3 tensor `(.., heads, d)` with per-tensor `(1,)`, per-head
+/// `(heads,)` or per-block `(batch, heads, blocks)` descales (per block: `(batch, seq, heads,
+/// d)` tensors, row `r` in block `r / 128`).
 fn real_values(x8: &Tensor, descale: &Tensor) -> Vec<f64> {
     let dims = x8.dims();
     let (heads, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
@@ -122,13 +124,26 @@ fn real_values(x8: &Tensor, descale: &Tensor) -> Vec<f64> {
         .unwrap()
         .to_vec1()
         .unwrap();
-    let ds: Vec<f32> = descale.to_vec1().unwrap();
+    let ds: Vec<f32> = descale.flatten_all().unwrap().to_vec1().unwrap();
+    let (seq, blocks) = match descale.dims() {
+        &[_, _, nb] => (dims[1], nb),
+        _ => (1, 1),
+    };
     stored
         .iter()
         .enumerate()
         .map(|(i, &x)| {
             let head = (i / d.max(1)) % heads.max(1);
-            x as f64 * ds[if ds.len() == 1 { 0 } else { head }] as f64
+            let at = match descale.rank() {
+                3 => {
+                    let token = i / (d * heads);
+                    let (b, row) = (token / seq, token % seq);
+                    (b * heads + head) * blocks + row / FP8_BLOCK_ROWS
+                }
+                _ if ds.len() == 1 => 0,
+                _ => head,
+            };
+            x as f64 * ds[at] as f64
         })
         .collect()
 }
@@ -497,6 +512,167 @@ fn varlen_matches_the_f64_oracle() {
             }
         }
     }
+}
+
+const PER_BLOCK: Fp8Scaling = Fp8Scaling::PerBlock {
+    rows: FP8_BLOCK_ROWS,
+};
+
+/// Normal `shape` `(b, s, h, d)` whose blocks of 128 rows differ in magnitude (x 1/2, 1, 2,
+/// 4 in turn): per-block factors then differ from one key tile to the next.
+fn blocky(rng: &mut Rng, shape: &[usize]) -> Tensor {
+    let x = rng.randn(shape, 1.0);
+    let f: Vec<f32> = (0..shape[1])
+        .map(|r| [0.5, 1.0, 2.0, 4.0][r / FP8_BLOCK_ROWS % 4])
+        .collect();
+    x.broadcast_mul(&Tensor::from_vec(f, (1, shape[1], 1, 1), &CPU).unwrap())
+        .unwrap()
+}
+
+/// Per-block descales (one per 128 rows of each sequence and head): longer sequences than
+/// one block, q, k and v of differing magnitude per block, GQA, causal or not, against the
+/// oracle over the per-block real values.
+#[test]
+fn per_block_descales_match_the_f64_oracle() {
+    let cases = [
+        (1, 300, 300, 4, 2, 64, false),
+        (1, 300, 300, 4, 2, 64, true),
+        (2, 129, 385, 2, 1, 128, true),
+        (1, 400, 130, 2, 2, 40, false),
+        (2, 1, 257, 4, 4, 256, false),
+    ];
+    for (n, (b, sq, sk, h, hk, d, causal)) in cases.into_iter().enumerate() {
+        let mut rng = Rng(500 + n as u64);
+        let q = quantize(&blocky(&mut rng, &[b, sq, h, d]), PER_BLOCK);
+        let k = quantize(&blocky(&mut rng, &[b, sk, hk, d]), PER_BLOCK);
+        let v = quantize(&blocky(&mut rng, &[b, sk, hk, d]), PER_BLOCK);
+        assert_eq!(q.descale.dims(), &[b, h, sq.div_ceil(FP8_BLOCK_ROWS)]);
+        let attn = FlashAttn::new()
+            .causal(causal)
+            .out_dtype(DType::F32)
+            .fp8_descales(&q.descale, &k.descale, &v.descale);
+        let (out, lse) = attn.forward_with_lse(&q.x8, &k.x8, &v.x8).unwrap();
+        let seqs = (0..b).map(|i| (i * sq, sq, i * sk, sk)).collect();
+        let scale = 1.0 / (d as f64).sqrt();
+        let o = oracle(
+            &q.real,
+            &k.real,
+            &v.real,
+            &seqs,
+            (h, hk, d),
+            scale,
+            causal,
+            false,
+        );
+        let what = format!("per block b {b} sq {sq} sk {sk} heads {h}/{hk} d {d} causal {causal}");
+        assert_rules(&what, &out, &lse, &o, &v.real);
+    }
+}
+
+/// Per-block descales with packed sequences: each sequence quantized alone, its blocks
+/// counted from its first row, descales `(sequences, heads, blocks of the longest)`.
+#[test]
+fn per_block_descales_in_packed_batches() {
+    let lens_q = [130usize, 1, 0, 300];
+    let lens_k = [257usize, 129, 4, 300];
+    let varlen = VarLen::from_seqlens(&lens_q, &lens_k).unwrap();
+    let (cu_q, cu_k) = (varlen.cu_seqlens_q(), varlen.cu_seqlens_k());
+    let seqs: Seqs = (0..lens_q.len())
+        .map(|b| (cu_q[b] as usize, lens_q[b], cu_k[b] as usize, lens_k[b]))
+        .collect();
+    let (h, hk, d) = (4, 2, 64);
+    let mut rng = Rng(600);
+    // One sequence's rows quantized with its own per-block scales, padded to `blocks` with 1s.
+    let mut by_sequence = |lens: &[usize], heads: usize| {
+        let blocks = lens.iter().max().unwrap().div_ceil(FP8_BLOCK_ROWS);
+        let (mut x8, mut descales, mut real) = (vec![], vec![], vec![]);
+        for &n in lens {
+            let x = quantize(&blocky(&mut rng, &[1, n, heads, d]), PER_BLOCK);
+            let have = x.descale.dim(2).unwrap();
+            let ones = Tensor::ones((1, heads, blocks - have), DType::F32, &CPU).unwrap();
+            descales.push(Tensor::cat(&[&x.descale, &ones], 2).unwrap());
+            x8.push(x.x8.squeeze(0).unwrap());
+            real.extend(x.real);
+        }
+        Fp8Input {
+            x8: Tensor::cat(&x8, 0).unwrap(),
+            descale: Tensor::cat(&descales, 0).unwrap(),
+            real,
+        }
+    };
+    let q = by_sequence(&lens_q, h);
+    let k = by_sequence(&lens_k, hk);
+    let v = by_sequence(&lens_k, hk);
+    for causal in [false, true] {
+        let attn = FlashAttn::new()
+            .causal(causal)
+            .out_dtype(DType::F32)
+            .fp8_descales(&q.descale, &k.descale, &v.descale);
+        let (out, lse) = attn
+            .forward_varlen_with_lse(&q.x8, &k.x8, &v.x8, &varlen)
+            .unwrap();
+        let scale = 1.0 / (d as f64).sqrt();
+        let o = oracle(
+            &q.real,
+            &k.real,
+            &v.real,
+            &seqs,
+            (h, hk, d),
+            scale,
+            causal,
+            true,
+        );
+        assert_rules(
+            &format!("packed per block causal {causal}"),
+            &out,
+            &lse,
+            &o,
+            &v.real,
+        );
+    }
+    // More blocks than the longest sequence needs are accepted (the extra ones unread).
+    let pad_blocks = |t: &Tensor| {
+        let (n, heads, _) = t.dims3().unwrap();
+        Tensor::cat(
+            &[t, &Tensor::ones((n, heads, 1), DType::F32, &CPU).unwrap()],
+            2,
+        )
+        .unwrap()
+    };
+    let attn = FlashAttn::new().out_dtype(DType::F32);
+    let plain = attn
+        .clone()
+        .fp8_descales(&q.descale, &k.descale, &v.descale)
+        .forward_varlen(&q.x8, &k.x8, &v.x8, &varlen)
+        .unwrap();
+    let wider = attn
+        .fp8_descales(&pad_blocks(&q.descale), &pad_blocks(&k.descale), &v.descale)
+        .forward_varlen(&q.x8, &k.x8, &v.x8, &varlen)
+        .unwrap();
+    assert_eq!(host(&plain), host(&wider));
+}
+
+/// Per-block descales of the wrong shape, and with forward_padded, are errors that say so.
+#[test]
+fn per_block_descale_errors() {
+    let mut rng = Rng(700);
+    let x = quantize(&rng.randn(&[2, 200, 2, 32], 1.0), PER_BLOCK);
+    let one = Tensor::ones(1, DType::F32, &CPU).unwrap();
+    let run = |qd: &Tensor| {
+        FlashAttn::new()
+            .fp8_descales(qd, &one, &one)
+            .forward(&x.x8, &x.x8, &x.x8)
+    };
+    assert!(run(&x.descale).is_ok());
+    for bad in [(2, 2, 1), (2, 2, 3), (1, 2, 2), (2, 1, 2)] {
+        let t = Tensor::ones(bad, DType::F32, &CPU).unwrap();
+        assert_fails(run(&t), &["fp8_descales", "q's descale", "(2, 2, 2)"]);
+    }
+    let pad = Padding::from_lengths(&[200, 100], 200).unwrap();
+    let padded = FlashAttn::new()
+        .fp8_descales(&x.descale, &one, &one)
+        .forward_padded(&x.x8, &x.x8, &x.x8, &pad, &pad);
+    assert_fails(padded, &["fp8_descales", "per-block", "forward_varlen"]);
 }
 
 /// forward_padded packs FP8 inputs, runs the varlen op and scatters back: each sequence as if

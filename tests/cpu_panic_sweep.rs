@@ -884,6 +884,11 @@ fn fp8_attention_and_hadamard_never_panic() {
             (f(&[4]).ones_like().unwrap() * f64::INFINITY).unwrap(),
         ),
         ("zeros (2)", f(&[2]).zeros_like().unwrap()),
+        // Per block of 128 rows: (batch, heads, blocks), right for some inputs, not others.
+        ("(1,4,1)", f(&[1, 4, 1]).abs().unwrap()),
+        ("(2,2,1)", f(&[2, 2, 1]).abs().unwrap()),
+        ("(2,4,3)", f(&[2, 4, 3]).abs().unwrap()),
+        ("(0,4,1)", f(&[0, 4, 1])),
     ];
     let mut opts: Vec<(String, FlashAttn)> = vec![("default".into(), FlashAttn::new())];
     for (n, d) in &descales {

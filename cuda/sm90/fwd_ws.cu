@@ -63,11 +63,16 @@ struct FwdTmaParams {
     // 0: none.
     int tail_heads;
     // The FP8 kernels' dequantization factors (a stored e4m3 value times its factor is the
-    // real one): per tensor (stride 0) or per head (stride 1; q's by query head, k's and v's
-    // by key/value head). Unused by the others.
+    // real one) and their element strides over (sequence, head, block of FP8_BLOCK rows): per
+    // tensor (all 0), per head (0, 1, 0; q's by query head, k's and v's by key/value head) or
+    // per block. Unused by the others.
     const float *q_descale, *k_descale, *v_descale;
-    int q_descale_stride, kv_descale_stride;
+    int q_descale_strides[3], k_descale_strides[3], v_descale_strides[3];
 };
+
+// Rows per block of the FP8 descales (src/quant: FP8_BLOCK_ROWS): a work tile's query rows
+// and one or two key tiles, so a block's factor is one number per tile.
+constexpr int FP8_BLOCK = 128;
 
 // Shared memory with q Q slots (read back for the host by the geometry probe, build/catalogue.rs): q Q tiles, STAGES K
 // tiles, STAGES V tiles (with FP8, STAGES more of V transposed: kv_tiles 3), the O tile
@@ -480,21 +485,48 @@ template <class K> struct WsConsumer {
     float o[1][DT][4];
     uint32_t pa[1][PV_STEPS][4];  // P of the previous tile, the A operand of P V
     OnlineSoftmax<1> softmax;
-    // FP8: the work tile's softmax scale (log2 and natural units) times q's and k's descale
-    // factors, and v's (set_descales); the others read AttnParams' scale.
-    float fp8_scale_log2 = 0.f, fp8_scale = 0.f, fp8_v = 1.f;
+    // FP8: the work tile's softmax scale (log2 units) times q's descale (set_descales), where
+    // its sequence's and head's k and v factors start, and v's factor of the last key tile
+    // whose P went into O: O is kept in units of it, so that a key tile of another V factor
+    // (per block) rescales O by the ratio with the softmax's factors (exp_scores).
+    float fp8_q_log2 = 0.f, fp8_v = 1.f;
+    int fp8_k = 0, fp8_vs = 0;  // element offsets (the pointers stay in the parameter space)
 
     __device__ __forceinline__ void set_descales(const WsTile<K>& w) {
         if constexpr (K::FP8) {
-            const float qk = P.q_descale[w.bidh * P.q_descale_stride] *
-                             P.k_descale[w.bidh_k * P.kv_descale_stride];
-            fp8_scale_log2 = p.scale_log2 * qk;
-            fp8_scale = p.scale * qk;
-            fp8_v = P.v_descale[w.bidh_k * P.kv_descale_stride];
+            const int* qs = P.q_descale_strides;
+            const int* ks = P.k_descale_strides;
+            const int* vs = P.v_descale_strides;
+            static_assert(K::BM == FP8_BLOCK, "a work tile's rows are one block");
+            fp8_q_log2 = p.scale_log2 * P.q_descale[w.bidb * qs[0] + w.bidh * qs[1] +
+                                                    w.m_block * qs[2]];
+            fp8_k = w.bidb * ks[0] + w.bidh_k * ks[1];
+            fp8_vs = w.bidb * vs[0] + w.bidh_k * vs[1];
+            if (!kv_blocks()) {  // one k and v factor for the work tile: no loads per key tile
+                fp8_q_log2 *= P.k_descale[fp8_k];
+                fp8_v = P.v_descale[fp8_vs];
+            }
         }
     }
-    __device__ __forceinline__ float scale_log2() const {
-        return K::FP8 ? fp8_scale_log2 : p.scale_log2;
+    // Whether k's or v's factors change from one block of keys to the next. Per tensor or per
+    // head they are loaded once per work tile: two loads per key tile cost the d = 128 kernel
+    // 3.5% (H200, 8k-16k).
+    __device__ __forceinline__ bool kv_blocks() const {
+        return (P.k_descale_strides[2] | P.v_descale_strides[2]) != 0;
+    }
+    // FP8: k's and v's factors of key tile nb, loaded before its S is waited for.
+    struct TileDescales {
+        float k, v;
+    };
+    __device__ __forceinline__ TileDescales tile_descales(int nb) const {
+        if constexpr (K::FP8) {
+            if (!kv_blocks()) return {1.f, fp8_v};
+            static_assert(FP8_BLOCK % BN == 0, "a key tile inside one block");
+            const int block = nb / (FP8_BLOCK / BN);
+            return {__ldg(P.k_descale + fp8_k + block * P.k_descale_strides[2]),
+                    __ldg(P.v_descale + fp8_vs + block * P.v_descale_strides[2])};
+        }
+        return {1.f, 1.f};
     }
     // P's registers held until the P V that reads them is done (sm90/wgmma_fp8.cuh). The
     // 16-bit kernels, measured without it and never seen wrong, keep their schedules.
@@ -580,12 +612,14 @@ template <class K> struct WsConsumer {
     }
     // 1 / l, times 1 / (1 - p) with dropout.
     __device__ __forceinline__ void finalize(int r, float* inv_sum, float* row_lse) const {
-        softmax.finalize(0, r, K::FP8 ? fp8_scale : p.scale, inv_sum, row_lse);
+        // FP8's running maximum is in log2 units of the scaled scores (sm90/softmax_fp8.cuh).
+        constexpr float LN2 = 0.6931471805599453f;
+        softmax.finalize(0, r, K::FP8 ? LN2 : p.scale, inv_sum, row_lse);
         if constexpr (K::DROPOUT) *inv_sum *= p.rp_keep;
         if constexpr (K::FP8) {
             *inv_sum *= fp8_v;
-            // The row sum carries P's 2^8 (sm90/softmax_fp8.cuh); -inf stays.
-            *row_lse -= FP8_P_SHIFT * 0.6931471805599453f;
+            // The row sum carries P's 2^8; -inf stays.
+            *row_lse -= FP8_P_SHIFT * LN2;
         }
     }
 
@@ -647,21 +681,33 @@ template <class K> struct WsConsumer {
 
     // S becomes P and the softmax state `st` moves on; true if O needs the factors alpha once
     // the last P V is done.
+    // FP8: `f` holds the tile's k and v factors.
     __device__ __forceinline__ bool exp_scores(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
-                                               float (&alpha)[1][2], const TileMask& m) const {
-        if constexpr (K::FP8) return exp_and_factors_fp8(st, s, alpha, scale_log2());
+                                               float (&alpha)[1][2], const TileMask& m,
+                                               const TileDescales& f) {
+        if constexpr (K::FP8) {
+            bool rescale = exp_and_factors_fp8(st, s, alpha, fp8_q_log2 * f.k);
+            if (f.v != fp8_v) {  // per block: O moves to this tile's V factor
+                const float ratio = fp8_v / f.v;
+                alpha[0][0] *= ratio;
+                alpha[0][1] *= ratio;
+                fp8_v = f.v;
+                rescale = true;
+            }
+            return rescale;
+        }
         // seqlen_q is never negative: the ties' zero is 0.
         const float zero = __int_as_float(min(p.seqlen_q, 0));
         if (cap_in_softmax(m))
             return st.template exp_and_factors<FIXED, true, true>(
-                s, alpha, scale_log2(), p.softcap_max_log2, zero, p.softcap_pre);
+                s, alpha, p.scale_log2, p.softcap_max_log2, zero, p.softcap_pre);
         // The kernels whose exponentials ptxas ran back to back (OnlineSoftmax): 1.4-2.3%
         // faster; not dropout's or the block mask's, which the tie made 1.6-2.8% and 6.4%
         // slower (H100; docs/archive/PERF.md, "Why ptxas ran the exponentials back to back,
         // and a tie that stops it" and "The softcap's tanh in the exponentials' loop").
         constexpr bool INTERLEAVE =
             D == 64 && K::CONSUMERS == 2 && !K::DROPOUT && K::MODS == MODS_NONE;
-        return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, scale_log2(),
+        return st.template exp_and_factors<FIXED, INTERLEAVE>(s, alpha, p.scale_log2,
                                                               p.softcap_max_log2, zero);
     }
 
@@ -798,7 +844,7 @@ template <class K> struct WsConsumer {
         release(sm.empty_k(s0.st));
         scores(s, w, nb, m);
         float alpha[1][2];
-        if (exp_scores(softmax, s, alpha, m)) softmax.rescale(o, alpha);
+        if (exp_scores(softmax, s, alpha, m, tile_descales(nb))) softmax.rescale(o, alpha);
         drop(s, keep);
         pack_p(s);
     }
@@ -832,7 +878,7 @@ template <class K> struct WsConsumer {
         if (boundary) {
             OnlineSoftmax<1> next;
             float alpha[1][2];  // O starts over
-            exp_scores(next, s, alpha, m);
+            exp_scores(next, s, alpha, m, tile_descales(nb));
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
             fence_pa();
@@ -842,7 +888,7 @@ template <class K> struct WsConsumer {
             softmax = next;
         } else {
             float alpha[1][2];
-            const bool rescale = exp_scores(softmax, s, alpha, m);
+            const bool rescale = exp_scores(softmax, s, alpha, m, tile_descales(nb));
             sm90::wait<0>();
             sm90::fence_operand(o[0]);
             fence_pa();

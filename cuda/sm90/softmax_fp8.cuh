@@ -17,6 +17,10 @@ constexpr float FP8_P_SHIFT = 8.f;  // log2 of P at a row's running maximum
 // OnlineSoftmax::exp_and_factors for FP8: S becomes P (in place), the running maximum and sum
 // move on, and alpha holds the factors O must be multiplied by once the P V in flight is done
 // (1 for rows whose maximum stayed). Returns whether any row of the warp moved.
+// The running maximum is kept in log2 units of the scaled scores (S times scale_log2): the
+// scale may change from one key tile to the next (k's descale per block of keys), and a
+// positive factor commutes with the maximum, so a tile's maximum is its raw one times its
+// scale.
 template <int NT>
 __device__ __forceinline__ bool exp_and_factors_fp8(OnlineSoftmax<1>& st, float (&s)[1][NT][4],
                                                     float (&alpha)[1][2], float scale_log2) {
@@ -25,19 +29,20 @@ __device__ __forceinline__ bool exp_and_factors_fp8(OnlineSoftmax<1>& st, float 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float m_old = st.row_max[0][r];
-        float m = m_old;
+        float raw = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) m = fmaxf(m, fmaxf(s[0][nt][2 * r], s[0][nt][2 * r + 1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
+        for (int nt = 0; nt < NT; ++nt)
+            raw = fmaxf(raw, fmaxf(s[0][nt][2 * r], s[0][nt][2 * r + 1]));
+        raw = fmaxf(raw, __shfl_xor_sync(0xffffffff, raw, 1));
+        raw = fmaxf(raw, __shfl_xor_sync(0xffffffff, raw, 2));
+        const float m = fmaxf(m_old, raw * scale_log2);
         // -inf to a finite maximum grows (alpha 0 on a zero sum); -inf to -inf does not.
         const bool grows = m > m_old;
-        // A row with no visible key yet keeps -inf; subtracting 0 keeps its P exp2(-inf) = 0.
-        const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-        alpha[0][r] = grows ? exp2f(m_old * scale_log2 - m_scaled) : 1.f;
+        alpha[0][r] = grows ? exp2f(m_old - m) : 1.f;
         st.row_max[0][r] = m;
         st.row_sum[0][r] *= alpha[0][r];
-        neg_m[r] = FP8_P_SHIFT - m_scaled;
+        // A row with no visible key yet keeps -inf; subtracting 0 keeps its P exp2(-inf) = 0.
+        neg_m[r] = FP8_P_SHIFT - (m == -INFINITY ? 0.f : m);
         any |= grows;
     }
 #pragma unroll

@@ -111,13 +111,20 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
         let (q_descale, _qd_sync) = locked_ptr::<f32, _>(&locks[0], &stream, "fp8_descales")?;
         let (k_descale, _kd_sync) = locked_ptr::<f32, _>(&locks[1], &stream, "fp8_descales")?;
         let (v_descale, _vd_sync) = locked_ptr::<f32, _>(&locks[2], &stream, "fp8_descales")?;
-        let per_head = |t: &candle::Tensor| i32::from(t.elem_count() > 1);
         (ws.q_descale, ws.k_descale, ws.v_descale) = (q_descale, k_descale, v_descale);
-        ws.q_descale_stride = per_head(&descales.q);
-        ws.kv_descale_stride = per_head(&descales.k);
-        if per_head(&descales.v) != ws.kv_descale_stride {
-            bail!("fp8_descales: k's and v's descales must both be per tensor or both per head")
-        }
+        let strides = |t: &candle::Tensor| -> Result<[i32; 3]> {
+            let s = Fp8Descales::strides(t);
+            if t.elem_count() > i32::MAX as usize {
+                bail!(
+                    "fp8_descales: {} factors exceed the kernel's 32-bit index",
+                    t.elem_count()
+                )
+            }
+            Ok(s.map(|x| x as i32))
+        };
+        ws.q_descale_strides = strides(&descales.q)?;
+        ws.k_descale_strides = strides(&descales.k)?;
+        ws.v_descale_strides = strides(&descales.v)?;
 
         let g = kernel.geometry();
         let tiles = s.sq.div_ceil(g.bm as usize) * s.h * s.b;

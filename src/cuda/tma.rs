@@ -34,13 +34,14 @@ pub(super) struct FwdTmaParams {
     /// Under the dynamic schedule, the (sequence, head) pairs at the end of the walk whose
     /// query blocks go heaviest first across all of them (`longest_first_tail`); 0: none.
     pub tail_heads: i32,
-    /// The FP8 kernels' dequantization factors (f32; null for the others) and their head
-    /// strides (0: one for the tensor, 1: one per head).
+    /// The FP8 kernels' dequantization factors (f32; null for the others) and their element
+    /// strides over (sequence, head, block of 128 rows): `Fp8Descales::strides`.
     pub q_descale: sys::CUdeviceptr,
     pub k_descale: sys::CUdeviceptr,
     pub v_descale: sys::CUdeviceptr,
-    pub q_descale_stride: i32,
-    pub kv_descale_stride: i32,
+    pub q_descale_strides: [i32; 3],
+    pub k_descale_strides: [i32; 3],
+    pub v_descale_strides: [i32; 3],
 }
 
 // SAFETY: plain-old-data with the C layout of `FwdTmaParams`, passed by value as a kernel
@@ -191,7 +192,8 @@ pub(super) fn fwd_params(
         q_descale: 0,
         k_descale: 0,
         v_descale: 0,
-        q_descale_stride: 0,
-        kv_descale_stride: 0,
+        q_descale_strides: [0; 3],
+        k_descale_strides: [0; 3],
+        v_descale_strides: [0; 3],
     })
 }

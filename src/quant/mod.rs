@@ -11,8 +11,9 @@
 //! The FP8 KV cache ([`crate::FlashAttn::kv_cache_scales`], [`crate::KvCache::with_scales`])
 //! takes [`Fp8Scaling::PerHead`] scales; [`quantize_fp8`] with them writes the bytes its
 //! append writes. FP8 attention ([`crate::FlashAttn::fp8_descales`]) takes
-//! [`Fp8Scaling::PerTensor`] or [`Fp8Scaling::PerHead`] scales of q, k and v, and
-//! [`hadamard`] rotates q and k before they are quantized, against outlier features.
+//! [`Fp8Scaling::PerTensor`], [`Fp8Scaling::PerHead`] or `Fp8Scaling::PerBlock { rows:
+//! FP8_BLOCK_ROWS }` scales of q, k and v, and [`hadamard`] rotates q and k before they are
+//! quantized, against outlier features.
 //!
 //! ```
 //! # fn main() -> candle::Result<()> {
@@ -42,6 +43,12 @@ pub use hadamard::{hadamard, MAX_HADAMARD_DIM};
 
 /// e4m3's largest finite magnitude: a group's absolute maximum maps onto it.
 pub const E4M3_MAX: f32 = 448.0;
+
+/// The rows per block of FP8 attention's per-block descales ([`crate::FlashAttn::fp8_descales`]):
+/// the scales of `Fp8Scaling::PerBlock { rows: FP8_BLOCK_ROWS }` (one per 128 tokens of each
+/// sequence and head), the kernels' tile of query rows and a whole number of their key
+/// tiles, so that a block's factor folds into the softmax scale of a tile.
+pub const FP8_BLOCK_ROWS: usize = 128;
 
 /// How elements of a `(batch, seq, heads, head_dim)` tensor share a scale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

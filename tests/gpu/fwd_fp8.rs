@@ -1,5 +1,6 @@
-//! GPU tests for the FP8 (e4m3) forward: q, k and v quantized with per-tensor or per-head
-//! scales, the kernel's output and LSE against attention over the dequantized inputs.
+//! GPU tests for the FP8 (e4m3) forward: q, k and v quantized with per-tensor, per-head or
+//! per-block scales, the kernel's output and LSE against attention over the dequantized
+//! inputs.
 //!
 //! Accuracy rule (FP8-aware, FlashAttention's way): the reference is f32 attention over the
 //! dequantized q, k, v (exact up to f32); the low-precision baseline is the same math with the
@@ -9,7 +10,7 @@
 //! (absolute plus relative). Varlen batches are checked sequence by sequence.
 
 use candle::{DType, Device, Result, Tensor, D};
-use candle_flash::quant::{dequantize_fp8, fp8_scales, quantize_fp8, Fp8Scaling};
+use candle_flash::quant::{dequantize_fp8, fp8_scales, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS};
 use candle_flash::{FlashAttn, VarLen};
 
 use crate::cuda_suite::{check_output, has_nan, max_abs_diff, randn, reference_device, Suite};
@@ -23,9 +24,13 @@ struct Case {
     hk: usize,
     d: usize,
     causal: bool,
-    per_head: bool,
+    scaling: Fp8Scaling,
     out: DType,
 }
+
+const PER_BLOCK: Fp8Scaling = Fp8Scaling::PerBlock {
+    rows: FP8_BLOCK_ROWS,
+};
 
 /// One e4m3 input: the bytes and descales on the device, the dequantized values in f32 on
 /// the reference device.
@@ -35,17 +40,32 @@ struct Quantized {
     real: Tensor,
 }
 
-fn quantize(x: &Tensor, per_head: bool) -> Result<Quantized> {
-    let scaling = if per_head {
-        Fp8Scaling::PerHead
-    } else {
-        Fp8Scaling::PerTensor
-    };
+fn quantize(x: &Tensor, scaling: Fp8Scaling) -> Result<Quantized> {
     let descale = fp8_scales(x, scaling)?;
     let x8 = quantize_fp8(x, &descale, scaling)?;
     let real = dequantize_fp8(&x8, &descale, scaling, DType::F32)?;
     let real = real.to_device(&reference_device(x.device()))?;
     Ok(Quantized { x8, descale, real })
+}
+
+fn per(per_head: bool) -> Fp8Scaling {
+    if per_head {
+        Fp8Scaling::PerHead
+    } else {
+        Fp8Scaling::PerTensor
+    }
+}
+
+/// Standard normal `(b, s, h, d)` whose blocks of 128 rows differ in magnitude (x 1/2, 1, 2,
+/// 4 in turn), so that per-block factors differ between key tiles and O's rescaling by their
+/// ratios (sm90/fwd_ws.cu: exp_scores) matters.
+fn blocky(dims: &[usize], dev: &Device) -> Result<Tensor> {
+    let x = randn(dims, DType::F32, dev)?;
+    let s = dims[1];
+    let f: Vec<f32> = (0..s)
+        .map(|r| [0.5, 1.0, 2.0, 4.0][r / FP8_BLOCK_ROWS % 4])
+        .collect();
+    x.broadcast_mul(&Tensor::from_vec(f, (1, s, 1, 1), dev)?)
 }
 
 /// `(b, s, hk, d)` -> `(b, h, s, d)`, each K/V head repeated for its query heads.
@@ -137,15 +157,16 @@ fn check_lse(ours: &Tensor, reference: &Tensor) -> Result<()> {
 
 fn fixed_case(dev: &Device, c: &Case) -> Result<()> {
     let scale = 1.0 / (c.d as f32).sqrt();
-    let q = quantize(&randn(&[c.b, c.sq, c.h, c.d], DType::F32, dev)?, c.per_head)?;
-    let k = quantize(
-        &randn(&[c.b, c.sk, c.hk, c.d], DType::F32, dev)?,
-        c.per_head,
-    )?;
-    let v = quantize(
-        &randn(&[c.b, c.sk, c.hk, c.d], DType::F32, dev)?,
-        c.per_head,
-    )?;
+    let input = |dims: &[usize]| {
+        if c.scaling == PER_BLOCK {
+            blocky(dims, dev)
+        } else {
+            randn(dims, DType::F32, dev)
+        }
+    };
+    let q = quantize(&input(&[c.b, c.sq, c.h, c.d])?, c.scaling)?;
+    let k = quantize(&input(&[c.b, c.sk, c.hk, c.d])?, c.scaling)?;
+    let v = quantize(&input(&[c.b, c.sk, c.hk, c.d])?, c.scaling)?;
     let (out, lse) = FlashAttn::new()
         .causal(c.causal)
         .fp8_descales(&q.descale, &k.descale, &v.descale)
@@ -170,12 +191,19 @@ fn varlen_case(
     lens: &[usize],
     (h, hk, d): (usize, usize, usize),
     causal: bool,
+    per_block: bool,
 ) -> Result<()> {
     let total = lens.iter().sum::<usize>();
     let scale = 1.0 / (d as f32).sqrt();
-    let q = quantize(&randn(&[1, total, h, d], DType::F32, dev)?, true)?;
-    let k = quantize(&randn(&[1, total, hk, d], DType::F32, dev)?, true)?;
-    let v = quantize(&randn(&[1, total, hk, d], DType::F32, dev)?, true)?;
+    let quantized = |heads: usize| {
+        let x = randn(&[1, total, heads, d], DType::F32, dev)?;
+        if per_block {
+            quantize_by_sequence(&x, lens)
+        } else {
+            quantize(&x, Fp8Scaling::PerHead)
+        }
+    };
+    let (q, k, v) = (quantized(h)?, quantized(hk)?, quantized(hk)?);
     let varlen = VarLen::from_seqlens(lens, lens)?;
     let (out, lse) = FlashAttn::new()
         .causal(causal)
@@ -218,6 +246,72 @@ fn varlen_case(
     Ok(())
 }
 
+/// Packed sequences `(1, total, heads, d)` quantized with per-block scales of each sequence:
+/// descales `(sequences, heads, ceil(longest / 128))`, blocks counted from each sequence's
+/// first row (ones past a sequence's last block).
+fn quantize_by_sequence(x: &Tensor, lens: &[usize]) -> Result<Quantized> {
+    let blocks = lens.iter().max().unwrap().div_ceil(FP8_BLOCK_ROWS);
+    let (mut x8, mut descales, mut real) = (vec![], vec![], vec![]);
+    let mut start = 0;
+    for &n in lens {
+        let part = quantize(&x.narrow(1, start, n)?, PER_BLOCK)?;
+        let have = part.descale.dim(2)?;
+        descales.push(if have < blocks {
+            // (An empty tensor would be an empty, and on CUDA refused, allocation.)
+            let ones = Tensor::ones((1, x.dim(2)?, blocks - have), DType::F32, x.device())?;
+            Tensor::cat(&[&part.descale, &ones], 2)?
+        } else {
+            part.descale
+        });
+        x8.push(part.x8);
+        real.push(part.real);
+        start += n;
+    }
+    Ok(Quantized {
+        x8: Tensor::cat(&x8, 1)?,
+        descale: Tensor::cat(&descales, 0)?,
+        real: Tensor::cat(&real, 1)?,
+    })
+}
+
+/// Per-block descales whose blocks all hold their head's per-head factor give the per-head
+/// call's output bit for bit (the kernel folds either into the same products).
+fn block_equals_head_case(dev: &Device) -> Result<()> {
+    let (b, s, h, hk, d) = (2, 300, 4, 2, 128);
+    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, Fp8Scaling::PerHead)?;
+    let k = quantize(
+        &randn(&[b, s, hk, d], DType::F32, dev)?,
+        Fp8Scaling::PerHead,
+    )?;
+    let v = quantize(
+        &randn(&[b, s, hk, d], DType::F32, dev)?,
+        Fp8Scaling::PerHead,
+    )?;
+    let blocks = s.div_ceil(FP8_BLOCK_ROWS);
+    let spread = |t: &Tensor, heads: usize| {
+        t.reshape((1, heads, 1))?
+            .broadcast_as((b, heads, blocks))?
+            .contiguous()
+    };
+    let run = |qd: &Tensor, kd: &Tensor, vd: &Tensor| {
+        FlashAttn::new()
+            .causal(true)
+            .fp8_descales(qd, kd, vd)
+            .forward(&q.x8, &k.x8, &v.x8)
+    };
+    let heads = run(&q.descale, &k.descale, &v.descale)?;
+    let blocks = run(
+        &spread(&q.descale, h)?,
+        &spread(&k.descale, hk)?,
+        &spread(&v.descale, hk)?,
+    )?;
+    let diff = max_abs_diff(&heads, &blocks)?;
+    if diff != 0.0 {
+        candle::bail!("per-block descales equal to per-head ones: output differs by {diff}")
+    }
+    Ok(())
+}
+
 /// A padded FP8 batch (right, left and holed padding) equals the packed call on the same
 /// tokens, zeros in the padded rows (the unpad goes by runs of rows on CUDA: Padding).
 fn padded_case(dev: &Device) -> Result<()> {
@@ -233,9 +327,9 @@ fn padded_case(dev: &Device) -> Result<()> {
         })
         .collect();
     let pad = candle_flash::Padding::from_mask(&Tensor::from_vec(mask.clone(), (b, s), dev)?)?;
-    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
-    let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
-    let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
+    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
+    let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
+    let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
     let opts = FlashAttn::new()
         .causal(true)
         .fp8_descales(&q.descale, &k.descale, &v.descale);
@@ -269,9 +363,9 @@ fn padded_case(dev: &Device) -> Result<()> {
 /// q's doubles the scores (the same as a doubled softmax scale).
 fn descale_case(dev: &Device) -> Result<()> {
     let (b, s, h, d) = (1, 300, 4, 128);
-    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
-    let k = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
-    let v = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
+    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
+    let k = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
+    let v = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
     let run = |qd: &Tensor, vd: &Tensor, softmax_scale: f32| {
         FlashAttn::new()
             .softmax_scale(softmax_scale)
@@ -314,7 +408,7 @@ fn descale_case(dev: &Device) -> Result<()> {
 
 /// Inputs the kernel refuses with an error (never a launch).
 fn error_cases(dev: &Device) -> Result<()> {
-    let x = quantize(&randn(&[1, 64, 2, 64], DType::F32, dev)?, false)?;
+    let x = quantize(&randn(&[1, 64, 2, 64], DType::F32, dev)?, per(false))?;
     match FlashAttn::new()
         .fp8_descales(&x.descale, &x.descale, &x.descale)
         .forward(&x.x8, &x.x8, &x.x8)
@@ -323,7 +417,7 @@ fn error_cases(dev: &Device) -> Result<()> {
         Err(e) => candle::bail!("head_dim 64: unexpected error {e}"),
         Ok(_) => candle::bail!("head_dim 64 has no FP8 kernel: expected an error"),
     }
-    let y = quantize(&randn(&[1, 64, 2, 128], DType::F32, dev)?, true)?;
+    let y = quantize(&randn(&[1, 64, 2, 128], DType::F32, dev)?, per(true))?;
     let bad = Tensor::ones(3, DType::F32, dev)?;
     match FlashAttn::new()
         .fp8_descales(&bad, &y.descale, &y.descale)
@@ -332,6 +426,27 @@ fn error_cases(dev: &Device) -> Result<()> {
         Err(e) if e.to_string().contains("fp8_descales") => {}
         Err(e) => candle::bail!("descale of 3 heads: unexpected error {e}"),
         Ok(_) => candle::bail!("a q descale of 3 for 2 heads: expected an error"),
+    }
+    // Per-block descales of 64 rows blocks (2 of them) where 128-row blocks (1) are expected.
+    let bad = Tensor::ones((1, 2, 2), DType::F32, dev)?;
+    match FlashAttn::new()
+        .fp8_descales(&y.descale, &bad, &y.descale)
+        .forward(&y.x8, &y.x8, &y.x8)
+    {
+        Err(e) if e.to_string().contains("fp8_descales") => {}
+        Err(e) => candle::bail!("k descale of 2 blocks: unexpected error {e}"),
+        Ok(_) => candle::bail!("a k descale of 2 blocks for 64 keys: expected an error"),
+    }
+    // forward_padded refuses per-block descales (padding moves rows between blocks).
+    let pad = candle_flash::Padding::from_mask(&Tensor::ones((1, 64), DType::U8, dev)?)?;
+    let good = Tensor::ones((1, 2, 1), DType::F32, dev)?;
+    match FlashAttn::new()
+        .fp8_descales(&good, &good, &good)
+        .forward_padded(&y.x8, &y.x8, &y.x8, &pad, &pad)
+    {
+        Err(e) if e.to_string().contains("per-block") => {}
+        Err(e) => candle::bail!("forward_padded, per-block: unexpected error {e}"),
+        Ok(_) => candle::bail!("forward_padded with per-block descales: expected an error"),
     }
     Ok(())
 }
@@ -359,8 +474,12 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             continue;
         }
         for causal in [false, true] {
-            for per_head in [false, true] {
-                let out = if per_head { DType::BF16 } else { DType::F16 };
+            for scaling in [Fp8Scaling::PerTensor, Fp8Scaling::PerHead, PER_BLOCK] {
+                let out = if scaling == Fp8Scaling::PerTensor {
+                    DType::F16
+                } else {
+                    DType::BF16
+                };
                 cases.push(Case {
                     b,
                     sq,
@@ -369,7 +488,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                     hk,
                     d,
                     causal,
-                    per_head,
+                    scaling,
                     out,
                 });
             }
@@ -377,20 +496,23 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     }
     for c in &cases {
         let name = format!(
-            "fp8fwd b{} sq{} sk{} h{}/{} d{} causal={} per_head={} {:?}",
-            c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.per_head, c.out
+            "fp8fwd b{} sq{} sk{} h{}/{} d{} causal={} {:?} {:?}",
+            c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.scaling, c.out
         );
         suite.record(&name, fixed_case(dev, c));
     }
     for d in [128, 256] {
         for causal in [false, true] {
-            let lens: &[usize] = &[1, 113, 300, 64, 257];
-            suite.record(
-                &format!("fp8fwd varlen {lens:?} d{d} causal={causal}"),
-                varlen_case(dev, lens, (8, 2, d), causal),
-            );
+            for per_block in [false, true] {
+                let lens: &[usize] = &[1, 113, 300, 64, 257];
+                suite.record(
+                    &format!("fp8fwd varlen {lens:?} d{d} causal={causal} per_block={per_block}"),
+                    varlen_case(dev, lens, (8, 2, d), causal, per_block),
+                );
+            }
         }
     }
+    suite.record("fp8fwd block = head", block_equals_head_case(dev));
     suite.record("fp8fwd padded", padded_case(dev));
     suite.record("fp8fwd descales", descale_case(dev));
     suite.record("fp8fwd errors", error_cases(dev));
@@ -400,10 +522,10 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
 }
 
 fn cpu_vs_cuda(dev: &Device) -> Result<()> {
-    let (b, s, h, hk, d) = (1, 200, 4, 2, 128);
-    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, true)?;
-    let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
-    let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, true)?;
+    let (b, s, h, hk, d) = (1, 300, 4, 2, 128);
+    let q = quantize(&blocky(&[b, s, h, d], dev)?, PER_BLOCK)?;
+    let k = quantize(&blocky(&[b, s, hk, d], dev)?, PER_BLOCK)?;
+    let v = quantize(&blocky(&[b, s, hk, d], dev)?, PER_BLOCK)?;
     let cpu = Device::Cpu;
     let on_cpu = |t: &Tensor| t.to_device(&cpu);
     let opts = |qd: &Tensor, kd: &Tensor, vd: &Tensor| {
