@@ -509,8 +509,8 @@ template <class K> struct WsConsumer {
         }
     }
     // Whether k's or v's factors change from one block of keys to the next. Per tensor or per
-    // head they are loaded once per work tile: two loads per key tile cost the d = 128 kernel
-    // 3.5% (H200, 8k-16k).
+    // head they are loaded once per work tile: with two loads per key tile the d = 128 kernel
+    // ran 1-2% slower at 8k-16k (H200, separate runs of the two builds).
     __device__ __forceinline__ bool kv_blocks() const {
         return (P.k_descale_strides[2] | P.v_descale_strides[2]) != 0;
     }

@@ -11,6 +11,7 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::abi::{mods_level, AttnParams};
+use super::catalogue::Kernel;
 use super::buffers::{
     lock_slopes, lock_sparse, locked_ptr, seq_offsets, set_seq_offsets, sparse_ptrs,
 };
@@ -90,41 +91,14 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let ws = plan
             .ws
             .and_then(|k| tma::fwd_params(&params, dtype, dtype, k, packed).map(|p| (k, p)));
-        if let Some((kernel, mut ws_params)) = ws {
-            let g = kernel.geometry();
-            let tiles = s.sq.div_ceil(g.bm as usize) * s.h * s.b;
+        if let Some((kernel, ws_params)) = ws {
             // Tiles of unequal work (a mask, or packed sequences of different lengths) are
             // handed out from a counter.
             let masked = params.window_left >= 0
                 || params.window_right >= 0
                 || params.block_q != 0
                 || problem.varlen.is_some();
-            let (blocks, dynamic) = tma::ws_grid(tiles, facts.sms, masked);
-            // Locked (only for the dynamic schedule) until the launch is queued: see
-            // StreamCounters. Only the counter needs the zero it keeps.
-            static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
-            let mut cache = dynamic.then(|| {
-                COUNTERS
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-            });
-            let slots = tma::tile_slots(kernel, blocks);
-            let counter = match cache.as_deref_mut() {
-                Some(cache) => Some(stream_counters(cache, &dev, slots)?),
-                None => None,
-            };
-            let _counter_sync = counter.map(|c| {
-                let (ptr, sync) = c.device_ptr_mut(&stream);
-                ws_params.tile_counter = ptr;
-                sync
-            });
-            if dynamic {
-                ws_params.tail_heads =
-                    Tail::Forward.pairs(s.h * s.b, s.sq.div_ceil(g.bm as usize), blocks);
-            }
-            // Programmatically: its barrier set-up overlaps the last blocks of the kernel
-            // before (it waits in `pdl_wait` before touching memory).
-            Launch::new(kernel, dtype, (blocks, 1, 1)).run_programmatic(&dev, &ws_params)?;
+            launch_ws(kernel, dtype, ws_params, problem, masked, &dev)?;
         } else {
             let kernel = plan.fallback;
             let grid = (s.sq.div_ceil(kernel.geometry().bm as usize), s.h, s.b);
@@ -135,4 +109,50 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
         CudaStorage::wrap_cuda_slice(lse, dev),
     ))
+}
+
+/// Launches a warp-specialized forward kernel (16-bit or FP8, whose kernels are named by
+/// `out_dtype`) with its parameter block: persistent blocks over the query tiles, under a
+/// mask or with packed sequences (`masked`) taking their tiles from a per-stream counter,
+/// programmatically (its barrier set-up overlaps the last blocks of the kernel before, and it
+/// waits in `pdl_wait` before touching memory).
+pub(super) fn launch_ws(
+    kernel: Kernel,
+    out_dtype: DType,
+    mut ws: tma::FwdTmaParams,
+    problem: &Problem,
+    masked: bool,
+    dev: &candle::CudaDevice,
+) -> Result<()> {
+    let s = problem.shape;
+    let facts = device_facts(dev)?;
+    let m_blocks = s.sq.div_ceil(kernel.geometry().bm as usize);
+    let tiles = m_blocks * s.h * s.b;
+    if tiles > i32::MAX as usize {
+        bail!("q: {tiles} query tiles exceed the kernel's 32-bit tile index")
+    }
+    let (blocks, dynamic) = tma::ws_grid(tiles, facts.sms, masked);
+    // Locked (only for the dynamic schedule) until the launch is queued: see StreamCounters.
+    // Only the counter needs the zero it keeps.
+    static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
+    let mut cache = dynamic.then(|| {
+        COUNTERS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    });
+    let slots = tma::tile_slots(kernel, blocks);
+    let counter = match cache.as_deref_mut() {
+        Some(cache) => Some(stream_counters(cache, dev, slots)?),
+        None => None,
+    };
+    let stream = dev.cuda_stream();
+    let _counter_sync = counter.map(|c| {
+        let (ptr, sync) = c.device_ptr_mut(&stream);
+        ws.tile_counter = ptr;
+        sync
+    });
+    if dynamic {
+        ws.tail_heads = Tail::Forward.pairs(s.h * s.b, m_blocks, blocks);
+    }
+    Launch::new(kernel, out_dtype, (blocks, 1, 1)).run_programmatic(dev, &ws)
 }

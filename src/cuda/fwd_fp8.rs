@@ -2,8 +2,6 @@
 //! (`flash_fwd_ws_<out dtype>_d<D>[_packed]_fp8`, cuda/sm90/fwd_ws.cu with FP8 traits), its
 //! descale factors, and the errors where it cannot run.
 
-use std::sync::Mutex;
-
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::CudaDType;
 use candle::{bail, CudaStorage, DType, Layout, Result};
@@ -13,8 +11,7 @@ use half::{bf16, f16};
 use super::abi::AttnParams;
 use super::buffers::{lock_tensor, locked_ptr, seq_offsets, set_seq_offsets};
 use super::catalogue::{Family, Kernel};
-use super::lpt_tail::Tail;
-use super::runtime::{device_facts, poison, stream_counters, Launch, StreamCounters};
+use super::runtime::{device_facts, poison};
 use super::tma;
 use crate::fp8_fwd::Fp8Descales;
 use crate::params::Problem;
@@ -126,33 +123,7 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
         ws.k_descale_strides = strides(&descales.k)?;
         ws.v_descale_strides = strides(&descales.v)?;
 
-        let g = kernel.geometry();
-        let tiles = s.sq.div_ceil(g.bm as usize) * s.h * s.b;
-        if tiles > i32::MAX as usize {
-            bail!("q: {tiles} query tiles exceed the kernel's 32-bit tile index")
-        }
-        let masked = problem.causal || packed;
-        let (blocks, dynamic) = tma::ws_grid(tiles, facts.sms, masked);
-        static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
-        let mut cache = dynamic.then(|| {
-            COUNTERS
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-        });
-        let slots = tma::tile_slots(kernel, blocks);
-        let counter = match cache.as_deref_mut() {
-            Some(cache) => Some(stream_counters(cache, &dev, slots)?),
-            None => None,
-        };
-        let _counter_sync = counter.map(|c| {
-            let (ptr, sync) = c.device_ptr_mut(&stream);
-            ws.tile_counter = ptr;
-            sync
-        });
-        if dynamic {
-            ws.tail_heads = Tail::Forward.pairs(s.h * s.b, s.sq.div_ceil(g.bm as usize), blocks);
-        }
-        Launch::new(kernel, out_dtype, (blocks, 1, 1)).run_programmatic(&dev, &ws)?;
+        super::fwd::launch_ws(kernel, out_dtype, ws, problem, problem.causal || packed, &dev)?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
