@@ -6,7 +6,8 @@
 #
 # Usage: bash scripts/profile/fp8.sh [HD] [SKIP]   (default 128 150: the SKIP-th launch of
 # that kernel, past the warm-up of the first shapes). Clocks as the bench runs them.
-# Writes $OUT/ncu-fp8.txt (sections and metrics) and $OUT/ncu-fp8-sass.csv (per SASS line).
+# Writes $OUT/ncu-fp8.txt (sections and metrics) and $OUT/ncu-fp8-sass.csv (per SASS line;
+# scripts/profile/sass_hotspots.py summarises it: stall reasons, opcodes, hottest lines).
 set -uo pipefail
 # shellcheck source=scripts/profile/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -18,9 +19,7 @@ sel=(--kernel-name "regex:flash_fwd_ws_.*_d${hd}_fp8" --launch-skip "$skip" --la
 CANDLE_FLASH_BENCH_HDS=$hd ncu_to "$log" 200 "${sel[@]}" \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
   --section WarpStateStats --section InstructionStats \
-  --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
-  --metrics 'regex:^sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$' \
-  --metrics 'regex:^sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active$' \
+  --metrics 'regex:^(smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active|sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active)$' \
   "$BIN/bench-attention" --fp8-only
 wrote "$log"
 sass=$OUT/ncu-fp8-sass.csv
