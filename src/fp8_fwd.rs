@@ -167,7 +167,7 @@ fn checked_descales(
     opts: &FlashAttn,
     q: &Tensor,
     shape: &AttnShape,
-    opts_varlen: bool,
+    varlen: bool,
 ) -> Result<Fp8Descales> {
     let Some(user) = &opts.fp8_descales else {
         let one = Tensor::ones(1, DType::F32, q.device())?;
@@ -177,33 +177,14 @@ fn checked_descales(
             v: one,
         });
     };
-    let blocks = |rows: usize| rows.div_ceil(FP8_BLOCK_ROWS);
-    let varlen = opts_varlen;
+    let check = |t: &Tensor, name: &str, heads: (usize, &str), seqlen: usize| {
+        let blocks = seqlen.div_ceil(FP8_BLOCK_ROWS);
+        check_descale(t, name, heads, (shape.b, blocks), varlen, q)
+    };
     Ok(Fp8Descales {
-        q: check_descale(
-            &user.q,
-            "q",
-            (shape.h, "num_heads"),
-            (shape.b, blocks(shape.sq)),
-            varlen,
-            q,
-        )?,
-        k: check_descale(
-            &user.k,
-            "k",
-            (shape.hk, "num_heads_k"),
-            (shape.b, blocks(shape.sk)),
-            varlen,
-            q,
-        )?,
-        v: check_descale(
-            &user.v,
-            "v",
-            (shape.hk, "num_heads_k"),
-            (shape.b, blocks(shape.sk)),
-            varlen,
-            q,
-        )?,
+        q: check(&user.q, "q", (shape.h, "num_heads"), shape.sq)?,
+        k: check(&user.k, "k", (shape.hk, "num_heads_k"), shape.sk)?,
+        v: check(&user.v, "v", (shape.hk, "num_heads_k"), shape.sk)?,
     })
 }
 

@@ -350,9 +350,19 @@ struct Case {
 /// Runs one case against the oracle (data from `seed`).
 fn check_case(c: Case, seed: u64) {
     let mut rng = Rng(seed);
-    let q = quantize(&rng.randn(&[c.b, c.sq, c.h, c.d], 1.0), c.scaling);
-    let k = quantize(&rng.randn(&[c.b, c.sk, c.hk, c.d], 1.0), c.scaling);
-    let v = quantize(&rng.randn(&[c.b, c.sk, c.hk, c.d], 1.0), c.scaling);
+    let mut input = |shape: &[usize]| {
+        if c.scaling == PER_BLOCK {
+            blocky(&mut rng, shape)
+        } else {
+            rng.randn(shape, 1.0)
+        }
+    };
+    let q = quantize(&input(&[c.b, c.sq, c.h, c.d]), c.scaling);
+    let k = quantize(&input(&[c.b, c.sk, c.hk, c.d]), c.scaling);
+    let v = quantize(&input(&[c.b, c.sk, c.hk, c.d]), c.scaling);
+    if c.scaling == PER_BLOCK {
+        assert_eq!(q.descale.dims(), &[c.b, c.h, c.sq.div_ceil(FP8_BLOCK_ROWS)]);
+    }
     let attn = FlashAttn::new()
         .causal(c.causal)
         .fp8_descales(&q.descale, &k.descale, &v.descale)
@@ -542,30 +552,18 @@ fn per_block_descales_match_the_f64_oracle() {
         (2, 1, 257, 4, 4, 256, false),
     ];
     for (n, (b, sq, sk, h, hk, d, causal)) in cases.into_iter().enumerate() {
-        let mut rng = Rng(500 + n as u64);
-        let q = quantize(&blocky(&mut rng, &[b, sq, h, d]), PER_BLOCK);
-        let k = quantize(&blocky(&mut rng, &[b, sk, hk, d]), PER_BLOCK);
-        let v = quantize(&blocky(&mut rng, &[b, sk, hk, d]), PER_BLOCK);
-        assert_eq!(q.descale.dims(), &[b, h, sq.div_ceil(FP8_BLOCK_ROWS)]);
-        let attn = FlashAttn::new()
-            .causal(causal)
-            .out_dtype(DType::F32)
-            .fp8_descales(&q.descale, &k.descale, &v.descale);
-        let (out, lse) = attn.forward_with_lse(&q.x8, &k.x8, &v.x8).unwrap();
-        let seqs = (0..b).map(|i| (i * sq, sq, i * sk, sk)).collect();
-        let scale = 1.0 / (d as f64).sqrt();
-        let o = oracle(
-            &q.real,
-            &k.real,
-            &v.real,
-            &seqs,
-            (h, hk, d),
-            scale,
+        let case = Case {
+            b,
+            sq,
+            sk,
+            h,
+            hk,
+            d,
             causal,
-            false,
-        );
-        let what = format!("per block b {b} sq {sq} sk {sk} heads {h}/{hk} d {d} causal {causal}");
-        assert_rules(&what, &out, &lse, &o, &v.real);
+            scaling: PER_BLOCK,
+            out: DType::F32,
+        };
+        check_case(case, 500 + n as u64);
     }
 }
 

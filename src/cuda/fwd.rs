@@ -11,10 +11,10 @@ use candle::{bail, CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
 use super::abi::{mods_level, AttnParams};
-use super::catalogue::Kernel;
 use super::buffers::{
     lock_slopes, lock_sparse, locked_ptr, seq_offsets, set_seq_offsets, sparse_ptrs,
 };
+use super::catalogue::Kernel;
 use super::lpt_tail::Tail;
 use super::plan::{plan_fwd, FwdQuery};
 use super::runtime::{device_facts, poison, stream_counters, Launch, StreamCounters};
@@ -98,7 +98,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
                 || params.window_right >= 0
                 || params.block_q != 0
                 || problem.varlen.is_some();
-            launch_ws(kernel, dtype, ws_params, problem, masked, &dev)?;
+            launch_ws(kernel, dtype, ws_params, problem, masked, &dev, facts.sms)?;
         } else {
             let kernel = plan.fallback;
             let grid = (s.sq.div_ceil(kernel.geometry().bm as usize), s.h, s.b);
@@ -123,15 +123,15 @@ pub(super) fn launch_ws(
     problem: &Problem,
     masked: bool,
     dev: &candle::CudaDevice,
+    sms: usize,
 ) -> Result<()> {
     let s = problem.shape;
-    let facts = device_facts(dev)?;
     let m_blocks = s.sq.div_ceil(kernel.geometry().bm as usize);
     let tiles = m_blocks * s.h * s.b;
     if tiles > i32::MAX as usize {
         bail!("q: {tiles} query tiles exceed the kernel's 32-bit tile index")
     }
-    let (blocks, dynamic) = tma::ws_grid(tiles, facts.sms, masked);
+    let (blocks, dynamic) = tma::ws_grid(tiles, sms, masked);
     // Locked (only for the dynamic schedule) until the launch is queued: see StreamCounters.
     // Only the counter needs the zero it keeps.
     static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());

@@ -123,7 +123,15 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
         ws.k_descale_strides = strides(&descales.k)?;
         ws.v_descale_strides = strides(&descales.v)?;
 
-        super::fwd::launch_ws(kernel, out_dtype, ws, problem, problem.causal || packed, &dev)?;
+        super::fwd::launch_ws(
+            kernel,
+            out_dtype,
+            ws,
+            problem,
+            problem.causal || packed,
+            &dev,
+            facts.sms,
+        )?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
