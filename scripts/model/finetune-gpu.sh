@@ -3,9 +3,12 @@
 # (scripts/gpu/stage.sh; carry .gpu): the built-in copy task at context 2048 (the default run),
 # then training tokens/s and peak memory for flash, naive and PyTorch (scripts/model/finetune_torch.py)
 # at 16k tokens per step.
-# Usage: bash scripts/model/finetune-gpu.sh [learn] [speed] [packed-ab] [no-naive] [CONFIGS...]
+# Usage: bash scripts/model/finetune-gpu.sh [learn] [speed] [packed-ab] [patched-ab] [no-naive] [CONFIGS...]
 #   (configs: 150m 1b; packed-ab: flash also with CANDLE_FLASH_WS_PACKED=0, the older kernels
-#   for packed batches, its JSON line prefixed "packed_ws=0 "; no-naive: skip naive attention)
+#   for packed batches, its JSON line prefixed "packed_ws=0 "; patched-ab: flash also with
+#   .gpu/example-finetune-patched.xz, the example built against the patched candle-core of
+#   scripts/bench/candle-patched.sh, its JSON line prefixed "candle_patched "; no-naive: skip
+#   naive attention)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-./out}
@@ -20,6 +23,7 @@ for a in "$@"; do
   case $a in
     learn | speed) what+=("$a") ;;
     packed-ab) attns=("${attns[@]/flash/flash flash-old}") ;;
+    patched-ab) attns=("${attns[@]/flash/flash flash-patched}") ;;
     no-naive) attns=("${attns[@]/naive/}") ;;
     *) configs+=("$a") ;;
   esac
@@ -36,9 +40,13 @@ for w in "${what[@]}"; do
       for cb in 512:32 2048:8 8192:2; do
         ctx=${cb%:*} b=${cb#*:}
         for attn in "${attns[@]}"; do
-          packed=1 prefix=
+          packed=1 prefix= ft=$FT
           if [ "$attn" = flash-old ]; then attn=flash packed=0 prefix="packed_ws=0 "; fi
-          CANDLE_FLASH_WS_PACKED=$packed "$FT" --config "$cfg" --task random --context "$ctx" \
+          if [ "$attn" = flash-patched ]; then
+            staged_bin example-finetune-patched || continue
+            attn=flash prefix="candle_patched " ft=$BIN/example-finetune-patched
+          fi
+          CANDLE_FLASH_WS_PACKED=$packed "$ft" --config "$cfg" --task random --context "$ctx" \
             --batch "$b" --steps 8 --warmup 2 --eval-every 1000 --eval-batches 1 \
             --attention "$attn" --no-progress --no-save --stats-json --out /tmp/ft-speed \
             2> /tmp/ft-err.log | tail -n 1 | sed "s/^/$prefix/" ||
