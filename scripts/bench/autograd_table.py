@@ -16,7 +16,7 @@ import sys
 def load(path):
     out = {}
     for r in json.load(open(path)):
-        if r.get("impl") != "candle-flash" and not r.get("impl", "").startswith("ours"):
+        if r.get("impl") != "candle-flash":
             continue
         key = (r["hd"], r["seqlen"], r["heads"], r["heads_k"], r["causal"])
         out.setdefault(key, {})[r["pass"]] = r["ms"]
@@ -27,7 +27,7 @@ def main():
     if len(sys.argv) < 2 or any("=" not in a for a in sys.argv[1:]):
         sys.exit(__doc__)
     runs = [(a.split("=", 1)[0], load(a.split("=", 1)[1])) for a in sys.argv[1:]]
-    base_label, base = runs[0]
+    base = runs[0][1]
     head = "| hd | seqlen | causal | heads | fwd ms | bwd ms | kernels ms |"
     rule = "|---:|---:|:---:|:---:|---:|---:|---:|"
     for label, _ in runs:
