@@ -20,7 +20,8 @@ VERSION=0.11.1
 PATCH=$PWD/docs/upstream/candle-core-first-grad.patch
 DEST=$PWD/target/candle-patched/candle-core-$VERSION
 
-cargo fetch --quiet
+# Offline with the crate already in cargo's registry is fine: the check below decides.
+cargo fetch --quiet || true
 src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-$VERSION 2>/dev/null | head -n 1)
 if [ -z "$src" ]; then
   echo "error: candle-core-$VERSION not in cargo's registry after cargo fetch" >&2
