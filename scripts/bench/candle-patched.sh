@@ -12,7 +12,8 @@
 #   .gpu/bench-NAME-patched.xz / .gpu/example-NAME-patched.xz, beside scripts/gpu/stage.sh's
 #   unpatched ones (scripts/bench/autograd-ab.sh, scripts/model/finetune-gpu.sh patched-ab).
 # The patched source is prepared in target/candle-patched/ from cargo's registry copy; the
-# override goes through `--config patch.crates-io...`, and Cargo.lock is restored afterwards.
+# override goes through `--config patch.crates-io...`. Cargo rewrites Cargo.lock for it while
+# the command runs and this script restores it afterwards: commit nothing meanwhile.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
