@@ -46,9 +46,10 @@ if [ "${1:-}" != --stage ]; then
 fi
 shift
 source ../shared/cuda/env.sh
+# shellcheck source=scripts/gpu/stage-lib.sh
+source scripts/gpu/stage-lib.sh
 export CANDLE_FLASH_SASS=${CANDLE_FLASH_SASS:-80,90}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
-mkdir -p .gpu
 for target in "$@"; do
   kind=${target%%:*} name=${target#*:}
   case $kind in
@@ -60,17 +61,9 @@ for target in "$@"; do
     --message-format=json-render-diagnostics > "$json"
   # The executable cargo names is the uplifted copy, which the next unpatched build of the
   # same target overwrites: stage it now.
-  exe=$(python3 -c '
-import json, sys
-for line in open(sys.argv[1]):
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[2]:
-        print(m["executable"])' "$json" "$name" | tail -n 1)
+  exe=$(executables "$json" | awk -F'\t' -v k="$kind" -v n="$name" '$1 == k && $2 == n {print $3}' | tail -n 1)
   rm -f "$json"
   [ -n "$exe" ] || { echo "error: no executable for $target in cargo's output" >&2; exit 1; }
-  tmp=$(mktemp)
-  cp "$exe" "$tmp" && strip "$tmp"
-  xz -T2 -6 -c "$tmp" > ".gpu/$kind-$name-patched.xz"
-  rm -f "$tmp"
+  pack "$exe" "$kind-$name-patched"
   echo "staged .gpu/$kind-$name-patched.xz"
 done

@@ -46,21 +46,8 @@ mkdir -p .gpu
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-# Prints "kind<TAB>name<TAB>executable" for every compiler-artifact with an executable.
-executables() {
-  if command -v jq >/dev/null; then
-    jq -r 'select(.reason == "compiler-artifact" and .executable != null)
-           | [(.target.kind | join(",")), .target.name, .executable] | @tsv' "$1"
-  else
-    python3 -c '
-import json, sys
-for line in open(sys.argv[1]):
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(",".join(m["target"]["kind"]), m["target"]["name"], m["executable"], sep="\t")
-' "$1"
-  fi
-}
+# shellcheck source=scripts/gpu/stage-lib.sh
+source scripts/gpu/stage-lib.sh
 
 has_rs() { compgen -G "$1/*.rs" >/dev/null; }
 
@@ -98,11 +85,7 @@ if [ "$BUILD" = 1 ]; then
     esac
     [ -z "${staged[$out]:-}" ] || continue
     staged[$out]=1
-    # Strip a copy: touching cargo's own outputs could confuse its freshness checks.
-    cp "$exe" "$TMP/$out"
-    strip "$TMP/$out"
-    xz -T2 -6 -c "$TMP/$out" > ".gpu/$out.xz"
-    rm "$TMP/$out"
+    pack "$exe" "$out"
   done < <(executables "$TMP/cargo.json")
 
   if [ ! -f .gpu/gpu.xz ]; then
