@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Runs ON the lent GPU: an A/B of whole commands, alternated so that both sides see the same
 # stretch of the machine's drift. Each COMMAND is a shell string run from the repository root
-# (`$BIN` is the staged binaries' folder: scripts/gpu/staged-bin.sh); `{json}` in it becomes
+# (`$BIN` is the staged binaries' folder: scripts/gpu/staged-bin.sh, with the stage before
+# this one as `$BIN/prev-NAME` where .gpu/prev/ was carried); `{json}` in it becomes
 # a per-run JSON path. Output goes to $OUT/LABEL.log; where JSONs were written, the median per
 # record of each label goes to $OUT/LABEL.json and `compare.py --ab` prints one table
 # (passes from AB_PASSES, default fwd,bwd).
 #
 # Usage: OUT=$OUT bash scripts/bench/ab.sh ROUNDS LABEL=COMMAND [LABEL=COMMAND ...]
-#   e.g. bash scripts/bench/ab.sh 3 \
-#          "s34=\$BIN/bench-attention-s34 --no-decode --no-naive --fwd-only --json {json}" \
-#          "head=\$BIN/bench-attention --no-decode --no-naive --fwd-only --json {json}"
+#   e.g. bash scripts/bench/ab.sh 2 "before=\$BIN/prev-bench-attention --json {json}" \
+#          "after=\$BIN/bench-attention --json {json}"
 #        bash scripts/bench/ab.sh 2 "n192=\$BIN/bench-attention --fp8-only" \
 #          "n128=CANDLE_FLASH_WS_SHAPE=base \$BIN/bench-attention --fp8-only"
 set -euo pipefail
@@ -19,6 +19,14 @@ mkdir -p "$OUT"
 # shellcheck source=scripts/gpu/staged-bin.sh
 source scripts/gpu/staged-bin.sh
 for f in .gpu/*.xz; do [ -e "$f" ] && staged_bin "$(basename "$f" .xz)"; done
+# The stage before (scripts/gpu/stage.sh moved it to .gpu/prev/), as $BIN/prev-NAME.
+for f in .gpu/prev/*.xz; do
+  [ -e "$f" ] || continue
+  name=prev-$(basename "$f" .xz)
+  if [ ! -x "$BIN/$name" ] || [ "$f" -nt "$BIN/$name" ]; then
+    mkdir -p "$BIN" && xz -dc "$f" > "$BIN/$name" && chmod +x "$BIN/$name"
+  fi
+done
 export BIN
 
 if [ $# -lt 2 ]; then

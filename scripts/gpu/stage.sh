@@ -66,7 +66,15 @@ if [ "$BUILD" = 1 ]; then
       --message-format=json-render-diagnostics >> "$TMP/cargo.json"
   fi
 
-  rm -f .gpu/*.xz  # no stale binaries from renamed or deleted targets
+  # The last stage's binaries move to .gpu/prev/ (an A/B of the build before against this
+  # one: scripts/bench/ab.sh unpacks them as $BIN/prev-NAME); none stay beside the new ones
+  # (stale binaries of renamed or deleted targets). Hand-staged A/B binaries belong in a
+  # folder of their own for the same reason.
+  mkdir -p .gpu/prev
+  if compgen -G ".gpu/*.xz" > /dev/null; then
+    rm -f .gpu/prev/*.xz
+    mv .gpu/*.xz .gpu/prev/
+  fi
   declare -A staged=()
   while IFS=$'\t' read -r kind name exe; do
     case $kind in
