@@ -20,13 +20,7 @@ mkdir -p "$OUT"
 source scripts/gpu/staged-bin.sh
 for f in .gpu/*.xz; do [ -e "$f" ] && staged_bin "$(basename "$f" .xz)"; done
 # The stage before (scripts/gpu/stage.sh moved it to .gpu/prev/), as $BIN/prev-NAME.
-for f in .gpu/prev/*.xz; do
-  [ -e "$f" ] || continue
-  name=prev-$(basename "$f" .xz)
-  if [ ! -x "$BIN/$name" ] || [ "$f" -nt "$BIN/$name" ]; then
-    mkdir -p "$BIN" && xz -dc "$f" > "$BIN/$name" && chmod +x "$BIN/$name"
-  fi
-done
+for f in .gpu/prev/*.xz; do [ -e "$f" ] && staged_bin "prev-$(basename "$f" .xz)" "$f"; done
 export BIN
 
 if [ $# -lt 2 ]; then
