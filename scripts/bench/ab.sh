@@ -18,15 +18,20 @@ OUT=${OUT:-./out}
 mkdir -p "$OUT"
 # shellcheck source=scripts/gpu/staged-bin.sh
 source scripts/gpu/staged-bin.sh
-for f in .gpu/*.xz; do [ -e "$f" ] && staged_bin "$(basename "$f" .xz)"; done
-# The stage before (scripts/gpu/stage.sh moved it to .gpu/prev/), as $BIN/prev-NAME.
-for f in .gpu/prev/*.xz; do [ -e "$f" ] && staged_bin "prev-$(basename "$f" .xz)" "$f"; done
-export BIN
-
 if [ $# -lt 2 ]; then
   sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
+# Only the binaries the commands name, each once: unpacking costs device time. The stage
+# before (scripts/gpu/stage.sh moved it to .gpu/prev/) is $BIN/prev-NAME.
+for name in $(printf '%s\n' "${@:2}" | grep -o '\$BIN/[A-Za-z0-9_.-]*' | sort -u); do
+  name=${name#\$BIN/}
+  case $name in
+    prev-*) staged_bin "$name" ".gpu/prev/${name#prev-}.xz" ;;
+    *) staged_bin "$name" ;;
+  esac
+done
+export BIN
 rounds=$1
 shift
 W=$(mktemp -d)

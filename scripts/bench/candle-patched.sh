@@ -45,9 +45,9 @@ if [ "${1:-}" != --stage ]; then
   exit
 fi
 shift
-source ../shared/cuda/env.sh
 # shellcheck source=scripts/gpu/stage-lib.sh
 source scripts/gpu/stage-lib.sh
+cuda_toolchain
 export CANDLE_FLASH_SASS=${CANDLE_FLASH_SASS:-80,90}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 for target in "$@"; do

@@ -2,6 +2,22 @@
 # scripts/bench/candle-patched.sh --stage).
 # shellcheck shell=bash
 
+# cuda_toolchain: sources ../shared/cuda/env.sh (nvcc and the CUDA libraries on PATH); fails
+# with the installer's name where it or nvcc is missing.
+cuda_toolchain() {
+  local env_sh=../shared/cuda/env.sh
+  if [ ! -f "$env_sh" ]; then
+    echo "error: $env_sh not found; run: bash ../shared/cuda/setup-toolchain.sh" >&2
+    return 1
+  fi
+  # shellcheck source=/dev/null
+  source "$env_sh"
+  if ! command -v nvcc >/dev/null; then
+    echo "error: nvcc not found after sourcing $env_sh; run: bash ../shared/cuda/setup-toolchain.sh" >&2
+    return 1
+  fi
+}
+
 # executables CARGO_JSON: "kind<TAB>name<TAB>executable" for every compiler-artifact with an
 # executable in cargo's --message-format=json output.
 executables() {

@@ -26,17 +26,9 @@ for arg in "$@"; do
   esac
 done
 
-ENV_SH=../shared/cuda/env.sh
-if [ ! -f "$ENV_SH" ]; then
-  echo "error: $ENV_SH not found; run: bash ../shared/cuda/setup-toolchain.sh" >&2
-  exit 1
-fi
-# shellcheck source=/dev/null
-source "$ENV_SH"
-if ! command -v nvcc >/dev/null; then
-  echo "error: nvcc not found after sourcing $ENV_SH; run: bash ../shared/cuda/setup-toolchain.sh" >&2
-  exit 1
-fi
+# shellcheck source=scripts/gpu/stage-lib.sh
+source scripts/gpu/stage-lib.sh
+cuda_toolchain || exit 1
 
 # Hopper machine code and the sm_80 set (SASS for Ampere, PTX that the H100 JIT-compiles
 # under CANDLE_FLASH_ARCH=sm80): the build that serves both, tested on the lent GPU.
@@ -45,9 +37,6 @@ export CANDLE_FLASH_SASS=${CANDLE_FLASH_SASS:-80,90}
 mkdir -p .gpu
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-
-# shellcheck source=scripts/gpu/stage-lib.sh
-source scripts/gpu/stage-lib.sh
 
 has_rs() { compgen -G "$1/*.rs" >/dev/null; }
 

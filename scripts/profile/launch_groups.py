@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
 """Groups the launches of an `ncu --csv --page raw` log (scripts/profile/launches.sh) into runs
-of similar duration, in launch order: per run its first launch (as a `--launch-skip` for the
-same kernel filter, given the skip the log was taken with), its length and the mean of each
-counter launches.sh asks for. Lines that are not ncu's (the program's own output) are
-skipped.
+of similar duration (within 15%), in launch order: per run its first launch (as a
+`--launch-skip` for the same kernel filter, given the skip the log was taken with), its length
+and the mean of each of METRICS (comma-separated, as passed to ncu; the raw page holds every
+device attribute besides). Lines that are not ncu's (the program's own output) are skipped.
 
-Usage: launch_groups.py LOG.csv [SKIP] [TOLERANCE]   (TOLERANCE: relative, default 0.15)"""
+Usage: launch_groups.py LOG.csv SKIP METRICS"""
 import csv
-import re
 import sys
 
 
@@ -18,18 +17,14 @@ def num(x):
         return None
 
 
-def main(path, skip=0, tol=0.15):
+def main(path, skip, metrics, tol=0.15):
     with open(path) as f:
         rows = list(csv.reader(l for l in f if l.startswith('"')))
     if len(rows) < 3:
         sys.exit(f"{path}: no launches")
     header, units, data = rows[0], rows[1], [r for r in rows[2:] if len(rows[0]) == len(r)]
     col = {h: i for i, h in enumerate(header)}
-    wanted = re.compile(r"^(gpu__time_duration\.sum|smsp__inst_executed\.sum|"
-                        r"sm__pipe_tensor_cycles_active\.avg\.pct_of_peak_sustained_active|"
-                        r"smsp__issue_active\.avg\.pct_of_peak_sustained_active|"
-                        r"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio)$")
-    counters = [h for h in header if wanted.match(h) and num(data[0][col[h]]) is not None]
+    counters = [m for m in metrics if m in col]
     dur = "gpu__time_duration.sum"
     groups = []  # [first index, launches]
     for i, r in enumerate(data):
@@ -53,7 +48,6 @@ def main(path, skip=0, tol=0.15):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    if len(sys.argv) != 4:
         sys.exit(__doc__)
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0,
-         float(sys.argv[3]) if len(sys.argv) > 3 else 0.15)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","))

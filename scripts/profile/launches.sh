@@ -31,4 +31,4 @@ csv=$OUT/launches.csv
 ncu_to "$csv" 300 --kernel-name "regex:$re" --launch-skip "$skip" --launch-count "$count" \
   --metrics "$metrics" --csv --page raw "$BIN/bench-attention" "$@"
 wrote "$csv"
-python3 scripts/profile/launch_groups.py "$csv" "$skip"
+python3 scripts/profile/launch_groups.py "$csv" "$skip" "$metrics"
