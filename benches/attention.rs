@@ -1385,88 +1385,109 @@ impl Bench {
         };
         let attend_dev =
             |s: &DecodeInputs| flash_attn_with_kvcache(&s.q, &s.k, &s.v, None, &lens_dev, &opts);
-        let timed = try_run(|| graph_timing(&dev, n, |i| attend_dev(&sets[i]).map(drop)));
-        let row = format!(
-            "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
-            pass_graph,
-            case.seqlen,
-            case.batch,
-            format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
-        );
-        let t = match timed {
-            Ok(t) if t.ms.is_finite() && t.ms > 0.0 => t,
-            Ok(t) => return println!("{row} n/a  bad timing {}", t.ms),
-            Err(e) => return println!("{row} n/a  {}", first_line(&e)),
+        // The library's capture (memory nodes out of the kernels' chain, programmatic edges
+        // kept: candle_flash::graph) and the graph as captured, as a plain stream capture
+        // instantiates it.
+        let (pass_cap, json_cap) = match case.fp8 {
+            false => ("graph-c", "decode-graph-captured"),
+            true => ("gr-c-fp8", "decode-graph-captured-fp8"),
         };
-        let gbps = case.kv_bytes(self.dtype) as f64 / (t.ms * 1e-3) / 1e9;
-        let pct = copy_gbps.map(|c| 100.0 * gbps / c);
-        let pct_cell = pct.map_or("n/a".to_string(), |p| format!("{p:.1}"));
-        println!(
-            "{row} {:>9.4} {gbps:>8.0} {pct_cell:>6} {:>9.4}  in a CUDA graph",
-            t.ms, t.host_ms
-        );
-        let mut fields = vec![
-            format!("\"impl\": \"{FLASH}\""),
-            format!(
-                "\"pass\": \"{}\"",
-                if case.fp8 {
-                    "decode-graph-fp8"
-                } else {
-                    "decode-graph"
+        let json_graph = match case.fp8 {
+            false => "decode-graph",
+            true => "decode-graph-fp8",
+        };
+        for (as_captured, pass, json_pass) in
+            [(false, pass_graph, json_graph), (true, pass_cap, json_cap)]
+        {
+            let timed =
+                try_run(|| graph_timing(&dev, n, as_captured, |i| attend_dev(&sets[i]).map(drop)));
+            let row = format!(
+                "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
+                pass,
+                case.seqlen,
+                case.batch,
+                format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
+            );
+            let (t, stats) = match timed {
+                Ok((t, stats)) if t.ms.is_finite() && t.ms > 0.0 => (t, stats),
+                Ok((t, _)) => {
+                    println!("{row} n/a  bad timing {}", t.ms);
+                    continue;
                 }
-            ),
-            format!("\"hd\": {DECODE_HD}"),
-            format!("\"seqlen\": {}", case.seqlen),
-            format!("\"batch\": {}", case.batch),
-            format!("\"heads\": {DECODE_HEADS}"),
-            format!("\"heads_k\": {DECODE_HEADS_K}"),
-            "\"causal\": false".into(),
-            format!("\"ms\": {:.6}", t.ms),
-            format!("\"gbps\": {gbps:.1}"),
-        ];
-        if let Some(p) = pct {
-            fields.push(format!("\"pct_copy\": {p:.2}"));
+                Err(e) => {
+                    println!("{row} n/a  {}", first_line(&e));
+                    continue;
+                }
+            };
+            let gbps = case.kv_bytes(self.dtype) as f64 / (t.ms * 1e-3) / 1e9;
+            let pct = copy_gbps.map(|c| 100.0 * gbps / c);
+            let pct_cell = pct.map_or("n/a".to_string(), |p| format!("{p:.1}"));
+            println!(
+                "{row} {:>9.4} {gbps:>8.0} {pct_cell:>6} {:>9.4}  in a CUDA graph: {stats}",
+                t.ms, t.host_ms
+            );
+            let mut fields = vec![
+                format!("\"impl\": \"{FLASH}\""),
+                format!("\"pass\": \"{json_pass}\""),
+                format!("\"hd\": {DECODE_HD}"),
+                format!("\"seqlen\": {}", case.seqlen),
+                format!("\"batch\": {}", case.batch),
+                format!("\"heads\": {DECODE_HEADS}"),
+                format!("\"heads_k\": {DECODE_HEADS_K}"),
+                "\"causal\": false".into(),
+                format!("\"ms\": {:.6}", t.ms),
+                format!("\"gbps\": {gbps:.1}"),
+            ];
+            if let Some(p) = pct {
+                fields.push(format!("\"pct_copy\": {p:.2}"));
+            }
+            self.records.push(format!("  {{{}}}", fields.join(", ")));
         }
-        self.records.push(format!("  {{{}}}", fields.join(", ")));
     }
 }
 
 /// Per-call time of `calls` calls (`step(0..calls)`) captured once in a CUDA graph and
-/// replayed; each call is run eagerly first (kernel modules, the decode's counters).
+/// replayed, with what the graph holds; each call is run eagerly first (kernel modules, the
+/// decode's counters). `as_captured`: the graph as a plain stream capture instantiates it,
+/// otherwise as `candle_flash::graph` rewires it.
 #[cfg(feature = "cuda")]
-fn graph_timing(dev: &Device, calls: usize, step: impl Fn(usize) -> Result<()>) -> Result<Timed> {
-    use candle::cuda_backend::cudarc::driver::sys;
+fn graph_timing(
+    dev: &Device,
+    calls: usize,
+    as_captured: bool,
+    step: impl Fn(usize) -> Result<()>,
+) -> Result<(Timed, String)> {
+    use candle_flash::graph::{CapturedGraph, Wiring};
     for i in 0..calls {
         step(i)?;
     }
     dev.synchronize()?;
-    let stream = dev.as_cuda_device()?.cuda_stream();
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(candle::Error::wrap)?;
-    let captured = (0..calls).try_for_each(&step);
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-        .map_err(candle::Error::wrap)?;
-    captured?;
-    let Some(graph) = graph else {
-        bail!("the capture recorded nothing")
+    let wiring = match as_captured {
+        true => Wiring::AsCaptured,
+        false => Wiring::Programmatic,
     };
-    let t = time_ms_with(dev, DECODE_TIMING, |_| {
-        graph.launch().map_err(candle::Error::wrap)
-    })?;
-    Ok(Timed {
-        ms: t.ms / calls as f64,
-        host_ms: t.host_ms / calls as f64,
-    })
+    let (graph, ()) = CapturedGraph::capture_with(dev, wiring, || (0..calls).try_for_each(&step))?;
+    let t = time_ms_with(dev, DECODE_TIMING, |_| graph.launch())?;
+    let stats = match as_captured {
+        true => graph.stats().to_string(),
+        false => format!("{} (captured: {})", graph.stats(), graph.captured_stats()),
+    };
+    Ok((
+        Timed {
+            ms: t.ms / calls as f64,
+            host_ms: t.host_ms / calls as f64,
+        },
+        stats,
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]
 fn graph_timing(
     _dev: &Device,
     _calls: usize,
+    _as_captured: bool,
     _step: impl Fn(usize) -> Result<()>,
-) -> Result<Timed> {
+) -> Result<(Timed, String)> {
     candle::bail!("CUDA graphs need the cuda feature")
 }
 

@@ -71,6 +71,8 @@ mod dropout;
 mod failpoint;
 mod fp8_fwd;
 mod fwd;
+#[cfg(feature = "cuda")]
+pub mod graph;
 pub mod infer;
 mod kvcache;
 mod layout;

@@ -63,7 +63,7 @@ enum State {
     /// Warmed up: the next step is captured (and then launched).
     Warm,
     #[cfg(feature = "cuda")]
-    Captured(candle::cuda_backend::cudarc::driver::CudaGraph),
+    Captured(candle_flash::graph::CapturedGraph),
 }
 
 impl StepGraph {
@@ -172,27 +172,23 @@ impl StepGraph {
     }
 
     /// Records [`StepGraph::body`] into a graph, in the stream Candle launches on (the
-    /// per-thread default stream, which may be captured). Nothing runs: launch it.
+    /// per-thread default stream, which may be captured). Nothing runs: launch it. The
+    /// crate's capture keeps the kernels' programmatic launches, which the step's memory
+    /// nodes would otherwise break (`candle_flash::graph`).
     #[cfg(feature = "cuda")]
     fn capture(
         &self,
         model: &Llama,
         cache: &mut Cache,
-    ) -> Result<candle::cuda_backend::cudarc::driver::CudaGraph> {
-        use candle::cuda_backend::cudarc::driver::sys;
+    ) -> Result<candle_flash::graph::CapturedGraph> {
         let cuda = model.device().as_cuda_device()?;
-        let stream = cuda.cuda_stream();
         let _uploads = cuda.enable_cuda_graph_htod_cache();
         let hint = "capturing the decoding step in a CUDA graph (--no-cuda-graph decodes eagerly)";
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .context(hint)?;
         // The body's temporaries are freed when it returns: inside the capture.
-        let body = self.body(model, cache);
-        let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
-        let graph = stream.end_capture(flags);
-        body.context(hint)?;
-        graph.context(hint)?.context(hint)
+        let (graph, ()) =
+            candle_flash::graph::CapturedGraph::capture(model.device(), || self.body(model, cache))
+                .context(hint)?;
+        Ok(graph)
     }
 
     /// The tokens the last (greedy) step chose: one small copy to the host.

@@ -374,6 +374,10 @@ pub(crate) unsafe fn launch_args_programmatic(
     attr.value.programmaticStreamSerializationAllowed = 1;
     // Off (or before Hopper): the same call without the attribute, a plain launch.
     let programmatic = !overrides::overrides().pdl_off && device_facts(dev)?.hopper();
+    if programmatic {
+        // A captured graph joins this kernel to the one ahead programmatically (crate::graph).
+        crate::graph::note_programmatic(func.cu_function());
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
