@@ -44,6 +44,7 @@ template <int N> struct WgmmaFp8;
 
 SM90_WGMMA_FP8(64, 32, 33, 34, 35, 36, 37)
 SM90_WGMMA_FP8(128, 64, 65, 66, 67, 68, 69)
+SM90_WGMMA_FP8(192, 96, 97, 98, 99, 100, 101)
 #undef SM90_WGMMA_FP8
 
 // Keeps the A operand's registers of an in-flight wgmma as they are until this point (the
@@ -90,8 +91,8 @@ __device__ __forceinline__ uint32_t panel_byte(int row, int b) {
 }
 
 // Transposes an e4m3 V tile (BN key rows x D bytes, TMA's panels) into V^T (D rows of 128-key
-// panels, its keys from byte key0 of the rows) in the permuted key order, by `threads` threads
-// from `thread`.
+// panels from `vt`; with BN % 128 = 64 the last 64 keys go to the half panel `half`, from byte
+// `half_key0` of its rows) in the permuted key order, by `threads` threads from `thread`.
 // A unit is 16 keys x 32 head-dim bytes: ldmatrix.trans reads them as four 8 x 8 matrices of
 // 16-bit pairs (keys 0-7 and 8-15 of two 16-byte chunks), giving lane 4c + t the bytes of
 // head-dim pair c for keys 2t, 2t + 1 (and 8 + 2t, 9 + 2t); one byte permute per register
@@ -101,8 +102,8 @@ __device__ __forceinline__ uint32_t panel_byte(int row, int b) {
 // of all eight residues mod 8 (its 16-byte chunks in eight banks groups of the swizzle) where
 // even rows alone took two wavefronts. Units go two at a time, both loads first.
 template <int BN, int D>
-__device__ __forceinline__ void transpose_v_fp8(uint32_t vt, int key0, uint32_t v, int thread,
-                                                int threads) {
+__device__ __forceinline__ void transpose_v_fp8(uint32_t vt, uint32_t half, int half_key0,
+                                                uint32_t v, int thread, int threads) {
     constexpr int GROUPS = BN / 16, UNITS = GROUPS * (D / 32);
     const int lane = thread % 32, warps = threads / 32, m = lane / 8, r = lane % 8;
     const bool high = lane / 4 >= 4;  // this lane's rows c >= 4
@@ -111,10 +112,12 @@ __device__ __forceinline__ void transpose_v_fp8(uint32_t vt, int key0, uint32_t 
         const int g = u % GROUPS, h = u / GROUPS;
         return v + panel_byte<BN>(16 * g + (m % 2) * 8 + r, 16 * (2 * h + m / 2));
     };
+    constexpr int FULL_KEYS = BN / 128 * 128;
     const auto dst = [&](int u) {
         const int g = u % GROUPS, h = u / GROUPS;
-        return vt + panel_byte<D>(32 * h + 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4)),
-                                  key0 + 16 * g);
+        const int row = 32 * h + 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4));
+        return 16 * g < FULL_KEYS ? vt + panel_byte<D>(row, 16 * g)
+                                  : half + panel_byte<D>(row, half_key0 + 16 * g - FULL_KEYS);
     };
     const auto store = [&](int u, const uint32_t (&x)[4]) {
         stmatrix_x4(dst(u), __byte_perm(x[0], x[1], first), __byte_perm(x[0], x[1], second),

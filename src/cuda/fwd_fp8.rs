@@ -10,11 +10,13 @@ use half::{bf16, f16};
 
 use super::abi::AttnParams;
 use super::buffers::{lock_tensor, locked_ptr, seq_offsets, set_seq_offsets};
-use super::catalogue::{Family, Kernel};
+use super::catalogue::{Family, Kernel, Variant};
+use super::overrides::overrides;
 use super::runtime::{device_facts, poison};
 use super::tma;
 use crate::fp8_fwd::Fp8Descales;
 use crate::params::Problem;
+use crate::quant::FP8_BLOCK_ROWS;
 
 /// FP8 forward: q, k, v F8E4M3 storages; returns `(out, lse)`, out `(b, sq, h, d)` (packed:
 /// `(total_q, h, d)`) contiguous in `out_dtype` (F16 or BF16), lse as [`super::fwd`]'s.
@@ -36,9 +38,31 @@ pub(crate) fn fwd_fp8(
 }
 
 /// The FP8 kernel for head dim `d` (packed batches or not), or the error that names what
-/// is compiled.
-fn kernel(d: usize, packed: bool) -> Result<Kernel> {
-    if let Some(k) = Kernel::of(Family::FwdWs, d, |v| v.fp8 && v.packed == packed) {
+/// is compiled. The widest key tile that fits the call: tiles of more than 128 keys straddle
+/// the 128-key blocks of per-block k and v descales (`kv_blocks`), which take 128-key tiles.
+/// `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest (A/B runs).
+fn kernel(d: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
+    let narrowest = overrides().ws_shape == "base";
+    let fits = |v: &Variant| {
+        v.family == Family::FwdWs
+            && usize::from(v.d) == d
+            && v.fp8
+            && v.packed == packed
+            && (!kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(usize::from(v.bn)))
+    };
+    let chosen = Kernel::ALL
+        .iter()
+        .copied()
+        .filter(|k| fits(k.variant()))
+        .max_by_key(|k| {
+            let bn = k.variant().bn;
+            if narrowest {
+                u16::MAX - bn
+            } else {
+                bn
+            }
+        });
+    if let Some(k) = chosen {
         return Ok(k);
     }
     let mut dims: Vec<u16> = Kernel::ALL
@@ -72,7 +96,10 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
         )
     }
     let packed = problem.varlen.is_some();
-    let kernel = kernel(s.d, packed)?;
+    let kv_blocks = [&descales.k, &descales.v]
+        .iter()
+        .any(|t| Fp8Descales::strides(t)[2] != 0);
+    let kernel = kernel(s.d, packed, kv_blocks)?;
     let stream = dev.cuda_stream();
     let q_view = q.as_cuda_slice::<F8E4M3>()?.slice(ql.start_offset()..);
     let k_view = k.as_cuda_slice::<F8E4M3>()?.slice(kl.start_offset()..);
