@@ -165,3 +165,30 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
         CudaStorage::wrap_cuda_slice(lse, dev),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bn(d: usize, packed: bool, kv_blocks: bool) -> u16 {
+        kernel(d, packed, kv_blocks).unwrap().variant().bn
+    }
+
+    #[test]
+    fn the_widest_key_tile_that_fits_the_descales() {
+        // Without CANDLE_FLASH_WS_SHAPE=base (the environment of `cargo test`).
+        if overrides().ws_shape == "base" {
+            return;
+        }
+        assert_eq!(bn(128, false, false), 192);
+        assert_eq!(
+            bn(128, false, true),
+            128,
+            "per-block k/v: tiles inside one block"
+        );
+        assert_eq!(bn(128, true, false), 128, "no packed 192-key kernel");
+        assert_eq!(bn(256, false, false), 64);
+        assert_eq!(bn(256, false, true), 64);
+        assert!(kernel(64, false, false).is_err());
+    }
+}
