@@ -186,7 +186,8 @@ mod tests {
             128,
             "per-block k/v: tiles inside one block"
         );
-        assert_eq!(bn(128, true, false), 128, "no packed 192-key kernel");
+        assert_eq!(bn(128, true, false), 192);
+        assert_eq!(bn(128, true, true), 128);
         assert_eq!(bn(256, false, false), 64);
         assert_eq!(bn(256, false, true), 64);
         assert!(kernel(64, false, false).is_err());
