@@ -50,18 +50,13 @@ fn kernel(d: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
             && v.packed == packed
             && (!kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(usize::from(v.bn)))
     };
-    let chosen = Kernel::ALL
-        .iter()
-        .copied()
-        .filter(|k| fits(k.variant()))
-        .max_by_key(|k| {
-            let bn = k.variant().bn;
-            if narrowest {
-                u16::MAX - bn
-            } else {
-                bn
-            }
-        });
+    let fitting = Kernel::ALL.iter().copied().filter(|k| fits(k.variant()));
+    let bn = |k: &Kernel| k.variant().bn;
+    let chosen = if narrowest {
+        fitting.min_by_key(bn)
+    } else {
+        fitting.max_by_key(bn)
+    };
     if let Some(k) = chosen {
         return Ok(k);
     }

@@ -133,7 +133,7 @@ struct Mask {
                 } else {
                     const int q = row / rows_per_query;
                     lo = left >= 0 ? q + offset - left : INT_MIN;
-                    hi = right >= 0 ? min(seqlen_k, q + offset + right + 1) : seqlen_k;
+                    hi = row_end(q);
                 }
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -156,6 +156,11 @@ struct Mask {
             }
     }
 
+    // One past the last key query q sees: the key length, or the window's right side.
+    __device__ __forceinline__ int row_end(int q) const {
+        return right >= 0 ? min(seqlen_k, q + offset + right + 1) : seqlen_k;
+    }
+
     // `apply` for kernels whose host sends no left side and no score modifier or block mask
     // (the FP8 forward: causal or not, and the key length): per row its first hidden column,
     // the entries compared with it as constants of the tile. `apply`'s column per entry and
@@ -168,8 +173,7 @@ struct Mask {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int q = row0 + g + 8 * r;
-            const int hi = right >= 0 ? min(seqlen_k, q + offset + right + 1) : seqlen_k;
-            const int first_hidden = hi - col0 - 2 * t;  // in this thread's columns of the tile
+            const int first_hidden = row_end(q) - col0 - 2 * t;  // in this thread's columns
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
