@@ -442,8 +442,9 @@ __device__ __forceinline__ void ws_transpose(const WsSmem<K>& sm, int thread) {
         if (ld_shared(sm.key(s.st)) == 0) return;
         tma::wait(sm.empty_vt(s.st), s.phase ^ 1);
 #ifndef CANDLE_FLASH_FP8_NO_TRANSPOSE  // the A/B build that times the rest (wrong results)
-        sm90::transpose_v_fp8<K::BN, K::D>(sm.vt(s.st), sm.vt_half(), sm.vt_half_key0(s.st),
-                                           sm.v(s.st), thread, 32 * K::TRANSPOSERS);
+        sm90::transpose_v_fp8<K::BN, K::D, K::TRANSPOSERS>(sm.vt(s.st), sm.vt_half(),
+                                                           sm.vt_half_key0(s.st), sm.v(s.st),
+                                                           thread);
 #endif
         // The stores (generic proxy) become visible to the wgmmas (async proxy) that read them.
         sm90::fence_proxy_async();
