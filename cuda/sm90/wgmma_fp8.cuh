@@ -137,7 +137,7 @@ __device__ __forceinline__ void transpose_loop(uint32_t vt, uint32_t half, int h
 }
 
 // Warp W's share: units W, W + WARPS, ..., each (g, h) a compile-time constant, so that a unit
-// costs its ldmatrix, four byte permutes, its stmatrix and an address add (the loop over
+// costs its ldmatrix, four byte permutes, its stmatrix and an XOR and add (the loop over
 // runtime units divided by GROUPS per unit, by 12 at 192 keys: the transposers then held
 // the consumers up; docs/archive/PERF.md, session 47).
 template <int BN, int D, int WARPS, int W>
@@ -149,40 +149,37 @@ __device__ __forceinline__ void transpose_units(uint32_t vt, uint32_t half, int 
     const bool high = lane / 4 >= 4;  // this lane's rows c >= 4
     const uint32_t first = high ? 0x7531 : 0x6420, second = high ? 0x6420 : 0x7531;
     // A unit's source: key row 16 g + (m % 2) 8 + r (residue r), bytes 16 (2 h + m / 2); its
-    // destination: V^T row 32 h + 16 (m / 2) + 2 r + ((m % 2) ^ (r >= 4)), keys 16 g.. . The
-    // lane's parts, then per unit constants (panel_byte's swizzle XORs the chunk with the row's
-    // residue, which is the lane's r or dst_res).
-    const int src_row = (m % 2) * 8 + r, src_chunk = m / 2;
-    const int dst_row = 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4)), dst_res = dst_row % 8;
-    const uint32_t src0 = v + src_row * 128;
+    // destination: V^T row 32 h + 16 (m / 2) + 2 r + ((m % 2) ^ (r >= 4)), keys 16 g.. .
+    // panel_byte's swizzle XORs a row's 16-byte chunk with its residue: at the source chunk
+    // 2 h % 8 + m / 2 = (2 h % 8) ^ (m / 2) against r, at the destination chunk c against the
+    // row's residue dst_res, so each offset is the lane's part XOR a constant.
+    const int dst_row = 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4));
+    const uint32_t src_x = uint32_t((m / 2) ^ r) * 16, dst_x = uint32_t(dst_row % 8) * 16;
+    const uint32_t src0 = v + ((m % 2) * 8 + r) * 128;
     const uint32_t vt0 = vt + dst_row * 128, half0 = half + dst_row * 128;
-    const auto src = [&](int g, int h) {  // bytes 16 (2 h + src_chunk): 2 h even, no carry
-        return src0 + (2 * h / 8) * BN * 128 + 16 * g * 128 +
-               ((((2 * h) % 8 + src_chunk) ^ r) * 16);
-    };
-    const auto dst = [&](int g, int h) {
-        // Rows 32 h.. keep dst_res (32 h is a multiple of 8); a k step's 16 keys are one chunk.
-        if (16 * g < FULL_KEYS)
-            return vt0 + 32 * h * 128 + (16 * g / 128) * D * 128 +
-                   ((((16 * g % 128) / 16) ^ dst_res) * 16);
-        const int k = half_key0 + 16 * g - FULL_KEYS;  // half_key0 is 0 or 64
-        return half0 + 32 * h * 128 + (((k / 16) ^ dst_res) * 16);
-    };
     const auto store = [&](uint32_t addr, const uint32_t (&x)[4]) {
         stmatrix_x4(addr, __byte_perm(x[0], x[1], first), __byte_perm(x[0], x[1], second),
                     __byte_perm(x[2], x[3], first), __byte_perm(x[2], x[3], second));
     };
-    // Two units at a time, both loads first (as many in flight as the 40-register producer
-    // warpgroup holds).
-#pragma unroll
-    for (int u = W; u < UNITS; u += 2 * WARPS) {
+    const auto pair = [&](int u) {  // units u and u + WARPS, both loads first
+        const auto src = [&](int g, int h) {
+            return src0 + (2 * h / 8) * BN * 128 + 16 * g * 128 + (src_x ^ ((2 * h) % 8 * 16));
+        };
+        const auto dst = [&](int g, int h) {  // rows 32 h.. keep the residue
+            if (16 * g < FULL_KEYS)
+                return vt0 + 32 * h * 128 + (16 * g / 128) * D * 128 + (dst_x ^ (16 * g % 128));
+            const int k = half_key0 + 16 * g - FULL_KEYS;  // half_key0 is 0 or 64
+            return half0 + 32 * h * 128 + (dst_x ^ uint32_t(k));
+        };
         uint32_t a[4], b[4];
         const int u2 = u + WARPS;
         ldmatrix_x4_trans(a, src(u % GROUPS, u / GROUPS));
         if (u2 < UNITS) ldmatrix_x4_trans(b, src(u2 % GROUPS, u2 / GROUPS));
         store(dst(u % GROUPS, u / GROUPS), a);
         if (u2 < UNITS) store(dst(u2 % GROUPS, u2 / GROUPS), b);
-    }
+    };
+#pragma unroll
+    for (int u = W; u < UNITS; u += 2 * WARPS) pair(u);
 }
 
 template <int BN, int D, int WARPS>
@@ -191,9 +188,10 @@ __device__ __forceinline__ void transpose_v_fp8(uint32_t vt, uint32_t half, int 
     static_assert(WARPS >= 1 && WARPS <= 4, "one to four transposing warps");
     const int warp = thread / 32, lane = thread % 32;
     if constexpr (BN < 128) {
-        // d = 256's 64-key tiles: unrolled, a warp's 32-odd units' addresses outgrew the
-        // producer's 40 registers (ptxas: 20 bytes of spill); its runtime loop divides by a
-        // power of two.
+        // d = 256's 64-key tiles give a warp ~11 units of 16 x 32 bytes: unrolled, their
+        // offsets outgrew the producer's 40 registers (20 bytes of spill, opaque copies or
+        // not), and the same offsets in a runtime loop came to ~25 instructions a unit against
+        // this loop's ~22.
         transpose_loop<BN, D>(vt, half, half_key0, v, thread, 32 * WARPS);
         return;
     }
