@@ -359,7 +359,9 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(256, 80, 2, 2).packed().dropout(),
     // E4M3 q, k, v (FP8 wgmma, V transposed in shared memory by the producer warpgroup).
     fwd_ws(128, 128, 2, 2).fp8(),
+    fwd_ws(128, 192, 2, 2).fp8(),
     fwd_ws(128, 128, 2, 2).packed().fp8(),
+    fwd_ws(128, 192, 2, 2).packed().fp8(),
     fwd_ws(256, 64, 2, 2).fp8(),
     fwd_ws(256, 64, 2, 2).packed().fp8(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block

@@ -182,13 +182,17 @@ struct WsTraits {
     // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.
     static constexpr int TRANSPOSERS = 3;
     static_assert(D % PANEL_COLS == 0, "panels are 128 bytes wide");
-    // FP8 with 64-key tiles (d = 256, whose registers hold no wider S): the two slots of
-    // transposed V share one tile of 128-key rows, slot st in its bytes 64 st..64 st + 63
-    // (a k step's 32 bytes stay inside a swizzled row either way).
-    static constexpr bool VT_HALVES = FP8 && BN == 64;
-    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALVES && STAGES == 2)) &&
+    // FP8: V^T in panels of 128 keys (D rows of 128 bytes each, 128-byte swizzled), what the
+    // k steps of P V read. A tile's last 64 keys (BN = 64 at d = 256, whose registers hold no
+    // wider S; BN = 192) go to a half panel: the two slots' halves share one panel, slot st in
+    // its bytes 64 st..64 st + 63 (a k step's 32 bytes stay inside a swizzled row either way),
+    // so that V^T takes what K and V take, BN x D bytes a slot.
+    static constexpr int VT_FULL_PANELS = BN / 128;
+    static constexpr bool VT_HALF = FP8 && BN % 128 == 64;
+    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALF && STAGES == 2)) &&
                            MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
-                  "FP8: transposed V in 128-key rows, no score mods, no dropout, two consumers");
+                  "FP8: V^T in 128-key panels (a last half panel shared by two slots), no score "
+                  "mods, no dropout, two consumers");
     static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 };
@@ -204,13 +208,14 @@ template <class K> struct WsSmem {
     __device__ __forceinline__ uint32_t v(int st) const {
         return base + K::Q_STAGES * K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
     }
-    // FP8: V transposed (D rows of BN key bytes), what P V reads: its tile, and the first
-    // byte of its keys in the tile's rows (K::VT_HALVES: two slots share a tile).
+    // FP8: V transposed (WsTraits::VT_FULL_PANELS, VT_HALF), what P V reads: slot st's full
+    // panels, the half panel the two slots share, and the first byte of st's keys in its rows.
     __device__ __forceinline__ uint32_t vt(int st) const {
-        return base + K::Q_STAGES * K::Q_BYTES +
-               (2 * K::STAGES + (K::VT_HALVES ? 0 : st)) * K::KV_BYTES;
+        return base + K::Q_STAGES * K::Q_BYTES + 2 * K::STAGES * K::KV_BYTES +
+               st * K::VT_FULL_PANELS * K::D * 128;
     }
-    __device__ __forceinline__ int vt_key0(int st) const { return K::VT_HALVES ? 64 * st : 0; }
+    __device__ __forceinline__ uint32_t vt_half() const { return vt(K::STAGES); }
+    __device__ __forceinline__ int vt_half_key0(int st) const { return 64 * st; }
     __device__ __forceinline__ uint32_t full_q(int qs) const {
         return base + K::BAR_OFFSET + 8 * qs;
     }
@@ -437,8 +442,9 @@ __device__ __forceinline__ void ws_transpose(const WsSmem<K>& sm, int thread) {
         if (ld_shared(sm.key(s.st)) == 0) return;
         tma::wait(sm.empty_vt(s.st), s.phase ^ 1);
 #ifndef CANDLE_FLASH_FP8_NO_TRANSPOSE  // the A/B build that times the rest (wrong results)
-        sm90::transpose_v_fp8<K::BN, K::D>(sm.vt(s.st), sm.vt_key0(s.st), sm.v(s.st), thread,
-                                           32 * K::TRANSPOSERS);
+        sm90::transpose_v_fp8<K::BN, K::D, K::TRANSPOSERS>(sm.vt(s.st), sm.vt_half(),
+                                                           sm.vt_half_key0(s.st), sm.v(s.st),
+                                                           thread);
 #endif
         // The stores (generic proxy) become visible to the wgmmas (async proxy) that read them.
         sm90::fence_proxy_async();
@@ -502,6 +508,11 @@ template <class K> struct WsConsumer {
                                                     w.m_block * qs[2]];
             fp8_k = w.bidb * ks[0] + w.bidh_k * ks[1];
             fp8_vs = w.bidb * vs[0] + w.bidh_k * vs[1];
+            // What the host never sends these kernels (src/fp8_fwd.rs refuses windows;
+            // src/cuda/fwd_fp8.rs picks key tiles inside one block for per-block descales):
+            // a window's left side (scores() masks the right side only), and per-block k or v
+            // descales to key tiles that straddle two blocks.
+            if (w.mask.left >= 0 || (FP8_BLOCK % BN != 0 && kv_blocks())) __trap();
             if (!kv_blocks()) {  // one k and v factor for the work tile: no loads per key tile
                 fp8_q_log2 *= P.k_descale[fp8_k];
                 fp8_v = P.v_descale[fp8_vs];
@@ -520,8 +531,7 @@ template <class K> struct WsConsumer {
     };
     __device__ __forceinline__ TileDescales tile_descales(int nb) const {
         if constexpr (K::FP8) {
-            if (!kv_blocks()) return {1.f, fp8_v};
-            static_assert(FP8_BLOCK % BN == 0, "a key tile inside one block");
+            if (FP8_BLOCK % BN != 0 || !kv_blocks()) return {1.f, fp8_v};
             const int block = nb / (FP8_BLOCK / BN);
             return {__ldg(P.k_descale + fp8_k + block * P.k_descale_strides[2]),
                     __ldg(P.v_descale + fp8_vs + block * P.v_descale_strides[2])};
@@ -566,6 +576,15 @@ template <class K> struct WsConsumer {
         sm90::commit();
     }
 
+    // FP8: k step kk of V^T in slot st, `rows` bytes into its panels (a half of the head dim):
+    // in a full panel, or in the half panel the two slots share.
+    __device__ __forceinline__ uint64_t vt_desc(int st, int rows, int kk) const {
+        constexpr int FULL_STEPS = 4 * K::VT_FULL_PANELS;
+        if (kk < FULL_STEPS) return sm90::kmajor_desc(sm.vt(st) + rows, D, kk);
+        return sm90::kmajor_desc(sm.vt_half() + rows, D,
+                                 sm.vt_half_key0(st) / 32 + kk - FULL_STEPS);
+    }
+
     // O += P V of the tile in slot st, issued (one commit group). Head dims past 128 take
     // two n128 halves (panels 0-1 and 2-3). With FP8, V^T's rows are the head dim (K-major,
     // a half is 128 of its rows).
@@ -577,10 +596,7 @@ template <class K> struct WsConsumer {
 #pragma unroll
             for (int kk = 0; kk < PV_STEPS; ++kk) {
                 if constexpr (K::FP8)
-                    sm90::WgmmaFp8<N>::rs(oh, pa[0][kk],
-                                          sm90::kmajor_desc(sm.vt(st) + half * N * 128, D,
-                                                            kk + sm.vt_key0(st) / 32),
-                                          1);
+                    sm90::WgmmaFp8<N>::rs(oh, pa[0][kk], vt_desc(st, half * N * 128, kk), 1);
                 else
                     sm90::Wgmma<T, N>::rs(
                         oh, pa[0][kk], sm90::mnmajor_desc(sm.v(st) + half * 2 * BN * 128, BN, kk),
@@ -649,6 +665,10 @@ template <class K> struct WsConsumer {
 
     __device__ __forceinline__ void scores(float (&s)[1][NT][4], const WsTile<K>& w, int nb,
                                            const TileMask& m) {
+        if constexpr (K::FP8) {  // causal or not, no window's left side (set_descales)
+            if (m.masked) w.mask.template apply_right<NT>(s[0], w.m0 + warp_row0, nb * BN, lane);
+            return;
+        }
         if (cap_in_softmax(m)) return;
         // Two calls with constant `masked` (as in bwd_dkdv.cuh): the d = 256 `_mods` kernel
         // spilled 32 more bytes of loads with the test as argument.

@@ -44,6 +44,7 @@ template <int N> struct WgmmaFp8;
 
 SM90_WGMMA_FP8(64, 32, 33, 34, 35, 36, 37)
 SM90_WGMMA_FP8(128, 64, 65, 66, 67, 68, 69)
+SM90_WGMMA_FP8(192, 96, 97, 98, 99, 100, 101)
 #undef SM90_WGMMA_FP8
 
 // Keeps the A operand's registers of an in-flight wgmma as they are until this point (the
@@ -90,8 +91,8 @@ __device__ __forceinline__ uint32_t panel_byte(int row, int b) {
 }
 
 // Transposes an e4m3 V tile (BN key rows x D bytes, TMA's panels) into V^T (D rows of 128-key
-// panels, its keys from byte key0 of the rows) in the permuted key order, by `threads` threads
-// from `thread`.
+// panels from `vt`; with BN % 128 = 64 the last 64 keys go to the half panel `half`, from byte
+// `half_key0` of its rows) in the permuted key order, by WARPS warps (`thread` 0..32 WARPS - 1).
 // A unit is 16 keys x 32 head-dim bytes: ldmatrix.trans reads them as four 8 x 8 matrices of
 // 16-bit pairs (keys 0-7 and 8-15 of two 16-byte chunks), giving lane 4c + t the bytes of
 // head-dim pair c for keys 2t, 2t + 1 (and 8 + 2t, 9 + 2t); one byte permute per register
@@ -100,9 +101,12 @@ __device__ __forceinline__ uint32_t panel_byte(int row, int b) {
 // their first register and the even one in their second, so that each stored matrix has rows
 // of all eight residues mod 8 (its 16-byte chunks in eight banks groups of the swizzle) where
 // even rows alone took two wavefronts. Units go two at a time, both loads first.
+
+// Units u = warp, warp + warps, ... as a runtime loop (u's key group and head-dim column by
+// division: cheap for power-of-two GROUPS only).
 template <int BN, int D>
-__device__ __forceinline__ void transpose_v_fp8(uint32_t vt, int key0, uint32_t v, int thread,
-                                                int threads) {
+__device__ __forceinline__ void transpose_loop(uint32_t vt, uint32_t half, int half_key0,
+                                               uint32_t v, int thread, int threads) {
     constexpr int GROUPS = BN / 16, UNITS = GROUPS * (D / 32);
     const int lane = thread % 32, warps = threads / 32, m = lane / 8, r = lane % 8;
     const bool high = lane / 4 >= 4;  // this lane's rows c >= 4
@@ -111,10 +115,12 @@ __device__ __forceinline__ void transpose_v_fp8(uint32_t vt, int key0, uint32_t 
         const int g = u % GROUPS, h = u / GROUPS;
         return v + panel_byte<BN>(16 * g + (m % 2) * 8 + r, 16 * (2 * h + m / 2));
     };
+    constexpr int FULL_KEYS = BN / 128 * 128;
     const auto dst = [&](int u) {
         const int g = u % GROUPS, h = u / GROUPS;
-        return vt + panel_byte<D>(32 * h + 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4)),
-                                  key0 + 16 * g);
+        const int row = 32 * h + 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4));
+        return 16 * g < FULL_KEYS ? vt + panel_byte<D>(row, 16 * g)
+                                  : half + panel_byte<D>(row, half_key0 + 16 * g - FULL_KEYS);
     };
     const auto store = [&](int u, const uint32_t (&x)[4]) {
         stmatrix_x4(dst(u), __byte_perm(x[0], x[1], first), __byte_perm(x[0], x[1], second),
@@ -128,6 +134,74 @@ __device__ __forceinline__ void transpose_v_fp8(uint32_t vt, int key0, uint32_t 
         store(u, a);
         if (two) store(u + warps, b);
     }
+}
+
+// Warp W's share: units W, W + WARPS, ..., each (g, h) a compile-time constant, so that a unit
+// costs its ldmatrix, four byte permutes, its stmatrix and an XOR and add (the loop over
+// runtime units divided by GROUPS per unit, by 12 at 192 keys: the transposers then held
+// the consumers up; docs/archive/PERF.md, session 47).
+template <int BN, int D, int WARPS, int W>
+__device__ __forceinline__ void transpose_units(uint32_t vt, uint32_t half, int half_key0,
+                                                uint32_t v, int lane) {
+    constexpr int GROUPS = BN / 16, UNITS = GROUPS * (D / 32);
+    constexpr int FULL_KEYS = BN / 128 * 128;
+    const int m = lane / 8, r = lane % 8;
+    const bool high = lane / 4 >= 4;  // this lane's rows c >= 4
+    const uint32_t first = high ? 0x7531 : 0x6420, second = high ? 0x6420 : 0x7531;
+    // A unit's source: key row 16 g + (m % 2) 8 + r (residue r), bytes 16 (2 h + m / 2); its
+    // destination: V^T row 32 h + 16 (m / 2) + 2 r + ((m % 2) ^ (r >= 4)), keys 16 g.. .
+    // panel_byte's swizzle XORs a row's 16-byte chunk with its residue: at the source chunk
+    // 2 h % 8 + m / 2 = (2 h % 8) ^ (m / 2) against r, at the destination chunk c against the
+    // row's residue dst_res, so each offset is the lane's part XOR a constant.
+    const int dst_row = 16 * (m / 2) + 2 * r + ((m % 2) ^ int(r >= 4));
+    const uint32_t src_x = uint32_t((m / 2) ^ r) * 16, dst_x = uint32_t(dst_row % 8) * 16;
+    const uint32_t src0 = v + ((m % 2) * 8 + r) * 128;
+    const uint32_t vt0 = vt + dst_row * 128, half0 = half + dst_row * 128;
+    const auto store = [&](uint32_t addr, const uint32_t (&x)[4]) {
+        stmatrix_x4(addr, __byte_perm(x[0], x[1], first), __byte_perm(x[0], x[1], second),
+                    __byte_perm(x[2], x[3], first), __byte_perm(x[2], x[3], second));
+    };
+    const auto pair = [&](int u) {  // units u and u + WARPS, both loads first
+        const auto src = [&](int g, int h) {
+            return src0 + (2 * h / 8) * BN * 128 + 16 * g * 128 + (src_x ^ ((2 * h) % 8 * 16));
+        };
+        const auto dst = [&](int g, int h) {  // rows 32 h.. keep the residue
+            if (16 * g < FULL_KEYS)
+                return vt0 + 32 * h * 128 + (16 * g / 128) * D * 128 + (dst_x ^ (16 * g % 128));
+            const int k = half_key0 + 16 * g - FULL_KEYS;  // half_key0 is 0 or 64
+            return half0 + 32 * h * 128 + (dst_x ^ uint32_t(k));
+        };
+        uint32_t a[4], b[4];
+        const int u2 = u + WARPS;
+        ldmatrix_x4_trans(a, src(u % GROUPS, u / GROUPS));
+        if (u2 < UNITS) ldmatrix_x4_trans(b, src(u2 % GROUPS, u2 / GROUPS));
+        store(dst(u % GROUPS, u / GROUPS), a);
+        if (u2 < UNITS) store(dst(u2 % GROUPS, u2 / GROUPS), b);
+    };
+#pragma unroll
+    for (int u = W; u < UNITS; u += 2 * WARPS) pair(u);
+}
+
+template <int BN, int D, int WARPS>
+__device__ __forceinline__ void transpose_v_fp8(uint32_t vt, uint32_t half, int half_key0,
+                                                uint32_t v, int thread) {
+    static_assert(WARPS >= 1 && WARPS <= 4, "one to four transposing warps");
+    const int warp = thread / 32, lane = thread % 32;
+    if constexpr (BN < 128) {
+        // d = 256's 64-key tiles give a warp ~11 units of 16 x 32 bytes: unrolled, their
+        // offsets outgrew the producer's 40 registers (20 bytes of spill, opaque copies or
+        // not), and the same offsets in a runtime loop came to ~25 instructions a unit against
+        // this loop's ~22.
+        transpose_loop<BN, D>(vt, half, half_key0, v, thread, 32 * WARPS);
+        return;
+    }
+    if (warp == 0) transpose_units<BN, D, WARPS, 0>(vt, half, half_key0, v, lane);
+    if constexpr (WARPS > 1)
+        if (warp == 1) transpose_units<BN, D, WARPS, 1>(vt, half, half_key0, v, lane);
+    if constexpr (WARPS > 2)
+        if (warp == 2) transpose_units<BN, D, WARPS, 2>(vt, half, half_key0, v, lane);
+    if constexpr (WARPS > 3)
+        if (warp == 3) transpose_units<BN, D, WARPS, 3>(vt, half, half_key0, v, lane);
 }
 
 }  // namespace sm90

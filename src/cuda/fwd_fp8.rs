@@ -10,11 +10,13 @@ use half::{bf16, f16};
 
 use super::abi::AttnParams;
 use super::buffers::{lock_tensor, locked_ptr, seq_offsets, set_seq_offsets};
-use super::catalogue::{Family, Kernel};
+use super::catalogue::{Family, Kernel, Variant};
+use super::overrides::overrides;
 use super::runtime::{device_facts, poison};
 use super::tma;
 use crate::fp8_fwd::Fp8Descales;
 use crate::params::Problem;
+use crate::quant::FP8_BLOCK_ROWS;
 
 /// FP8 forward: q, k, v F8E4M3 storages; returns `(out, lse)`, out `(b, sq, h, d)` (packed:
 /// `(total_q, h, d)`) contiguous in `out_dtype` (F16 or BF16), lse as [`super::fwd`]'s.
@@ -36,9 +38,26 @@ pub(crate) fn fwd_fp8(
 }
 
 /// The FP8 kernel for head dim `d` (packed batches or not), or the error that names what
-/// is compiled.
-fn kernel(d: usize, packed: bool) -> Result<Kernel> {
-    if let Some(k) = Kernel::of(Family::FwdWs, d, |v| v.fp8 && v.packed == packed) {
+/// is compiled. The widest key tile that fits the call: tiles of more than 128 keys straddle
+/// the 128-key blocks of per-block k and v descales (`kv_blocks`), which take 128-key tiles.
+/// `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest (A/B runs).
+fn kernel(d: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
+    let narrowest = overrides().ws_shape == "base";
+    let fits = |v: &Variant| {
+        v.family == Family::FwdWs
+            && usize::from(v.d) == d
+            && v.fp8
+            && v.packed == packed
+            && (!kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(usize::from(v.bn)))
+    };
+    let fitting = Kernel::ALL.iter().copied().filter(|k| fits(k.variant()));
+    let bn = |k: &Kernel| k.variant().bn;
+    let chosen = if narrowest {
+        fitting.min_by_key(bn)
+    } else {
+        fitting.max_by_key(bn)
+    };
+    if let Some(k) = chosen {
         return Ok(k);
     }
     let mut dims: Vec<u16> = Kernel::ALL
@@ -72,7 +91,10 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
         )
     }
     let packed = problem.varlen.is_some();
-    let kernel = kernel(s.d, packed)?;
+    let kv_blocks = [&descales.k, &descales.v]
+        .iter()
+        .any(|t| Fp8Descales::strides(t)[2] != 0);
+    let kernel = kernel(s.d, packed, kv_blocks)?;
     let stream = dev.cuda_stream();
     let q_view = q.as_cuda_slice::<F8E4M3>()?.slice(ql.start_offset()..);
     let k_view = k.as_cuda_slice::<F8E4M3>()?.slice(kl.start_offset()..);
@@ -137,4 +159,32 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
         CudaStorage::wrap_cuda_slice(lse, dev),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bn(d: usize, packed: bool, kv_blocks: bool) -> u16 {
+        kernel(d, packed, kv_blocks).unwrap().variant().bn
+    }
+
+    #[test]
+    fn the_widest_key_tile_that_fits_the_descales() {
+        // Without CANDLE_FLASH_WS_SHAPE=base (the environment of `cargo test`).
+        if overrides().ws_shape == "base" {
+            return;
+        }
+        assert_eq!(bn(128, false, false), 192);
+        assert_eq!(
+            bn(128, false, true),
+            128,
+            "per-block k/v: tiles inside one block"
+        );
+        assert_eq!(bn(128, true, false), 192);
+        assert_eq!(bn(128, true, true), 128);
+        assert_eq!(bn(256, false, false), 64);
+        assert_eq!(bn(256, false, true), 64);
+        assert!(kernel(64, false, false).is_err());
+    }
 }
