@@ -103,10 +103,15 @@ impl Drop for CapturedGraph {
 
 impl CapturedGraph {
     /// Runs `body` under stream capture on `device`'s stream (nothing executes) and
-    /// instantiates what it launched, [`Wiring::Programmatic`]. Run the body once eagerly
-    /// first: kernel modules load and per-stream buffers grow outside the capture.
+    /// instantiates what it launched, [`Wiring::Programmatic`] (`CANDLE_FLASH_GRAPH=captured`:
+    /// [`Wiring::AsCaptured`], for comparisons). Run the body once eagerly first: kernel
+    /// modules load and per-stream buffers grow outside the capture.
     pub fn capture<R>(device: &Device, body: impl FnOnce() -> Result<R>) -> Result<(Self, R)> {
-        Self::capture_with(device, Wiring::Programmatic, body)
+        let wiring = match crate::cuda::overrides().graph_as_captured {
+            true => Wiring::AsCaptured,
+            false => Wiring::Programmatic,
+        };
+        Self::capture_with(device, wiring, body)
     }
 
     /// [`CapturedGraph::capture`] with the wiring chosen.

@@ -8,6 +8,7 @@
 #pragma once
 #include <type_traits>
 #include "common/mma.cuh"
+#include "common/pdl.cuh"
 #include "decode/decode_block.cuh"
 #include "decode/fp8.cuh"
 
@@ -106,6 +107,10 @@ __device__ __forceinline__ void append_row(const AppendParams& ap, C* dst, const
 
 // C: the cache's element, T (the new rows' type) or uint8_t for an e4m3 cache (ap.scale).
 template <typename T, typename C> __device__ __forceinline__ void flash_append(const AppendParams& ap) {
+    // Launched programmatically (src/cuda/append.rs): the rows, the lengths and the rotary
+    // positions may all come from the kernels just ahead (the projection, a step's length
+    // update), so nothing is read before they complete.
+    pdl_wait();
     const int i = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
     const int64_t start = unsigned(ap.start[b]);
     // Ragged: the sequence's own count of new (and query) rows.

@@ -199,9 +199,11 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr +
         bail!("kv-cache append: no append kernel")
     };
     let heads = problem.hk + if q_rows > 0 { h } else { 0 };
+    // Programmatically: a decoding step's append follows the projection that wrote its rows,
+    // and inside a captured graph the kernels stay joined programmatically (crate::graph).
     Launch::new(kernel, dtype, (problem.s_new.max(s_q), heads, problem.b))
         .threads(threads)
-        .run(&dev, &params)?;
+        .run_programmatic(&dev, &params)?;
     drop((cache_sync, src_sync, syncs, q_out_sync));
     Ok(q_out.map(|q| CudaStorage::wrap_cuda_slice(q, dev)))
 }

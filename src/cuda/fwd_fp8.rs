@@ -37,12 +37,18 @@ pub(crate) fn fwd_fp8(
     }
 }
 
-/// The FP8 kernel for head dim `d` (packed batches or not), or the error that names what
-/// is compiled. The widest key tile that fits the call: tiles of more than 128 keys straddle
-/// the 128-key blocks of per-block k and v descales (`kv_blocks`), which take 128-key tiles.
-/// `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest (A/B runs).
-fn kernel(d: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
-    let narrowest = overrides().ws_shape == "base";
+/// Up to this many keys the narrowest key tile is taken: a 192-key tile pads 512 keys to
+/// 576, and the 128 x 192 kernel ran 3% (non-causal) and 9% (causal) slower than 128 x 128
+/// there, while from 1k keys it was 4-14% faster (H200, docs/archive/PERF.md, session 48).
+const FP8_NARROW_MAX_KEYS: usize = 512;
+
+/// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest
+/// sequence's), or the error that names what is compiled. The widest key tile that fits the
+/// call: tiles of more than 128 keys straddle the 128-key blocks of per-block k and v
+/// descales (`kv_blocks`), which take 128-key tiles, and short sequences take the narrowest
+/// (`FP8_NARROW_MAX_KEYS`). `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest (A/B runs).
+fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
+    let narrowest = overrides().ws_shape == "base" || sk <= FP8_NARROW_MAX_KEYS;
     let fits = |v: &Variant| {
         v.family == Family::FwdWs
             && usize::from(v.d) == d
@@ -94,7 +100,7 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
     let kv_blocks = [&descales.k, &descales.v]
         .iter()
         .any(|t| Fp8Descales::strides(t)[2] != 0);
-    let kernel = kernel(s.d, packed, kv_blocks)?;
+    let kernel = kernel(s.d, s.sk, packed, kv_blocks)?;
     let stream = dev.cuda_stream();
     let q_view = q.as_cuda_slice::<F8E4M3>()?.slice(ql.start_offset()..);
     let k_view = k.as_cuda_slice::<F8E4M3>()?.slice(kl.start_offset()..);
@@ -166,7 +172,7 @@ mod tests {
     use super::*;
 
     fn bn(d: usize, packed: bool, kv_blocks: bool) -> u16 {
-        kernel(d, packed, kv_blocks).unwrap().variant().bn
+        kernel(d, 4096, packed, kv_blocks).unwrap().variant().bn
     }
 
     #[test]
@@ -185,6 +191,8 @@ mod tests {
         assert_eq!(bn(128, true, true), 128);
         assert_eq!(bn(256, false, false), 64);
         assert_eq!(bn(256, false, true), 64);
-        assert!(kernel(64, false, false).is_err());
+        assert_eq!(kernel(128, 512, false, false).unwrap().variant().bn, 128);
+        assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 192);
+        assert!(kernel(64, 4096, false, false).is_err());
     }
 }

@@ -25,6 +25,7 @@
 //! | `CANDLE_FLASH_GEMV_MMA` | `1` | `infer::linear` at 5-16 rows on the tensor-core kernel instead of Candle's matmul (slower in the LLaMA step today: a comparison aid) |
 //! | `CANDLE_FLASH_GEMV_SPLIT` | 1, 2, 4, 8, 16 | warps per 16-column tile of `infer::linear` at 5-16 rows |
 //! | `CANDLE_FLASH_PDL` | `0` | no programmatic dependent launch |
+//! | `CANDLE_FLASH_GRAPH` | `captured` | `graph::CapturedGraph::capture` instantiates the graph as captured (memory nodes left in the kernels' chain) |
 //! | `CANDLE_FLASH_POISON` | `1` | outputs filled with NaN before each launch (unwritten elements show) |
 
 use std::sync::OnceLock;
@@ -55,6 +56,7 @@ pub(crate) struct Overrides {
     pub gemv_mma_on: bool,
     pub gemv_split: Option<usize>,
     pub pdl_off: bool,
+    pub graph_as_captured: bool,
     pub poison: bool,
 }
 
@@ -90,6 +92,7 @@ impl Overrides {
             gemv_mma_on: is("GEMV_MMA", "1"),
             gemv_split: number("GEMV_SPLIT").filter(|n| [1, 2, 4, 8, 16].contains(n)),
             pdl_off: is("PDL", "0"),
+            graph_as_captured: is("GRAPH", "captured"),
             poison: is("POISON", "1"),
         }
     }

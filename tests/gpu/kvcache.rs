@@ -4,6 +4,7 @@
 //! embedding fused into the append; a decoding step captured in a CUDA graph and replayed.
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
+use candle_flash::graph::{CapturedGraph, Wiring};
 use candle_flash::{
     attention_slow, flash_attn_with_kvcache, flash_attn_with_kvcache_lse,
     flash_attn_with_kvcache_ragged, flash_attn_with_paged_kvcache,
@@ -439,9 +440,10 @@ fn sinks_case(dev: &Device, lens: &[u32]) -> Result<()> {
 }
 
 /// A decoding step (append + attention with device lengths) captured in a CUDA graph and
-/// replayed with new lengths and inputs: bitwise equal to the same calls run eagerly.
-fn graph_replay_equals_eager(dev: &Device, paged: bool) -> Result<()> {
-    use candle::cuda_backend::cudarc::driver::sys;
+/// replayed with new lengths and inputs: bitwise equal to the same calls run eagerly, in
+/// both wirings of `candle_flash::graph` (as captured, and with the memory nodes out of the
+/// kernels' chain and the kernels joined programmatically).
+fn graph_replay_equals_eager(dev: &Device, paged: bool, wiring: Wiring) -> Result<()> {
     let (b, cap, h, hk, d, dtype) = (3, 96, 8, 2, 128, DType::BF16);
     let (page, max_pages) = (16, 96 / 16);
     let q = randn(&[b, 1, h, d], dtype, dev)?;
@@ -476,18 +478,20 @@ fn graph_replay_equals_eager(dev: &Device, paged: bool) -> Result<()> {
         }
     };
     step(&kc.copy()?, &vc.copy()?)?; // warm-up: modules, counters
-    let stream = dev.as_cuda_device()?.cuda_stream();
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(|e| candle::Error::Msg(format!("begin_capture: {e:?}")))?;
-    let captured = step(&kc, &vc).and_then(|o| out.slice_set(&o, 0, 0));
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-        .map_err(|e| candle::Error::Msg(format!("end_capture: {e:?}")))?;
-    captured?;
-    let Some(graph) = graph else {
-        candle::bail!("the capture recorded nothing")
-    };
+    let (graph, ()) = CapturedGraph::capture_with(dev, wiring, || {
+        step(&kc, &vc).and_then(|o| out.slice_set(&o, 0, 0))
+    })?;
+    // Rewired, no memory node is left between two kernels of the (single-stream) chain: only
+    // other nodes (copies, memsets) may separate consecutive kernels.
+    let stats = graph.stats();
+    if wiring == Wiring::Programmatic
+        && stats.kernel_to_kernel + stats.programmatic + stats.others + 1 < stats.kernels
+    {
+        candle::bail!(
+            "memory nodes left between kernels: {stats} (captured: {})",
+            graph.captured_stats()
+        );
+    }
     for (t, host_lens) in [[0u32, 5, 40], [1, 6, 41], [30, 7, 95], [60, 90, 2]]
         .iter()
         .enumerate()
@@ -498,9 +502,7 @@ fn graph_replay_equals_eager(dev: &Device, paged: bool) -> Result<()> {
         }
         let (k_eager, v_eager) = (kc.copy()?, vc.copy()?);
         let eager = step(&k_eager, &v_eager)?;
-        graph
-            .launch()
-            .map_err(|e| candle::Error::Msg(format!("graph launch: {e:?}")))?;
+        graph.launch()?;
         if max_abs_diff(&out, &eager)? != 0.0 {
             candle::bail!("replay {t} (lengths {host_lens:?}): output differs from the eager call");
         }
@@ -748,10 +750,12 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         );
     }
     for paged in [false, true] {
-        suite.record(
-            &format!("decode step in a CUDA graph, paged {paged}"),
-            graph_replay_equals_eager(dev, paged),
-        );
+        for wiring in [Wiring::AsCaptured, Wiring::Programmatic] {
+            suite.record(
+                &format!("decode step in a CUDA graph, paged {paged}, {wiring:?}"),
+                graph_replay_equals_eager(dev, paged, wiring),
+            );
+        }
     }
     suite.record("decode generation loop", generation_loop(dev));
     for page_size in [None, Some(16), Some(5)] {
