@@ -1386,8 +1386,7 @@ impl Bench {
         let attend_dev =
             |s: &DecodeInputs| flash_attn_with_kvcache(&s.q, &s.k, &s.v, None, &lens_dev, &opts);
         // The library's capture (memory nodes out of the kernels' chain, programmatic edges
-        // kept: candle_flash::graph) and the graph as captured, as a plain stream capture
-        // instantiates it.
+        // kept: candle_flash::graph) and the graph as a plain stream capture records it.
         let (pass_cap, json_cap) = match case.fp8 {
             false => ("graph-c", "decode-graph-captured"),
             true => ("gr-c-fp8", "decode-graph-captured-fp8"),
@@ -1448,8 +1447,8 @@ impl Bench {
 
 /// Per-call time of `calls` calls (`step(0..calls)`) captured once in a CUDA graph and
 /// replayed, with what the graph holds; each call is run eagerly first (kernel modules, the
-/// decode's counters). `as_captured`: the graph as a plain stream capture instantiates it,
-/// otherwise as `candle_flash::graph` rewires it.
+/// decode's counters). `as_captured`: the graph as a plain stream capture records it,
+/// otherwise as `candle_flash::graph` shapes it.
 #[cfg(feature = "cuda")]
 fn graph_timing(
     dev: &Device,
@@ -1468,10 +1467,7 @@ fn graph_timing(
     };
     let (graph, ()) = CapturedGraph::capture_with(dev, wiring, || (0..calls).try_for_each(&step))?;
     let t = time_ms_with(dev, DECODE_TIMING, |_| graph.launch())?;
-    let stats = match as_captured {
-        true => graph.stats().to_string(),
-        false => format!("{} (captured: {})", graph.stats(), graph.captured_stats()),
-    };
+    let stats = graph.stats().to_string();
     Ok((
         Timed {
             ms: t.ms / calls as f64,

@@ -2,18 +2,18 @@
 //!
 //! Candle allocates every output with `cuMemAllocAsync` and frees it with `cuMemFreeAsync`;
 //! under stream capture each becomes a memory node, so a captured step alternates kernel and
-//! memory nodes. A programmatic (PDL) dependency only exists between two kernel nodes, so
-//! inside such a graph every kernel waits for the full completion of the one before it, the
-//! gap that programmatic launch closes eagerly. [`CapturedGraph::capture`] records the same
-//! step, then takes the memory nodes out of the kernels' chain before instantiating it:
-//! allocations become roots of the graph and frees its sinks (each still ordered after every
-//! node it followed), and the kernels they separated are joined directly, programmatically
-//! where the later kernel was launched that way (it waits on the device for the one ahead
-//! before touching memory), otherwise by a plain edge.
+//! memory nodes. A programmatic (PDL) dependency only joins two kernel nodes, so inside such
+//! a graph every kernel waited for the full completion of the one before it, the gap that
+//! programmatic launch closes eagerly. A graph's dependencies cannot be edited once it holds
+//! memory nodes, so [`CapturedGraph::capture`] shapes them while capturing: this crate's
+//! launchers allocate their outputs as roots of the graph (no dependency on the kernels
+//! before; such memory is never shared with a buffer the graph freed earlier), and a kernel
+//! launched programmatically depends on the nodes the stream's frees followed instead of on
+//! the frees, programmatically on kernels. Kernels of other libraries, and plain captures
+//! (`CudaStream::begin_capture`), are recorded as they are.
 //!
-//! The price: no allocation of the graph reuses memory another one freed, so a replay holds
-//! all of the step's temporaries at once (a decoding step's are small; a captured training
-//! step's may not be).
+//! The price: the crate's allocations in the graph hold memory of their own for the whole
+//! replay (a decoding step's are small; a captured training step's may not be).
 //!
 //! ```no_run
 //! # fn main() -> candle::Result<()> {
@@ -37,7 +37,7 @@ use candle::{bail, Device, Result};
 pub enum Wiring {
     /// The graph as captured (what `CudaStream::end_capture` instantiates).
     AsCaptured,
-    /// Memory nodes moved out of the kernels' chain, kernels joined programmatically where
+    /// Memory nodes kept out of the kernels' chain, kernels joined programmatically where
     /// they were launched so (the default).
     Programmatic,
 }
@@ -82,14 +82,8 @@ pub struct CapturedGraph {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
     stream: Arc<CudaStream>,
-    captured: GraphStats,
-    launched: GraphStats,
+    stats: GraphStats,
 }
-
-// SAFETY: the handles are only used through &self methods that call the driver, which is
-// thread safe for launching an executable graph; the graph itself is not touched after
-// instantiation except to destroy it (Drop, which needs the value by value).
-unsafe impl Send for CapturedGraph {}
 
 impl Drop for CapturedGraph {
     fn drop(&mut self) {
@@ -127,7 +121,10 @@ impl CapturedGraph {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(candle::Error::wrap)?;
-        let out = body();
+        let out = {
+            let _shaping = Shaping::set(wiring == Wiring::Programmatic);
+            body()
+        };
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // SAFETY: the stream is in capture mode, begun above on this thread.
         let ended = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) }.result();
@@ -143,12 +140,7 @@ impl CapturedGraph {
             bail!("graph capture: the body launched nothing")
         }
         let result = (|| {
-            let nodes = Nodes::read(graph)?;
-            let captured = nodes.stats();
-            if wiring == Wiring::Programmatic {
-                nodes.rewire(graph)?;
-            }
-            let launched = Nodes::read(graph)?.stats();
+            let stats = Nodes::read(graph)?.stats();
             let mut exec: sys::CUgraphExec = std::ptr::null_mut();
             let flags =
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
@@ -156,16 +148,15 @@ impl CapturedGraph {
             unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, flags.0 as u64) }
                 .result()
                 .map_err(candle::Error::wrap)?;
-            Ok((exec, captured, launched))
+            Ok((exec, stats))
         })();
         match result {
-            Ok((exec, captured, launched)) => Ok((
+            Ok((exec, stats)) => Ok((
                 Self {
                     graph,
                     exec,
                     stream,
-                    captured,
-                    launched,
+                    stats,
                 },
                 out,
             )),
@@ -188,14 +179,9 @@ impl CapturedGraph {
             .map_err(candle::Error::wrap)
     }
 
-    /// The graph as captured.
-    pub fn captured_stats(&self) -> GraphStats {
-        self.captured
-    }
-
-    /// The graph as instantiated (after the rewiring).
+    /// What the graph holds.
     pub fn stats(&self) -> GraphStats {
-        self.launched
+        self.stats
     }
 }
 
@@ -208,23 +194,9 @@ fn destroy_graph(graph: sys::CUgraph) {
     }
 }
 
-/// Kernel functions launched with programmatic stream serialization (they call `pdl_wait`
-/// before touching memory another kernel writes), as `CUfunction` addresses.
-static PROGRAMMATIC: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
-
-/// Records that `func` is launched programmatically (`crate::cuda::launch_args_programmatic`).
-pub(crate) fn note_programmatic(func: sys::CUfunction) {
-    let mut known = PROGRAMMATIC
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if !known.contains(&(func as usize)) {
-        known.push(func as usize);
-    }
-}
-
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    Kernel { programmatic: bool },
+    Kernel,
     Alloc,
     Free,
     Other,
@@ -232,11 +204,9 @@ enum Kind {
 
 type Edge = (sys::CUgraphNode, sys::CUgraphNode);
 
-/// A graph's nodes and edges as read from the driver.
+/// A graph's nodes and edges as read from the driver (for [`GraphStats`]).
 struct Nodes {
     kinds: HashMap<sys::CUgraphNode, Kind>,
-    /// In the driver's order (a capture's is the stream's).
-    order: Vec<sys::CUgraphNode>,
     edges: Vec<(Edge, sys::CUgraphEdgeData)>,
 }
 
@@ -271,26 +241,13 @@ impl Nodes {
         // SAFETY: `order` holds `n` entries.
         check(unsafe { sys::cuGraphGetNodes(graph, order.as_mut_ptr(), &mut n) })?;
         order.truncate(n);
-        let programmatic = PROGRAMMATIC
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone();
         let mut kinds = HashMap::with_capacity(n);
         for &node in &order {
             let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
             // SAFETY: `node` belongs to `graph`.
             check(unsafe { sys::cuGraphNodeGetType(node, &mut t) })?;
             let kind = match t {
-                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {
-                    // SAFETY: zero is valid for this plain C struct; the driver fills it.
-                    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-                    // SAFETY: `node` is a kernel node.
-                    check(unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut p) })?;
-                    Kind::Kernel {
-                        programmatic: !p.func.is_null()
-                            && programmatic.contains(&(p.func as usize)),
-                    }
-                }
+                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => Kind::Kernel,
                 sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC => Kind::Alloc,
                 sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => Kind::Free,
                 _ => Kind::Other,
@@ -322,24 +279,20 @@ impl Nodes {
             )
         })?;
         let edges = (0..m).map(|i| ((from[i], to[i]), data[i])).collect();
-        Ok(Self {
-            kinds,
-            order,
-            edges,
-        })
+        Ok(Self { kinds, edges })
     }
 
     fn stats(&self) -> GraphStats {
         let mut s = GraphStats::default();
         for kind in self.kinds.values() {
             match kind {
-                Kind::Kernel { .. } => s.kernels += 1,
+                Kind::Kernel => s.kernels += 1,
                 Kind::Alloc => s.allocs += 1,
                 Kind::Free => s.frees += 1,
                 Kind::Other => s.others += 1,
             }
         }
-        let is_kernel = |n| matches!(self.kinds.get(&n), Some(Kind::Kernel { .. }));
+        let is_kernel = |n| matches!(self.kinds.get(&n), Some(Kind::Kernel));
         for ((from, to), data) in &self.edges {
             s.edges += 1;
             if data.type_ == sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8
@@ -351,98 +304,170 @@ impl Nodes {
         }
         s
     }
+}
 
-    /// Takes each memory node out of the chain (allocations to the roots, frees to the sinks),
-    /// joining its predecessors to its successors, then applies the difference to `graph`.
-    fn rewire(&self, graph: sys::CUgraph) -> Result<()> {
-        let mut edges: HashMap<Edge, sys::CUgraphEdgeData> = self.edges.iter().copied().collect();
-        let mut preds: HashMap<sys::CUgraphNode, HashSet<sys::CUgraphNode>> = HashMap::new();
-        let mut succs: HashMap<sys::CUgraphNode, HashSet<sys::CUgraphNode>> = HashMap::new();
-        for &((f, t), _) in &self.edges {
-            preds.entry(t).or_default().insert(f);
-            succs.entry(f).or_default().insert(t);
-        }
-        for &x in &self.order {
-            let kind = self.kinds[&x];
-            if !matches!(kind, Kind::Alloc | Kind::Free) {
-                continue;
-            }
-            let before: Vec<_> = preds.get(&x).into_iter().flatten().copied().collect();
-            let after: Vec<_> = succs.get(&x).into_iter().flatten().copied().collect();
-            for &p in &before {
-                for &s in &after {
-                    if edges.contains_key(&(p, s)) {
-                        continue;
-                    }
-                    let data = match (self.kinds[&p], self.kinds[&s]) {
-                        (Kind::Kernel { .. }, Kind::Kernel { programmatic: true }) => {
-                            programmatic_edge()
-                        }
-                        _ => plain_edge(),
-                    };
-                    edges.insert((p, s), data);
-                    preds.entry(s).or_default().insert(p);
-                    succs.entry(p).or_default().insert(s);
-                }
-            }
-            // An allocation keeps its successors and loses its predecessors; a free the
-            // reverse.
-            let cut: Vec<Edge> = match kind {
-                Kind::Alloc => before.iter().map(|&p| (p, x)).collect(),
-                _ => after.iter().map(|&s| (x, s)).collect(),
-            };
-            for (f, t) in cut {
-                edges.remove(&(f, t));
-                if let Some(s) = succs.get_mut(&f) {
-                    s.remove(&t);
-                }
-                if let Some(p) = preds.get_mut(&t) {
-                    p.remove(&f);
-                }
-            }
-        }
-        let old: HashMap<Edge, sys::CUgraphEdgeData> = self.edges.iter().copied().collect();
-        let removed: Vec<_> = old
-            .iter()
-            .filter(|(e, _)| !edges.contains_key(e))
-            .map(|(&e, &d)| (e, d))
-            .collect();
-        let added: Vec<_> = edges
-            .iter()
-            .filter(|(e, _)| !old.contains_key(e))
-            .map(|(&e, &d)| (e, d))
-            .collect();
-        apply(graph, &added, true)?;
-        apply(graph, &removed, false)
+thread_local! {
+    /// Whether this thread is inside [`CapturedGraph::capture`] with [`Wiring::Programmatic`].
+    static SHAPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Sets [`SHAPING`] for the life of the value (restored on drop, also on a panic).
+struct Shaping(bool);
+
+impl Shaping {
+    fn set(on: bool) -> Self {
+        Self(SHAPING.with(|s| s.replace(on)))
     }
 }
 
-/// Adds (or removes) `edges` in `graph`.
-fn apply(graph: sys::CUgraph, edges: &[(Edge, sys::CUgraphEdgeData)], add: bool) -> Result<()> {
-    if edges.is_empty() {
-        return Ok(());
+impl Drop for Shaping {
+    fn drop(&mut self) {
+        SHAPING.with(|s| s.set(self.0));
     }
-    let from: Vec<_> = edges.iter().map(|((f, _), _)| *f).collect();
-    let to: Vec<_> = edges.iter().map(|((_, t), _)| *t).collect();
-    let data: Vec<_> = edges.iter().map(|(_, d)| *d).collect();
-    // SAFETY: three arrays of `edges.len()` entries naming nodes of `graph`.
+}
+
+/// The dependency set of `stream` when it is being captured inside
+/// [`CapturedGraph::capture`] (programmatic wiring), `None` otherwise.
+fn shaped_deps(
+    stream: sys::CUstream,
+) -> Result<Option<Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>>> {
+    if !SHAPING.with(|s| s.get()) {
+        return Ok(None);
+    }
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id = 0;
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    let mut deps: *const sys::CUgraphNode = std::ptr::null();
+    let mut data: *const sys::CUgraphEdgeData = std::ptr::null();
+    let mut n = 0usize;
+    // SAFETY: out-pointers to locals; the arrays returned stay valid until the next call on
+    // the stream, and are copied before it.
     check(unsafe {
-        if add {
-            sys::cuGraphAddDependencies_v2(
-                graph,
-                from.as_ptr(),
-                to.as_ptr(),
-                data.as_ptr(),
-                edges.len(),
-            )
-        } else {
-            sys::cuGraphRemoveDependencies_v2(
-                graph,
-                from.as_ptr(),
-                to.as_ptr(),
-                data.as_ptr(),
-                edges.len(),
-            )
-        }
+        sys::cuStreamGetCaptureInfo_v3(
+            stream,
+            &mut status,
+            &mut id,
+            &mut graph,
+            &mut deps,
+            &mut data,
+            &mut n,
+        )
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        return Ok(None);
+    }
+    let nodes = match n {
+        0 => vec![],
+        // SAFETY: the driver returned `n` nodes (and edge data, when not null) at these addresses.
+        _ => (0..n)
+            .map(|i| unsafe {
+                let d = match data.is_null() {
+                    true => plain_edge(),
+                    false => *data.add(i),
+                };
+                (*deps.add(i), d)
+            })
+            .collect(),
+    };
+    Ok(Some(nodes))
+}
+
+/// Replaces the dependency set of the capturing `stream`.
+fn set_deps(
+    stream: sys::CUstream,
+    deps: &[(sys::CUgraphNode, sys::CUgraphEdgeData)],
+) -> Result<()> {
+    let mut nodes: Vec<_> = deps.iter().map(|(n, _)| *n).collect();
+    let data: Vec<_> = deps.iter().map(|(_, d)| *d).collect();
+    let flags = sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES;
+    // SAFETY: two arrays of `deps.len()` entries naming nodes of the stream's capture graph.
+    check(unsafe {
+        sys::cuStreamUpdateCaptureDependencies_v2(
+            stream,
+            nodes.as_mut_ptr(),
+            data.as_ptr(),
+            nodes.len(),
+            flags as u32,
+        )
     })
+}
+
+/// Runs `alloc` (allocations on `stream`) so that, inside [`CapturedGraph::capture`], the
+/// memory nodes it records are roots of the graph rather than successors of the kernels
+/// before: the kernel that then writes the memory can be joined programmatically to those
+/// kernels. Elsewhere it just runs `alloc`.
+pub(crate) fn unchained<R>(stream: &CudaStream, alloc: impl FnOnce() -> Result<R>) -> Result<R> {
+    let s = stream.cu_stream();
+    let Some(saved) = shaped_deps(s)? else {
+        return alloc();
+    };
+    set_deps(s, &[])?;
+    let out = alloc();
+    // The allocations' nodes (if any) join what the stream depended on before; on an
+    // error in `alloc` too, so that the capture stays ordered.
+    let mut deps = saved;
+    deps.extend(shaped_deps(s)?.unwrap_or_default());
+    set_deps(s, &deps)?;
+    out
+}
+
+/// Called right before a programmatic launch on `stream`: inside [`CapturedGraph::capture`],
+/// each memory-free node the launch would depend on is replaced by the nodes it depends on
+/// (recursively), kernels among them by programmatic edges. The frees stay in the graph
+/// after their predecessors; the kernel never touches what they free (its arguments are
+/// alive). Allocations stay dependencies: the kernel may use their memory.
+pub(crate) fn before_programmatic_launch(stream: &CudaStream) -> Result<()> {
+    let s = stream.cu_stream();
+    let Some(deps) = shaped_deps(s)? else {
+        return Ok(());
+    };
+    let mut out: Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)> = vec![];
+    let mut seen = HashSet::new();
+    let mut stack: Vec<_> = deps.iter().map(|(n, d)| (*n, Some(*d))).collect();
+    let mut changed = false;
+    while let Some((node, data)) = stack.pop() {
+        if !seen.insert(node) {
+            continue;
+        }
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to the stream's capture graph.
+        check(unsafe { sys::cuGraphNodeGetType(node, &mut t) })?;
+        match t {
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => {
+                changed = true;
+                let mut n = 0usize;
+                // SAFETY: null arrays ask for the count only.
+                check(unsafe {
+                    sys::cuGraphNodeGetDependencies_v2(
+                        node,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        &mut n,
+                    )
+                })?;
+                let mut preds = vec![std::ptr::null_mut(); n];
+                let mut data = vec![plain_edge(); n];
+                // SAFETY: both arrays hold `n` entries.
+                check(unsafe {
+                    sys::cuGraphNodeGetDependencies_v2(
+                        node,
+                        preds.as_mut_ptr(),
+                        data.as_mut_ptr(),
+                        &mut n,
+                    )
+                })?;
+                stack.extend(preds.into_iter().take(n).map(|p| (p, None)));
+            }
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {
+                let edge = programmatic_edge();
+                changed |= data.is_none_or(|d| d.type_ != edge.type_);
+                out.push((node, edge));
+            }
+            _ => out.push((node, data.unwrap_or_else(plain_edge))),
+        }
+    }
+    if changed {
+        set_deps(s, &out)?;
+    }
+    Ok(())
 }

@@ -135,9 +135,12 @@ fn append_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr +
     let (cache_ptr, cache_sync) = cache_view.device_ptr_mut(&stream);
     let (src_ptr, src_sync) = new_view.device_ptr(&stream);
     // SAFETY: the launch writes every element of every query row (q_rows > 0).
+    // Inside graph::CapturedGraph::capture, a root of the graph (see `unchained`).
     let mut q_out = match q_rows {
         0 => None,
-        n => Some(unsafe { dev.alloc::<T>(problem.b * n * problem.d)? }),
+        n => Some(crate::graph::unchained(&stream, || unsafe {
+            dev.alloc::<T>(problem.b * n * problem.d)
+        })?),
     };
     let scale_lock = lock_tensor(problem.quant.as_ref().map(|s| &s.0));
     let (scale_ptr, _scale_sync) = locked_ptr::<f32, _>(&scale_lock, &stream, "kv_cache_scales")?;

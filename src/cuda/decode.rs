@@ -160,24 +160,28 @@ fn decode_typed<T: CudaDType + DeviceRepr, C: CudaDType + DeviceRepr>(
     let (splits, row_tiles) = (plan.splits, plan.row_tiles);
 
     let out_elems = p.b * p.s_q * p.h * p.d;
-    // SAFETY: the decode kernel (when split, the last split of each row tile) writes every
-    // element.
-    let mut out = unsafe { dev.alloc::<T>(out_elems)? };
+    // Inside graph::CapturedGraph::capture, roots of the graph (see `unchained`).
+    let (mut out, mut partials, mut lse_out) = crate::graph::unchained(&stream, || {
+        // SAFETY: the decode kernel (when split, the last split of each row tile) writes
+        // every element.
+        let out = unsafe { dev.alloc::<T>(out_elems)? };
+        // Unsplit calls need no partial buffers (in a CUDA graph each allocation is a node).
+        let partials = if splits > 1 {
+            let rows = splits * p.b * p.h * p.s_q;
+            // SAFETY: each split writes its rows of both buffers before it counts itself in;
+            // the last to arrive reads them.
+            Some(unsafe { (dev.alloc::<f32>(rows * p.d)?, dev.alloc::<f32>(rows)?) })
+        } else {
+            None
+        };
+        // SAFETY: the kernel (or the merge) writes the LSE of every row with a query.
+        let lse_out = match p.want_lse || p.sinks.is_some() {
+            true => Some(unsafe { dev.alloc::<f32>(p.b * p.h * p.s_q)? }),
+            false => None,
+        };
+        Ok((out, partials, lse_out))
+    })?;
     poison(&stream, &mut out)?;
-    // Unsplit calls need no partial buffers (in a CUDA graph each allocation is a node).
-    let mut partials = if splits > 1 {
-        let rows = splits * p.b * p.h * p.s_q;
-        // SAFETY: each split writes its rows of both buffers before it counts itself in; the
-        // last to arrive reads them.
-        Some(unsafe { (dev.alloc::<f32>(rows * p.d)?, dev.alloc::<f32>(rows)?) })
-    } else {
-        None
-    };
-    // SAFETY: the kernel (or the merge) writes the LSE of every row with a query.
-    let mut lse_out = match p.want_lse || p.sinks.is_some() {
-        true => Some(unsafe { dev.alloc::<f32>(p.b * p.h * p.s_q)? }),
-        false => None,
-    };
     let mut seqlens_inline = [0i32; INLINE_SEQLENS];
     let seqlens = match &p.seqlens {
         Indices::Host(lens) if p.b <= INLINE_SEQLENS => {

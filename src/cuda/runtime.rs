@@ -375,8 +375,9 @@ pub(crate) unsafe fn launch_args_programmatic(
     // Off (or before Hopper): the same call without the attribute, a plain launch.
     let programmatic = !overrides::overrides().pdl_off && device_facts(dev)?.hopper();
     if programmatic {
-        // A captured graph joins this kernel to the one ahead programmatically (crate::graph).
-        crate::graph::note_programmatic(func.cu_function());
+        // Inside graph::CapturedGraph::capture: joined to the kernels ahead past the stream's
+        // frees, programmatically.
+        crate::graph::before_programmatic_launch(&stream)?;
     }
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,

@@ -88,7 +88,9 @@ impl CustomOp1 for Argmax {
         }
         // SAFETY: every slice's block writes its key before it counts itself in; the last
         // reads them.
-        let mut part = unsafe { dev.alloc::<u64>(if slices > 1 { rows * slices } else { 1 })? };
+        let mut part = crate::graph::unchained(&stream, || unsafe {
+            dev.alloc::<u64>(if slices > 1 { rows * slices } else { 1 })
+        })?;
         // Held until the launch is queued (see `stream_counters`).
         let mut cache = COUNTERS
             .lock()

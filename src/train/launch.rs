@@ -80,6 +80,11 @@ pub(crate) fn ptr_mut<'a>(
 /// it), otherwise filled with NaN under `CANDLE_FLASH_POISON=1` like the attention's outputs,
 /// so that an element a kernel fails to write shows in the tests.
 pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
+    // Inside graph::CapturedGraph::capture, a root of the graph (see `unchained`).
+    crate::graph::unchained(&dev.cuda_stream(), || alloc_as(dev, dtype, n, zero))
+}
+
+fn alloc_as(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
     fn make<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         dev: &CudaDevice,
         n: usize,
