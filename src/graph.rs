@@ -466,8 +466,17 @@ pub(crate) fn before_programmatic_launch(stream: &CudaStream) -> Result<()> {
             _ => out.push((node, data.unwrap_or_else(plain_edge))),
         }
     }
-    if changed {
-        set_deps(s, &out)?;
+    if !changed {
+        return Ok(());
+    }
+    if set_deps(s, &out).is_ok() {
+        return Ok(());
+    }
+    // A driver that refuses programmatic edge data here: plain edges past the frees, which
+    // the launch's programmatic attribute may still turn programmatic; else as captured.
+    let plain: Vec<_> = out.iter().map(|(n, _)| (*n, plain_edge())).collect();
+    if set_deps(s, &plain).is_err() {
+        set_deps(s, &deps)?;
     }
     Ok(())
 }
