@@ -15,7 +15,8 @@
 //!   input at all; the host reads the new tokens (one small copy, which also tells it when to
 //!   stop) and advances its mirror of the lengths ([`Cache::advance`]);
 //! - nothing in the step uploads, reads back or synchronises; its temporaries are allocated
-//!   and freed inside the capture (graph memory nodes);
+//!   and freed inside the capture (graph memory nodes), which `candle_flash::graph` keeps out
+//!   of the way of the kernels' programmatic launches;
 //! - one eager step of the same batch size first: kernel modules load, cuBLAS initialises,
 //!   the crate's decode counters are allocated, and Candle caches the small layout uploads of
 //!   its strided ops (`enable_cuda_graph_htod_cache`), which the capture then copies on the
