@@ -1325,45 +1325,16 @@ impl Bench {
         let dev = self.dev.clone();
         let timed =
             try_run(|| time_ms_with(&dev, DECODE_TIMING, |i| attend(&sets[i % n]).map(drop)));
-        let row = format!(
-            "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
-            pass_eager,
-            case.seqlen,
-            case.batch,
-            format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
-        );
+        let row = case.row(pass_eager, n);
         let t = match timed {
             Ok(t) if t.ms.is_finite() && t.ms > 0.0 => t,
             Ok(t) => return println!("{row} n/a  bad timing {}  check {}", t.ms, check.0),
             Err(e) => return println!("{row} n/a  {e}  check {}", check.0),
         };
-        let gbps = case.kv_bytes(self.dtype) as f64 / (t.ms * 1e-3) / 1e9;
-        let pct = copy_gbps.map(|c| 100.0 * gbps / c);
-        let pct_cell = pct.map_or("n/a".to_string(), |p| format!("{p:.1}"));
-        println!(
-            "{row} {:>9.4} {gbps:>8.0} {pct_cell:>6} {:>9.4}  {}",
-            t.ms, t.host_ms, check.0
-        );
-        let mut fields = vec![
-            format!("\"impl\": \"{FLASH}\""),
-            format!(
-                "\"pass\": \"{}\"",
-                if case.fp8 { "decode-fp8" } else { "decode" }
-            ),
-            format!("\"hd\": {DECODE_HD}"),
-            format!("\"seqlen\": {}", case.seqlen),
-            format!("\"batch\": {}", case.batch),
-            format!("\"heads\": {DECODE_HEADS}"),
-            format!("\"heads_k\": {DECODE_HEADS_K}"),
-            "\"causal\": false".into(),
-            format!("\"ms\": {:.6}", t.ms),
-            format!("\"gbps\": {gbps:.1}"),
-            format!("\"host_ms\": {:.6}", t.host_ms),
-            format!("\"caches\": {n}"),
-        ];
-        if let Some(p) = pct {
-            fields.push(format!("\"pct_copy\": {p:.2}"));
-        }
+        let (cells, mut fields) = case.record("decode", t.ms, self.dtype, copy_gbps);
+        println!("{row} {cells} {:>9.4}  {}", t.host_ms, check.0);
+        fields.push(format!("\"host_ms\": {:.6}", t.host_ms));
+        fields.push(format!("\"caches\": {n}"));
         if let Some(rel) = check.1 {
             let ok = rel <= DECODE_CHECK_REL;
             fields.push(format!(
@@ -1387,26 +1358,14 @@ impl Bench {
             |s: &DecodeInputs| flash_attn_with_kvcache(&s.q, &s.k, &s.v, None, &lens_dev, &opts);
         // The library's capture (memory nodes out of the kernels' chain, programmatic edges
         // kept: candle_flash::graph) and the graph as a plain stream capture records it.
-        let (pass_cap, json_cap) = match case.fp8 {
-            false => ("graph-c", "decode-graph-captured"),
-            true => ("gr-c-fp8", "decode-graph-captured-fp8"),
-        };
-        let json_graph = match case.fp8 {
-            false => "decode-graph",
-            true => "decode-graph-fp8",
-        };
-        for (as_captured, pass, json_pass) in
-            [(false, pass_graph, json_graph), (true, pass_cap, json_cap)]
-        {
+        let pass_cap = if case.fp8 { "gr-c-fp8" } else { "graph-c" };
+        for (as_captured, pass, json_pass) in [
+            (false, pass_graph, "decode-graph"),
+            (true, pass_cap, "decode-graph-captured"),
+        ] {
             let timed =
                 try_run(|| graph_timing(&dev, n, as_captured, |i| attend_dev(&sets[i]).map(drop)));
-            let row = format!(
-                "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {n:>6}",
-                pass,
-                case.seqlen,
-                case.batch,
-                format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
-            );
+            let row = case.row(pass, n);
             let (t, stats) = match timed {
                 Ok((t, stats)) if t.ms.is_finite() && t.ms > 0.0 => (t, stats),
                 Ok((t, _)) => {
@@ -1418,28 +1377,8 @@ impl Bench {
                     continue;
                 }
             };
-            let gbps = case.kv_bytes(self.dtype) as f64 / (t.ms * 1e-3) / 1e9;
-            let pct = copy_gbps.map(|c| 100.0 * gbps / c);
-            let pct_cell = pct.map_or("n/a".to_string(), |p| format!("{p:.1}"));
-            println!(
-                "{row} {:>9.4} {gbps:>8.0} {pct_cell:>6} {:>9.4}  in a CUDA graph: {stats}",
-                t.ms, t.host_ms
-            );
-            let mut fields = vec![
-                format!("\"impl\": \"{FLASH}\""),
-                format!("\"pass\": \"{json_pass}\""),
-                format!("\"hd\": {DECODE_HD}"),
-                format!("\"seqlen\": {}", case.seqlen),
-                format!("\"batch\": {}", case.batch),
-                format!("\"heads\": {DECODE_HEADS}"),
-                format!("\"heads_k\": {DECODE_HEADS_K}"),
-                "\"causal\": false".into(),
-                format!("\"ms\": {:.6}", t.ms),
-                format!("\"gbps\": {gbps:.1}"),
-            ];
-            if let Some(p) = pct {
-                fields.push(format!("\"pct_copy\": {p:.2}"));
-            }
+            let (cells, fields) = case.record(json_pass, t.ms, self.dtype, copy_gbps);
+            println!("{row} {cells} {:>9.4}  in a CUDA graph: {stats}", t.host_ms);
             self.records.push(format!("  {{{}}}", fields.join(", ")));
         }
     }
@@ -1517,6 +1456,49 @@ struct DecodeCase {
 }
 
 impl DecodeCase {
+    /// A table row's leading cells: implementation, `pass`, shape, `caches` cache sets.
+    fn row(&self, pass: &str, caches: usize) -> String {
+        format!(
+            "{FLASH:<12} {:<8} {DECODE_HD:>4} {:>6} {:>5} {:>6} {caches:>6}",
+            pass,
+            self.seqlen,
+            self.batch,
+            format!("{DECODE_HEADS}/{DECODE_HEADS_K}"),
+        )
+    }
+
+    /// A call of `ms` milliseconds: the row's ms, GB/s and % of copy cells, and the JSON
+    /// fields every decode record shares (pass `json_pass`, `-fp8` appended for an e4m3
+    /// cache).
+    fn record(
+        &self,
+        json_pass: &str,
+        ms: f64,
+        dtype: DType,
+        copy_gbps: Option<f64>,
+    ) -> (String, Vec<String>) {
+        let gbps = self.kv_bytes(dtype) as f64 / (ms * 1e-3) / 1e9;
+        let pct = copy_gbps.map(|c| 100.0 * gbps / c);
+        let pct_cell = pct.map_or("n/a".to_string(), |p| format!("{p:.1}"));
+        let suffix = if self.fp8 { "-fp8" } else { "" };
+        let mut fields = vec![
+            format!("\"impl\": \"{FLASH}\""),
+            format!("\"pass\": \"{json_pass}{suffix}\""),
+            format!("\"hd\": {DECODE_HD}"),
+            format!("\"seqlen\": {}", self.seqlen),
+            format!("\"batch\": {}", self.batch),
+            format!("\"heads\": {DECODE_HEADS}"),
+            format!("\"heads_k\": {DECODE_HEADS_K}"),
+            "\"causal\": false".into(),
+            format!("\"ms\": {ms:.6}"),
+            format!("\"gbps\": {gbps:.1}"),
+        ];
+        if let Some(p) = pct {
+            fields.push(format!("\"pct_copy\": {p:.2}"));
+        }
+        (format!("{ms:>9.4} {gbps:>8.0} {pct_cell:>6}"), fields)
+    }
+
     /// Bytes of K and V one call reads: 2·b·L·hk·d elements.
     fn kv_bytes(&self, dtype: DType) -> usize {
         let elem = if self.fp8 { 1 } else { dtype.size_in_bytes() };

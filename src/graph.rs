@@ -25,7 +25,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -140,7 +140,7 @@ impl CapturedGraph {
             bail!("graph capture: the body launched nothing")
         }
         let result = (|| {
-            let stats = Nodes::read(graph)?.stats();
+            let stats = graph_stats(graph)?;
             let mut exec: sys::CUgraphExec = std::ptr::null_mut();
             let flags =
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
@@ -194,24 +194,15 @@ fn destroy_graph(graph: sys::CUgraph) {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Kernel,
-    Alloc,
-    Free,
-    Other,
-}
-
-type Edge = (sys::CUgraphNode, sys::CUgraphNode);
-
-/// A graph's nodes and edges as read from the driver (for [`GraphStats`]).
-struct Nodes {
-    kinds: HashMap<sys::CUgraphNode, Kind>,
-    edges: Vec<(Edge, sys::CUgraphEdgeData)>,
-}
-
 fn check(r: sys::CUresult) -> Result<()> {
     r.result().map_err(candle::Error::wrap)
+}
+
+fn node_type(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType> {
+    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+    // SAFETY: `node` is a live node of a graph (or of a capture in progress).
+    check(unsafe { sys::cuGraphNodeGetType(node, &mut t) })?;
+    Ok(t)
 }
 
 fn programmatic_edge() -> sys::CUgraphEdgeData {
@@ -232,78 +223,61 @@ fn plain_edge() -> sys::CUgraphEdgeData {
     }
 }
 
-impl Nodes {
-    fn read(graph: sys::CUgraph) -> Result<Self> {
-        let mut n = 0usize;
-        // SAFETY: a null array asks for the count only.
-        check(unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) })?;
-        let mut order = vec![std::ptr::null_mut(); n];
-        // SAFETY: `order` holds `n` entries.
-        check(unsafe { sys::cuGraphGetNodes(graph, order.as_mut_ptr(), &mut n) })?;
-        order.truncate(n);
-        let mut kinds = HashMap::with_capacity(n);
-        for &node in &order {
-            let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: `node` belongs to `graph`.
-            check(unsafe { sys::cuGraphNodeGetType(node, &mut t) })?;
-            let kind = match t {
-                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => Kind::Kernel,
-                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC => Kind::Alloc,
-                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => Kind::Free,
-                _ => Kind::Other,
-            };
-            kinds.insert(node, kind);
-        }
-        let mut m = 0usize;
-        // SAFETY: null arrays ask for the count only.
-        check(unsafe {
-            sys::cuGraphGetEdges_v2(
-                graph,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                &mut m,
-            )
-        })?;
-        let mut from = vec![std::ptr::null_mut(); m];
-        let mut to = vec![std::ptr::null_mut(); m];
-        let mut data = vec![plain_edge(); m];
-        // SAFETY: each array holds `m` entries.
-        check(unsafe {
-            sys::cuGraphGetEdges_v2(
-                graph,
-                from.as_mut_ptr(),
-                to.as_mut_ptr(),
-                data.as_mut_ptr(),
-                &mut m,
-            )
-        })?;
-        let edges = (0..m).map(|i| ((from[i], to[i]), data[i])).collect();
-        Ok(Self { kinds, edges })
-    }
-
-    fn stats(&self) -> GraphStats {
-        let mut s = GraphStats::default();
-        for kind in self.kinds.values() {
-            match kind {
-                Kind::Kernel => s.kernels += 1,
-                Kind::Alloc => s.allocs += 1,
-                Kind::Free => s.frees += 1,
-                Kind::Other => s.others += 1,
+/// Counts `graph`'s nodes by kind and its edges.
+fn graph_stats(graph: sys::CUgraph) -> Result<GraphStats> {
+    use sys::CUgraphNodeType as N;
+    let mut n = 0usize;
+    // SAFETY: a null array asks for the count only.
+    check(unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) })?;
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` holds `n` entries.
+    check(unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) })?;
+    let mut s = GraphStats::default();
+    let mut kernels = HashSet::new();
+    for &node in nodes.iter().take(n) {
+        match node_type(node)? {
+            N::CU_GRAPH_NODE_TYPE_KERNEL => {
+                kernels.insert(node);
             }
+            N::CU_GRAPH_NODE_TYPE_MEM_ALLOC => s.allocs += 1,
+            N::CU_GRAPH_NODE_TYPE_MEM_FREE => s.frees += 1,
+            _ => s.others += 1,
         }
-        let is_kernel = |n| matches!(self.kinds.get(&n), Some(Kind::Kernel));
-        for ((from, to), data) in &self.edges {
-            s.edges += 1;
-            if data.type_ == sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8
-            {
-                s.programmatic += 1;
-            } else if is_kernel(*from) && is_kernel(*to) {
-                s.kernel_to_kernel += 1;
-            }
-        }
-        s
     }
+    s.kernels = kernels.len();
+    let mut m = 0usize;
+    // SAFETY: null arrays ask for the count only.
+    check(unsafe {
+        sys::cuGraphGetEdges_v2(
+            graph,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut m,
+        )
+    })?;
+    let mut from = vec![std::ptr::null_mut(); m];
+    let mut to = vec![std::ptr::null_mut(); m];
+    let mut data = vec![plain_edge(); m];
+    // SAFETY: each array holds `m` entries.
+    check(unsafe {
+        sys::cuGraphGetEdges_v2(
+            graph,
+            from.as_mut_ptr(),
+            to.as_mut_ptr(),
+            data.as_mut_ptr(),
+            &mut m,
+        )
+    })?;
+    s.edges = m;
+    for i in 0..m {
+        if data[i].type_ == programmatic_edge().type_ {
+            s.programmatic += 1;
+        } else if kernels.contains(&from[i]) && kernels.contains(&to[i]) {
+            s.kernel_to_kernel += 1;
+        }
+    }
+    Ok(s)
 }
 
 thread_local! {
@@ -429,10 +403,7 @@ pub(crate) fn before_programmatic_launch(stream: &CudaStream) -> Result<()> {
         if !seen.insert(node) {
             continue;
         }
-        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        // SAFETY: `node` belongs to the stream's capture graph.
-        check(unsafe { sys::cuGraphNodeGetType(node, &mut t) })?;
-        match t {
+        match node_type(node)? {
             sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => {
                 changed = true;
                 let mut n = 0usize;
@@ -466,17 +437,10 @@ pub(crate) fn before_programmatic_launch(stream: &CudaStream) -> Result<()> {
             _ => out.push((node, data.unwrap_or_else(plain_edge))),
         }
     }
-    if !changed {
-        return Ok(());
-    }
-    if set_deps(s, &out).is_ok() {
-        return Ok(());
-    }
-    // A driver that refuses programmatic edge data here: plain edges past the frees, which
-    // the launch's programmatic attribute may still turn programmatic; else as captured.
-    let plain: Vec<_> = out.iter().map(|(n, _)| (*n, plain_edge())).collect();
-    if set_deps(s, &plain).is_err() {
-        set_deps(s, &deps)?;
+    // A driver that refuses the new set leaves the stream's as it was: the launch is then
+    // recorded as a plain capture records it.
+    if changed {
+        let _ = set_deps(s, &out);
     }
     Ok(())
 }

@@ -139,7 +139,7 @@ __device__ __forceinline__ void transpose_loop(uint32_t vt, uint32_t half, int h
 // Warp W's share: units W, W + WARPS, ..., each (g, h) a compile-time constant, so that a unit
 // costs its ldmatrix, four byte permutes, its stmatrix and an XOR and add (the loop over
 // runtime units divided by GROUPS per unit, by 12 at 192 keys: the transposers then held
-// the consumers up; docs/archive/PERF.md, session 47).
+// the consumers up; docs/archive/PERF.md, "the FP8 128 x 192 tile on the GPU").
 template <int BN, int D, int WARPS, int W>
 __device__ __forceinline__ void transpose_units(uint32_t vt, uint32_t half, int half_key0,
                                                 uint32_t v, int lane) {

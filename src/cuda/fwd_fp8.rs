@@ -39,7 +39,8 @@ pub(crate) fn fwd_fp8(
 
 /// Up to this many keys the narrowest key tile is taken: a 192-key tile pads 512 keys to
 /// 576, and the 128 x 192 kernel ran 3% (non-causal) and 9% (causal) slower than 128 x 128
-/// there, while from 1k keys it was 4-14% faster (H200, docs/archive/PERF.md, session 48).
+/// there, while from 1k keys it was 4-14% faster (H200; docs/archive/PERF.md, "the
+/// constant-offset FP8 transposer").
 const FP8_NARROW_MAX_KEYS: usize = 512;
 
 /// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest
