@@ -466,7 +466,7 @@ impl Paging {
 /// One KV-cache decoding call, after validation: `s_q` query tokens per sequence attend to
 /// the first `seqlens[b]` cached tokens of their sequence (causal among the last `s_q` if
 /// `causal`, bottom-right aligned). Appending new tokens is a separate in-place op that runs
-/// first, so `seqlens` already counts them.
+/// first, or on CUDA part of the same launch (`append`); either way `seqlens` counts them.
 #[derive(Clone, Debug)]
 pub(crate) struct DecodeProblem {
     pub b: usize,
@@ -498,6 +498,21 @@ pub(crate) struct DecodeProblem {
     pub sinks: Option<Tensor>,
     /// An F8E4M3 cache's dequantization scales; `None` for a cache in q's dtype.
     pub kv_scales: Option<KvScales>,
+    /// The new rows this launch appends itself before attending (CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub append: Option<FusedAppend>,
+}
+
+/// The append a decode launch does itself: `k_new`, `v_new` `(b, s_new, hk, d)` written into
+/// the caches at each sequence's end (its `q_lens[b]` first rows when ragged), K and q
+/// rotated when `rotary` is set (its `q` unused: the launch rotates the q it attends with).
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct FusedAppend {
+    pub k_new: Tensor,
+    pub v_new: Tensor,
+    pub s_new: usize,
+    pub rotary: Option<RotaryProblem>,
 }
 
 /// The per-head dequantization scales of an F8E4M3 KV cache: a cached value times its

@@ -59,18 +59,21 @@ __device__ __forceinline__ void store_chunk(C* dst, const Chunk8<T>& a, float sc
 // the tables: device lengths are unchecked), in pairs (j, j + rot_half) or, interleaved,
 // (2j, 2j + 1); the rest is copied. f32 arithmetic, one rounding. rot_half is a multiple of 8
 // (checked on the host), so a chunk never straddles the rotated and copied parts. A cache of
-// C = uint8_t is e4m3, each element divided by `scale` (its head's) on the way.
-template <typename T, typename C>
-__device__ __forceinline__ void append_row(const AppendParams& ap, C* dst, const T* src,
-                                           int64_t pos, float scale = 1.f) {
+// C = uint8_t is e4m3, each element divided by `scale` (its head's) on the way. Threads t0 of
+// nt share the row (the append's block, or one warp of a decode block: P = DecodeAppend);
+// dst may be src (a row rotated in place: each chunk, or pair of chunks, is one thread's).
+template <typename T, typename C, typename P>
+__device__ __forceinline__ void append_row(const P& ap, C* dst, const T* src, int64_t pos,
+                                           float scale, int t0, int nt) {
     const int rot = ap.rot_cos != nullptr ? 2 * ap.rot_half : 0;
     const int64_t row = min(pos, int64_t(ap.rot_rows) - 1);
     const float* cs = ap.rot_cos + row * ap.rot_half;
     const float* sn = ap.rot_sin + row * ap.rot_half;
-    for (int c = threadIdx.x * CHUNK; c < ap.d; c += blockDim.x * CHUNK) {
+    for (int c = t0 * CHUNK; c < ap.d; c += nt * CHUNK) {
         if (c >= rot) {
             if constexpr (std::is_same_v<C, T>) {
-                *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+                if (static_cast<const void*>(dst) != src)
+                    *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
             } else {
                 Chunk8<T> a;
                 a.load(src + c);
@@ -122,7 +125,7 @@ template <typename T, typename C> __device__ __forceinline__ void flash_append(c
         const T* src = static_cast<const T*>(ap.q) + b * ap.q_batch_stride +
                        int64_t(i) * ap.q_row_stride + head * ap.q_head_stride;
         T* dst = static_cast<T*>(ap.q_out) + ((int64_t(b) * ap.s_q + i) * ap.h + head) * ap.d;
-        append_row(ap, dst, src, start + (ap.q_causal ? i : 0));
+        append_row(ap, dst, src, start + (ap.q_causal ? i : 0), 1.f, threadIdx.x, blockDim.x);
         return;
     }
     if (i >= n) return;
@@ -134,5 +137,6 @@ template <typename T, typename C> __device__ __forceinline__ void flash_append(c
                       ap.cache_head_stride, int(j));
     const T* src = static_cast<const T*>(ap.src) + b * ap.src_batch_stride +
                    int64_t(i) * ap.src_row_stride + y * ap.src_head_stride;
-    append_row(ap, dst, src, j, std::is_same_v<C, T> ? 1.f : ap.scale[y]);
+    append_row(ap, dst, src, j, std::is_same_v<C, T> ? 1.f : ap.scale[y], threadIdx.x,
+               blockDim.x);
 }

@@ -115,6 +115,14 @@ __device__ __forceinline__ void gemm_pv(float (&o)[1][DT][4], const uint32_t (&p
     }
 }
 
+// append_row's parameters for a row copied without rotation (the fused append's V rows).
+struct NoRotary {
+    int d;
+    const float* rot_cos = nullptr;
+    const float* rot_sin = nullptr;
+    int rot_rows = 1, rot_half = 0, rot_interleaved = 0;
+};
+
 constexpr int MAX_SPLITS = 128;  // src/cuda/plan/decode.rs caps num_splits to this
 
 // The merge of the splits, run by the last split of a row tile to finish (weights
@@ -291,10 +299,11 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const int q_len = dp.q_lens != nullptr
                           ? int(min(unsigned(dp.q_lens[b]), unsigned(p.seqlen_q)))
                           : p.seqlen_q;
-    const int seqlen_k = int(min(
+    const int64_t total_len =
         int64_t(unsigned(dp.seqlens != nullptr ? dp.seqlens[b] : dp.seqlens_inline[b])) +
-            (dp.add_q_lens ? q_len : dp.seqlens_add),
-        int64_t(cache_capacity(dp.block_table, dp.max_pages, dp.page_size))));
+        (dp.add_q_lens ? q_len : dp.seqlens_add);
+    const int64_t capacity = cache_capacity(dp.block_table, dp.max_pages, dp.page_size);
+    const int seqlen_k = int(min(total_len, capacity));
     SeqInfo seq(p, b);
     seq.seqlen_q = q_len;
     seq.seqlen_k = seqlen_k;
@@ -323,6 +332,45 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const int per_split = (kb_end - kb_begin + dp.num_splits - 1) / dp.num_splits;
     const int my_begin = min(kb_end, kb_begin + split * per_split);
     const int my_end = min(kb_end, my_begin + per_split);
+
+    // The fused append (DecodeAppend; src/cuda/decode.rs fuses it only where a K/V head has
+    // one row tile, so one block per split reads each key): each new row goes to the cache
+    // from the block whose key range holds it (split 0 for a row no query of this call
+    // sees), before that block's copies read it, one warp a row. No other block reads those
+    // keys, so no grid-wide ordering is needed. Rows past the capacity are dropped, as the
+    // append launch drops them.
+    const DecodeAppend& fa = dp.append;
+    const bool fused = fa.k_new != nullptr;
+    const int64_t new_start = fused ? total_len - (dp.q_lens != nullptr ? q_len : fa.s_new) : 0;
+    if (fused) {
+        using C = std::conditional_t<K::FP8, uint8_t, T>;
+        const CacheRows dst{dp.block_table, dp.max_pages, dp.page_size, b, h_k, dp.num_pages};
+        const int n = int(total_len - new_start);
+        const NoRotary plain{fa.d};
+        for (int item = warp; item < 2 * n; item += NW) {
+            const int i = item / 2;
+            const bool is_v = item % 2 != 0;
+            const int64_t j = new_start + i;
+            const int t = int(j / BN);
+            const bool mine = (t >= my_begin && t < my_end) ||
+                              (split == 0 && (t < kb_begin || t >= kb_end));
+            if (j >= capacity || !mine) continue;
+            const T* src = static_cast<const T*>(is_v ? fa.v_new : fa.k_new) +
+                           b * (is_v ? fa.v_batch_stride : fa.k_batch_stride) +
+                           int64_t(i) * (is_v ? fa.v_row_stride : fa.k_row_stride) +
+                           h_k * (is_v ? fa.v_head_stride : fa.k_head_stride);
+            C* row = dst.row(static_cast<C*>(const_cast<void*>(is_v ? p.v : p.k)),
+                             is_v ? p.v_batch_stride : p.k_batch_stride,
+                             is_v ? p.v_row_stride : p.k_row_stride,
+                             is_v ? p.v_head_stride : p.k_head_stride, int(j));
+            const float scale = K::FP8 ? (is_v ? dp.v_scale : dp.k_scale)[h_k] : 1.f;
+            if (is_v)
+                append_row<T, C>(plain, row, src, j, scale, lane, 32);
+            else
+                append_row<T, C>(fa, row, src, j, scale, lane, 32);
+        }
+        __syncthreads();  // the rows are in the cache before any warp's copies read them
+    }
 
     // A tile is 16 consecutive rows of one page (a contiguous cache is one page per
     // sequence), found with one block-table read per tile, done a step ahead so that its
@@ -383,6 +431,15 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     cp_async_commit();  // one group per step, empty or not, so wait<1> always means "this tile"
     cp_async_wait<1>();  // Q landed (this thread's part) ...
     __syncthreads();     // ... and everyone's
+    if (fused && fa.rot_cos != nullptr) {  // the queries rotated in place, one warp a row
+        for (int r = warp; r < ROWS; r += NW) {
+            const int token = (m0 + r) / group;
+            if (token >= q_len) continue;
+            T* row = sQ + r * STRIDE;
+            append_row<T, T>(fa, row, row, new_start + (fa.q_causal ? token : 0), 1.f, lane, 32);
+        }
+        __syncthreads();
+    }
     if constexpr (K::FP8) {  // f16, carrying the K scale, in the K fragments' k order
         q_to_f16_permuted<T, ROWS, D, STRIDE, K::THREADS>(sQ, dp.k_scale[h_k], tid);
         __syncthreads();

@@ -2,7 +2,7 @@
 // the decode kernel's per-warp tile copies.
 #pragma once
 #include "common/copy.cuh"
-#include "common/params.cuh"
+#include "decode/params.cuh"
 
 // Row addressing of a (possibly paged) cache for one sequence and K/V head.
 // A block-table entry as a page of the pool: entries are u32 on the host side, and a device

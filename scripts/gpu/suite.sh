@@ -60,6 +60,12 @@ if [ ${#args[@]} = 0 ]; then
   run_step tests-mods-nocap "$OUT/gpu-tests.log" --append \
     env CANDLE_FLASH_BWD_CAP=0 "$BIN/gpu" --only mods || rc=$?
   [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
+  # Decoding calls with their K/V appends as launches of their own (fused into the decode
+  # launch by default where a K/V head's query rows fit one tile).
+  rc=0
+  run_step tests-kvcache-unfused "$OUT/gpu-tests.log" --append \
+    env CANDLE_FLASH_FUSED_APPEND=0 "$BIN/gpu" --only kvcache,fp8 || rc=$?
+  [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
   # Every catalogue kernel of the device's set loads with the launch bounds of its geometry.
   if [ -x "$BIN/unit" ]; then
     rc=0

@@ -18,7 +18,7 @@ use super::catalogue::{Family, Kernel};
 use super::runtime::Launch;
 use crate::params::{AppendProblem, Indices};
 
-/// Mirror of `struct AppendParams` in `cuda/common/params.cuh`.
+/// Mirror of `struct AppendParams` in `cuda/decode/params.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct AppendParams {

@@ -24,11 +24,11 @@ use super::runtime::{
 };
 use crate::params::{DecodeProblem, Indices};
 
-/// `DECODE_INLINE_SEQLENS` in `cuda/common/params.cuh`: batches up to this size pass their lengths
+/// `DECODE_INLINE_SEQLENS` in `cuda/decode/params.cuh`: batches up to this size pass their lengths
 /// inside the parameter block instead of through a host-to-device copy per call.
 const INLINE_SEQLENS: usize = 128;
 
-/// Mirror of `struct DecodeParams` in `cuda/common/params.cuh`.
+/// Mirror of `struct DecodeParams` in `cuda/decode/params.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(super) struct DecodeParams {
@@ -48,7 +48,30 @@ pub(super) struct DecodeParams {
     pub(super) counters: CUdeviceptr,
     pub(super) k_scale: CUdeviceptr,
     pub(super) v_scale: CUdeviceptr,
+    pub(super) append: DecodeAppend,
     pub(super) seqlens_inline: [i32; INLINE_SEQLENS],
+}
+
+/// Mirror of `struct DecodeAppend` in `cuda/decode/params.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct DecodeAppend {
+    pub(super) k_new: CUdeviceptr,
+    pub(super) v_new: CUdeviceptr,
+    pub(super) k_batch_stride: i64,
+    pub(super) k_row_stride: i64,
+    pub(super) k_head_stride: i64,
+    pub(super) v_batch_stride: i64,
+    pub(super) v_row_stride: i64,
+    pub(super) v_head_stride: i64,
+    pub(super) d: i32,
+    pub(super) s_new: i32,
+    pub(super) rot_cos: CUdeviceptr,
+    pub(super) rot_sin: CUdeviceptr,
+    pub(super) rot_rows: i32,
+    pub(super) rot_half: i32,
+    pub(super) rot_interleaved: i32,
+    pub(super) q_causal: i32,
 }
 
 // SAFETY: plain-old-data with the C layout of `DecodeParams`, passed by value.
@@ -158,6 +181,11 @@ fn decode_typed<T: CudaDType + DeviceRepr, C: CudaDType + DeviceRepr>(
         |k| residency(&dev, k, dtype),
     )?;
     let (splits, row_tiles) = (plan.splits, plan.row_tiles);
+    if p.append.is_some() && row_tiles != 1 {
+        bail!(
+            "kv-cache: the append fused into the decode launch needs one row tile per K/V head,              the plan has {row_tiles} (crate bug: the call should have appended separately)"
+        )
+    }
 
     let out_elems = p.b * p.s_q * p.h * p.d;
     // Inside graph::CapturedGraph::capture, roots of the graph (see `unchained`).
@@ -288,6 +316,44 @@ fn decode_typed<T: CudaDType + DeviceRepr, C: CudaDType + DeviceRepr>(
             }
             None => (0, None),
         };
+        // The fused append's rows and rotary tables, read by the launch.
+        let fused = p.append.as_ref();
+        let rot = fused.and_then(|f| f.rotary.as_ref());
+        let append_locks = [
+            lock_tensor(fused.map(|f| &f.k_new)),
+            lock_tensor(fused.map(|f| &f.v_new)),
+        ];
+        let rot_locks = [
+            lock_tensor(rot.map(|r| &r.cos)),
+            lock_tensor(rot.map(|r| &r.sin)),
+        ];
+        let (k_new, _k_new_sync) = locked_ptr::<T, _>(&append_locks[0], &stream, "k_new")?;
+        let (v_new, _v_new_sync) = locked_ptr::<T, _>(&append_locks[1], &stream, "v_new")?;
+        let (rot_cos, _cos_sync) = locked_ptr::<f32, _>(&rot_locks[0], &stream, "rotary cos")?;
+        let (rot_sin, _sin_sync) = locked_ptr::<f32, _>(&rot_locks[1], &stream, "rotary sin")?;
+        let new_strides = |i: usize| match &append_locks[i] {
+            Some((_, layout)) => strides3(layout),
+            None => [0; 3],
+        };
+        let ([k_nb, k_nr, k_nh], [v_nb, v_nr, v_nh]) = (new_strides(0), new_strides(1));
+        let append = DecodeAppend {
+            k_new,
+            v_new,
+            k_batch_stride: k_nb,
+            k_row_stride: k_nr,
+            k_head_stride: k_nh,
+            v_batch_stride: v_nb,
+            v_row_stride: v_nr,
+            v_head_stride: v_nh,
+            d: p.d as i32,
+            s_new: fused.map_or(0, |f| f.s_new as i32),
+            rot_cos,
+            rot_sin,
+            rot_rows: rot.map_or(0, |r| r.cos.dim(0).unwrap_or(0) as i32),
+            rot_half: rot.map_or(0, |r| r.rot_half as i32),
+            rot_interleaved: rot.is_some_and(|r| r.interleaved) as i32,
+            q_causal: rot.is_some_and(|r| r.q_causal) as i32,
+        };
         let params = DecodeParams {
             a: AttnParams {
                 q: q_ptr,
@@ -311,6 +377,7 @@ fn decode_typed<T: CudaDType + DeviceRepr, C: CudaDType + DeviceRepr>(
             counters: counters_ptr,
             k_scale,
             v_scale,
+            append,
             seqlens_inline,
         };
         // A decode step is a few tens of microseconds, so the launch gap after the kernel

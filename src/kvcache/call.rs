@@ -7,7 +7,8 @@ use crate::decode::{AppendOp, DecodeOp};
 use crate::layout::aligned;
 use crate::options::FlashAttn;
 use crate::params::{
-    self, AppendProblem, AttnShape, DecodeProblem, Indices, Paging, QuantScale, RotaryProblem,
+    self, AppendProblem, AttnShape, DecodeProblem, FusedAppend, Indices, Paging, QuantScale,
+    RotaryProblem,
 };
 
 use super::args::{device_indices, BlockTable, CacheSeqlens, HostOrDevice};
@@ -63,9 +64,12 @@ struct Append {
     v: AppendOp,
     k_new: Tensor,
     v_new: Tensor,
+    s_new: usize,
     /// Rotary embedding done with tensor ops before a plain append (the CPU), with the host
     /// starts; on CUDA it is inside `k`.
     cpu_rotary: Option<(RotaryProblem, Vec<u32>)>,
+    /// Rotary embedding on CUDA (also inside `k`), for an append fused into the decode.
+    rotary: Option<RotaryProblem>,
 }
 
 impl Call {
@@ -296,7 +300,7 @@ impl Call {
                 None => (None, None),
             };
             let k = AppendOp::new(AppendProblem {
-                rotary: k_rotary,
+                rotary: k_rotary.clone(),
                 quant: k_quant,
                 ..problem.clone()
             })?;
@@ -309,7 +313,9 @@ impl Call {
                 v,
                 k_new,
                 v_new,
+                s_new,
                 cpu_rotary,
+                rotary: k_rotary,
             })
         });
         let append = append.transpose()?;
@@ -330,6 +336,7 @@ impl Call {
             want_lse,
             sinks,
             kv_scales,
+            append: None,
         };
         Ok(Self { append, decode })
     }
@@ -342,12 +349,7 @@ impl Call {
 
     /// Writes the new keys and values into the caches, in place. Returns the queries the
     /// attention must use when rotary embedding rotated them.
-    pub(super) fn append(
-        &self,
-        q: &Tensor,
-        k_cache: &Tensor,
-        v_cache: &Tensor,
-    ) -> Result<Option<Tensor>> {
+    fn append(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Option<Tensor>> {
         let Some(a) = &self.append else {
             return Ok(None);
         };
@@ -365,7 +367,7 @@ impl Call {
     }
 
     /// The attention of `q` over the (appended) caches, and its LSE when asked for.
-    pub(super) fn attend(
+    fn attend(
         self,
         q: &Tensor,
         k_cache: &Tensor,
@@ -375,17 +377,52 @@ impl Call {
         DecodeOp::new(self.decode).run(&aligned(q)?, k_cache, v_cache)
     }
 
-    /// Validates, appends, attends.
+    /// Validates, appends, attends: on CUDA in one launch where [`Call::fuse_append`] can.
     pub(super) fn run(
-        self,
+        mut self,
         q: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if self.fuse_append(q) {
+            return self.attend(q, k_cache, v_cache);
+        }
         let q_rot = self.append(q, k_cache, v_cache)?;
         self.attend(q_rot.as_ref().unwrap_or(q), k_cache, v_cache)
     }
+
+    /// Hands the append to the decode launch (which writes the new rows and rotates q itself)
+    /// where that launch has one row tile per K/V head: `s_q * (h / hk)` rows of at most 16,
+    /// a decoding step's shape, so that one block per split reads each new key. Saves the
+    /// two append launches of a step (`CANDLE_FLASH_FUSED_APPEND=0` keeps them).
+    fn fuse_append(&mut self, q: &Tensor) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            let d = &self.decode;
+            let fusable = q.device().is_cuda()
+                && !crate::cuda::overrides().fused_append_off
+                && d.s_q * (d.h / d.hk) <= DECODE_TILE_ROWS
+                && self.append.as_ref().is_some_and(|a| a.cpu_rotary.is_none());
+            if fusable {
+                if let Some(a) = self.append.take() {
+                    self.decode.append = Some(FusedAppend {
+                        k_new: a.k_new,
+                        v_new: a.v_new,
+                        s_new: a.s_new,
+                        rotary: a.rotary,
+                    });
+                    return true;
+                }
+            }
+        }
+        let _ = q;
+        false
+    }
 }
+
+/// Query rows per decode block (`ROWS` in `cuda/decode/decode.cu`).
+#[cfg(feature = "cuda")]
+const DECODE_TILE_ROWS: usize = 16;
 
 /// The caches are written in place, so they cannot be copied into a layout that suits the
 /// kernels: each must be contiguous (on CUDA starting at a multiple of 8 elements, for the

@@ -149,10 +149,9 @@ impl KvCache {
         let lens = HostOrDevice::Host(&self.lengths);
         let call = Call::new(q, &self.k, &self.v, new_kv, lens, kind, opts, false, None)?;
         let lengths = call.lengths()?.to_vec();
-        let q_rot = call.append(q, &self.k, &self.v)?;
         // Committed only once the attention ran: after a failed launch the rows written past
         // the old lengths are never read, and a retry writes them again.
-        let (out, _) = call.attend(q_rot.as_ref().unwrap_or(q), &self.k, &self.v)?;
+        let (out, _) = call.run(q, &self.k, &self.v)?;
         self.lengths = lengths;
         Ok(out)
     }

@@ -196,10 +196,9 @@ impl PagedKvCache {
         let lens = HostOrDevice::Host(&self.lengths);
         let call = Call::new(q, &self.k, &self.v, new_kv, lens, kind, opts, false, None)?;
         let lengths = call.lengths()?.to_vec();
-        let q_rot = call.append(q, &self.k, &self.v)?;
         // As in KvCache: pages and lengths are committed after the attention ran (the pages
         // written by a failed call are still free).
-        let (out, _) = call.attend(q_rot.as_ref().unwrap_or(q), &self.k, &self.v)?;
+        let (out, _) = call.run(q, &self.k, &self.v)?;
         self.lengths = lengths;
         self.block_table = table;
         self.free = free;

@@ -1,7 +1,8 @@
 //! GPU tests for KV-cache decoding: in-place append (contiguous and paged), split-KV decode,
 //! GQA packing, against `attention_slow` on each sequence's prefix; lengths and block tables
 //! as device tensors (the graph-safe form) with the LSE out, and their clamping; rotary
-//! embedding fused into the append; a decoding step captured in a CUDA graph and replayed.
+//! embedding fused into the append; the appends fused into the decode launch; a decoding step
+//! captured in a CUDA graph and replayed.
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::graph::{CapturedGraph, Wiring};
@@ -510,12 +511,91 @@ fn graph_replay_equals_eager(dev: &Device, paged: bool, wiring: Wiring) -> Resul
         .map_err(candle::Error::wrap)?;
     let pdl = std::env::var("CANDLE_FLASH_PDL").map_or(true, |v| v != "0");
     let stats = graph.stats();
+    // The appends inside the decode launch: one kernel for the step (and whatever Candle
+    // launches for the slice_set), no kernel pair to join; apart, the two appends and the
+    // decode.
+    let fused = fused_append();
     let expected = match wiring {
-        Wiring::Programmatic if major == 9 && pdl => 1,
+        Wiring::Programmatic if major == 9 && pdl && !fused => 1,
         _ => 0,
     };
     if stats.programmatic < expected {
         candle::bail!("{wiring:?}: expected {expected}+ programmatic edge(s), got {stats}");
+    }
+    if fused != (stats.kernels <= 2) {
+        candle::bail!("{wiring:?}: fused append {fused}, but the step's graph holds {stats}");
+    }
+    Ok(())
+}
+
+/// Whether this run fuses a decoding call's appends into the decode launch (the default).
+fn fused_append() -> bool {
+    std::env::var("CANDLE_FLASH_FUSED_APPEND").map_or(true, |v| v != "0")
+}
+
+/// New rows no query of the call sees (a sliding window of 3 keys, 40 new rows: whole 16-key
+/// tiles before the first one any split reads) still land in the cache, exactly, contiguous
+/// and paged, split or not; and the attention equals the same call without the append over
+/// the cache as it should be afterwards (same plan, so the same bits).
+fn append_rows_no_query_sees(dev: &Device, paged: bool, long: bool) -> Result<()> {
+    let (h, hk, d, s_new, dtype) = (8, 2, 64, 40, DType::BF16);
+    let lens: Vec<u32> = if long { vec![3000, 5] } else { vec![5, 50] };
+    let b = lens.len();
+    let (page, max_pages) = (16usize, 200usize);
+    let cap = page * max_pages;
+    let q = randn(&[b, 1, h, d], dtype, dev)?;
+    let k_new = randn(&[b, s_new, hk, d], dtype, dev)?;
+    let v_new = randn(&[b, s_new, hk, d], dtype, dev)?;
+    let k_full = randn(&[b, cap, hk, d], dtype, dev)?;
+    let v_full = randn(&[b, cap, hk, d], dtype, dev)?;
+    let expected = |full: &Tensor, new: &Tensor| -> Result<Tensor> {
+        let rows = (0..b)
+            .map(|i| {
+                let l = lens[i] as usize;
+                Tensor::cat(
+                    &[full.i((i, 0..l))?, new.i(i)?, full.i((i, l + s_new..))?],
+                    0,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&rows, 0)
+    };
+    let (k_exp, v_exp) = (expected(&k_full, &k_new)?, expected(&v_full, &v_new)?);
+    let after: Vec<u32> = lens.iter().map(|&l| l + s_new as u32).collect();
+    let opts = FlashAttn::new().causal(true).window(Some(2), Some(0));
+    // Paged: sequence i's page p is pool page p * b + i (interleaved), so the pool is the
+    // contiguous caches' pages, reordered.
+    let table: Vec<u32> = (0..b as u32)
+        .flat_map(|i| (0..max_pages as u32).map(move |p| p * b as u32 + i))
+        .collect();
+    let to_pages = |t: &Tensor| -> Result<Tensor> {
+        t.reshape((b, max_pages, page, hk, d))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((max_pages * b, page, hk, d))
+    };
+    let (out, plain, k_after, v_after) = if paged {
+        let (kc, vc) = (to_pages(&k_full)?, to_pages(&v_full)?);
+        let new_kv = Some((&k_new, &v_new));
+        let run = |kc: &Tensor, vc: &Tensor, kv, lens: &[u32]| {
+            flash_attn_with_paged_kvcache(&q, kc, vc, kv, lens, &table, max_pages, &opts)
+        };
+        let out = run(&kc, &vc, new_kv, &lens)?;
+        let (ke, ve) = (to_pages(&k_exp)?, to_pages(&v_exp)?);
+        let plain = run(&ke, &ve, None, &after)?;
+        (out, plain, (kc, ke), (vc, ve))
+    } else {
+        let (kc, vc) = (k_full.copy()?, v_full.copy()?);
+        let out = flash_attn_with_kvcache(&q, &kc, &vc, Some((&k_new, &v_new)), &lens, &opts)?;
+        let plain = flash_attn_with_kvcache(&q, &k_exp, &v_exp, None, &after, &opts)?;
+        (out, plain, (kc, k_exp.clone()), (vc, v_exp.clone()))
+    };
+    if max_abs_diff(&k_after.0, &k_after.1)? != 0.0 || max_abs_diff(&v_after.0, &v_after.1)? != 0.0
+    {
+        candle::bail!("the cache differs from its rows plus the appended ones");
+    }
+    if max_abs_diff(&out, &plain)? != 0.0 {
+        candle::bail!("the attention differs from the same call over the appended cache");
     }
     Ok(())
 }
@@ -763,6 +843,12 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
                 graph_replay_equals_eager(dev, paged, wiring),
             );
         }
+    }
+    for (paged, long) in [(false, false), (true, false), (false, true), (true, true)] {
+        suite.record(
+            &format!("decode appends rows no query sees, paged {paged}, long {long}"),
+            append_rows_no_query_sees(dev, paged, long),
+        );
     }
     suite.record("decode generation loop", generation_loop(dev));
     for page_size in [None, Some(16), Some(5)] {
