@@ -139,7 +139,7 @@ pub(crate) fn decode(
 
 /// `T`: q's (and the output's) element; `C`: the cache's, `T` or F8E4M3 (the `_fp8` kernels,
 /// with the problem's scales).
-fn decode_typed<T: CudaDType + DeviceRepr, C: CudaDType + DeviceRepr>(
+fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
     problem: &DecodeProblem,
     (q, ql): (&CudaStorage, &Layout),
     (kc, kl): (&CudaStorage, &Layout),

@@ -7,8 +7,7 @@ use crate::decode::{AppendOp, DecodeOp};
 use crate::layout::aligned;
 use crate::options::FlashAttn;
 use crate::params::{
-    self, AppendProblem, AttnShape, DecodeProblem, FusedAppend, Indices, Paging, QuantScale,
-    RotaryProblem,
+    self, AppendProblem, AttnShape, DecodeProblem, Indices, Paging, QuantScale, RotaryProblem,
 };
 
 use super::args::{device_indices, BlockTable, CacheSeqlens, HostOrDevice};
@@ -405,7 +404,7 @@ impl Call {
                 && self.append.as_ref().is_some_and(|a| a.cpu_rotary.is_none());
             if fusable {
                 if let Some(a) = self.append.take() {
-                    self.decode.append = Some(FusedAppend {
+                    self.decode.append = Some(crate::params::FusedAppend {
                         k_new: a.k_new,
                         v_new: a.v_new,
                         s_new: a.s_new,
