@@ -63,11 +63,13 @@ struct Append {
     v: AppendOp,
     k_new: Tensor,
     v_new: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the fused append
     s_new: usize,
     /// Rotary embedding done with tensor ops before a plain append (the CPU), with the host
     /// starts; on CUDA it is inside `k`.
     cpu_rotary: Option<(RotaryProblem, Vec<u32>)>,
     /// Rotary embedding on CUDA (also inside `k`), for an append fused into the decode.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     rotary: Option<RotaryProblem>,
 }
 
