@@ -25,36 +25,45 @@ template <typename T> __device__ __forceinline__ float dot8(float acc, uint4 w, 
   return acc;
 }
 
-// Eight elements of x normalised (RMSNorm: times rstd and the weight g), rounded to T as
-// rms_norm_fwd rounds them.
-template <typename T> __device__ __forceinline__ uint4 normed8(uint4 x, uint4 g, float rstd) {
-  const uint32_t a[4] = {x.x, x.y, x.z, x.w}, b[4] = {g.x, g.y, g.z, g.w};
-  uint32_t o[4];
+// x's M rows normalised (RMSNorm with weight g, as rms_norm_fwd rounds them) into shared
+// memory, for the product that follows: every block recomputes the norm of the few rows (a
+// few KB read from L2) rather than a kernel of its own writing them for the next to read.
+template <typename T, int M>
+__device__ const uint4* gemv_norm_rows(const T* __restrict__ x, const T* __restrict__ g, int k,
+                                       float eps) {
+  extern __shared__ uint4 xs[];
+  __shared__ float scratch[32];
+  const int chunks = k / 8;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* gv = reinterpret_cast<const uint4*>(g);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = pair_f(a[i], T()), w = pair_f(b[i], T());
-    o[i] = pack_pair(from_f<T>(f.x * rstd * w.x), from_f<T>(f.y * rstd * w.y));
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// 1 / RMS of row m of x (k elements, 16-byte chunks), summed by one warp: a few KB read
-// through L1, which the warp's products then reread.
-template <typename T>
-__device__ __forceinline__ float warp_rstd(const uint4* __restrict__ xv, int m, int chunks, int k,
-                                           float eps, int lane) {
-  float ss = 0.f;
-  for (int c = lane; c < chunks; c += 32) {
-    const uint4 v = __ldg(xv + (int64_t)m * chunks + c);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const uint4 v = __ldg(xv + (int64_t)m * chunks + c);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = pair_f(w[i], T());
-      ss = fmaf(f.x, f.x, ss);
-      ss = fmaf(f.y, f.y, ss);
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = pair_f(w[i], T());
+        ss = fmaf(f.x, f.x, ss);
+        ss = fmaf(f.y, f.y, ss);
+      }
+    }
+    const float rstd = exact_rstd(block_sum(ss, scratch), k, eps);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const uint4 v = __ldg(xv + (int64_t)m * chunks + c), gw = __ldg(gv + c);
+      const uint32_t a[4] = {v.x, v.y, v.z, v.w}, b[4] = {gw.x, gw.y, gw.z, gw.w};
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = pair_f(a[i], T()), w = pair_f(b[i], T());
+        o[i] = pack_pair(from_f<T>(f.x * rstd * w.x), from_f<T>(f.y * rstd * w.y));
+      }
+      xs[m * chunks + c] = make_uint4(o[0], o[1], o[2], o[3]);
     }
   }
-  return exact_rstd(warp_sum(ss), k, eps);
+  __syncthreads();
+  return xs;
 }
 
 // Output columns in groups of blockDim / 32 / split (grid-stride over the groups), `split`
@@ -63,9 +72,8 @@ __device__ __forceinline__ float warp_rstd(const uint4* __restrict__ xv, int m, 
 // 16-byte loads in flight as with short ones; the slices are summed in warp order through
 // shared memory (the same bits every run). x (M, k), w (n, k) and add (M, n) dense,
 // k % 8 == 0, every row 16-byte aligned; y (M, outs) with outs = n, or n / 2 with SWIGLU.
-// With NORM, x is normalised on the way (RMSNorm with weight g and eps): each warp sums the
-// rows' squares itself and normalises each chunk of x as it reads it (no block barrier and
-// no shared copy between pdl_wait and the first weight loads).
+// With NORM, x is first normalised by gemv_norm_rows (weight g, eps) and read from shared
+// memory.
 template <typename T, int M, bool SWIGLU, bool NORM>
 __device__ void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
                           const T* __restrict__ add, T* __restrict__ y, int n, int k,
@@ -79,25 +87,21 @@ __device__ void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   const int outs = SWIGLU ? n / 2 : n;
   const int groups = (outs + per_block - 1) / per_block;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const uint4* gv = reinterpret_cast<const uint4*>(g);
-  const int j_first = blockIdx.x * per_block + slot;
-  const bool first_row = blockIdx.x < groups && j_first < outs;
   // Launched programmatically, the block may start while the kernel ahead (which wrote x, or
   // reads memory y may reuse) finishes: until pdl_wait it only asks L2 for the first 2 KB of
   // its first weight slices, which no kernel writes.
-  if (first_row) {
+  if (blockIdx.x < groups && blockIdx.x * per_block + slot < outs) {
+    const int j = blockIdx.x * per_block + slot;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int c = c_begin + lane + 32 * i;
       if (c >= c_end) break;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (int64_t)j_first * k + c * 8));
-      if (SWIGLU) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (int64_t)(j_first + outs) * k + c * 8));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (int64_t)j * k + c * 8));
+      if (SWIGLU) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (int64_t)(j + outs) * k + c * 8));
     }
   }
   pdl_wait();
-  float rstd[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) rstd[m] = NORM ? warp_rstd<T>(xv, m, chunks, k, eps, lane) : 1.f;
+  if (NORM) xv = gemv_norm_rows<T, M>(x, g, k, eps);
   for (int gi = blockIdx.x; gi < groups; gi += gridDim.x) {
     const int j = gi * per_block + slot;
     float acc[M], acc2[M];
@@ -106,24 +110,19 @@ __device__ void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
     if (j < outs) {
       const uint4* wr = reinterpret_cast<const uint4*>(w + (int64_t)j * k);
       const uint4* wr2 = reinterpret_cast<const uint4*>(w + (int64_t)(j + outs) * k);
-      const auto step = [&](const uint4& wv, const uint4& wv2, int c) {
-        const uint4 gc = NORM ? __ldg(gv + c) : uint4{};
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          // x is reread by every warp: the read-only path.
-          uint4 xm = __ldg(xv + (int64_t)m * chunks + c);
-          if (NORM) xm = normed8<T>(xm, gc, rstd[m]);
-          acc[m] = dot8<T>(acc[m], wv, xm);
-          if (SWIGLU) acc2[m] = dot8<T>(acc2[m], wv2, xm);
-        }
-      };
 #pragma unroll 4
       for (int c = c_begin + lane; c < c_end; c += 32) {
-        // The weight is read once per step: streamed past L1.
+        // The weight is read once per step: streamed past L1. x is reread by every warp.
         const uint4 wv = __ldcs(wr + c);
         uint4 wv2;
         if (SWIGLU) wv2 = __ldcs(wr2 + c);
-        step(wv, wv2, c);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          // Shared memory with NORM: a generic load there, the read-only path otherwise.
+          const uint4 xm = NORM ? xv[m * chunks + c] : __ldg(xv + (int64_t)m * chunks + c);
+          acc[m] = dot8<T>(acc[m], wv, xm);
+          if (SWIGLU) acc2[m] = dot8<T>(acc2[m], wv2, xm);
+        }
       }
     }
 #pragma unroll
@@ -179,7 +178,8 @@ __device__ void gemv_m(const T* x, const T* w, const T* add, T* y, int m, int n,
   }
 }
 
-// g non-null: x normalised on the way (RMSNorm with weight g and eps).
+// g non-null: x normalised first (RMSNorm with weight g and eps; one to four rows, whose
+// normalised copy the launch gives as dynamic shared memory).
 template <typename T, bool SWIGLU>
 __device__ void gemv(const T* x, const T* w, const T* add, T* y, int m, int n, int k, int split,
                      const T* g, float eps) {

@@ -104,10 +104,10 @@ pub fn linear_swiglu(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
 }
 
 /// `linear(rms_norm(x, norm_weight, eps), weight, None)`: a transformer block's input norm
-/// and the projection after it. At one to four rows (with [`linear`]'s other conditions and
-/// the norm weight in x's dtype) one launch, each warp normalising the few rows as it reads
-/// them, rounded as the separate norm rounds them; otherwise [`crate::train::rms_norm`] then
-/// [`linear`].
+/// and the projection after it. At one to four rows (with [`linear`]'s other conditions, the
+/// norm weight in x's dtype, and the rows' normalised copy within 96 KB of shared memory)
+/// one launch, each block normalising the few rows itself, rounded as the separate norm
+/// rounds them; otherwise [`crate::train::rms_norm`] then [`linear`].
 pub fn rms_norm_linear(
     x: &Tensor,
     norm_weight: &Tensor,
@@ -128,6 +128,9 @@ pub fn rms_norm_linear_swiglu(
     normed(x, norm_weight, eps, weight, true)
 }
 
+/// Bytes of normalised rows one block of the fused kernel keeps in shared memory.
+const NORM_SMEM: usize = 96 * 1024;
+
 fn normed(x: &Tensor, g: &Tensor, eps: f32, weight: &Tensor, swiglu: bool) -> Result<Tensor> {
     let op = if swiglu {
         "rms_norm_linear_swiglu"
@@ -144,6 +147,7 @@ fn normed(x: &Tensor, g: &Tensor, eps: f32, weight: &Tensor, swiglu: bool) -> Re
     }
     let fused = few_rows(x, weight, None, &shape)
         && shape.rows <= LINEAR_MAX_ROWS
+        && shape.rows * shape.k * x.dtype().size_in_bytes() <= NORM_SMEM
         && g.dtype() == x.dtype()
         && !g.track_op()
         && g.is_contiguous()
@@ -318,10 +322,15 @@ impl Gemv {
             let blocks = (units * split)
                 .div_ceil(warps)
                 .min(launch::max_stride_blocks(dev)?);
-            // Programmatic on Hopper: the kernel's blocks are dispatched (and read or ask L2
-            // for their first weight slices) while the kernel ahead finishes; they wait in
+            // The fused norm's rows in dynamic shared memory.
+            let smem = match self.norm {
+                Some(_) => rows * k * xs.dtype().size_in_bytes(),
+                None => 0,
+            };
+            // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
+            // their first weight slices) while the kernel ahead finishes; they wait in
             // `pdl_wait` before reading x or writing y.
-            launch::launch_programmatic(dev, name, blocks, 32 * warps as u32, 0, &args)?;
+            launch::launch_programmatic(dev, name, blocks, 32 * warps as u32, smem as u32, &args)?;
         }
         Ok((y, shape))
     }
