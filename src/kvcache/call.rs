@@ -400,8 +400,10 @@ impl Call {
         #[cfg(feature = "cuda")]
         {
             let d = &self.decode;
+            // Without query rows (a prefill through the cache) there is no decode launch.
             let fusable = q.device().is_cuda()
                 && !crate::cuda::overrides().fused_append_off
+                && d.b * d.s_q > 0
                 && d.s_q * (d.h / d.hk) <= DECODE_TILE_ROWS
                 && self.append.as_ref().is_some_and(|a| a.cpu_rotary.is_none());
             if fusable {

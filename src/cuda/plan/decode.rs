@@ -13,9 +13,13 @@ use super::head_dim_class;
 const BASE_WARPS: u8 = 4;
 /// `MAX_SPLITS` in `cuda/decode/decode.cu` (the merge's weight buffer).
 const MAX_SPLITS: usize = 128;
-/// Fewest key tiles per warp worth a split of their own: each split also pays for loading Q,
-/// filling its ring, merging its warps and writing a partial row.
-const MIN_TILES_PER_WARP: usize = 4;
+/// Fewest key tiles per warp worth a split of their own. Each split also pays for loading Q,
+/// filling its ring, merging its warps and writing a partial row, but where the grid is
+/// small a warp's tiles are a chain of memory latencies: the LLaMA-1B step at batch 1 (8 K/V
+/// heads, 768-key capacity: 48 tiles of 16) ran 1.104-1.107 ms/step with 4 to 12 split
+/// blocks of 8 warps and 1.123-1.125 with 2 or 3 (H200, docs/archive/PERF.md). One tile a
+/// warp: 6 splits there; long caches hit the SM count first and keep theirs.
+const MIN_TILES_PER_WARP: usize = 1;
 
 /// What the decode choice depends on.
 #[derive(Clone, Copy, Debug)]
