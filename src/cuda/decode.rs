@@ -20,7 +20,8 @@ use super::buffers::{
 use super::catalogue::Kernel;
 use super::plan::{plan_decode, DecodeQuery};
 use super::runtime::{
-    device_facts, load_func, poison, stream_counters, Launch, Source, StreamCounters,
+    device_facts, load_func, poison, stream_buffer, stream_counters, Launch, Source, StreamBuffers,
+    StreamCounters,
 };
 use crate::params::{DecodeProblem, Indices};
 
@@ -114,6 +115,11 @@ fn residency(dev: &candle::CudaDevice, kernel: Kernel, dtype: DType) -> Result<u
 /// kernel this merge replaced.
 static COUNTERS: Mutex<StreamCounters> = Mutex::new(Vec::new());
 
+/// Split launches' partial results, `(splits, b, h, s_q, d)` then `(splits, b, h, s_q)` f32,
+/// per stream (see [`StreamBuffers`]): scratch written and read within one launch, which as
+/// an allocation of its own would add memory nodes to a captured decoding step.
+static PARTIALS: Mutex<StreamBuffers<f32>> = Mutex::new(Vec::new());
+
 /// Attention of `q` `(b, s_q, h, d)` over each sequence's first `seqlens[b]` cached tokens.
 /// Returns the output `(b, s_q, h, d)`, contiguous, in q's dtype, and when the problem asks
 /// for it the LSE `(b, h, s_q)` in f32.
@@ -183,31 +189,23 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
     let (splits, row_tiles) = (plan.splits, plan.row_tiles);
     if p.append.is_some() && row_tiles != 1 {
         bail!(
-            "kv-cache: the append fused into the decode launch needs one row tile per K/V head,              the plan has {row_tiles} (crate bug: the call should have appended separately)"
+            "kv-cache: the append fused into the decode launch needs one row tile per K/V head, \
+             the plan has {row_tiles} (crate bug: the call should have appended separately)"
         )
     }
 
     let out_elems = p.b * p.s_q * p.h * p.d;
     // Inside graph::CapturedGraph::capture, roots of the graph (see `unchained`).
-    let (mut out, mut partials, mut lse_out) = crate::graph::unchained(&stream, || {
+    let (mut out, mut lse_out) = crate::graph::unchained(&stream, || {
         // SAFETY: the decode kernel (when split, the last split of each row tile) writes
         // every element.
         let out = unsafe { dev.alloc::<T>(out_elems)? };
-        // Unsplit calls need no partial buffers (in a CUDA graph each allocation is a node).
-        let partials = if splits > 1 {
-            let rows = splits * p.b * p.h * p.s_q;
-            // SAFETY: each split writes its rows of both buffers before it counts itself in;
-            // the last to arrive reads them.
-            Some(unsafe { (dev.alloc::<f32>(rows * p.d)?, dev.alloc::<f32>(rows)?) })
-        } else {
-            None
-        };
         // SAFETY: the kernel (or the merge) writes the LSE of every row with a query.
         let lse_out = match p.want_lse || p.sinks.is_some() {
             true => Some(unsafe { dev.alloc::<f32>(p.b * p.h * p.s_q)? }),
             false => None,
         };
-        Ok((out, partials, lse_out))
+        Ok((out, lse_out))
     })?;
     poison(&stream, &mut out)?;
     let mut seqlens_inline = [0i32; INLINE_SEQLENS];
@@ -229,20 +227,28 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
         _ => None,
     };
     let table_lock = lock_tensor(device_table(&p.paging));
-    // Held until the launch is queued: another thread's call on this stream must not grow
-    // (and free) the counters in between.
-    let mut counter_cache = if splits > 1 {
-        Some(
+    // A split launch's merge counters and partial results (o, then LSE), per stream: held
+    // until the launch is queued, so that another thread's call on this stream cannot grow
+    // (and retire) them in between.
+    let mut workspace = if splits > 1 {
+        Some((
             COUNTERS
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        )
+            PARTIALS
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        ))
     } else {
         None
     };
-    let mut counters = match counter_cache.as_deref_mut() {
-        Some(cache) => Some(stream_counters(cache, &dev, p.b * p.hk * row_tiles)?),
-        None => None,
+    let partial_rows = splits * p.b * p.h * p.s_q;
+    let (mut counters, mut partials) = match workspace.as_mut() {
+        Some((counters, partials)) => (
+            Some(stream_counters(counters, &dev, p.b * p.hk * row_tiles)?),
+            Some(stream_buffer(partials, &dev, partial_rows * (p.d + 1))?),
+        ),
+        None => (None, None),
     };
 
     let [qb, qr, qh] = strides3(ql);
@@ -280,11 +286,13 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
         let (k_ptr, k_sync) = k_view.device_ptr(&stream);
         let (v_ptr, v_sync) = v_view.device_ptr(&stream);
         let (o_ptr, o_sync) = out.device_ptr_mut(&stream);
+        // SAFETY (the scratch's contents): each split writes its partial rows before it counts
+        // itself in; the last to arrive reads them.
         let (op_ptr, lp_ptr, partial_syncs) = match &mut partials {
-            Some((o, l)) => {
-                let (op, os) = o.device_ptr_mut(&stream);
-                let (lp, ls) = l.device_ptr_mut(&stream);
-                (op, lp, Some((os, ls)))
+            Some(w) => {
+                let (ptr, sync) = w.device_ptr_mut(&stream);
+                let lse_at = (partial_rows * p.d * std::mem::size_of::<f32>()) as u64;
+                (ptr, ptr + lse_at, Some(sync))
             }
             None => (0, 0, None),
         };
@@ -389,7 +397,7 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
         drop((q_sync, k_sync, v_sync, o_sync, partial_syncs, syncs));
         drop((counters_sync, lse_sync));
     }
-    drop(counter_cache);
+    drop(workspace);
     let lse = lse_out.map(|l| CudaStorage::wrap_cuda_slice(l, dev.clone()));
     Ok((CudaStorage::wrap_cuda_slice(out, dev), lse))
 }

@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle::cuda_backend::cudarc::driver::result::memset_d8_async;
-use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
 use candle::cuda_backend::cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    PushKernelArg, ValidAsZeroBits,
 };
 use candle::cuda_backend::cudarc::nvrtc::Ptx;
 use candle::cuda_backend::WrapErr;
@@ -184,46 +184,70 @@ pub(crate) fn load_func(
     Ok(func)
 }
 
-/// Counters that kernels keep zero between launches (they reset them themselves, so a call
-/// needs no memset of its own), kept per stream ([`StreamKey`]: per host thread on Candle's
-/// per-thread default stream) and grown on demand, so that launches that may overlap never
-/// share counters. Four threads sharing one set raced in split-KV decoding (a merge ran
-/// before its splits arrived; seen under compute-sanitizer's racecheck, which slows kernels).
-/// Entries live until exit (a few bytes per thread that decoded), and so do outgrown ones.
-/// Hold the cache's lock until the launch is queued: another call on the stream must not
-/// replace them in between.
-pub(crate) type StreamCounters = Vec<(StreamKey, CudaSlice<u32>)>;
+/// Buffers kept per stream ([`StreamKey`]: per host thread on Candle's per-thread default
+/// stream) and grown on demand, so that launches that may overlap never share one: the
+/// arrival counters that kernels keep zero between launches (they reset them themselves, so
+/// a call needs no memset of its own; four threads sharing one set raced in split-KV
+/// decoding, a merge running before its splits arrived, seen under compute-sanitizer's
+/// racecheck), and scratch that one launch writes and reads (split-KV partial results), which
+/// would otherwise be an allocation and a free per call, two memory nodes more in a CUDA
+/// graph. Entries live until exit (sized for the largest launch their stream saw), and so do
+/// outgrown ones. Hold the cache's lock until the launch is queued: another call on the
+/// stream must not replace them in between.
+pub(crate) type StreamBuffers<T> = Vec<(StreamKey, CudaSlice<T>)>;
+pub(crate) type StreamCounters = StreamBuffers<u32>;
 
-/// Counters that were outgrown, alive until exit (see [`stream_counters`]).
-static RETIRED_COUNTERS: Mutex<Vec<CudaSlice<u32>>> = Mutex::new(Vec::new());
+/// Buffers that were outgrown, alive until exit (see [`stream_buffer`]).
+static RETIRED: Mutex<Vec<Box<dyn std::any::Any + Send>>> = Mutex::new(Vec::new());
 
-/// The zeroed counters for `dev`'s stream, at least `n` of them.
+/// `dev`'s stream's buffer of `cache`, at least `n` elements, zeroed when first allocated.
+/// Grown only outside a CUDA graph capture (an allocation made while capturing belongs to
+/// the graph): run a step once eagerly before capturing it.
+pub(crate) fn stream_buffer<'a, T: DeviceRepr + ValidAsZeroBits + Send + 'static>(
+    cache: &'a mut StreamBuffers<T>,
+    dev: &candle::CudaDevice,
+    n: usize,
+) -> Result<&'a mut CudaSlice<T>> {
+    let stream = dev.cuda_stream();
+    let key = stream_key(&stream);
+    let i = cache.iter().position(|(k, _)| *k == key);
+    if i.is_some_and(|i| cache[i].1.len() >= n) {
+        return Ok(&mut cache[i.expect("checked")].1);
+    }
+    let capturing =
+        stream.capture_status().w()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    if capturing {
+        bail!(
+            "a per-stream buffer of {n} elements would be allocated inside a CUDA graph \
+             capture; run the captured calls once before capturing them"
+        )
+    }
+    let fresh = dev.alloc_zeros::<T>(n.next_power_of_two())?;
+    Ok(match i {
+        Some(i) => {
+            // The old slice is kept, not freed: a CUDA graph captured with it replays with
+            // its address, and freed memory handed to another buffer would be written.
+            let old = std::mem::replace(&mut cache[i].1, fresh);
+            RETIRED
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(Box::new(old));
+            &mut cache[i].1
+        }
+        None => {
+            cache.push((key, fresh));
+            &mut cache.last_mut().expect("pushed").1
+        }
+    })
+}
+
+/// The zeroed counters for `dev`'s stream, at least `n` of them (see [`StreamBuffers`]).
 pub(crate) fn stream_counters<'a>(
     cache: &'a mut StreamCounters,
     dev: &candle::CudaDevice,
     n: usize,
 ) -> Result<&'a mut CudaSlice<u32>> {
-    let key = stream_key(&dev.cuda_stream());
-    let i = match cache.iter().position(|(k, _)| *k == key) {
-        Some(i) => i,
-        None => {
-            cache.push((key, dev.alloc_zeros::<u32>(n.next_power_of_two())?));
-            cache.len() - 1
-        }
-    };
-    if cache[i].1.len() < n {
-        // The old slice is kept, not freed: a CUDA graph captured with it replays with its
-        // address, and freed memory handed to another buffer would be counted into.
-        let old = std::mem::replace(
-            &mut cache[i].1,
-            dev.alloc_zeros::<u32>(n.next_power_of_two())?,
-        );
-        RETIRED_COUNTERS
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push(old);
-    }
-    Ok(&mut cache[i].1)
+    stream_buffer(cache, dev, n)
 }
 
 /// Whether outputs are filled with NaN before each launch, so that elements a kernel fails to
@@ -362,7 +386,6 @@ pub(crate) unsafe fn launch_args_programmatic(
     smem: u32,
     args: &mut [*mut std::ffi::c_void],
 ) -> Result<()> {
-    use candle::cuda_backend::cudarc::driver::sys;
     let Some((func, cfg)) = prepare_launch(dev, source, name, grid, threads, smem)? else {
         return Ok(());
     };

@@ -528,6 +528,39 @@ fn graph_replay_equals_eager(dev: &Device, paged: bool, wiring: Wiring) -> Resul
     Ok(())
 }
 
+/// A split decode's per-stream scratch (merge counters, partial results) is grown outside a
+/// capture only: on a fresh thread (its own stream) a first split call made inside a capture
+/// is a clear error, not a buffer owned by the graph; run eagerly first, the same call then
+/// captures and replays equal to the eager call.
+fn scratch_grown_outside_capture(dev: &Device) -> Result<()> {
+    let dev = dev.clone();
+    let worker = std::thread::spawn(move || -> Result<()> {
+        let (h, hk, d, len, dtype) = (8, 2, 128, 4000u32, DType::BF16);
+        let q = randn(&[1, 1, h, d], dtype, &dev)?;
+        let kc = randn(&[1, 4096, hk, d], dtype, &dev)?;
+        let vc = randn(&[1, 4096, hk, d], dtype, &dev)?;
+        let out = Tensor::zeros((1, 1, h, d), dtype, &dev)?;
+        let opts = FlashAttn::new().causal(true);
+        let call = || flash_attn_with_kvcache(&q, &kc, &vc, None, &[len], &opts);
+        match CapturedGraph::capture(&dev, || call().map(|_| ())) {
+            Err(e) if e.to_string().contains("inside a CUDA graph capture") => {}
+            Err(e) => candle::bail!("expected the capture error, got {e}"),
+            Ok(_) => candle::bail!("a first split call was captured"),
+        }
+        let eager = call()?;
+        let (graph, ()) =
+            CapturedGraph::capture(&dev, || call().and_then(|o| out.slice_set(&o, 0, 0)))?;
+        graph.launch()?;
+        if max_abs_diff(&out, &eager)? != 0.0 {
+            candle::bail!("the replay differs from the eager call");
+        }
+        Ok(())
+    });
+    worker
+        .join()
+        .unwrap_or_else(|_| candle::bail!("the worker thread panicked"))
+}
+
 /// Whether this run fuses a decoding call's appends into the decode launch (the default).
 fn fused_append() -> bool {
     std::env::var("CANDLE_FLASH_FUSED_APPEND").map_or(true, |v| v != "0")
@@ -850,6 +883,10 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             append_rows_no_query_sees(dev, paged, long),
         );
     }
+    suite.record(
+        "decode scratch grown outside a capture",
+        scratch_grown_outside_capture(dev),
+    );
     suite.record("decode generation loop", generation_loop(dev));
     for page_size in [None, Some(16), Some(5)] {
         suite.record(
