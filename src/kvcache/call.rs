@@ -394,18 +394,24 @@ impl Call {
 
     /// Hands the append to the decode launch (which writes the new rows and rotates q itself)
     /// where that launch has one row tile per K/V head: `s_q * (h / hk)` rows of at most 16,
-    /// a decoding step's shape, so that one block per split reads each new key. Saves the
-    /// two append launches of a step (`CANDLE_FLASH_FUSED_APPEND=0` keeps them).
+    /// a decoding step's shape, so that one block per split reads each new key; and at most
+    /// 16 new rows. Saves the two append launches of a step (`CANDLE_FLASH_FUSED_APPEND=0`
+    /// keeps them).
     fn fuse_append(&mut self, q: &Tensor) -> bool {
         #[cfg(feature = "cuda")]
         {
             let d = &self.decode;
-            // Without query rows (a prefill through the cache) there is no decode launch.
+            // Without query rows (a prefill through the cache) there is no decode launch; a
+            // long append (a chunk of a prompt) is better spread over its own grid than
+            // written by the few blocks whose key ranges hold it.
             let fusable = q.device().is_cuda()
                 && !crate::cuda::overrides().fused_append_off
                 && d.b * d.s_q > 0
                 && d.s_q * (d.h / d.hk) <= DECODE_TILE_ROWS
-                && self.append.as_ref().is_some_and(|a| a.cpu_rotary.is_none());
+                && self
+                    .append
+                    .as_ref()
+                    .is_some_and(|a| a.cpu_rotary.is_none() && a.s_new <= DECODE_TILE_ROWS);
             if fusable {
                 if let Some(a) = self.append.take() {
                     self.decode.append = Some(crate::params::FusedAppend {

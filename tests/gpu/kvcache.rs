@@ -566,12 +566,13 @@ fn fused_append() -> bool {
     std::env::var("CANDLE_FLASH_FUSED_APPEND").map_or(true, |v| v != "0")
 }
 
-/// New rows no query of the call sees (a sliding window of 3 keys, 40 new rows: whole 16-key
-/// tiles before the first one any split reads) still land in the cache, exactly, contiguous
-/// and paged, split or not; and the attention equals the same call without the append over
-/// the cache as it should be afterwards (same plan, so the same bits).
+/// New rows no query of the call sees (a sliding window of 3 keys, 16 new rows: part of them
+/// in a 16-key tile before the first one any split reads, written by split 0) still land in
+/// the cache, exactly, contiguous and paged, split or not; and the attention equals the same
+/// call without the append over the cache as it should be afterwards (same plan, so the
+/// same bits).
 fn append_rows_no_query_sees(dev: &Device, paged: bool, long: bool) -> Result<()> {
-    let (h, hk, d, s_new, dtype) = (8, 2, 64, 40, DType::BF16);
+    let (h, hk, d, s_new, dtype) = (8, 2, 64, 16, DType::BF16);
     let lens: Vec<u32> = if long { vec![3000, 5] } else { vec![5, 50] };
     let b = lens.len();
     let (page, max_pages) = (16usize, 200usize);
