@@ -397,34 +397,35 @@ impl Call {
     /// a decoding step's shape, so that one block per split reads each new key; and at most
     /// 16 new rows. Saves the two append launches of a step (`CANDLE_FLASH_FUSED_APPEND=0`
     /// keeps them).
+    #[cfg(feature = "cuda")]
     fn fuse_append(&mut self, q: &Tensor) -> bool {
-        #[cfg(feature = "cuda")]
-        {
-            let d = &self.decode;
-            // Without query rows (a prefill through the cache) there is no decode launch; a
-            // long append (a chunk of a prompt) is better spread over its own grid than
-            // written by the few blocks whose key ranges hold it.
-            let fusable = q.device().is_cuda()
-                && !crate::cuda::overrides().fused_append_off
-                && d.b * d.s_q > 0
-                && d.s_q * (d.h / d.hk) <= DECODE_TILE_ROWS
-                && self
-                    .append
-                    .as_ref()
-                    .is_some_and(|a| a.cpu_rotary.is_none() && a.s_new <= DECODE_TILE_ROWS);
-            if fusable {
-                if let Some(a) = self.append.take() {
-                    self.decode.append = Some(crate::params::FusedAppend {
-                        k_new: a.k_new,
-                        v_new: a.v_new,
-                        s_new: a.s_new,
-                        rotary: a.rotary,
-                    });
-                    return true;
-                }
-            }
-        }
-        let _ = q;
+        let d = &self.decode;
+        // Without query rows (a prefill through the cache) there is no decode launch; a long
+        // append (a chunk of a prompt) is better spread over its own grid than written by the
+        // few blocks whose key ranges hold it.
+        let fusable = q.device().is_cuda()
+            && !crate::cuda::overrides().fused_append_off
+            && d.b * d.s_q > 0
+            && d.s_q * (d.h / d.hk) <= DECODE_TILE_ROWS
+            && self
+                .append
+                .as_ref()
+                .is_some_and(|a| a.cpu_rotary.is_none() && a.s_new <= DECODE_TILE_ROWS);
+        let Some(a) = self.append.take_if(|_| fusable) else {
+            return false;
+        };
+        self.decode.append = Some(crate::params::FusedAppend {
+            k_new: a.k_new,
+            v_new: a.v_new,
+            s_new: a.s_new,
+            rotary: a.rotary,
+        });
+        true
+    }
+
+    /// The CPU build appends separately, always.
+    #[cfg(not(feature = "cuda"))]
+    fn fuse_append(&mut self, _q: &Tensor) -> bool {
         false
     }
 }
