@@ -63,14 +63,9 @@ struct Append {
     v: AppendOp,
     k_new: Tensor,
     v_new: Tensor,
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the fused append
-    s_new: usize,
     /// Rotary embedding done with tensor ops before a plain append (the CPU), with the host
     /// starts; on CUDA it is inside `k`.
     cpu_rotary: Option<(RotaryProblem, Vec<u32>)>,
-    /// Rotary embedding on CUDA (also inside `k`), for an append fused into the decode.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    rotary: Option<RotaryProblem>,
 }
 
 impl Call {
@@ -301,7 +296,7 @@ impl Call {
                 None => (None, None),
             };
             let k = AppendOp::new(AppendProblem {
-                rotary: k_rotary.clone(),
+                rotary: k_rotary,
                 quant: k_quant,
                 ..problem.clone()
             })?;
@@ -314,9 +309,7 @@ impl Call {
                 v,
                 k_new,
                 v_new,
-                s_new,
                 cpu_rotary,
-                rotary: k_rotary,
             })
         });
         let append = append.transpose()?;
@@ -410,15 +403,17 @@ impl Call {
             && self
                 .append
                 .as_ref()
-                .is_some_and(|a| a.cpu_rotary.is_none() && a.s_new <= DECODE_TILE_ROWS);
+                .is_some_and(|a| a.cpu_rotary.is_none() && a.k.problem().s_new <= DECODE_TILE_ROWS);
         let Some(a) = self.append.take_if(|_| fusable) else {
             return false;
         };
+        // K's append problem holds the rotary embedding (V's has none).
+        let k = a.k.problem();
         self.decode.append = Some(crate::params::FusedAppend {
+            s_new: k.s_new,
+            rotary: k.rotary.clone(),
             k_new: a.k_new,
             v_new: a.v_new,
-            s_new: a.s_new,
-            rotary: a.rotary,
         });
         true
     }
