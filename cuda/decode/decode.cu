@@ -274,10 +274,13 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     const AttnParams& p = dp.a;
     // Launched programmatically (src/cuda/decode.rs): the grid is set up while the kernel
     // ahead of it finishes, and touches no global memory before that kernel (the append, the
-    // projection that wrote q, the previous decode step) has completed. It never triggers its
-    // own dependents early: blocks of a next decode made resident beside this grid's took
-    // its SMs' free slots and upset the block placement (H200: (32, 4k) 0.17 ms against
-    // 0.125 with the implicit trigger at exit; docs/archive/PERF.md).
+    // projection that wrote q, the previous decode step) has completed. A grid of one partial
+    // wave lets its dependents in as it starts (trigger_dependents: the next kernel's blocks
+    // take the idle SMs); a larger one waits for its exit: blocks of a next decode made
+    // resident beside this grid's took its SMs' free slots and upset the block placement
+    // (H200: (32, 4k) 0.17 ms against 0.125 with the implicit trigger at exit;
+    // docs/archive/PERF.md).
+    if (dp.trigger_dependents) pdl_launch_dependents();
     pdl_wait();
     // No static shared memory in this kernel: it would come first and push this base off
     // the 128-byte alignment the swizzled K/V rows rely on (every row 16 bytes off a sector

@@ -40,6 +40,9 @@ struct DecodeParams {
     const int* q_lens;
     int add_q_lens;
     int num_splits;            // key-range splits per (sequence, K/V head, row tile)
+    // Nonzero: the blocks let the kernel after them in (programmatic launch) as they start
+    // (a grid of one partial wave: that kernel's blocks take the idle SMs).
+    int trigger_dependents;
     float* o_partial;          // (num_splits, b, h, seqlen_q, d) when num_splits > 1
     float* lse_partial;        // (num_splits, b, h, seqlen_q)
     float* lse;                // (b, h, seqlen_q) row log-sum-exp out, or null

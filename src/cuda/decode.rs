@@ -43,6 +43,7 @@ pub(super) struct DecodeParams {
     pub(super) q_lens: CUdeviceptr,
     pub(super) add_q_lens: i32,
     pub(super) num_splits: i32,
+    pub(super) trigger_dependents: i32,
     pub(super) o_partial: CUdeviceptr,
     pub(super) lse_partial: CUdeviceptr,
     pub(super) lse: CUdeviceptr,
@@ -379,6 +380,15 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
             q_lens: device_or_upload(q_lens_dev, q_lens_host.as_deref(), &stream, &mut syncs),
             add_q_lens: p.add_q_lens as i32,
             num_splits: splits as i32,
+            // A grid of one partial wave (a small batch's decode) lets the kernel after it
+            // in as it starts: that kernel's blocks take the idle multiprocessors and wait in
+            // `pdl_wait` (LLaMA-1B step at batch 1, H200: 0.995-0.998 ms against
+            // 1.005-1.006). Larger grids wait for their exit: a next decode's blocks beside
+            // them upset their placement (see `flash_decode`).
+            trigger_dependents: i32::from(
+                !crate::cuda::overrides().decode_trigger_off
+                    && p.hk * row_tiles * splits * p.b <= device_facts(&dev)?.sms,
+            ),
             o_partial: op_ptr,
             lse_partial: lp_ptr,
             lse: lse_ptr,

@@ -22,6 +22,7 @@
 //! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
 //! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |
 //! | `CANDLE_FLASH_DECODE_WARPS` | `4` | split decode launches on 4-warp blocks |
+//! | `CANDLE_FLASH_DECODE_TRIGGER` | `0` | decode grids of one partial wave wait for their exit to let the next kernel in, as larger ones do |
 //! | `CANDLE_FLASH_FUSED_APPEND` | `0` | a decoding call's K/V appends as launches of their own, not inside the decode launch |
 //! | `CANDLE_FLASH_GEMV_MMA` | `1` | `infer::linear` at 5-16 rows on the tensor-core kernel instead of Candle's matmul (slower in the LLaMA step today: a comparison aid) |
 //! | `CANDLE_FLASH_GEMV_SPLIT` | 1, 2, 4, 8, 16 | warps per 16-column tile of `infer::linear` at 5-16 rows |
@@ -54,6 +55,7 @@ pub(crate) struct Overrides {
     pub det_group_off: bool,
     pub decode_splits: Option<usize>,
     pub decode_four_warps: bool,
+    pub decode_trigger_off: bool,
     pub fused_append_off: bool,
     pub gemv_mma_on: bool,
     pub gemv_split: Option<usize>,
@@ -91,6 +93,7 @@ impl Overrides {
             det_group_off: is("DET_GROUP", "0"),
             decode_splits: number("DECODE_SPLITS").filter(|&n| n > 0),
             decode_four_warps: is("DECODE_WARPS", "4"),
+            decode_trigger_off: is("DECODE_TRIGGER", "0"),
             fused_append_off: is("FUSED_APPEND", "0"),
             gemv_mma_on: is("GEMV_MMA", "1"),
             gemv_split: number("GEMV_SPLIT").filter(|n| [1, 2, 4, 8, 16].contains(n)),
@@ -109,7 +112,7 @@ mod tests {
     fn unset_is_the_default_choice() {
         let o = Overrides::from(|_| None);
         assert!(!o.arch_sm80 && !o.poison && !o.pdl_off && o.bwd.is_none());
-        assert!(!o.fused_append_off);
+        assert!(!o.fused_append_off && !o.decode_trigger_off);
         assert_eq!((o.fwd_tail_waves, o.bwd_tail_waves), (2, 2));
         assert_eq!((o.smem_kb, o.decode_splits), (None, None));
     }
