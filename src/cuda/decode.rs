@@ -363,6 +363,7 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
             rot_interleaved: rot.is_some_and(|r| r.interleaved) as i32,
             q_causal: rot.is_some_and(|r| r.q_causal) as i32,
         };
+        let grid = (p.hk * row_tiles, splits, p.b);
         let params = DecodeParams {
             a: AttnParams {
                 q: q_ptr,
@@ -382,12 +383,11 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
             num_splits: splits as i32,
             // A grid of one partial wave (a small batch's decode) lets the kernel after it
             // in as it starts: that kernel's blocks take the idle multiprocessors and wait in
-            // `pdl_wait` (LLaMA-1B step at batch 1, H200: 0.995-0.998 ms against
-            // 1.005-1.006). Larger grids wait for their exit: a next decode's blocks beside
+            // `pdl_wait`. Larger grids wait for their exit: a next decode's blocks beside
             // them upset their placement (see `flash_decode`).
             trigger_dependents: i32::from(
                 !crate::cuda::overrides().decode_trigger_off
-                    && p.hk * row_tiles * splits * p.b <= device_facts(&dev)?.sms,
+                    && grid.0 * grid.1 * grid.2 <= facts.sms,
             ),
             o_partial: op_ptr,
             lse_partial: lp_ptr,
@@ -402,8 +402,7 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
         // before it (the append, q's projection, the previous step) is a few percent of it;
         // launched programmatically the kernel waits in `pdl_wait` instead (H200, (8, 8k):
         // 0.0683 ms against 0.0707; docs/archive/PERF.md).
-        Launch::new(plan.kernel, dtype, (p.hk * row_tiles, splits, p.b))
-            .run_programmatic(&dev, &params)?;
+        Launch::new(plan.kernel, dtype, grid).run_programmatic(&dev, &params)?;
         drop((q_sync, k_sync, v_sync, o_sync, partial_syncs, syncs));
         drop((counters_sync, lse_sync));
     }
