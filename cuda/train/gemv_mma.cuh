@@ -13,22 +13,31 @@
 #include "common/mma.cuh"
 #include "common/pdl.cuh"
 #include "train/common.cuh"
+#include "train/norm.cuh"
 
 namespace train {
 
 constexpr int GEMV_MMA_MAX_M = 16;
 constexpr int GEMV_MMA_WARPS = 16;  // blockDim.x <= 512
 
-// 16 elements of row `r` at [k0, k0 + 16), zero past `k` (k % 8 == 0: a vector is whole or
-// absent) or for a row that is not there.
-template <bool STREAM, typename T>
+// Where load16 reads: the weight, streamed past L1; x through the read-only path; x's
+// normalised copy in shared memory.
+enum class From { Stream, ReadOnly, Shared };
+
+// 16 elements of row `row` (rows `ld` elements apart) at [k0, k0 + 16), zero past `k`
+// (k % 8 == 0: a vector is whole or absent) or for a row that is not there.
+template <From FROM, typename T>
 __device__ __forceinline__ void load16(uint32_t (&v)[8], const T* base, bool row_ok,
-                                       int64_t row, int k, int k0) {
-  const uint4* p = reinterpret_cast<const uint4*>(base + row * k + k0);
+                                       int64_t row, int ld, int k, int k0) {
+  const uint4* p = reinterpret_cast<const uint4*>(base + row * ld + k0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint4 q = make_uint4(0, 0, 0, 0);
-    if (row_ok && k0 + 8 * h < k) q = STREAM ? __ldcs(p + h) : __ldg(p + h);
+    if (row_ok && k0 + 8 * h < k) {
+      if constexpr (FROM == From::Stream) q = __ldcs(p + h);
+      else if constexpr (FROM == From::ReadOnly) q = __ldg(p + h);
+      else q = p[h];
+    }
     v[4 * h] = q.x;
     v[4 * h + 1] = q.y;
     v[4 * h + 2] = q.z;
@@ -36,19 +45,101 @@ __device__ __forceinline__ void load16(uint32_t (&v)[8], const T* base, bool row
   }
 }
 
+// Row stride (elements) of the normalised rows in shared memory: 16 bytes of padding put the
+// B fragments' loads of rows g and g + 1 (same column) in different banks.
+__host__ __device__ constexpr int gemv_mma_norm_ld(int k) { return k + 8; }
+
+// x's m rows normalised (RMSNorm with weight g, rounded as rms_norm_fwd rounds them) into
+// dynamic shared memory, a warp per row (two rows at once where the block has fewer warps
+// than rows): the rows' sums in parallel and one barrier, where a block-wide sum per row
+// would cost sixteen barriers in turn. A lane asks for all its vectors of a 2048-element row
+// (then of g) at once: one L2 round trip each, where a loop of dependent loads took eight.
+template <typename T>
+__device__ const T* gemv_mma_norm_rows(const T* __restrict__ x, const T* __restrict__ g, int m,
+                                       int k, float eps) {
+  constexpr int B = 8;  // vectors a lane has in flight per row
+  extern __shared__ uint4 xs_norm[];
+  const int chunks = k / 8, ld = gemv_mma_norm_ld(k) / 8;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* gv = reinterpret_cast<const uint4*>(g);
+  for (int r0 = threadIdx.x >> 5; r0 < m; r0 += 2 * warps) {
+    const int rows[2] = {r0, r0 + warps};
+    const bool two = rows[1] < m;
+    float ss[2] = {0.f, 0.f};
+    for (int c0 = lane; c0 < chunks; c0 += 32 * B) {
+      uint4 v[2][B];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < B; ++i)
+          v[h][i] = (h == 0 || two) && c0 + 32 * i < chunks
+                        ? __ldg(xv + (int64_t)rows[h] * chunks + c0 + 32 * i)
+                        : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+          const uint32_t w[4] = {v[h][i].x, v[h][i].y, v[h][i].z, v[h][i].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = pair_f(w[j], T());
+            ss[h] = fmaf(f.x, f.x, ss[h]);
+            ss[h] = fmaf(f.y, f.y, ss[h]);
+          }
+          if ((h == 0 || two) && c0 + 32 * i < chunks)
+            xs_norm[rows[h] * ld + c0 + 32 * i] = v[h][i];
+        }
+    }
+    float rstd[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rstd[h] = exact_rstd(warp_sum(ss[h]), k, eps);
+    // Each lane rewrites the vectors it stored itself: no barrier between the passes.
+    for (int c0 = lane; c0 < chunks; c0 += 32 * B) {
+      uint4 gw[B];
+#pragma unroll
+      for (int i = 0; i < B; ++i)
+        gw[i] = c0 + 32 * i < chunks ? __ldg(gv + c0 + 32 * i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !two) break;
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+          const int c = c0 + 32 * i;
+          if (c >= chunks) break;
+          uint4& slot = xs_norm[rows[h] * ld + c];
+          const uint4 v = slot;
+          const uint32_t a[4] = {v.x, v.y, v.z, v.w}, b[4] = {gw[i].x, gw[i].y, gw[i].z, gw[i].w};
+          uint32_t o[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = pair_f(a[j], T()), w = pair_f(b[j], T());
+            o[j] = pack_pair(from_f<T>(f.x * rstd[h] * w.x), from_f<T>(f.y * rstd[h] * w.y));
+          }
+          slot = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  return reinterpret_cast<const T*>(xs_norm);
+}
+
 // Output columns in tiles of 16 (grid-stride over groups of blockDim / 32 / split tiles),
 // `split` warps per tile each summing one slice of k's 64-element chunks, the slices summed
 // in warp order through shared memory (the same bits every run). NG token groups of 8: rows
 // m <= 8 * NG. x (m, k), w (n, k), add (m, n) dense, k % 8 == 0, rows 16-byte aligned.
 // `part` holds GEMV_MMA_WARPS x ACC x 32 floats (one buffer for both NG: static shared
-// memory of each instantiation would add up past 48 KB).
-template <typename T, int NG, bool SWIGLU>
+// memory of each instantiation would add up past 48 KB). With NORM, x is first normalised
+// (gemv_mma_norm_rows: weight gamma, eps) and the B operand read from shared memory.
+template <typename T, int NG, bool SWIGLU, bool NORM>
 __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
                               const T* __restrict__ add, T* __restrict__ y, int m, int n,
-                              int k, int split, float* part_flat) {
+                              int k, int split, float* part_flat,
+                              const T* __restrict__ gamma, float eps) {
   constexpr int HALVES = SWIGLU ? 2 : 1;
   constexpr int ACC = 4 * NG * HALVES;
-  // Chunks whose loads are in flight together: 4 KB of weight a warp either way.
+  // Chunks whose loads are in flight together: 8 KB of weight a warp either way.
   constexpr int U = SWIGLU ? 2 : 4;
   auto part = reinterpret_cast<float(*)[ACC][32]>(part_flat);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -61,6 +152,12 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
   const int tiles = (outs + 15) / 16;
   const int groups = (tiles + per_block - 1) / per_block;
   pdl_wait();
+  const T* xb_src = x;
+  int x_ld = k;
+  if (NORM) {
+    xb_src = gemv_mma_norm_rows<T>(x, gamma, m, k, eps);
+    x_ld = gemv_mma_norm_ld(k);
+  }
   for (int gi = blockIdx.x; gi < groups; gi += gridDim.x) {
     const int j0 = (gi * per_block + slot) * 16;
     float acc[HALVES][NG][4];
@@ -85,13 +182,15 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
           // A: weight rows j0 + g and j0 + g + 8 (and the up half's, outs further on).
 #pragma unroll
           for (int s = 0; s < HALVES; ++s) {
-            load16<true>(wa[u][s][0], w, in && r0, int64_t(j0 + g + s * outs), k, k0);
-            load16<true>(wa[u][s][1], w, in && r1, int64_t(j0 + g + 8 + s * outs), k, k0);
+            const int64_t row = j0 + g + s * outs;
+            load16<From::Stream>(wa[u][s][0], w, in && r0, row, k, k, k0);
+            load16<From::Stream>(wa[u][s][1], w, in && r1, row + 8, k, k, k0);
           }
-          // B: the rows of x, token g of each group of 8.
+          // B: the rows of x (L2, or shared memory with NORM), token g of each group of 8.
 #pragma unroll
           for (int q = 0; q < NG; ++q)
-            load16<false>(xb[u][q], x, in && g + 8 * q < m, int64_t(g + 8 * q), k, k0);
+            load16<NORM ? From::Shared : From::ReadOnly>(xb[u][q], xb_src, in && g + 8 * q < m,
+                                                         int64_t(g + 8 * q), x_ld, k, k0);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -151,14 +250,22 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
+// g non-null: x normalised first (RMSNorm with weight g and eps), its rows padded to
+// gemv_mma_norm_ld(k) in the launch's dynamic shared memory.
 template <typename T, bool SWIGLU>
 __device__ void gemv_mma(const T* x, const T* w, const T* add, T* y, int m, int n, int k,
-                         int split) {
+                         int split, const T* g, float eps) {
   __shared__ float part[GEMV_MMA_WARPS * 4 * 2 * (SWIGLU ? 2 : 1) * 32];
-  if (m <= 8) {
-    gemv_mma_rows<T, 1, SWIGLU>(x, w, add, y, m, n, k, split, part);
+  if (g != nullptr) {
+    if (m <= 8) {
+      gemv_mma_rows<T, 1, SWIGLU, true>(x, w, add, y, m, n, k, split, part, g, eps);
+    } else {
+      gemv_mma_rows<T, 2, SWIGLU, true>(x, w, add, y, m, n, k, split, part, g, eps);
+    }
+  } else if (m <= 8) {
+    gemv_mma_rows<T, 1, SWIGLU, false>(x, w, add, y, m, n, k, split, part, g, eps);
   } else {
-    gemv_mma_rows<T, 2, SWIGLU>(x, w, add, y, m, n, k, split, part);
+    gemv_mma_rows<T, 2, SWIGLU, false>(x, w, add, y, m, n, k, split, part, g, eps);
   }
 }
 

@@ -121,16 +121,16 @@ using f32 = float;
     train::gemv<T, true>(x, w, add, y, m, n, k, split, g, eps);                              \
   }
 
-// Five to sixteen rows on tensor cores (same operands; no norm).
+// Five to sixteen rows on tensor cores (same operands).
 #define TRAIN_GEMV_MMA(NAME, T)                                                              \
   extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
                                   int k, int split, const T* g, float eps) {                 \
-    train::gemv_mma<T, false>(x, w, add, y, m, n, k, split);                                 \
+    train::gemv_mma<T, false>(x, w, add, y, m, n, k, split, g, eps);                         \
   }
 #define TRAIN_GEMV_MMA_SWIGLU(NAME, T)                                                       \
   extern "C" __global__ void NAME(const T* x, const T* w, const T* add, T* y, int m, int n,  \
                                   int k, int split, const T* g, float eps) {                 \
-    train::gemv_mma<T, true>(x, w, add, y, m, n, k, split);                                  \
+    train::gemv_mma<T, true>(x, w, add, y, m, n, k, split, g, eps);                          \
   }
 
 // Each row's first largest element (src/infer/argmax.rs).

@@ -1238,7 +1238,7 @@ impl Llama {
         // Inference at a decoding step's few rows (the few-row kernels' count): each norm
         // inside the projection after it, each residual add inside the one before it (one
         // launch each).
-        if x.dim(0)? <= candle_flash::infer::LINEAR_MAX_ROWS {
+        if x.dim(0)? <= candle_flash::infer::fused_max_rows() {
             for (i, b) in self.blocks.iter().enumerate() {
                 let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
                 x = attend(b, &x, Some(&b.norm1), Some(&x), layer_cache, i)?;

@@ -24,7 +24,7 @@
 //! | `CANDLE_FLASH_DECODE_WARPS` | `4` | split decode launches on 4-warp blocks |
 //! | `CANDLE_FLASH_DECODE_TRIGGER` | `0` | decode grids of one partial wave wait for their exit to let the next kernel in, as larger ones do |
 //! | `CANDLE_FLASH_FUSED_APPEND` | `0` | a decoding call's K/V appends as launches of their own, not inside the decode launch |
-//! | `CANDLE_FLASH_GEMV_MMA` | `1` | `infer::linear` at 5-16 rows on the tensor-core kernel instead of Candle's matmul (slower in the LLaMA step today: a comparison aid) |
+//! | `CANDLE_FLASH_GEMV_MMA` | `0` | `infer::linear` and its fused forms at 5-16 rows on Candle's matmul instead of the tensor-core kernel (`infer::fused_max_rows` then 4: a comparison aid) |
 //! | `CANDLE_FLASH_GEMV_SPLIT` | 1, 2, 4, 8, 16 | warps per 16-column tile of `infer::linear` at 5-16 rows |
 //! | `CANDLE_FLASH_PDL` | `0` | no programmatic dependent launch |
 //! | `CANDLE_FLASH_GRAPH` | `captured` | `graph::CapturedGraph::capture` instantiates the graph as captured (memory nodes left in the kernels' chain) |
@@ -57,7 +57,7 @@ pub(crate) struct Overrides {
     pub decode_four_warps: bool,
     pub decode_trigger_off: bool,
     pub fused_append_off: bool,
-    pub gemv_mma_on: bool,
+    pub gemv_mma_off: bool,
     pub gemv_split: Option<usize>,
     pub pdl_off: bool,
     pub graph_as_captured: bool,
@@ -95,7 +95,7 @@ impl Overrides {
             decode_four_warps: is("DECODE_WARPS", "4"),
             decode_trigger_off: is("DECODE_TRIGGER", "0"),
             fused_append_off: is("FUSED_APPEND", "0"),
-            gemv_mma_on: is("GEMV_MMA", "1"),
+            gemv_mma_off: is("GEMV_MMA", "0"),
             gemv_split: number("GEMV_SPLIT").filter(|n| [1, 2, 4, 8, 16].contains(n)),
             pdl_off: is("PDL", "0"),
             graph_as_captured: is("GRAPH", "captured"),

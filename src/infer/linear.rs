@@ -4,22 +4,42 @@
 use candle::backend::BackendStorage;
 use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
-/// The most rows (tokens, after flattening x's leading dims) the few-row kernel takes
-/// (`GEMV_MAX_M` in `cuda/train/gemv.cuh`); more go to Candle's GEMM. (Five to sixteen rows also have a tensor-core kernel with the weight as
-/// the 16-row operand, `CANDLE_FLASH_GEMV_MMA=1`; in the LLaMA-1B step at batch 16 it is 3%
-/// slower than cuBLAS, so it is not the default.)
-pub const LINEAR_MAX_ROWS: usize = 4;
+/// The most rows (tokens, after flattening x's leading dims) that [`linear`] and its fused
+/// forms take in one launch streaming the weight: one to [`GEMV_MAX_ROWS`] on the CUDA cores
+/// (`cuda/train/gemv.cuh`), up to sixteen on tensor cores with the weight as the mma's
+/// 16-row operand (`cuda/train/gemv_mma.cuh`). More rows go to Candle's GEMM.
+/// [`fused_max_rows`] is the count in force (`CANDLE_FLASH_GEMV_MMA=0` keeps the tensor-core
+/// kernel out, for comparisons).
+pub const LINEAR_MAX_ROWS: usize = 16;
 
-/// The rows of the tensor-core kernel when `CANDLE_FLASH_GEMV_MMA=1`.
+/// The most rows of the CUDA-core kernel (`GEMV_MAX_M` in `cuda/train/gemv.cuh`).
+pub const GEMV_MAX_ROWS: usize = 4;
+
+/// The tensor-core kernel's limit on output columns, in 16-column tiles per multiprocessor:
+/// past it a GEMM's own tiles fill every multiprocessor in even waves (an LM head's 128k
+/// columns: cuBLAS 128 µs, ours 138, H200) while ours ends on a partial one.
 #[cfg(feature = "cuda")]
-const MMA_MAX_ROWS: usize = 16;
+const MMA_MAX_TILES_PER_SM: usize = 16;
+
+/// The rows [`linear`], [`linear_swiglu`] and the norm-fused forms take in one launch in this
+/// process: [`LINEAR_MAX_ROWS`], or [`GEMV_MAX_ROWS`] under `CANDLE_FLASH_GEMV_MMA=0`. A model
+/// whose step has at most this many tokens can leave each norm to the projection after it
+/// and each residual add to the one before it.
+pub fn fused_max_rows() -> usize {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::overrides().gemv_mma_off {
+        return GEMV_MAX_ROWS;
+    }
+    LINEAR_MAX_ROWS
+}
 
 /// `x @ weight^T (+ add)`: `x` `(..., k)`, `weight` `(n, k)` as a linear layer stores it,
 /// `add` `(..., n)` (a residual stream, added after the product is rounded, as a separate
 /// add would be). One launch that streams the weight when x has at most
-/// [`LINEAR_MAX_ROWS`] rows, bf16/f16 on CUDA, `k` a multiple of 8, dense 16-byte-aligned
-/// operands and nothing tracking gradients; Candle's matmul (and add) otherwise, so every
-/// input that a linear layer takes works, with gradients.
+/// [`fused_max_rows`] rows, bf16/f16 on CUDA, `k` a multiple of 8, dense 16-byte-aligned
+/// operands and nothing tracking gradients (and, past [`GEMV_MAX_ROWS`] rows, at most 16
+/// tiles of 16 output columns a multiprocessor); Candle's matmul (and add) otherwise, so
+/// every input that a linear layer takes works, with gradients.
 pub fn linear(x: &Tensor, weight: &Tensor, add: Option<&Tensor>) -> Result<Tensor> {
     let shape = check(x, weight, "linear")?;
     let mut out_dims = x.dims().to_vec();
@@ -104,10 +124,10 @@ pub fn linear_swiglu(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
 }
 
 /// `linear(rms_norm(x, norm_weight, eps), weight, None)`: a transformer block's input norm
-/// and the projection after it. At one to four rows (with [`linear`]'s other conditions, the
-/// norm weight in x's dtype, and the rows' normalised copy within 96 KB of shared memory)
-/// one launch, each block normalising the few rows itself, rounded as the separate norm
-/// rounds them; otherwise [`crate::train::rms_norm`] then [`linear`].
+/// and the projection after it. Where [`linear`] takes one launch (with the norm weight in
+/// x's dtype, and the rows' normalised copy within 96 KB of shared memory) one launch, each
+/// block normalising the few rows itself, rounded as the separate norm rounds them;
+/// otherwise [`crate::train::rms_norm`] then [`linear`].
 pub fn rms_norm_linear(
     x: &Tensor,
     norm_weight: &Tensor,
@@ -146,8 +166,7 @@ fn normed(x: &Tensor, g: &Tensor, eps: f32, weight: &Tensor, swiglu: bool) -> Re
         )
     }
     let fused = few_rows(x, weight, None, &shape)
-        && shape.rows <= LINEAR_MAX_ROWS
-        && shape.rows * shape.k * x.dtype().size_in_bytes() <= NORM_SMEM
+        && norm_smem(shape.rows, shape.k, x.dtype()) <= NORM_SMEM
         && g.dtype() == x.dtype()
         && !g.track_op()
         && g.is_contiguous()
@@ -172,6 +191,14 @@ fn normed(x: &Tensor, g: &Tensor, eps: f32, weight: &Tensor, swiglu: bool) -> Re
             },
         )?
         .reshape(out_dims)
+}
+
+/// Bytes of the fused norm's rows in shared memory: the tensor-core kernel pads each row by 16
+/// bytes (`gemv_mma_norm_ld`), so that its fragments' loads of neighbouring rows fall in
+/// different banks.
+fn norm_smem(rows: usize, k: usize, dtype: DType) -> usize {
+    let ld = if rows <= GEMV_MAX_ROWS { k } else { k + 8 };
+    rows * ld * dtype.size_in_bytes()
 }
 
 struct Dims {
@@ -218,13 +245,13 @@ fn check(x: &Tensor, weight: &Tensor, op: &str) -> Result<Dims> {
     })
 }
 
-/// Whether the few-row kernel takes this call (see [`linear`]).
+/// Whether the few-row kernels take this call (see [`linear`]).
 fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool {
     let dense_aligned =
         |t: &Tensor| t.is_contiguous() && t.layout().start_offset().is_multiple_of(8);
     x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
-        && (1..=max_rows()).contains(&d.rows)
+        && (1..=fused_max_rows()).contains(&d.rows)
         && d.k.is_multiple_of(8)
         && d.k > 0
         && d.n > 0
@@ -235,15 +262,18 @@ fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool
         && add.is_none_or(|a| !a.track_op() && a.is_contiguous())
         && dense_aligned(x)
         && dense_aligned(weight)
+        && (d.rows <= GEMV_MAX_ROWS || mma_fits(x, d.n))
 }
 
-/// [`LINEAR_MAX_ROWS`], or 16 with `CANDLE_FLASH_GEMV_MMA=1` (a comparison aid).
-fn max_rows() -> usize {
+/// Whether the tensor-core kernel's columns stay within [`MMA_MAX_TILES_PER_SM`].
+fn mma_fits(x: &Tensor, n: usize) -> bool {
     #[cfg(feature = "cuda")]
-    if crate::cuda::overrides().gemv_mma_on {
-        return MMA_MAX_ROWS;
+    if let candle::Device::Cuda(dev) = x.device() {
+        return crate::cuda::device_facts(dev)
+            .is_ok_and(|f| n.div_ceil(16) <= MMA_MAX_TILES_PER_SM * f.sms);
     }
-    LINEAR_MAX_ROWS
+    let _ = (x, n);
+    false
 }
 
 /// The kernel as an op over `(x (rows, k), weight (n, k)[, add (rows, n)])`, or with `norm`
@@ -272,7 +302,7 @@ impl Gemv {
         let dev = &xs.device;
         let (rows, k) = (xl.dims()[0], xl.dims()[1]);
         let n = wl.dims()[0];
-        let op = match (self.swiglu, rows <= LINEAR_MAX_ROWS) {
+        let op = match (self.swiglu, rows <= GEMV_MAX_ROWS) {
             (false, true) => Op::Gemv,
             (true, true) => Op::GemvSwiglu,
             (false, false) => Op::GemvMma,
@@ -312,7 +342,7 @@ impl Gemv {
                 Arg::Ptr(g),
                 Arg::F32(self.norm.unwrap_or(0.0)),
             ];
-            let units = if rows <= LINEAR_MAX_ROWS {
+            let units = if rows <= GEMV_MAX_ROWS {
                 outs
             } else {
                 outs.div_ceil(16)
@@ -324,7 +354,7 @@ impl Gemv {
                 .min(launch::max_stride_blocks(dev)?);
             // The fused norm's rows in dynamic shared memory.
             let smem = match self.norm {
-                Some(_) => rows * k * xs.dtype().size_in_bytes(),
+                Some(_) => norm_smem(rows, k, xs.dtype()),
                 None => 0,
             };
             // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
@@ -340,7 +370,7 @@ impl Gemv {
 /// `CANDLE_FLASH_GEMV_SPLIT` chooses), each summing a slice of k.
 #[cfg(feature = "cuda")]
 fn split(rows: usize, k: usize, outs: usize, sms: usize) -> usize {
-    if rows <= LINEAR_MAX_ROWS {
+    if rows <= GEMV_MAX_ROWS {
         // A long row cut into slices of at least 2048 elements, so that a block holds as
         // many loads in flight over a 8192-long row as over a 2048-long one (the 1B model's
         // down projection: 2048 columns alone would fill under two blocks a multiprocessor).
@@ -355,13 +385,15 @@ fn split(rows: usize, k: usize, outs: usize, sms: usize) -> usize {
         return n;
     }
     // A tile's warp reads 2 KB of weight per 64-element chunk: split until the launch has
-    // about two blocks a multiprocessor, keeping at least two chunks a warp; a power of two,
-    // so that the block's eight warps divide into whole tiles.
+    // about sixteen warps a multiprocessor (the 1B model's down projection, 128 tiles of 8192
+    // elements: sixteen warps a tile), keeping at least four chunks a warp (its o projection,
+    // 2048 long, stays at eight); a power of two, so that a block's warps divide into whole
+    // tiles.
     let tiles = outs.div_ceil(16);
     let chunks = k.div_ceil(64);
     let s = (2 * 8 * sms / tiles.max(1))
-        .clamp(1, 8)
-        .min((chunks / 2).max(1));
+        .clamp(1, 16)
+        .min((chunks / 4).max(1));
     1 << s.ilog2()
 }
 

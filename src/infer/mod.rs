@@ -3,14 +3,15 @@
 //! and how many launches there are between them.
 //!
 //! - [`linear`]: `x @ weight^T`, optionally `+ add` (the residual stream), for the few rows
-//!   of a decoding step: every warp streams whole weight rows (bf16/f16 on CUDA, one to four
-//!   rows), where a GEMM tiles the rows in and leaves much of a small matrix's bandwidth
+//!   of a decoding step: every warp streams whole weight rows (bf16/f16 on CUDA; one to four
+//!   rows on the CUDA cores, five to sixteen on tensor cores with the weight as the 16-row
+//!   operand), where a GEMM tiles the rows in and leaves much of a small matrix's bandwidth
 //!   unused. Other shapes, and anything that tracks gradients, go to Candle's matmul, so it
 //!   is a drop-in for a linear layer's forward.
 //! - [`linear_swiglu`]: `silu(x @ gate^T) * (x @ up^T)` from one stacked `[gate; up]` weight
 //!   in the same pass.
 //! - [`rms_norm_linear`], [`rms_norm_linear_swiglu`]: the same after an RMSNorm of x, which
-//!   at one to four rows each block computes itself (one launch where there were two).
+//!   at up to sixteen rows each block computes itself (one launch where there were two).
 //! - [`argmax`]: each row's first largest element (greedy decoding over a vocabulary in one
 //!   launch).
 //!
@@ -36,4 +37,7 @@ mod argmax;
 mod linear;
 
 pub use argmax::argmax;
-pub use linear::{linear, linear_swiglu, rms_norm_linear, rms_norm_linear_swiglu, LINEAR_MAX_ROWS};
+pub use linear::{
+    fused_max_rows, linear, linear_swiglu, rms_norm_linear, rms_norm_linear_swiglu, GEMV_MAX_ROWS,
+    LINEAR_MAX_ROWS,
+};

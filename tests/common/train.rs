@@ -476,11 +476,11 @@ fn linear_case(
 
 pub fn linear(dev: &Device, report: Report) {
     for dtype in DTYPES {
-        // One to four rows (the few-row kernel on CUDA in bf16/f16), then the matmul's row
-        // counts; five to sixteen take the tensor-core kernel under CANDLE_FLASH_GEMV_MMA=1
-        // (k past and short of its 64-element chunks, columns short of a 16-column tile,
-        // long rows split over warps).
-        let shapes: [(&[usize], usize); 15] = [
+        // One to four rows (the CUDA-core kernel on CUDA in bf16/f16), five to sixteen (the
+        // tensor-core kernel: k past and short of its 64-element chunks, columns short of a
+        // 16-column tile, long rows split over up to sixteen warps, the norm's padded rows in
+        // shared memory up to 96 KB and the matmul past it), then the matmul's row counts.
+        let shapes: [(&[usize], usize); 17] = [
             (&[1, 8], 1),
             (&[1, 2048], 3072),
             (&[2, 40], 3),
@@ -493,6 +493,8 @@ pub fn linear(dev: &Device, report: Report) {
             (&[9, 1, 8200], 40),
             (&[12, 40], 20),
             (&[16, 8192], 64),
+            (&[16, 2048], 2048),
+            (&[11, 1000], 40),
             (&[2, 7, 24], 530),
             (&[17, 64], 32),
             (&[2, 36], 16),
