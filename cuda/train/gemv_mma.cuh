@@ -61,7 +61,6 @@ __device__ const T* gemv_mma_norm_rows(const T* __restrict__ x, const T* __restr
   extern __shared__ uint4 xs_norm[];
   const int chunks = k / 8, ld = gemv_mma_norm_ld(k) / 8;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
   const uint4* gv = reinterpret_cast<const uint4*>(g);
   for (int r0 = threadIdx.x >> 5; r0 < m; r0 += 2 * warps) {
     const int rows[2] = {r0, r0 + warps};
@@ -74,7 +73,8 @@ __device__ const T* gemv_mma_norm_rows(const T* __restrict__ x, const T* __restr
 #pragma unroll
         for (int i = 0; i < B; ++i)
           v[h][i] = (h == 0 || two) && c0 + 32 * i < chunks
-                        ? __ldg(xv + (int64_t)rows[h] * chunks + c0 + 32 * i)
+                        ? __ldg(reinterpret_cast<const uint4*>(x) + (int64_t)rows[h] * chunks +
+                                c0 + 32 * i)
                         : make_uint4(0, 0, 0, 0);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -182,9 +182,10 @@ __device__ void gemv_mma_rows(const T* __restrict__ x, const T* __restrict__ w,
           // A: weight rows j0 + g and j0 + g + 8 (and the up half's, outs further on).
 #pragma unroll
           for (int s = 0; s < HALVES; ++s) {
-            const int64_t row = j0 + g + s * outs;
-            load16<From::Stream>(wa[u][s][0], w, in && r0, row, k, k, k0);
-            load16<From::Stream>(wa[u][s][1], w, in && r1, row + 8, k, k, k0);
+            load16<From::Stream>(wa[u][s][0], w, in && r0, int64_t(j0 + g + s * outs), k, k,
+                                 k0);
+            load16<From::Stream>(wa[u][s][1], w, in && r1, int64_t(j0 + g + 8 + s * outs), k,
+                                 k, k0);
           }
           // B: the rows of x (L2, or shared memory with NORM), token g of each group of 8.
 #pragma unroll
