@@ -39,28 +39,11 @@ __device__ const uint4* gemv_norm_rows(const T* __restrict__ x, const T* __restr
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float ss = 0.f;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-      const uint4 v = __ldg(xv + (int64_t)m * chunks + c);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = pair_f(w[i], T());
-        ss = fmaf(f.x, f.x, ss);
-        ss = fmaf(f.y, f.y, ss);
-      }
-    }
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x)
+      ss = sum_sq8<T>(ss, __ldg(xv + (int64_t)m * chunks + c));
     const float rstd = exact_rstd(block_sum(ss, scratch), k, eps);
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-      const uint4 v = __ldg(xv + (int64_t)m * chunks + c), gw = __ldg(gv + c);
-      const uint32_t a[4] = {v.x, v.y, v.z, v.w}, b[4] = {gw.x, gw.y, gw.z, gw.w};
-      uint32_t o[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = pair_f(a[i], T()), w = pair_f(b[i], T());
-        o[i] = pack_pair(from_f<T>(f.x * rstd * w.x), from_f<T>(f.y * rstd * w.y));
-      }
-      xs[m * chunks + c] = make_uint4(o[0], o[1], o[2], o[3]);
-    }
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x)
+      xs[m * chunks + c] = norm8<T>(__ldg(xv + (int64_t)m * chunks + c), __ldg(gv + c), rstd);
   }
   __syncthreads();
   return xs;

@@ -80,13 +80,7 @@ __device__ const T* gemv_mma_norm_rows(const T* __restrict__ x, const T* __restr
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int i = 0; i < B; ++i) {
-          const uint32_t w[4] = {v[h][i].x, v[h][i].y, v[h][i].z, v[h][i].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = pair_f(w[j], T());
-            ss[h] = fmaf(f.x, f.x, ss[h]);
-            ss[h] = fmaf(f.y, f.y, ss[h]);
-          }
+          ss[h] = sum_sq8<T>(ss[h], v[h][i]);
           if ((h == 0 || two) && c0 + 32 * i < chunks)
             xs_norm[rows[h] * ld + c0 + 32 * i] = v[h][i];
         }
@@ -108,15 +102,7 @@ __device__ const T* gemv_mma_norm_rows(const T* __restrict__ x, const T* __restr
           const int c = c0 + 32 * i;
           if (c >= chunks) break;
           uint4& slot = xs_norm[rows[h] * ld + c];
-          const uint4 v = slot;
-          const uint32_t a[4] = {v.x, v.y, v.z, v.w}, b[4] = {gw[i].x, gw[i].y, gw[i].z, gw[i].w};
-          uint32_t o[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = pair_f(a[j], T()), w = pair_f(b[j], T());
-            o[j] = pack_pair(from_f<T>(f.x * rstd[h] * w.x), from_f<T>(f.y * rstd[h] * w.y));
-          }
-          slot = make_uint4(o[0], o[1], o[2], o[3]);
+          slot = norm8<T>(slot, gw[i], rstd[h]);
         }
       }
     }

@@ -15,6 +15,30 @@ __device__ __forceinline__ float exact_rstd(float sum_sq, int cols, float eps) {
   return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, (float)cols), eps)));
 }
 
+// acc + the squares of the eight half-precision elements of one 16-byte vector, in order.
+template <typename T> __device__ __forceinline__ float sum_sq8(float acc, uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = pair_f(w[i], T());
+    acc = fmaf(f.x, f.x, acc);
+    acc = fmaf(f.y, f.y, acc);
+  }
+  return acc;
+}
+
+// Eight elements of x normalised, x * rstd * g, rounded as rms_norm_fwd rounds them.
+template <typename T> __device__ __forceinline__ uint4 norm8(uint4 x, uint4 g, float rstd) {
+  const uint32_t a[4] = {x.x, x.y, x.z, x.w}, b[4] = {g.x, g.y, g.z, g.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = pair_f(a[i], T()), w = pair_f(b[i], T());
+    o[i] = pack_pair(from_f<T>(f.x * rstd * w.x), from_f<T>(f.y * rstd * w.y));
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // One warp per row; or, launched with a block per row (gridDim.x >= rows: a decoding step's
 // few long rows, where a warp alone waits on each of its loads in turn), a block per row.
 template <typename T, typename W>

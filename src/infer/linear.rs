@@ -15,11 +15,11 @@ pub const LINEAR_MAX_ROWS: usize = 16;
 /// The most rows of the CUDA-core kernel (`GEMV_MAX_M` in `cuda/train/gemv.cuh`).
 pub const GEMV_MAX_ROWS: usize = 4;
 
-/// The tensor-core kernel's limit on output columns, in 16-column tiles per multiprocessor:
-/// past it a GEMM's own tiles fill every multiprocessor in even waves (an LM head's 128k
-/// columns: cuBLAS 128 µs, ours 138, H200) while ours ends on a partial one.
-#[cfg(feature = "cuda")]
-const MMA_MAX_TILES_PER_SM: usize = 16;
+/// The most output columns the tensor-core kernel takes: past them a GEMM's own tiles fill
+/// every multiprocessor in even waves while ours ends on a partial one (an LM head's 128k
+/// columns: cuBLAS 128 µs, ours 138, H200), where the 1B model's 16k gate-and-up columns
+/// are ours.
+const MMA_MAX_COLS: usize = 32768;
 
 /// The rows [`linear`], [`linear_swiglu`] and the norm-fused forms take in one launch in this
 /// process: [`LINEAR_MAX_ROWS`], or [`GEMV_MAX_ROWS`] under `CANDLE_FLASH_GEMV_MMA=0`. A model
@@ -37,9 +37,9 @@ pub fn fused_max_rows() -> usize {
 /// `add` `(..., n)` (a residual stream, added after the product is rounded, as a separate
 /// add would be). One launch that streams the weight when x has at most
 /// [`fused_max_rows`] rows, bf16/f16 on CUDA, `k` a multiple of 8, dense 16-byte-aligned
-/// operands and nothing tracking gradients (and, past [`GEMV_MAX_ROWS`] rows, at most 16
-/// tiles of 16 output columns a multiprocessor); Candle's matmul (and add) otherwise, so
-/// every input that a linear layer takes works, with gradients.
+/// operands and nothing tracking gradients (and, past [`GEMV_MAX_ROWS`] rows, at most 32768
+/// output columns); Candle's matmul (and add) otherwise, so every input that a linear layer
+/// takes works, with gradients.
 pub fn linear(x: &Tensor, weight: &Tensor, add: Option<&Tensor>) -> Result<Tensor> {
     let shape = check(x, weight, "linear")?;
     let mut out_dims = x.dims().to_vec();
@@ -262,18 +262,7 @@ fn few_rows(x: &Tensor, weight: &Tensor, add: Option<&Tensor>, d: &Dims) -> bool
         && add.is_none_or(|a| !a.track_op() && a.is_contiguous())
         && dense_aligned(x)
         && dense_aligned(weight)
-        && (d.rows <= GEMV_MAX_ROWS || mma_fits(x, d.n))
-}
-
-/// Whether the tensor-core kernel's columns stay within [`MMA_MAX_TILES_PER_SM`].
-fn mma_fits(x: &Tensor, n: usize) -> bool {
-    #[cfg(feature = "cuda")]
-    if let candle::Device::Cuda(dev) = x.device() {
-        return crate::cuda::device_facts(dev)
-            .is_ok_and(|f| n.div_ceil(16) <= MMA_MAX_TILES_PER_SM * f.sms);
-    }
-    let _ = (x, n);
-    false
+        && (d.rows <= GEMV_MAX_ROWS || d.n <= MMA_MAX_COLS)
 }
 
 /// The kernel as an op over `(x (rows, k), weight (n, k)[, add (rows, n)])`, or with `norm`

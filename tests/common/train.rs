@@ -479,8 +479,9 @@ pub fn linear(dev: &Device, report: Report) {
         // One to four rows (the CUDA-core kernel on CUDA in bf16/f16), five to sixteen (the
         // tensor-core kernel: k past and short of its 64-element chunks, columns short of a
         // 16-column tile, long rows split over up to sixteen warps, the norm's padded rows in
-        // shared memory up to 96 KB and the matmul past it), then the matmul's row counts.
-        let shapes: [(&[usize], usize); 17] = [
+        // shared memory up to 96 KB and the matmul past it, the matmul past 32768 columns),
+        // then the matmul's row counts.
+        let shapes: [(&[usize], usize); 18] = [
             (&[1, 8], 1),
             (&[1, 2048], 3072),
             (&[2, 40], 3),
@@ -495,6 +496,7 @@ pub fn linear(dev: &Device, report: Report) {
             (&[16, 8192], 64),
             (&[16, 2048], 2048),
             (&[11, 1000], 40),
+            (&[6, 64], 32776),
             (&[2, 7, 24], 530),
             (&[17, 64], 32),
             (&[2, 36], 16),
