@@ -21,7 +21,7 @@
 //! | `CANDLE_FLASH_BWD_CAP` | `0` | a softcap's backward on the `_mods` kernels instead of `_cap` |
 //! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
 //! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |
-//! | `CANDLE_FLASH_DECODE_WARPS` | `4` | split decode launches on 4-warp blocks |
+//! | `CANDLE_FLASH_DECODE_WARPS` | `4` | every decode launch on 4-warp blocks (one-wave grids take 8-warp blocks where compiled) |
 //! | `CANDLE_FLASH_DECODE_TRIGGER` | `0` | decode grids of one partial wave wait for their exit to let the next kernel in, as larger ones do |
 //! | `CANDLE_FLASH_FUSED_APPEND` | `0` | a decoding call's K/V appends as launches of their own, not inside the decode launch |
 //! | `CANDLE_FLASH_GEMV_MMA` | `0` | `infer::linear` and its fused forms at 5-16 rows on Candle's matmul instead of the tensor-core kernel (`infer::fused_max_rows` then 4: a comparison aid) |

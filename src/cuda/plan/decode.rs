@@ -77,24 +77,36 @@ pub(crate) fn plan_decode(
     let slots = sms * residency(base)?.max(1);
     let base_warps = geometry.threads as usize / 32;
     let splits = num_splits(blocks, key_tiles, sms, slots, base_warps);
-    // A split launch fills the SMs once with one block each, so its blocks get the wider
-    // shape compiled for the head dim (8 warps up to 128): twice the K/V tiles in flight per
-    // SM (H200, hd 128: (8, 8k) 0.0670 ms against 0.0683 with 4 warps, same run;
-    // docs/archive/PERF.md). Unsplit grids fill the SMs with several 4-warp blocks (6 warps
-    // measured no faster at (32, 4k)). Above 128 the rings of 8 warps do not fit (224, 256)
-    // or were not measured (160, 192). `CANDLE_FLASH_DECODE_WARPS=4` keeps split launches at
-    // 4-warp blocks (a tuning aid).
+    // A grid of one wave at most (a split launch, which fills the SMs once, or an unsplit
+    // one of few blocks) runs one block an SM, so its blocks get the wider shape compiled for
+    // the head dim (8 warps up to 128): twice the K/V tiles in flight per SM (H200, hd 128:
+    // (8, 8k) 0.0670 ms against 0.0683 with 4 warps; the LLaMA-1B step at batch 16, 128
+    // unsplit blocks of ~40 tiles: 1.308 ms/step against 1.356; docs/archive/PERF.md).
+    // Larger unsplit grids fill the SMs with several 4-warp blocks (6 warps measured no faster
+    // at (32, 4k)). Above 128 the rings of 8 warps do not fit (224, 256) or were not measured
+    // (160, 192). `CANDLE_FLASH_DECODE_WARPS=4` keeps every launch on 4-warp blocks (a tuning
+    // aid).
     let wide = shapes.wide.filter(fits);
-    if let (Some(wide), false) = (wide, splits == 1 || overrides().decode_four_warps) {
-        let warps = wide.geometry().threads as usize / 32;
-        match num_splits(blocks, key_tiles, sms, slots, warps) {
-            1 => {}
-            n => {
+    if let (Some(wide), false) = (wide, overrides().decode_four_warps) {
+        if splits == 1 {
+            if blocks <= sms {
                 return Ok(DecodePlan {
                     kernel: wide,
-                    splits: n,
+                    splits,
                     row_tiles,
-                })
+                });
+            }
+        } else {
+            let warps = wide.geometry().threads as usize / 32;
+            match num_splits(blocks, key_tiles, sms, slots, warps) {
+                1 => {}
+                n => {
+                    return Ok(DecodePlan {
+                        kernel: wide,
+                        splits: n,
+                        row_tiles,
+                    })
+                }
             }
         }
     }
@@ -166,4 +178,52 @@ fn num_splits(blocks: usize, key_tiles: usize, sms: usize, slots: usize, warps: 
     }
     let most = (key_tiles / (MIN_TILES_PER_WARP * warps)).clamp(1, MAX_SPLITS);
     (sms / blocks.max(1)).clamp(1, most)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200_SMS: usize = 132;
+    const H200_SMEM: usize = 227 * 1024;
+
+    /// The plan on an H200 for `pairs` batch x K/V heads, `rows` packed query rows a K/V
+    /// head and `max_len` keys, with three blocks of any kernel resident per SM.
+    fn plan(d: usize, rows: usize, pairs: usize, max_len: usize) -> DecodePlan {
+        let q = DecodeQuery {
+            d,
+            rows,
+            pairs,
+            max_len,
+            fp8_cache: false,
+        };
+        plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3)).unwrap()
+    }
+
+    fn warps(p: &DecodePlan) -> u32 {
+        p.kernel.geometry().threads / 32
+    }
+
+    #[test]
+    fn one_wave_grids_take_eight_warps() {
+        // The LLaMA-1B step at batch 16: 128 unsplit blocks, one an SM.
+        let p = plan(64, 4, 16 * 8, 768);
+        assert_eq!((p.splits, warps(&p)), (1, 8));
+        // Batch 1 at 8k keys: split to fill the SMs, on 8-warp blocks.
+        let p = plan(128, 4, 8, 8192);
+        assert_eq!((p.splits, warps(&p)), (16, 8));
+    }
+
+    #[test]
+    fn larger_grids_keep_four_warps() {
+        // (32, 4k): 256 blocks, several an SM.
+        let p = plan(128, 4, 32 * 8, 4096);
+        assert_eq!((p.splits, warps(&p)), (1, 4));
+    }
+
+    #[test]
+    fn head_dims_without_a_wide_kernel_stay_on_four_warps() {
+        let p = plan(256, 4, 16 * 8, 768);
+        assert_eq!((p.splits, warps(&p)), (1, 4));
+    }
 }
