@@ -119,12 +119,6 @@ impl AppendOp {
         })
     }
 
-    /// What the op appends (the decode launch takes it over when it appends itself).
-    #[cfg(feature = "cuda")]
-    pub fn problem(&self) -> &AppendProblem {
-        &self.problem
-    }
-
     /// Appends `new` to `cache` in place (no-op when there is nothing to write); returns the
     /// rotated queries when the problem rotates.
     pub fn run(&self, cache: &Tensor, new: &Tensor) -> Result<Option<Tensor>> {

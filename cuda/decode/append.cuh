@@ -54,22 +54,35 @@ __device__ __forceinline__ void store_chunk(C* dst, const Chunk8<T>& a, float sc
     }
 }
 
-// Writes row `src` (d elements) to `dst`, rotated at position `pos` when the launch has
-// rotary tables: the first 2 * rot_half elements turn by the angles of row `pos` (clamped to
-// the tables: device lengths are unchecked), in pairs (j, j + rot_half) or, interleaved,
-// (2j, 2j + 1); the rest is copied. f32 arithmetic, one rounding. rot_half is a multiple of 8
-// (checked on the host), so a chunk never straddles the rotated and copied parts. A cache of
-// C = uint8_t is e4m3, each element divided by `scale` (its head's) on the way. Threads t0 of
-// nt share the row (the append's block, or one warp of a decode block: P = DecodeAppend);
-// dst may be src (a row rotated in place: each chunk, or pair of chunks, is one thread's).
-template <typename T, typename C, typename P>
-__device__ __forceinline__ void append_row(const P& ap, C* dst, const T* src, int64_t pos,
-                                           float scale, int t0, int nt) {
-    const int rot = ap.rot_cos != nullptr ? 2 * ap.rot_half : 0;
-    const int64_t row = min(pos, int64_t(ap.rot_rows) - 1);
-    const float* cs = ap.rot_cos + row * ap.rot_half;
-    const float* sn = ap.rot_sin + row * ap.rot_half;
-    for (int c = t0 * CHUNK; c < ap.d; c += nt * CHUNK) {
+// The rotary tables a row turns by: none (cos null), or `rows` rows of `half` angles.
+struct Rotation {
+    const float* cos = nullptr;
+    const float* sin = nullptr;
+    int rows = 1, half = 0, interleaved = 0;
+
+    // The tables of a parameter block whose fields are named as AppendParams' (the append
+    // launch's, or a decode launch's DecodeAppend).
+    template <typename P> __device__ __forceinline__ static Rotation of(const P& ap) {
+        return {ap.rot_cos, ap.rot_sin, ap.rot_rows, ap.rot_half, ap.rot_interleaved};
+    }
+};
+
+// Writes row `src` (d elements) to `dst`, rotated at position `pos` by `r` when it has
+// tables: the first 2 * r.half elements turn by the angles of row `pos` (clamped to the
+// tables: device lengths are unchecked), in pairs (j, j + half) or, interleaved, (2j, 2j + 1);
+// the rest is copied. f32 arithmetic, one rounding. half is a multiple of 8 (checked on the
+// host), so a chunk never straddles the rotated and copied parts. A cache of C = uint8_t is
+// e4m3, each element divided by `scale` (its head's) on the way. Threads t0 of nt share the
+// row (the append's block, or one warp of a decode block); dst may be src (a row rotated in
+// place: each chunk, or pair of chunks, is one thread's, and the copied part stays put).
+template <typename T, typename C>
+__device__ __forceinline__ void append_row(const Rotation& r, int d, C* dst, const T* src,
+                                           int64_t pos, float scale, int t0, int nt) {
+    const int rot = r.cos != nullptr ? 2 * r.half : 0;
+    const int64_t row = min(pos, int64_t(r.rows) - 1);
+    const float* cs = r.cos + row * r.half;
+    const float* sn = r.sin + row * r.half;
+    for (int c = t0 * CHUNK; c < d; c += nt * CHUNK) {
         if (c >= rot) {
             if constexpr (std::is_same_v<C, T>) {
                 if (static_cast<const void*>(dst) != src)
@@ -83,7 +96,7 @@ __device__ __forceinline__ void append_row(const P& ap, C* dst, const T* src, in
         }
         Chunk8<T> a;
         a.load(src + c);
-        if (ap.rot_interleaved) {
+        if (r.interleaved) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const int j = c / 2 + k;
@@ -94,9 +107,9 @@ __device__ __forceinline__ void append_row(const P& ap, C* dst, const T* src, in
             store_chunk(dst + c, a, scale);
             continue;
         }
-        if (c >= ap.rot_half) continue;  // the second half: its partner chunk writes it
+        if (c >= r.half) continue;  // the second half: its partner chunk writes it
         Chunk8<T> b;
-        b.load(src + c + ap.rot_half);
+        b.load(src + c + r.half);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const float x0 = a.x[k], x1 = b.x[k];
@@ -104,7 +117,7 @@ __device__ __forceinline__ void append_row(const P& ap, C* dst, const T* src, in
             b.x[k] = x1 * cs[c + k] + x0 * sn[c + k];
         }
         store_chunk(dst + c, a, scale);
-        store_chunk(dst + c + ap.rot_half, b, scale);
+        store_chunk(dst + c + r.half, b, scale);
     }
 }
 
@@ -125,7 +138,8 @@ template <typename T, typename C> __device__ __forceinline__ void flash_append(c
         const T* src = static_cast<const T*>(ap.q) + b * ap.q_batch_stride +
                        int64_t(i) * ap.q_row_stride + head * ap.q_head_stride;
         T* dst = static_cast<T*>(ap.q_out) + ((int64_t(b) * ap.s_q + i) * ap.h + head) * ap.d;
-        append_row(ap, dst, src, start + (ap.q_causal ? i : 0), 1.f, threadIdx.x, blockDim.x);
+        append_row(Rotation::of(ap), ap.d, dst, src, start + (ap.q_causal ? i : 0), 1.f,
+                   threadIdx.x, blockDim.x);
         return;
     }
     if (i >= n) return;
@@ -137,6 +151,6 @@ template <typename T, typename C> __device__ __forceinline__ void flash_append(c
                       ap.cache_head_stride, int(j));
     const T* src = static_cast<const T*>(ap.src) + b * ap.src_batch_stride +
                    int64_t(i) * ap.src_row_stride + y * ap.src_head_stride;
-    append_row(ap, dst, src, j, std::is_same_v<C, T> ? 1.f : ap.scale[y], threadIdx.x,
-               blockDim.x);
+    append_row(Rotation::of(ap), ap.d, dst, src, j, std::is_same_v<C, T> ? 1.f : ap.scale[y],
+               threadIdx.x, blockDim.x);
 }

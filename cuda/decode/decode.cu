@@ -115,14 +115,6 @@ __device__ __forceinline__ void gemm_pv(float (&o)[1][DT][4], const uint32_t (&p
     }
 }
 
-// append_row's parameters for a row copied without rotation (the fused append's V rows).
-struct NoRotary {
-    int d;
-    const float* rot_cos = nullptr;
-    const float* rot_sin = nullptr;
-    int rot_rows = 1, rot_half = 0, rot_interleaved = 0;
-};
-
 constexpr int MAX_SPLITS = 128;  // src/cuda/plan/decode.rs caps num_splits to this
 
 // The merge of the splits, run by the last split of a row tile to finish (weights
@@ -349,7 +341,6 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         using C = std::conditional_t<K::FP8, uint8_t, T>;
         const CacheRows dst{dp.block_table, dp.max_pages, dp.page_size, b, h_k, dp.num_pages};
         const int n = int(total_len - new_start);
-        const NoRotary plain{fa.d};
         for (int item = warp; item < 2 * n; item += NW) {
             const int i = item / 2;
             const bool is_v = item % 2 != 0;
@@ -368,9 +359,9 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                              is_v ? p.v_head_stride : p.k_head_stride, int(j));
             const float scale = K::FP8 ? (is_v ? dp.v_scale : dp.k_scale)[h_k] : 1.f;
             if (is_v)
-                append_row<T, C>(plain, row, src, j, scale, lane, 32);
+                append_row<T, C>(Rotation{}, fa.d, row, src, j, scale, lane, 32);
             else
-                append_row<T, C>(fa, row, src, j, scale, lane, 32);
+                append_row<T, C>(Rotation::of(fa), fa.d, row, src, j, scale, lane, 32);
         }
         __syncthreads();  // the rows are in the cache before any warp's copies read them
     }
@@ -439,7 +430,8 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
             const int token = (m0 + r) / group;
             if (token >= q_len) continue;
             T* row = sQ + r * STRIDE;
-            append_row<T, T>(fa, row, row, new_start + (fa.q_causal ? token : 0), 1.f, lane, 32);
+            append_row<T, T>(Rotation::of(fa), fa.d, row, row,
+                             new_start + (fa.q_causal ? token : 0), 1.f, lane, 32);
         }
         __syncthreads();
     }

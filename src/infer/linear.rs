@@ -300,7 +300,8 @@ impl Gemv {
         let name = TrainKernel::name(op, &[("linear: x", xs.dtype())])?;
         let shape = out_shape(self.swiglu, xl, wl);
         let outs = shape.dims()[1];
-        let split = split(rows, k, outs, crate::cuda::device_facts(dev)?.sms);
+        let sms = crate::cuda::device_facts(dev)?.sms;
+        let split = split(rows, k, outs, sms);
         let stream = dev.cuda_stream();
         let mut y = launch::alloc(dev, xs.dtype(), rows * outs, false)?;
         {
@@ -338,9 +339,7 @@ impl Gemv {
             };
             // Eight warps a block, sixteen where sixteen share a tile.
             let warps = split.max(8);
-            let blocks = (units * split)
-                .div_ceil(warps)
-                .min(launch::max_stride_blocks(dev)?);
+            let blocks = (units * split).div_ceil(warps).min(launch::stride_cap(sms));
             // The fused norm's rows in dynamic shared memory.
             let smem = match self.norm {
                 Some(_) => norm_smem(rows, k, xs.dtype()),

@@ -57,10 +57,13 @@ pub(super) struct Call {
     decode: DecodeProblem,
 }
 
-/// The append half of a call: one op per cache, with the new rows.
+/// The append half of a call: what both caches' appends share, with the new rows. The ops
+/// are built only where the append runs apart from the decode launch.
 struct Append {
-    k: AppendOp,
-    v: AppendOp,
+    /// K's append (with the rotary embedding on CUDA) without its quantization.
+    problem: AppendProblem,
+    /// An FP8 cache: the K and V caches' scales, each append quantizing with its own.
+    quant: Option<(QuantScale, QuantScale)>,
     k_new: Tensor,
     v_new: Tensor,
     /// Rotary embedding done with tensor ops before a plain append (the CPU), with the host
@@ -273,46 +276,32 @@ impl Call {
             None => None,
         };
         let append = new_kv.map(|(k_new, v_new, _)| {
-            let problem = AppendProblem {
-                b,
-                s_new,
-                hk,
-                d,
-                start: starts.clone(),
-                new_lens: ragged_new.clone(),
-                paging: paging.clone(),
-                rotary: None,
-                quant: None,
-            };
-            let (k_rotary, cpu_rotary) = match (&rotary, &starts) {
+            let (rotary, cpu_rotary) = match (rotary.as_ref(), &starts) {
                 (Some(r), Indices::Host(st)) if q.device().is_cpu() => {
                     (None, Some((r.clone(), st.clone())))
                 }
-                (r, _) => (r.clone(), None),
+                (r, _) => (r.cloned(), None),
             };
-            // An FP8 cache: each append quantizes with its own cache's scales.
-            let (k_quant, v_quant) = match &kv_scales {
-                Some(s) => (Some(QuantScale(s.k.clone())), Some(QuantScale(s.v.clone()))),
-                None => (None, None),
-            };
-            let k = AppendOp::new(AppendProblem {
-                rotary: k_rotary,
-                quant: k_quant,
-                ..problem.clone()
-            })?;
-            let v = AppendOp::new(AppendProblem {
-                quant: v_quant,
-                ..problem
-            })?;
-            Ok::<_, candle::Error>(Append {
-                k,
-                v,
+            Append {
+                problem: AppendProblem {
+                    b,
+                    s_new,
+                    hk,
+                    d,
+                    start: starts.clone(),
+                    new_lens: ragged_new.clone(),
+                    paging: paging.clone(),
+                    rotary,
+                    quant: None,
+                },
+                quant: kv_scales
+                    .as_ref()
+                    .map(|s| (QuantScale(s.k.clone()), QuantScale(s.v.clone()))),
                 k_new,
                 v_new,
                 cpu_rotary,
-            })
+            }
         });
-        let append = append.transpose()?;
         let decode = DecodeProblem {
             b,
             s_q,
@@ -354,9 +343,20 @@ impl Call {
             ),
             None => (None, a.k_new.clone()),
         };
-        let q_rot = a.k.run(k_cache, &k_new)?.or(q_rot);
+        // Both ops built before either writes, so an error leaves both caches untouched.
+        let (k_quant, v_quant) = a.quant.clone().unzip();
+        let k = AppendOp::new(AppendProblem {
+            quant: k_quant,
+            ..a.problem.clone()
+        })?;
+        let v = AppendOp::new(AppendProblem {
+            rotary: None,
+            quant: v_quant,
+            ..a.problem.clone()
+        })?;
+        let q_rot = k.run(k_cache, &k_new)?.or(q_rot);
         crate::failpoint::check("kvcache: between the K and V appends")?;
-        a.v.run(v_cache, &a.v_new)?;
+        v.run(v_cache, &a.v_new)?;
         Ok(q_rot)
     }
 
@@ -403,15 +403,13 @@ impl Call {
             && self
                 .append
                 .as_ref()
-                .is_some_and(|a| a.cpu_rotary.is_none() && a.k.problem().s_new <= DECODE_TILE_ROWS);
+                .is_some_and(|a| a.cpu_rotary.is_none() && a.problem.s_new <= DECODE_TILE_ROWS);
         let Some(a) = self.append.take_if(|_| fusable) else {
             return false;
         };
-        // K's append problem holds the rotary embedding (V's has none).
-        let k = a.k.problem();
         self.decode.append = Some(crate::params::FusedAppend {
-            s_new: k.s_new,
-            rotary: k.rotary.clone(),
+            s_new: a.problem.s_new,
+            rotary: a.problem.rotary,
             k_new: a.k_new,
             v_new: a.v_new,
         });

@@ -238,7 +238,12 @@ pub(crate) fn stride_blocks(dev: &CudaDevice, n: usize, threads: u32) -> Result<
 
 /// The most blocks [`stride_blocks`] gives on `dev`.
 pub(crate) fn max_stride_blocks(dev: &CudaDevice) -> Result<usize> {
-    Ok(crate::cuda::device_facts(dev)?.sms * 16)
+    Ok(stride_cap(crate::cuda::device_facts(dev)?.sms))
+}
+
+/// [`max_stride_blocks`] on a device of `sms` multiprocessors.
+pub(crate) fn stride_cap(sms: usize) -> usize {
+    sms * 16
 }
 
 /// Loads `name` (and its module) on `dev` ahead of its launches, so that they cannot fail
