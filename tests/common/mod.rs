@@ -176,6 +176,21 @@ pub fn assert_within_budget(
     Ok(())
 }
 
+/// Explicit mantissa bits of a floating dtype (f32's for anything wider than 16 bits).
+pub fn mantissa_bits(dtype: DType) -> u32 {
+    match dtype {
+        DType::BF16 => 7,
+        DType::F16 => 10,
+        _ => 23,
+    }
+}
+
+/// The unit roundoff of `dtype`: half the spacing of its values just above 1, the largest
+/// relative error of one rounding.
+pub fn unit_roundoff(dtype: DType) -> f32 {
+    (-(mantissa_bits(dtype) as f32 + 1.0)).exp2()
+}
+
 /// The rounding rule for results computed in f32 and stored in a low precision (the CPU
 /// implementation): every element within `ulps` units in the last place of `ours`' dtype at
 /// the exact value, plus 1e-5 of the largest |exact| (sums that cancel to near zero differ by
@@ -183,11 +198,7 @@ pub fn assert_within_budget(
 /// low-precision baseline's own error grows with the number of keys: a skipped tile of 16
 /// keys among 4096 passes that rule but not this one (tests/cpu_planted.rs).
 pub fn assert_within_rounding(what: &str, ours: &Tensor, exact: &Tensor, ulps: f32) -> Result<()> {
-    let mantissa = match ours.dtype() {
-        DType::BF16 => 7,
-        DType::F16 => 10,
-        _ => 23,
-    };
+    let mantissa = mantissa_bits(ours.dtype());
     let got = ours.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let want = exact
         .to_dtype(DType::F32)?

@@ -6,14 +6,14 @@
 //! of the same math (RMSNorm's one-column dx cancels to ~eps/x^2 of its terms, and a bound
 //! of the floor alone failed on a 2-ulp `rsqrtf`).
 //! Rule as for the attention: our error at most 2x (outputs) / 3x (gradients) the baseline's,
-//! plus 1e-5 relative to the largest reference value; `infer::linear`'s outputs get half an
-//! ulp of their dtype more, since they are compared over few elements, each rounded once by
-//! both sides (see `untracked`).
+//! plus 1e-5 relative to the largest reference value; `infer::linear`'s outputs get half a
+//! unit roundoff of their dtype more, since they are compared over few elements, each
+//! rounded once by both sides (see `untracked`).
 
 use candle::{DType, Device, Result, Tensor, Var, D};
 use candle_flash::train;
 
-use super::{max_abs, max_abs_diff, randn};
+use super::{max_abs, max_abs_diff, randn, unit_roundoff};
 
 pub mod adamw_state;
 
@@ -22,20 +22,20 @@ pub type Report<'a> = &'a mut dyn FnMut(String, Result<()>);
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
-/// `slack_ulps`: units in the last place of `base`'s dtype, relative to the largest exact
-/// value, added to the bound (see [`untracked`]).
+/// `slack`: unit roundoffs of `base`'s dtype, relative to the largest exact value, added to
+/// the bound (see [`untracked`]).
 fn within(
     what: &str,
     ours: &Tensor,
     base: &Tensor,
     exact: &Tensor,
     factor: f32,
-    slack_ulps: f32,
+    slack: f32,
 ) -> Result<()> {
     let ours_err = max_abs_diff(&ours.to_device(&Device::Cpu)?, exact)?;
     let base_err = max_abs_diff(base, exact)?;
     let bound =
-        factor * base_err + (slack_ulps * ulp(base.dtype()) + 1e-5) * max_abs(exact)?.max(1.0);
+        factor * base_err + (slack * unit_roundoff(base.dtype()) + 1e-5) * max_abs(exact)?.max(1.0);
     if ours_err <= bound {
         Ok(())
     } else {
@@ -72,18 +72,9 @@ fn run(
     Ok((y, g))
 }
 
-/// The spacing of `dtype`'s values just above 1.
-fn ulp(dtype: DType) -> f32 {
-    match dtype {
-        DType::BF16 => 2f32.powi(-8),
-        DType::F16 => 2f32.powi(-11),
-        DType::F32 => 2f32.powi(-24),
-        _ => 0.0,
-    }
-}
-
 /// Runs `ours` on `dev` and `reference` on the CPU in f64 and in `dtype` from the same
-/// rounded inputs (`differentiable[i]`: compare input i's gradient), applying the rule.
+/// rounded inputs (`differentiable[i]`: compare input i's gradient), applying the rule, with
+/// `output_slack` unit roundoffs of slack on the output's bound ([`within`]).
 #[allow(clippy::too_many_arguments)]
 fn compare(
     name: &str,
@@ -94,32 +85,7 @@ fn compare(
     differentiable: &[bool],
     out_shape: &[usize],
     dtype: DType,
-) -> Result<()> {
-    compare_with_slack(
-        name,
-        dev,
-        ours,
-        reference,
-        inputs,
-        differentiable,
-        out_shape,
-        dtype,
-        0.0,
-    )
-}
-
-/// [`compare`] with `output_slack_ulps` of slack on the output's bound ([`within`]).
-#[allow(clippy::too_many_arguments)]
-fn compare_with_slack(
-    name: &str,
-    dev: &Device,
-    ours: &dyn Fn(&[Tensor]) -> Result<Tensor>,
-    reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
-    inputs: &[Tensor],
-    differentiable: &[bool],
-    out_shape: &[usize],
-    dtype: DType,
-    output_slack_ulps: f32,
+    output_slack: f32,
 ) -> Result<()> {
     let weight = randn(out_shape, dtype)?;
     let on_dev = inputs
@@ -143,14 +109,7 @@ fn compare_with_slack(
             ye.dims()
         )
     }
-    within(
-        &format!("{name} output"),
-        &y,
-        &yb,
-        &ye,
-        2.0,
-        output_slack_ulps,
-    )?;
+    within(&format!("{name} output"), &y, &yb, &ye, 2.0, output_slack)?;
     for (i, d) in differentiable.iter().enumerate() {
         if !d {
             continue;
@@ -198,6 +157,7 @@ fn rms_norm_case(dev: &Device, dtype: DType, shape: &[usize], w_f32: bool) -> (S
             &[true, dw_compared],
             shape,
             dtype,
+            0.0,
         )
     })();
     (name, r)
@@ -251,6 +211,7 @@ fn rotary_case(
             &[true],
             &[n, h, d],
             dtype,
+            0.0,
         )
     })();
     (name, r)
@@ -281,6 +242,7 @@ fn swiglu_case(dev: &Device, dtype: DType, shape: &[usize]) -> (String, Result<(
             &[true, true],
             shape,
             dtype,
+            0.0,
         )
     })();
     (name, r)
@@ -325,6 +287,7 @@ fn swiglu_halves_case(
             &[true, true],
             &[rows, cols],
             dtype,
+            0.0,
         )
     })();
     (name, r)
@@ -374,13 +337,14 @@ fn add_rms_norm_case(
             &[true, true, dw_compared],
             &out_shape,
             dtype,
+            0.0,
         )
     })();
     (name, r)
 }
 
 /// `f` on untracked inputs on `dev` (the path a decoding step takes) against `reference` in
-/// f64 and in the inputs' dtype on the CPU, by the 2x rule with half an ulp of the dtype
+/// f64 and in the inputs' dtype on the CPU, by the 2x rule with half a unit roundoff of the dtype
 /// (relative to the largest exact value) of slack: a few outputs whose rounding differs
 /// from the baseline's by luck (the kernel rounds once where Candle's ops round twice) are
 /// not a fault, an index off by one is.
@@ -505,7 +469,7 @@ fn linear_case(
         let differentiable = vec![true; inputs.len()];
         // Tracked, the op is Candle's matmul between our norm and SwiGLU, each rounding where
         // the baseline's ops round: the same slack on the output as untracked.
-        compare_with_slack(
+        compare(
             &name,
             dev,
             &ours,
@@ -700,6 +664,7 @@ fn embedding_case(
             &[true],
             &[n, hidden],
             dtype,
+            0.0,
         )
     })();
     (name, r)
@@ -765,6 +730,7 @@ fn cross_entropy_case(
             &[true],
             &[n],
             DType::F32,
+            0.0,
         )
     })();
     (name, r)

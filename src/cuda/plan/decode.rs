@@ -88,26 +88,19 @@ pub(crate) fn plan_decode(
     // aid).
     let wide = shapes.wide.filter(fits);
     if let (Some(wide), false) = (wide, overrides().decode_four_warps) {
-        if splits == 1 {
-            if blocks <= sms {
-                return Ok(DecodePlan {
-                    kernel: wide,
-                    splits,
-                    row_tiles,
-                });
-            }
-        } else {
-            let warps = wide.geometry().threads as usize / 32;
-            match num_splits(blocks, key_tiles, sms, slots, warps) {
-                1 => {}
-                n => {
-                    return Ok(DecodePlan {
-                        kernel: wide,
-                        splits: n,
-                        row_tiles,
-                    })
-                }
-            }
+        let warps = wide.geometry().threads as usize / 32;
+        let wide_splits = match splits {
+            1 => 1,
+            _ => num_splits(blocks, key_tiles, sms, slots, warps),
+        };
+        // One wave: unsplit and at most one block an SM, or split (wider blocks may want
+        // fewer splits; none at all leaves the grid to the 4-warp blocks).
+        if (splits == 1 && blocks <= sms) || wide_splits > 1 {
+            return Ok(DecodePlan {
+                kernel: wide,
+                splits: wide_splits,
+                row_tiles,
+            });
         }
     }
     Ok(DecodePlan {
