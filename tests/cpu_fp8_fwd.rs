@@ -262,15 +262,6 @@ fn max_abs(a: &[f64]) -> f64 {
     a.iter().fold(0.0, |m: f64, x| m.max(x.abs()))
 }
 
-/// Half an ulp at 1 of the output dtype: its relative rounding error.
-fn half_ulp(dtype: DType) -> f64 {
-    match dtype {
-        DType::BF16 => 2f64.powi(-8),
-        DType::F16 => 2f64.powi(-11),
-        _ => 0.0,
-    }
-}
-
 /// Which of the module doc's rules an output breaks (empty: none).
 fn broken_rules(
     what: &str,
@@ -280,7 +271,8 @@ fn broken_rules(
     v: &[f64],
     dtype: DType,
 ) -> Vec<String> {
-    let eps = 1e-5 * max_abs(v).max(1.0) + half_ulp(dtype) * max_abs(&oracle.exact);
+    let eps = 1e-5 * max_abs(v).max(1.0)
+        + f64::from(common::unit_roundoff(dtype)) * max_abs(&oracle.exact);
     let rounding = max_diff(&oracle.emulated, &oracle.exact);
     let vs_exact = max_diff(out, &oracle.exact);
     // Each element's distance to `emulated` beyond the slack of its row.

@@ -18,6 +18,7 @@
 #include "decode/append.cuh"
 #include "decode/decode_block.cuh"
 #include "decode/fp8.cuh"
+#include "common/arrival.cuh"
 #include "common/gemm.cuh"
 #include "common/mask/visibility.cuh"
 #include "common/pdl.cuh"
@@ -556,18 +557,15 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     }
     if (!split_out) return;  // split launches always pass counters (src/cuda/decode.rs)
 
-    // The split of this row tile that finishes last merges all of them, which saves a
-    // separate combine kernel's launch gap and ramp. Every thread fences its own partial
-    // stores before the block counts itself as arrived, so a block that sees the count reach
-    // the end also sees every other split's rows.
+    // The split of this row tile that finishes last merges all of them (common/arrival.cuh),
+    // which saves a separate combine kernel's launch gap and ramp.
     unsigned int& arrived = *reinterpret_cast<unsigned int*>(smem_raw + K::ARRIVED_OFFSET);
-    __threadfence();
-    __syncthreads();
-    if (tid == 0)  // wraps to 0 on the last arrival: the counter is clean for the next launch
-        arrived = atomicInc(dp.counters + blockIdx.z * gridDim.x + blockIdx.x, dp.num_splits - 1);
+    __syncthreads();  // the block's partial rows are stored
+    if (tid == 0)
+        arrived = arrive_acq_rel(dp.counters + blockIdx.z * gridDim.x + blockIdx.x,
+                                 dp.num_splits - 1);
     __syncthreads();
     if (arrived != unsigned(dp.num_splits - 1)) return;
-    __threadfence();  // acquire side: no load below may be served from before the count
     merge_splits<T, ROWS, K::THREADS, K::MERGE_UNROLL>(dp, reinterpret_cast<float*>(rings), b,
                                                        h_k, m0, tid);
 }

@@ -7,6 +7,7 @@
 // that block: no memset per call) reduces the slices' keys in slice order.
 #pragma once
 #include "train/common.cuh"
+#include "common/arrival.cuh"
 
 namespace train {
 
@@ -91,14 +92,12 @@ __device__ void argmax_rows(const T* __restrict__ x, unsigned long long* part,
       if (threadIdx.x == 0) out[r] = 0xffffffffu - uint32_t(key & 0xffffffffu);
       continue;
     }
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {  // the last slice to arrive merges them (common/arrival.cuh)
       part[r * slices + s] = key;
-      __threadfence();
-      last = atomicInc(counters + r, unsigned(slices - 1)) == unsigned(slices - 1);
+      last = arrive_acq_rel(counters + r, unsigned(slices - 1)) == unsigned(slices - 1);
     }
     __syncthreads();
     if (last) {
-      __threadfence();
       key = 0;
       for (int i = threadIdx.x; i < slices; i += blockDim.x) key = key_max(key, __ldcg(part + r * slices + i));
       key = block_key_max(key, best);

@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use candle::{bail, DType, Device, Result, Tensor};
 
+use crate::common;
 use crate::common::property::eval::{self, Inputs};
 use crate::common::property::{generate, minimize, Config, Settings, Target};
 use crate::cuda_suite::{check_rule, reference_device, Suite};
@@ -132,7 +133,7 @@ fn case(dev: &Device, cfg: &Config, target: Target) -> Result<()> {
     // and its rounding to the dtype for the P·V product moves the output by up to one ulp,
     // where the oracle (P = 1) is exact: bf16, one key, 7.8e-3 at |out| ~ 1.
     let capped = match cfg.softcap > 0.0 {
-        true => 2f32.powi(-mantissa(cfg.dtype)) * max_abs(&exact.out)?,
+        true => 2.0 * common::unit_roundoff(cfg.dtype) * max_abs(&exact.out)?,
         false => 0.0,
     };
     check_rule("out", &ours.out, &low.out, &exact.out, 2.0, 1e-5 + capped)?;
@@ -148,7 +149,7 @@ fn case(dev: &Device, cfg: &Config, target: Target) -> Result<()> {
     let moved = (ours.out.to_device(&rdev)?.to_dtype(DType::F32)? - &exact.out)?;
     let shift = eval::lse_grads(cfg, &high, &eval::row_dots(cfg, &high.w, &moved)?, &rdev)?;
     let cancelled = 1e-5 * max_abs(&exact.out)? * max_abs(&high.w)?;
-    let half_ulp = 2f32.powi(-mantissa(cfg.dtype) - 1);
+    let half_ulp = common::unit_roundoff(cfg.dtype);
     for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
         if grads[i].dtype() != cfg.dtype || grads[i].dims() != expected[i].dims() {
             bail!(
@@ -170,15 +171,6 @@ fn case(dev: &Device, cfg: &Config, target: Target) -> Result<()> {
         check_rule(name, &unshifted, &low[i], &expected[i], 3.0, slack)?;
     }
     Ok(())
-}
-
-/// Bits in the significand of f16 (10) or bf16 (7).
-fn mantissa(dtype: DType) -> i32 {
-    if dtype == DType::BF16 {
-        7
-    } else {
-        10
-    }
 }
 
 /// Whether `t` has an inf or NaN.
