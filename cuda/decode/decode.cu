@@ -18,6 +18,7 @@
 #include "decode/append.cuh"
 #include "decode/decode_block.cuh"
 #include "decode/fp8.cuh"
+#include "decode/merge.cuh"
 #include "common/arrival.cuh"
 #include "common/gemm.cuh"
 #include "common/mask/visibility.cuh"
@@ -62,8 +63,9 @@ template <typename T_, int D_, int NWARPS_ = 4, bool FP8_ = false> struct Decode
     // Two stages for e4m3 tiles too: four (as many bytes in flight as the 16-bit ring) were
     // slower at every shape (H200, (8, 8k) 0.0410 ms against 0.0403; docs/archive/PERF.md).
     static constexpr int RING = 2 * 2 * BN * PITCH;  // per warp: 2 stages x (K, V), units
-    // The merge reuses the rings as f32: NWARPS x ROWS x D partial O, then row max and sum.
-    static constexpr int MERGE_BYTES = NWARPS * ROWS * (D + 2) * 4;
+    // The merge reuses the rings as f32: NWARPS x ROWS x D partial O, then row max and sum,
+    // then (cluster merge) the block's merged rows and their LSE.
+    static constexpr int MERGE_BYTES = (NWARPS * ROWS * (D + 2) + ROWS * (D + 1)) * 4;
     static_assert(ROWS * STRIDE * int(sizeof(T)) % 128 == 0, "K/V rings start 128-byte aligned");
     static_assert(!FP8 || D % 32 == 0, "e4m3 tiles are read 32 columns at a time");
     // Q tile, rings (or the merge's buffers), then the merge's arrival count.
@@ -113,127 +115,6 @@ __device__ __forceinline__ void gemm_pv(float (&o)[1][DT][4], const uint32_t (&p
         ldmatrix_x4_trans(bf, v_row + (((2 * np) ^ y) << 4));
         MmaOp<T>::run(o[0][2 * np], pa[0][0], bf[0], bf[1]);
         MmaOp<T>::run(o[0][2 * np + 1], pa[0][0], bf[2], bf[3]);
-    }
-}
-
-constexpr int MAX_SPLITS = 128;  // src/cuda/plan/decode.rs caps num_splits to this
-
-// The merge of the splits, run by the last split of a row tile to finish (weights
-// exp(lse_s - lse) with lse = log sum_s exp(lse_s), -inf splits weigh nothing, rows without
-// keys give 0, a NaN split makes the row NaN) over the tile's rows with a query. One block merges them all, from partials
-// that sit in L2, so its time is L2 round trips:
-// each thread keeps UNROLL 16-byte loads in flight, the first batch issued before the weights
-// are known, and when the tile has fewer float4 columns than threads (few rows, small d) the
-// threads also split the splits. Loads are ld.global.cg: L1 is not coherent across SMs, and
-// the other splits' rows were written by other SMs during this launch.
-template <typename T, int ROWS, int THREADS, int UNROLL>
-__device__ __forceinline__ void merge_splits(const DecodeParams& dp, float* smem, int b, int h_k,
-                                             int m0, int tid) {
-    const AttnParams& p = dp.a;
-    const int group = p.h_h_k_ratio, splits = dp.num_splits;
-    const int n_rows = min(ROWS, p.seqlen_q * group - m0);
-    const int c4 = p.d / 4, n = n_rows * c4;  // float4 outputs of the tile
-    const int groups = max(1, THREADS / n);   // threads per output, each a share of the splits
-    const int grp = tid / n;
-    const bool active = grp < groups;
-    const int64_t split_stride = int64_t(p.b) * p.h * p.seqlen_q * c4;  // float4s
-    float* weights = smem;                                               // (ROWS, MAX_SPLITS)
-    float4* part = reinterpret_cast<float4*>(weights + ROWS * MAX_SPLITS);  // (THREADS)
-    const auto part_row = [&](int r) {  // row r's index within one split's partials
-        const int token = (m0 + r) / group, head = h_k * group + (m0 + r) % group;
-        return (int64_t(b) * p.h + head) * p.seqlen_q + token;
-    };
-    const auto part_o = [&](int e) {
-        return reinterpret_cast<const float4*>(dp.o_partial) + part_row(e / c4) * c4 + e % c4;
-    };
-    float4 x[UNROLL];
-    const auto load = [&](const float4* src, int k0) {  // this thread's splits k0.. of output e
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int s = grp + (k0 + u) * groups;
-            x[u] = active && s < splits ? __ldcg(src + s * split_stride)
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    };
-    load(part_o(tid % n), 0);
-
-    const int warp = tid / 32, lane = tid % 32;
-    constexpr int PER_LANE = MAX_SPLITS / 32;
-    for (int r = warp; r < n_rows; r += THREADS / 32) {
-        const float* lse = dp.lse_partial + part_row(r);
-        const int64_t lse_stride = split_stride / c4;
-        float l[PER_LANE];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            const int s = lane + 32 * i;
-            l[i] = s < splits ? __ldcg(lse + s * lse_stride) : -INFINITY;
-            mx = fmaxf(mx, l[i]);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            l[i] = l[i] == -INFINITY ? 0.f : __expf(l[i] - mx);
-            sum += l[i];
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-        const float inv = sum == 0.f ? 0.f : 1.f / sum;  // NaN stays NaN
-        if (dp.lse != nullptr && lane == 0)
-            dp.lse[part_row(r)] = sum == 0.f ? -INFINITY : mx + logf(sum);
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) weights[r * MAX_SPLITS + lane + 32 * i] = l[i] * inv;
-    }
-    __syncthreads();
-
-    const auto sum_splits = [&](int e) {  // x holds the first batch of output e
-        const float* w = weights + (e / c4) * MAX_SPLITS;
-        const float4* src = part_o(e);
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int k0 = 0;;) {
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int s = grp + (k0 + u) * groups;
-                const float wu = s < splits ? w[s] : 0.f;
-                acc.x += wu * x[u].x;
-                acc.y += wu * x[u].y;
-                acc.z += wu * x[u].z;
-                acc.w += wu * x[u].w;
-            }
-            k0 += UNROLL;
-            if (grp + k0 * groups >= splits) return acc;
-            load(src, k0);
-        }
-    };
-    const auto store = [&](int e, const float4& acc) {
-        const int r = e / c4, token = (m0 + r) / group, head = h_k * group + (m0 + r) % group;
-        T* out = static_cast<T*>(p.o) + b * p.o_batch_stride + int64_t(token) * p.o_row_stride +
-                 head * p.o_head_stride + 4 * (e % c4);
-        *reinterpret_cast<uint2*>(out) =
-            make_uint2(MmaOp<T>::pack(acc.x, acc.y), MmaOp<T>::pack(acc.z, acc.w));
-    };
-    if (groups == 1) {
-        for (int e = tid; e < n; e += THREADS) {
-            const float4 acc = sum_splits(e);
-            if (e + THREADS < n) load(part_o(e + THREADS), 0);
-            store(e, acc);
-        }
-        return;
-    }
-    part[tid] = active ? sum_splits(tid % n) : make_float4(0.f, 0.f, 0.f, 0.f);
-    __syncthreads();
-    if (tid < n) {
-        float4 acc = part[tid];
-        for (int g = 1; g < groups; ++g) {
-            const float4 y = part[g * n + tid];
-            acc.x += y.x;
-            acc.y += y.y;
-            acc.z += y.z;
-            acc.w += y.w;
-        }
-        store(tid, acc);
     }
 }
 
@@ -503,7 +384,13 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
     __syncthreads();
     // One thread per row turns the warps' (max, sum) into merge weights, written over sM:
     // O = sum_w weight_w O_w with weight_w = exp(m_w - m) / l, l = sum_w exp(m_w - m) l_w.
-    const bool split_out = dp.num_splits > 1;
+    // Split launches merge through global memory (split_out: partial rows, then the last
+    // split to arrive), or through their cluster's shared memory (clustered: each block's
+    // merged rows at sP, their LSE at sPl; decode/merge.cuh).
+    const bool clustered = dp.cluster != 0;
+    const bool split_out = dp.num_splits > 1 && !clustered;
+    float* sP = sL + NW * ROWS;  // (ROWS, D)
+    float* sPl = sP + ROWS * D;  // (ROWS)
     if (tid < ROWS) {
         float m = -INFINITY;
 #pragma unroll
@@ -524,10 +411,12 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
 #pragma unroll
             for (int w = 0; w < NW; ++w) sM[w * ROWS + tid] = 0.f;
         }
-        if (token < p.seqlen_q && (split_out || dp.lse != nullptr)) {
+        const float lse = l == 0.f || pad ? -INFINITY : m * p.scale + logf(l);
+        if (clustered) {
+            sPl[tid] = lse;
+        } else if (token < p.seqlen_q && (split_out || dp.lse != nullptr)) {
             const int head = h_k * group + (m0 + tid) % group;
             const int64_t row = (int64_t(b) * p.h + head) * p.seqlen_q + token;
-            const float lse = l == 0.f || pad ? -INFINITY : m * p.scale + logf(l);
             if (split_out)
                 dp.lse_partial[int64_t(split) * p.b * p.h * p.seqlen_q + row] = lse;
             else
@@ -547,7 +436,9 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
         for (int w = 0; w < NW; ++w) x += sM[w * ROWS + row] * sO[(w * ROWS + row) * D + col];
         x *= v_scale;
         const int head = h_k * group + (m0 + row) % group;
-        if (split_out) {
+        if (clustered) {
+            sP[row * D + col] = x;
+        } else if (split_out) {
             const int64_t prow = ((int64_t(split) * p.b + b) * p.h + head) * p.seqlen_q + token;
             dp.o_partial[prow * p.d + col] = x;
         } else {
@@ -555,7 +446,11 @@ template <class K> __device__ __forceinline__ void flash_decode(const DecodePara
                                  head * p.o_head_stride + col] = T(x);
         }
     }
-    if (!split_out) return;  // split launches always pass counters (src/cuda/decode.rs)
+    if (clustered) {  // sO's rows are read: its space holds the cluster merge's weights
+        cluster_merge<T, ROWS, D, K::THREADS>(dp, sP, sPl, sO, b, h_k, m0, tid);
+        return;
+    }
+    if (!split_out) return;  // unclustered split launches pass counters (src/cuda/decode.rs)
 
     // The split of this row tile that finishes last merges all of them (common/arrival.cuh),
     // which saves a separate combine kernel's launch gap and ramp.

@@ -43,6 +43,9 @@ struct DecodeParams {
     // Nonzero: the blocks let the kernel after them in (programmatic launch) as they start
     // (a grid of one partial wave: that kernel's blocks take the idle SMs).
     int trigger_dependents;
+    // Nonzero: the num_splits blocks of a row tile are one thread-block cluster and merge
+    // through its shared memory (decode/merge.cuh); o_partial, lse_partial and counters unused.
+    int cluster;
     float* o_partial;          // (num_splits, b, h, seqlen_q, d) when num_splits > 1
     float* lse_partial;        // (num_splits, b, h, seqlen_q)
     float* lse;                // (b, h, seqlen_q) row log-sum-exp out, or null

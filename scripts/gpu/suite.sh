@@ -66,6 +66,12 @@ if [ ${#args[@]} = 0 ]; then
   run_step tests-kvcache-unfused "$OUT/gpu-tests.log" --append \
     env CANDLE_FLASH_FUSED_APPEND=0 "$BIN/gpu" --only kvcache,fp8 || rc=$?
   [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
+  # Split decode launches merging through global memory (on Hopper they merge inside
+  # thread-block clusters where those fit).
+  rc=0
+  run_step tests-kvcache-global-merge "$OUT/gpu-tests.log" --append \
+    env CANDLE_FLASH_DECODE_CLUSTER=0 "$BIN/gpu" --only kvcache,fp8 || rc=$?
+  [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
   # Every catalogue kernel of the device's set loads with the launch bounds of its geometry.
   if [ -x "$BIN/unit" ]; then
     rc=0

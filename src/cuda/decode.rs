@@ -20,8 +20,8 @@ use super::buffers::{
 use super::catalogue::Kernel;
 use super::plan::{plan_decode, DecodeQuery};
 use super::runtime::{
-    device_facts, load_func, poison, stream_buffer, stream_counters, Launch, Source, StreamBuffers,
-    StreamCounters,
+    device_facts, load_func, max_active_clusters, poison, stream_buffer, stream_counters, Launch,
+    Source, StreamBuffers, StreamCounters,
 };
 use crate::params::{DecodeProblem, Indices};
 
@@ -44,6 +44,7 @@ pub(super) struct DecodeParams {
     pub(super) add_q_lens: i32,
     pub(super) num_splits: i32,
     pub(super) trigger_dependents: i32,
+    pub(super) cluster: i32,
     pub(super) o_partial: CUdeviceptr,
     pub(super) lse_partial: CUdeviceptr,
     pub(super) lse: CUdeviceptr,
@@ -78,6 +79,33 @@ pub(super) struct DecodeAppend {
 
 // SAFETY: plain-old-data with the C layout of `DecodeParams`, passed by value.
 unsafe impl DeviceRepr for DecodeParams {}
+
+/// How many clusters of `size` blocks of `kernel` the device runs at once (0 before sm_90),
+/// for the cluster merge. Cached per (device, kernel, size).
+fn cluster_residency(
+    dev: &candle::CudaDevice,
+    kernel: Kernel,
+    dtype: DType,
+    size: usize,
+) -> Result<usize> {
+    type Known = Vec<(usize, Kernel, DType, usize, usize)>;
+    static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut known = KNOWN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&(.., n)) = known
+        .iter()
+        .find(|(o, k, dt, s, _)| *o == ordinal && *k == kernel && *dt == dtype && *s == size)
+    {
+        return Ok(n);
+    }
+    let g = kernel.geometry();
+    let func = load_func(dev, kernel.name(dtype)?, Source::Attention(kernel.file()))?;
+    let n = max_active_clusters(dev, &func, g.threads, g.smem, size as u32)?;
+    known.push((ordinal, kernel, dtype, size, n));
+    Ok(n)
+}
 
 /// How many blocks of `kernel` one multiprocessor of `dev` holds at once (registers and
 /// shared memory, asked of the driver), for the split heuristic. Cached per (device, kernel).
@@ -186,6 +214,7 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
         facts.sms,
         facts.smem,
         |k| residency(&dev, k, dtype),
+        |k, size| cluster_residency(&dev, k, dtype, size),
     )?;
     let (splits, row_tiles) = (plan.splits, plan.row_tiles);
     if p.append.is_some() && row_tiles != 1 {
@@ -231,7 +260,7 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
     // A split launch's merge counters and partial results (o, then LSE), per stream: held
     // until the launch is queued, so that another thread's call on this stream cannot grow
     // (and retire) them in between.
-    let mut workspace = if splits > 1 {
+    let mut workspace = if splits > 1 && !plan.cluster {
         Some((
             COUNTERS
                 .lock()
@@ -389,6 +418,7 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
                 !crate::cuda::overrides().decode_trigger_off
                     && grid.0 * grid.1 * grid.2 <= facts.sms,
             ),
+            cluster: i32::from(plan.cluster),
             o_partial: op_ptr,
             lse_partial: lp_ptr,
             lse: lse_ptr,
@@ -402,7 +432,12 @@ fn decode_typed<T: CudaDType + DeviceRepr + 'static, C: CudaDType + DeviceRepr>(
         // before it (the append, q's projection, the previous step) is a few percent of it;
         // launched programmatically the kernel waits in `pdl_wait` instead (H200, (8, 8k):
         // 0.0683 ms against 0.0707; docs/archive/PERF.md).
-        Launch::new(plan.kernel, dtype, grid).run_programmatic(&dev, &params)?;
+        let launch = Launch::new(plan.kernel, dtype, grid);
+        match plan.cluster {
+            true => launch.cluster_y(splits as u32),
+            false => launch,
+        }
+        .run_programmatic(&dev, &params)?;
         drop((q_sync, k_sync, v_sync, o_sync, partial_syncs, syncs));
         drop((counters_sync, lse_sync));
     }

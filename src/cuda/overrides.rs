@@ -22,6 +22,7 @@
 //! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
 //! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |
 //! | `CANDLE_FLASH_DECODE_WARPS` | `4` | every decode launch on 4-warp blocks (one-wave grids take 8-warp blocks where compiled) |
+//! | `CANDLE_FLASH_DECODE_CLUSTER` | `0` | split decode launches merge through global memory, not inside thread-block clusters |
 //! | `CANDLE_FLASH_DECODE_TRIGGER` | `0` | decode grids of one partial wave wait for their exit to let the next kernel in, as larger ones do |
 //! | `CANDLE_FLASH_FUSED_APPEND` | `0` | a decoding call's K/V appends as launches of their own, not inside the decode launch |
 //! | `CANDLE_FLASH_GEMV_MMA` | `0` | `infer::linear` and its fused forms at 5-16 rows on Candle's matmul instead of the tensor-core kernel (`infer::fused_max_rows` then 4: a comparison aid) |
@@ -55,6 +56,7 @@ pub(crate) struct Overrides {
     pub det_group_off: bool,
     pub decode_splits: Option<usize>,
     pub decode_four_warps: bool,
+    pub decode_cluster_off: bool,
     pub decode_trigger_off: bool,
     pub fused_append_off: bool,
     pub gemv_mma_off: bool,
@@ -93,6 +95,7 @@ impl Overrides {
             det_group_off: is("DET_GROUP", "0"),
             decode_splits: number("DECODE_SPLITS").filter(|&n| n > 0),
             decode_four_warps: is("DECODE_WARPS", "4"),
+            decode_cluster_off: is("DECODE_CLUSTER", "0"),
             decode_trigger_off: is("DECODE_TRIGGER", "0"),
             fused_append_off: is("FUSED_APPEND", "0"),
             gemv_mma_off: is("GEMV_MMA", "0"),

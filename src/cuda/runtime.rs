@@ -279,6 +279,8 @@ pub(crate) struct Launch {
     pub grid: (usize, usize, usize),
     pub threads: u32,
     pub smem: u32,
+    /// Blocks along y per thread-block cluster (1: no clusters).
+    pub cluster_y: u32,
 }
 
 impl Launch {
@@ -291,6 +293,15 @@ impl Launch {
             grid,
             threads: g.threads,
             smem: g.smem,
+            cluster_y: 1,
+        }
+    }
+
+    /// In thread-block clusters of `n` blocks along y (sm_90; `n` must divide the grid's y).
+    pub fn cluster_y(self, n: u32) -> Self {
+        Self {
+            cluster_y: n,
+            ..self
         }
     }
 
@@ -326,7 +337,21 @@ impl Launch {
         let name = self.kernel.name(self.dtype)?;
         let source = Source::Attention(self.kernel.file());
         let (grid, threads, smem) = (self.grid, self.threads, self.smem);
-        launch_programmatic(dev, source, name, grid, threads, smem, params)
+        let mut args = [params as *const P as *mut std::ffi::c_void];
+        // SAFETY: as in `launch`: the parameter block describes live allocations of the sizes
+        // the kernel indexes, and it outlives the call (the driver copies it at launch).
+        unsafe {
+            launch_args_clustered(
+                dev,
+                source,
+                name,
+                grid,
+                threads,
+                smem,
+                self.cluster_y,
+                &mut args,
+            )
+        }
     }
 }
 
@@ -352,22 +377,6 @@ fn launch<P: DeviceRepr>(
     Ok(())
 }
 
-/// [`launch`], programmatically on Hopper ([`Launch::run_programmatic`]).
-fn launch_programmatic<P: DeviceRepr>(
-    dev: &candle::CudaDevice,
-    source: Source,
-    name: &str,
-    grid: (usize, usize, usize),
-    threads: u32,
-    smem: u32,
-    params: &P,
-) -> Result<()> {
-    let mut args = [params as *const P as *mut std::ffi::c_void];
-    // SAFETY: as in `launch`: the parameter block describes live allocations of the sizes the
-    // kernel indexes, and it outlives the call (the driver copies it at launch).
-    unsafe { launch_args_programmatic(dev, source, name, grid, threads, smem, &mut args) }
-}
-
 /// Launches `name` from `source` with `args` (one pointer per kernel parameter, to a value of
 /// that parameter's type), programmatically on Hopper: the kernel's blocks may be dispatched
 /// while the kernel ahead of it in the stream finishes. Only for kernels that call
@@ -386,21 +395,53 @@ pub(crate) unsafe fn launch_args_programmatic(
     smem: u32,
     args: &mut [*mut std::ffi::c_void],
 ) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { launch_args_clustered(dev, source, name, grid, threads, smem, 1, args) }
+}
+
+/// [`launch_args_programmatic`] in thread-block clusters of `cluster_y` blocks along y (1:
+/// none; more only on sm_90, where the caller checked with [`max_active_clusters`] that they
+/// fit).
+///
+/// # Safety
+/// As for [`launch_args_programmatic`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_args_clustered(
+    dev: &candle::CudaDevice,
+    source: Source,
+    name: &str,
+    grid: (usize, usize, usize),
+    threads: u32,
+    smem: u32,
+    cluster_y: u32,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
     let Some((func, cfg)) = prepare_launch(dev, source, name, grid, threads, smem)? else {
         return Ok(());
     };
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    // SAFETY: zero is a valid bit pattern for this plain C struct; the id and value are set.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    // SAFETY: zero is a valid bit pattern for this plain C struct; ids and values are set.
+    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+    let mut n_attrs = 0;
     // Off (or before Hopper): the same call without the attribute, a plain launch.
     let programmatic = !overrides::overrides().pdl_off && device_facts(dev)?.hopper();
     if programmatic {
         // Inside graph::CapturedGraph::capture: joined to the kernels ahead past the stream's
         // frees, programmatically.
         crate::graph::before_programmatic_launch(&stream)?;
+        attrs[n_attrs].id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+        n_attrs += 1;
+    }
+    if cluster_y > 1 {
+        allow_cluster_size(&func, cluster_y)?;
+        attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n_attrs].value.clusterDim.x = 1;
+        attrs[n_attrs].value.clusterDim.y = cluster_y;
+        attrs[n_attrs].value.clusterDim.z = 1;
+        n_attrs += 1;
     }
     let config = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
@@ -411,8 +452,8 @@ pub(crate) unsafe fn launch_args_programmatic(
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: u32::from(programmatic),
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n_attrs as u32,
     };
     // SAFETY: the caller's contract for `args`; the function belongs to the stream's context.
     unsafe {
@@ -426,6 +467,65 @@ pub(crate) unsafe fn launch_args_programmatic(
     .result()
     .w()?;
     Ok(())
+}
+
+/// Lets `func` run in clusters of `size` blocks: past the portable 8, the function must opt in
+/// to larger (non-portable) clusters.
+fn allow_cluster_size(func: &CudaFunction, size: u32) -> Result<()> {
+    if size > 8 {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+            1,
+        )
+        .w()?;
+    }
+    Ok(())
+}
+
+/// How many clusters of `cluster_y` blocks (along y) of `func`, `threads` a block and `smem`
+/// bytes of dynamic shared memory each, the device runs at once (0 if none fit, or before
+/// sm_90, which has no clusters).
+pub(crate) fn max_active_clusters(
+    dev: &candle::CudaDevice,
+    func: &CudaFunction,
+    threads: u32,
+    smem: u32,
+    cluster_y: u32,
+) -> Result<usize> {
+    if !device_facts(dev)?.hopper() {
+        return Ok(0);
+    }
+    dev.cuda_stream().context().bind_to_thread().w()?;
+    allow_cluster_size(func, cluster_y)?;
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    // SAFETY: zero is a valid bit pattern for these plain C structs; the fields read are set.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = 1;
+    attr.value.clusterDim.y = cluster_y;
+    attr.value.clusterDim.z = 1;
+    let mut config: sys::CUlaunchConfig = unsafe { std::mem::zeroed() };
+    config.gridDimX = 1;
+    config.gridDimY = cluster_y;
+    config.gridDimZ = 1;
+    config.blockDimX = threads;
+    config.blockDimY = 1;
+    config.blockDimZ = 1;
+    config.sharedMemBytes = smem;
+    config.attrs = &mut attr;
+    config.numAttrs = 1;
+    let mut n = 0i32;
+    // SAFETY: `config` and `n` are live for the call; the function belongs to the bound context.
+    let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) };
+    // A cluster shape the device cannot run at all is an answer (none), not an error.
+    Ok(match r {
+        sys::CUresult::CUDA_SUCCESS => n.max(0) as usize,
+        _ => 0,
+    })
 }
 
 /// The function `name` of `source`, its dynamic shared memory allowed, and the launch shape;

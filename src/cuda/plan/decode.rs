@@ -11,7 +11,7 @@ use super::head_dim_class;
 
 /// Warps of the unsplit decode blocks.
 const BASE_WARPS: u8 = 4;
-/// `MAX_SPLITS` in `cuda/decode/decode.cu` (the merge's weight buffer).
+/// `MAX_SPLITS` in `cuda/decode/merge.cuh` (the merge's weight buffer).
 const MAX_SPLITS: usize = 128;
 /// Fewest key tiles per warp worth a split of their own. Each split also pays for loading Q,
 /// filling its ring, merging its warps and writing a partial row, but where the grid is
@@ -41,12 +41,51 @@ pub(crate) struct DecodePlan {
     pub splits: usize,
     /// Packed query row tiles per K/V head.
     pub row_tiles: usize,
+    /// The splits of each row tile run as one thread-block cluster and merge through its
+    /// shared memory (sm_90) instead of through global memory and an arrival count.
+    pub cluster: bool,
 }
+
+/// `MAX_CLUSTER_SPLITS` in `cuda/decode/merge.cuh`: the most splits a cluster merges (16 is
+/// past the portable cluster size of 8; the driver is asked whether such clusters fit).
+pub(crate) const MAX_CLUSTER: usize = 16;
 
 /// The decode launch for `q` on a device with `sms` multiprocessors allowing `smem` bytes of
 /// shared memory per block; `residency(kernel)` asks the driver how many blocks of a kernel
-/// one multiprocessor holds.
+/// one multiprocessor holds, `clusters(kernel, size)` how many clusters of `size` blocks of
+/// it the device runs at once (0 where there are none: before sm_90).
 pub(crate) fn plan_decode(
+    q: &DecodeQuery,
+    sms: usize,
+    smem: usize,
+    residency: impl Fn(Kernel) -> Result<usize>,
+    clusters: impl Fn(Kernel, usize) -> Result<usize>,
+) -> Result<DecodePlan> {
+    let plan = plan_blocks(q, sms, smem, residency)?;
+    Ok(DecodePlan {
+        cluster: cluster_merge(&plan, q.pairs, clusters)?,
+        ..plan
+    })
+}
+
+/// Whether `plan`'s splits merge inside clusters: a split launch whose clusters (one per row
+/// tile, its splits) all fit on the device at once. A cluster's blocks leave partial rows in
+/// their own shared memory and merge them after a cluster barrier, where the global merge
+/// stores them, counts each block in with an atomic and has the last one read them back from
+/// L2. `CANDLE_FLASH_DECODE_CLUSTER=0` keeps the global merge.
+fn cluster_merge(
+    plan: &DecodePlan,
+    pairs: usize,
+    clusters: impl Fn(Kernel, usize) -> Result<usize>,
+) -> Result<bool> {
+    if plan.splits < 2 || plan.splits > MAX_CLUSTER || overrides().decode_cluster_off {
+        return Ok(false);
+    }
+    Ok(clusters(plan.kernel, plan.splits)? >= pairs * plan.row_tiles)
+}
+
+/// [`plan_decode`]'s kernel, splits and row tiles.
+fn plan_blocks(
     q: &DecodeQuery,
     sms: usize,
     smem: usize,
@@ -100,6 +139,7 @@ pub(crate) fn plan_decode(
                 kernel: wide,
                 splits: wide_splits,
                 row_tiles,
+                cluster: false,
             });
         }
     }
@@ -107,6 +147,7 @@ pub(crate) fn plan_decode(
         kernel: base,
         splits,
         row_tiles,
+        cluster: false,
     })
 }
 
@@ -190,7 +231,7 @@ mod tests {
             max_len,
             fp8_cache: false,
         };
-        plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3)).unwrap()
+        plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(0)).unwrap()
     }
 
     fn warps(p: &DecodePlan) -> u32 {
@@ -212,6 +253,26 @@ mod tests {
         // (32, 4k): 256 blocks, several an SM.
         let p = plan(128, 4, 32 * 8, 4096);
         assert_eq!((p.splits, warps(&p)), (1, 4));
+    }
+
+    #[test]
+    fn split_launches_merge_in_clusters_that_fit() {
+        let q = DecodeQuery {
+            d: 128,
+            rows: 4,
+            pairs: 8,
+            max_len: 8192,
+            fp8_cache: false,
+        };
+        // Batch 1 at 8k keys: 8 clusters of 16 splits, if the device runs 8 at once.
+        let p = plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(8)).unwrap();
+        assert_eq!((p.splits, p.cluster), (16, true));
+        let p = plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(7)).unwrap();
+        assert_eq!((p.splits, p.cluster), (16, false));
+        // Unsplit launches have nothing to merge.
+        let q = DecodeQuery { pairs: 128, ..q };
+        let p = plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(1000)).unwrap();
+        assert_eq!((p.splits, p.cluster), (1, false));
     }
 
     #[test]
