@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
-use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+use candle::cuda_backend::cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle::cuda_backend::{CudaDType, WrapErr};
 use candle::{bail, CudaStorage, DType, Layout, Result};
 use float8::F8E4M3;
@@ -81,12 +81,45 @@ pub(super) struct DecodeAppend {
 unsafe impl DeviceRepr for DecodeParams {}
 
 /// How many clusters of `size` blocks of `kernel` the device runs at once (0 before sm_90),
-/// for the cluster merge. Cached per (device, kernel, size).
+/// for the cluster merge.
 fn cluster_residency(
     dev: &candle::CudaDevice,
     kernel: Kernel,
     dtype: DType,
     size: usize,
+) -> Result<usize> {
+    let g = kernel.geometry();
+    driver_answer(dev, kernel, dtype, size, |func| {
+        max_active_clusters(dev, func, g.threads, g.smem, size as u32)
+    })
+}
+
+/// How many blocks of `kernel` one multiprocessor of `dev` holds at once (registers and
+/// shared memory, asked of the driver), for the split heuristic.
+fn residency(dev: &candle::CudaDevice, kernel: Kernel, dtype: DType) -> Result<usize> {
+    let g = kernel.geometry();
+    driver_answer(dev, kernel, dtype, 0, |func| {
+        // The occupancy calculator refuses more dynamic shared memory than the attribute
+        // allows.
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            g.smem as i32,
+        )
+        .w()?;
+        Ok(func
+            .occupancy_max_active_blocks_per_multiprocessor(g.threads, g.smem as usize, None)
+            .w()? as usize)
+    })
+}
+
+/// `ask(kernel's function)`, asked once per (device, kernel, dtype, `question`) and cached:
+/// the driver's occupancy answers, which a decode step would otherwise ask every layer.
+fn driver_answer(
+    dev: &candle::CudaDevice,
+    kernel: Kernel,
+    dtype: DType,
+    question: usize,
+    ask: impl FnOnce(&CudaFunction) -> Result<usize>,
 ) -> Result<usize> {
     type Known = Vec<(usize, Kernel, DType, usize, usize)>;
     static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
@@ -96,45 +129,14 @@ fn cluster_residency(
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(&(.., n)) = known
         .iter()
-        .find(|(o, k, dt, s, _)| *o == ordinal && *k == kernel && *dt == dtype && *s == size)
+        .find(|(o, k, dt, q, _)| *o == ordinal && *k == kernel && *dt == dtype && *q == question)
     {
         return Ok(n);
     }
-    let g = kernel.geometry();
     let func = load_func(dev, kernel.name(dtype)?, Source::Attention(kernel.file()))?;
-    let n = max_active_clusters(dev, &func, g.threads, g.smem, size as u32)?;
-    known.push((ordinal, kernel, dtype, size, n));
+    let n = ask(&func)?;
+    known.push((ordinal, kernel, dtype, question, n));
     Ok(n)
-}
-
-/// How many blocks of `kernel` one multiprocessor of `dev` holds at once (registers and
-/// shared memory, asked of the driver), for the split heuristic. Cached per (device, kernel).
-fn residency(dev: &candle::CudaDevice, kernel: Kernel, dtype: DType) -> Result<usize> {
-    type Known = Vec<(usize, Kernel, DType, usize)>;
-    static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut known = KNOWN
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(&(.., r)) = known
-        .iter()
-        .find(|(o, k, dt, _)| *o == ordinal && *k == kernel && *dt == dtype)
-    {
-        return Ok(r);
-    }
-    let g = kernel.geometry();
-    let func = load_func(dev, kernel.name(dtype)?, Source::Attention(kernel.file()))?;
-    // The occupancy calculator refuses more dynamic shared memory than the attribute allows.
-    func.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        g.smem as i32,
-    )
-    .w()?;
-    let per_sm = func
-        .occupancy_max_active_blocks_per_multiprocessor(g.threads, g.smem as usize, None)
-        .w()? as usize;
-    known.push((ordinal, kernel, dtype, per_sm));
-    Ok(per_sm)
 }
 
 /// Arrival counters of the merge, one `u32` per (sequence, K/V head, row tile) (see

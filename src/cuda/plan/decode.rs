@@ -48,7 +48,7 @@ pub(crate) struct DecodePlan {
 
 /// `MAX_CLUSTER_SPLITS` in `cuda/decode/merge.cuh`: the most splits a cluster merges (16 is
 /// past the portable cluster size of 8; the driver is asked whether such clusters fit).
-pub(crate) const MAX_CLUSTER: usize = 16;
+const MAX_CLUSTER: usize = 16;
 
 /// The decode launch for `q` on a device with `sms` multiprocessors allowing `smem` bytes of
 /// shared memory per block; `residency(kernel)` asks the driver how many blocks of a kernel
