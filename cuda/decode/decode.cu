@@ -5,8 +5,9 @@
 //   flash_decode_<dtype>_d<D>_w8  the same with 8 warps (split launches, D <= 128)
 //   flash_decode_<dtype>_d<D>_w2  with 2 warps, D > 128 on 99 KB devices (sm_86/89)
 //   ..._fp8, flash_append_<dtype>_fp8   the same over an e4m3 cache (decode/fp8.cuh)
-// When split, the last split of each row tile to finish merges them by their LSE
-// (flash-decoding; merge_splits, through DecodeParams::counters).
+// When split, a row tile's splits are merged by their LSE (flash-decoding, decode/merge.cuh):
+// inside the thread-block cluster they form (sm_90, DecodeParams::cluster), or by the last
+// split to finish (through DecodeParams::counters).
 // The decode kernel reuses the forward's softmax, mask and fragment packing (softmax.cuh,
 // mask/visibility.cuh, gemm.cuh's pack_a) but not its block layout: a decode step has a
 // handful of query rows, so the block's warps split the keys instead of the rows (see
