@@ -491,7 +491,7 @@ pub fn linear(dev: &Device, report: Report) {
         // 16-column tile, long rows split over up to sixteen warps, the norm's padded rows in
         // shared memory up to 96 KB and the matmul past it, the matmul past 32768 columns),
         // then the matmul's row counts.
-        let shapes: [(&[usize], usize); 18] = [
+        let shapes: [(&[usize], usize); 19] = [
             (&[1, 8], 1),
             (&[1, 2048], 3072),
             (&[2, 40], 3),
@@ -510,6 +510,8 @@ pub fn linear(dev: &Device, report: Report) {
             (&[2, 7, 24], 530),
             (&[17, 64], 32),
             (&[2, 36], 16),
+            // More column groups than the few-row kernel's grid holds (grid-stride).
+            (&[1, 64], 40000),
         ];
         for (dims, n) in shapes {
             for mode in ["plain", "add", "swiglu", "norm", "norm_swiglu"] {
