@@ -339,12 +339,21 @@ impl Gemv {
             };
             // Eight warps a block, sixteen where sixteen share a tile.
             let warps = split.max(8);
-            let blocks = (units * split).div_ceil(warps).min(launch::stride_cap(sms));
+            let mut blocks = (units * split).div_ceil(warps).min(launch::stride_cap(sms));
             // The fused norm's rows in dynamic shared memory.
             let smem = match self.norm {
                 Some(_) => norm_smem(rows, k, xs.dtype()),
                 None => 0,
             };
+            // Every block of the one-to-four-row kernel normalises x before its first weight
+            // load: with the norm fused, one wave of blocks, each looping over column groups,
+            // pays for it once per block (the 1B model's gate-and-up at batch 1: 1024 blocks
+            // of one group each, two resident a multiprocessor; H200, the step 0.945-0.953
+            // ms against 0.965-0.972 ms; docs/archive/PERF.md, session 54).
+            if self.norm.is_some() && rows <= GEMV_MAX_ROWS {
+                let resident = launch::resident_blocks(dev, name, 32 * warps as u32, smem as u32)?;
+                blocks = blocks.min(resident.max(1) * sms);
+            }
             // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for
             // their first weight slices) while the kernel ahead finishes; they wait in
             // `pdl_wait` before reading x or writing y.
