@@ -5,9 +5,9 @@
 use std::sync::Mutex;
 
 use candle::backend::BackendStorage;
-use candle::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute};
-use candle::cuda_backend::cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr};
-use candle::cuda_backend::{CudaDType, WrapErr};
+use candle::cuda_backend::cudarc::driver::sys::CUdeviceptr;
+use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+use candle::cuda_backend::CudaDType;
 use candle::{bail, CudaStorage, DType, Layout, Result};
 use float8::F8E4M3;
 use half::{bf16, f16};
@@ -20,8 +20,8 @@ use super::buffers::{
 use super::catalogue::Kernel;
 use super::plan::{plan_decode, DecodeQuery};
 use super::runtime::{
-    device_facts, load_func, max_active_clusters, poison, stream_buffer, stream_counters, Launch,
-    Source, StreamBuffers, StreamCounters,
+    device_facts, poison, resident_blocks, resident_clusters, stream_buffer, stream_counters,
+    Launch, Source, StreamBuffers, StreamCounters,
 };
 use crate::params::{DecodeProblem, Indices};
 
@@ -89,54 +89,28 @@ fn cluster_residency(
     size: usize,
 ) -> Result<usize> {
     let g = kernel.geometry();
-    driver_answer(dev, kernel, dtype, size, |func| {
-        max_active_clusters(dev, func, g.threads, g.smem, size as u32)
-    })
+    let source = Source::Attention(kernel.file());
+    resident_clusters(
+        dev,
+        source,
+        kernel.name(dtype)?,
+        g.threads,
+        g.smem,
+        size as u32,
+    )
 }
 
 /// How many blocks of `kernel` one multiprocessor of `dev` holds at once (registers and
 /// shared memory, asked of the driver), for the split heuristic.
 fn residency(dev: &candle::CudaDevice, kernel: Kernel, dtype: DType) -> Result<usize> {
     let g = kernel.geometry();
-    driver_answer(dev, kernel, dtype, 0, |func| {
-        // The occupancy calculator refuses more dynamic shared memory than the attribute
-        // allows.
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            g.smem as i32,
-        )
-        .w()?;
-        Ok(func
-            .occupancy_max_active_blocks_per_multiprocessor(g.threads, g.smem as usize, None)
-            .w()? as usize)
-    })
-}
-
-/// `ask(kernel's function)`, asked once per (device, kernel, dtype, `question`) and cached:
-/// the driver's occupancy answers, which a decode step would otherwise ask every layer.
-fn driver_answer(
-    dev: &candle::CudaDevice,
-    kernel: Kernel,
-    dtype: DType,
-    question: usize,
-    ask: impl FnOnce(&CudaFunction) -> Result<usize>,
-) -> Result<usize> {
-    type Known = Vec<(usize, Kernel, DType, usize, usize)>;
-    static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut known = KNOWN
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(&(.., n)) = known
-        .iter()
-        .find(|(o, k, dt, q, _)| *o == ordinal && *k == kernel && *dt == dtype && *q == question)
-    {
-        return Ok(n);
-    }
-    let func = load_func(dev, kernel.name(dtype)?, Source::Attention(kernel.file()))?;
-    let n = ask(&func)?;
-    known.push((ordinal, kernel, dtype, question, n));
-    Ok(n)
+    resident_blocks(
+        dev,
+        Source::Attention(kernel.file()),
+        kernel.name(dtype)?,
+        g.threads,
+        g.smem,
+    )
 }
 
 /// Arrival counters of the merge, one `u32` per (sequence, K/V head, row tile) (see

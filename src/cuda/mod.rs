@@ -30,6 +30,6 @@ pub(crate) use decode::decode;
 pub(crate) use fwd::fwd;
 pub(crate) use fwd_fp8::fwd_fp8;
 pub(crate) use runtime::{
-    device_facts, launch_args_programmatic, poison, prepare_launch, stream_counters, Source,
-    StreamCounters,
+    device_facts, launch_args_programmatic, poison, prepare_launch, resident_blocks,
+    stream_counters, Source, StreamCounters,
 };

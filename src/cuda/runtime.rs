@@ -482,10 +482,73 @@ fn allow_cluster_size(func: &CudaFunction, size: u32) -> Result<()> {
     Ok(())
 }
 
+/// How many blocks of the kernel `name` of `source` (`threads` threads and `smem` bytes of
+/// dynamic shared memory each) one multiprocessor of `dev` holds at once.
+pub(crate) fn resident_blocks(
+    dev: &candle::CudaDevice,
+    source: Source,
+    name: &'static str,
+    threads: u32,
+    smem: u32,
+) -> Result<usize> {
+    driver_answer(dev, source, name, (threads, smem, 0), |func| {
+        // The occupancy calculator refuses more dynamic shared memory than the attribute
+        // allows.
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+        Ok(func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+            .w()? as usize)
+    })
+}
+
+/// [`max_active_clusters`] of the kernel `name` of `source`.
+pub(crate) fn resident_clusters(
+    dev: &candle::CudaDevice,
+    source: Source,
+    name: &'static str,
+    threads: u32,
+    smem: u32,
+    cluster_y: u32,
+) -> Result<usize> {
+    driver_answer(dev, source, name, (threads, smem, cluster_y), |func| {
+        max_active_clusters(dev, func, threads, smem, cluster_y)
+    })
+}
+
+/// `ask(the function name)`, asked once per (device, name, `question`) and cached: the
+/// driver's occupancy answers, which a decoding step would otherwise ask for every layer.
+fn driver_answer(
+    dev: &candle::CudaDevice,
+    source: Source,
+    name: &'static str,
+    question: (u32, u32, u32),
+    ask: impl FnOnce(&CudaFunction) -> Result<usize>,
+) -> Result<usize> {
+    type Known = Vec<(usize, &'static str, (u32, u32, u32), usize)>;
+    static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut known = KNOWN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&(.., n)) = known
+        .iter()
+        .find(|&&(o, k, q, _)| o == ordinal && k == name && q == question)
+    {
+        return Ok(n);
+    }
+    let n = ask(&load_func(dev, name, source)?)?;
+    known.push((ordinal, name, question, n));
+    Ok(n)
+}
+
 /// How many clusters of `cluster_y` blocks (along y) of `func`, `threads` a block and `smem`
 /// bytes of dynamic shared memory each, the device runs at once (0 if none fit, or before
 /// sm_90, which has no clusters).
-pub(crate) fn max_active_clusters(
+fn max_active_clusters(
     dev: &candle::CudaDevice,
     func: &CudaFunction,
     threads: u32,

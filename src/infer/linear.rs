@@ -346,12 +346,14 @@ impl Gemv {
                 None => 0,
             };
             // Every block of the one-to-four-row kernel normalises x before its first weight
-            // load: with the norm fused, one wave of blocks, each looping over column groups,
-            // pays for it once per block (the 1B model's gate-and-up at batch 1: 1024 blocks
-            // of one group each, two resident a multiprocessor; H200, the step 0.945-0.953
-            // ms against 0.965-0.972 ms; docs/archive/PERF.md, session 54).
+            // load, so with the norm fused the grid is one wave of resident blocks looping
+            // over column groups: the norm once per block, not once per group (the 1B
+            // model's gate-and-up at batch 1: 264 blocks instead of 1024, 1.5% off the step;
+            // docs/PERFORMANCE.md).
             if self.norm.is_some() && rows <= GEMV_MAX_ROWS {
-                let resident = launch::resident_blocks(dev, name, 32 * warps as u32, smem as u32)?;
+                use crate::cuda::{resident_blocks, Source};
+                let threads = 32 * warps as u32;
+                let resident = resident_blocks(dev, Source::Train, name, threads, smem as u32)?;
                 blocks = blocks.min(resident.max(1) * sms);
             }
             // Programmatic on Hopper: the kernel's blocks are dispatched (and ask L2 for

@@ -2,7 +2,7 @@
 //! device pointers of contiguous storages (their start offsets applied), fresh outputs, and
 //! one launch per call with a 1-D grid.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{
@@ -244,40 +244,6 @@ pub(crate) fn max_stride_blocks(dev: &CudaDevice) -> Result<usize> {
 /// [`max_stride_blocks`] on a device of `sms` multiprocessors.
 pub(crate) fn stride_cap(sms: usize) -> usize {
     sms * 16
-}
-
-/// How many blocks of `name` (`threads` threads, `smem` bytes of dynamic shared memory each)
-/// one multiprocessor of `dev` holds at once, asked of the driver once per device, kernel and
-/// shape (a decoding step launches the same few per layer).
-pub(crate) fn resident_blocks(
-    dev: &CudaDevice,
-    name: &'static str,
-    threads: u32,
-    smem: u32,
-) -> Result<usize> {
-    type Known = Vec<(usize, &'static str, u32, u32, usize)>;
-    static KNOWN: Mutex<Known> = Mutex::new(Vec::new());
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut known = KNOWN
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(&(.., n)) = known
-        .iter()
-        .find(|&&(o, k, t, m, _)| o == ordinal && k == name && t == threads && m == smem)
-    {
-        return Ok(n);
-    }
-    // Sets the dynamic shared memory attribute, which the occupancy calculator checks.
-    let Some((func, _)) =
-        crate::cuda::prepare_launch(dev, Source::Train, name, (1, 1, 1), threads, smem)?
-    else {
-        return Ok(1);
-    };
-    let n = func
-        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-        .w()? as usize;
-    known.push((ordinal, name, threads, smem, n));
-    Ok(n)
 }
 
 /// Loads `name` (and its module) on `dev` ahead of its launches, so that they cannot fail
