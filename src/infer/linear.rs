@@ -345,12 +345,13 @@ impl Gemv {
                 Some(_) => norm_smem(rows, k, xs.dtype()),
                 None => 0,
             };
-            // Every block of the one-to-four-row kernel normalises x before its first weight
-            // load, so with the norm fused the grid is one wave of resident blocks looping
-            // over column groups: the norm once per block, not once per group (the 1B
-            // model's gate-and-up at batch 1: 264 blocks instead of 1024, 1.5% off the step;
-            // docs/PERFORMANCE.md).
-            if self.norm.is_some() && rows <= GEMV_MAX_ROWS {
+            // The one-to-four-row kernel runs one wave of resident blocks looping over
+            // column groups: with the norm fused, x is normalised once per block rather than
+            // once per group (the 1B model's gate-and-up at batch 1: 264 blocks instead of
+            // 1024); and with every block resident from the start, the kernel can let the
+            // next one's blocks in as it starts (gemv.cuh), where a grid of several waves
+            // would hand them the slots its own later blocks need (docs/PERFORMANCE.md).
+            if rows <= GEMV_MAX_ROWS {
                 use crate::cuda::{resident_blocks, Source};
                 let threads = 32 * warps as u32;
                 let resident = resident_blocks(dev, Source::Train, name, threads, smem as u32)?;
