@@ -87,12 +87,11 @@ fn compare(
     dtype: DType,
     output_slack: f32,
 ) -> Result<()> {
-    let cpu = Device::Cpu;
-    let devs = (dev, &cpu);
-    let shape = (out_shape, dtype);
+    let (shape, cpu) = ((out_shape, dtype), &Device::Cpu);
     compare_base_on(
         name,
-        devs,
+        dev,
+        cpu,
         ours,
         reference,
         inputs,
@@ -102,13 +101,14 @@ fn compare(
     )
 }
 
-/// [`compare`] with the `dtype` baseline run on `devs.1` (the exact reference stays on the
+/// [`compare`] with the `dtype` baseline run on `base_dev` (the exact reference stays on the
 /// CPU in f64): for an op that composes Candle's own ops with ours, the baseline takes the
 /// same device's kernels for Candle's part, so that the rule judges ours.
 #[allow(clippy::too_many_arguments)]
 fn compare_base_on(
     name: &str,
-    (dev, base_dev): (&Device, &Device),
+    dev: &Device,
+    base_dev: &Device,
     ours: &dyn Fn(&[Tensor]) -> Result<Tensor>,
     reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
     inputs: &[Tensor],
@@ -505,12 +505,12 @@ fn linear_case(
         let differentiable = vec![true; inputs.len()];
         // Tracked, the op is Candle's matmul between our norm and SwiGLU, each rounding where
         // the baseline's ops round: the same slack on the output as untracked. The baseline
-        // runs on `dev` too: Candle's matmul there is cuBLAS, whose split-K partial sums may
-        // be reduced in bf16 (its default math mode; PyTorch's too), which at (2, 3000) x
-        // (3000, 70) errs three times a CPU product summed in f32.
+        // runs on `dev` too, so that both take Candle's matmul there (cuBLAS): at (2, 3000) x
+        // (3000, 70) in bf16 the op erred three times a CPU baseline summed in f32.
         compare_base_on(
             &name,
-            (dev, dev),
+            dev,
+            dev,
             &ours,
             &reference,
             &inputs,
