@@ -154,8 +154,12 @@ struct WsTraits {
     // d = 256, one Q slot and no room for O: each warpgroup stages its O in its own 64 rows of
     // the Q tile, free after its last S, and hands the slot back once the store has read them
     // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
-    // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers).
-    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256 && !FP8;
+    // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers). An e4m3 Q row
+    // holds half an O row: O goes in two rounds of half the head dim (O_ROUNDS). The FP8
+    // d = 256 128-key kernel needs it: stored from registers, its consumers spilled O itself
+    // (~2 KB, ptxas -v).
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256;
+    static constexpr int O_ROUNDS = O_IN_Q ? 2 / ELEM : 1;
     static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
     static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
     static constexpr int KEY_OFFSET = LAYOUT.key, SMEM_BYTES = LAYOUT.bytes;
@@ -175,6 +179,12 @@ struct WsTraits {
     // and block-mask producers spill at 24, d = 256's below 40.
     // FP8: the producer warpgroup's transposing warps (two ldmatrix units in flight) keep 40
     // like the two-warpgroup producers, the consumers 232.
+    // P(j - 1) V(j - 1) issued and waited for before S(j) rather than in flight beside it
+    // (the softmax then overlaps only the other warpgroup's matmuls): the FP8 d = 256 128-key
+    // kernel, whose O (128 registers), S (64) and P (16) do not fit beside the rest in 232
+    // (ptxas -v: 124 bytes of spill stores and serialized wgmmas; with P V first, P takes
+    // registers of S and 8 bytes remain, one value around a pingpong barrier).
+    static constexpr bool PV_BEFORE_S = FP8 && D == 256 && BN == 128;
     static constexpr bool LEAN_PRODUCER =
         CONSUMERS == 2 && MODS == MODS_NONE && D == 128 && !FP8;
     static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
@@ -886,12 +896,19 @@ template <class K> struct WsConsumer {
         take_turn();
         sm90::fence_operand(o[0]);
         sm90::fence();
-        issue_s(s, cur.st);
-        issue_pv(prev.st);
+        if constexpr (K::PV_BEFORE_S) {
+            issue_pv(prev.st);
+            pv_done(prev.st);
+            sm90::fence();
+            issue_s(s, cur.st);
+        } else {
+            issue_s(s, cur.st);
+            issue_pv(prev.st);
+        }
         pass_turn();
         uint32_t keep[2];
         draw_keep(keep, w, nb);
-        sm90::wait<WS_WAIT_S>();
+        sm90::wait<K::PV_BEFORE_S ? 0 : WS_WAIT_S>();
         sm90::fence_operand(s[0]);
         release(sm.empty_k(cur.st));
         scores(s, w, nb, m);
@@ -899,20 +916,14 @@ template <class K> struct WsConsumer {
             OnlineSoftmax<1> next;
             float alpha[1][2];  // O starts over
             exp_scores(next, s, alpha, m, tile_descales(nb));
-            sm90::wait<0>();
-            sm90::fence_operand(o[0]);
-            fence_pa();
-            release(sm.pv_empty(prev.st));
+            if constexpr (!K::PV_BEFORE_S) pv_done(prev.st);
             store(done);
             zero(o);
             softmax = next;
         } else {
             float alpha[1][2];
             const bool rescale = exp_scores(softmax, s, alpha, m, tile_descales(nb));
-            sm90::wait<0>();
-            sm90::fence_operand(o[0]);
-            fence_pa();
-            release(sm.pv_empty(prev.st));
+            if constexpr (!K::PV_BEFORE_S) pv_done(prev.st);
             if (rescale) softmax.rescale(o, alpha);
         }
         drop(s, keep);
@@ -928,10 +939,16 @@ template <class K> struct WsConsumer {
         sm90::fence();
         issue_pv(last.st);
         pass_turn();
+        pv_done(last.st);
+    }
+
+    // The P V from slot st waited for (with every wgmma before it): O and P's registers are
+    // final, the slot goes back.
+    __device__ __forceinline__ void pv_done(int st) {
         sm90::wait<0>();
         sm90::fence_operand(o[0]);
         fence_pa();
-        release(sm.pv_empty(last.st));
+        release(sm.pv_empty(st));
     }
 
     // Every work tile of the block (CARRY), their key tiles last first, in one stream: a work
@@ -1004,6 +1021,39 @@ template <class K> struct WsConsumer {
         }
     }
 
+    // Columns [ROUND * COLS, (ROUND + 1) * COLS) of O / l (COLS = D / K::O_ROUNDS) into the
+    // stage and out (store_staged).
+    template <int ROUND>
+    __device__ __forceinline__ void store_round(const OutTile& to, uint32_t stage,
+                                                const float (&inv)[2], bool leader) const {
+        constexpr int PANEL_ROWS = K::O_PANEL_ROWS, ROUNDS = K::O_ROUNDS, COLS = D / ROUNDS;
+        constexpr int COL0 = ROUND * COLS;
+        const auto& part =
+            *reinterpret_cast<const float(*)[DT / ROUNDS][4]>(&o[0][ROUND * DT / ROUNDS]);
+        sm90::stage_fragments<T, PANEL_ROWS, DT / ROUNDS>(stage, part, warp_row0 - group * 64, 0,
+                                                          inv[0], inv[1], lane);
+        sm90::fence_proxy_async();
+        tma::named_sync(EPILOGUE_BAR + group, 128);
+        const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
+        if (K::O_MAY_COPY && to.tma_c < 0) {
+            // No TMA box (OutTile::tma_c): the rows in [0, seqlen_q), copied (the head dim is
+            // a multiple of 8 wherever O has a tensor map; in rounds, the FP8 kernels' exact D).
+            const int first = max(row0, 0), end = min(row0 + 64, to.seqlen_q);
+            if (end > first)
+                sm90::copy_panel_rows<T, PANEL_ROWS, COLS / 8>(
+                    stage, first - row0, 0, end - first, ROUNDS == 1 ? p.d / 8 : COLS / 8,
+                    to.out + int64_t(first) * p.o_row_stride + COL0, p.o_row_stride,
+                    threadIdx.x % 128, 128);
+        } else if (leader) {
+            if constexpr (K::PACKED)
+                tma::store_tile<PANEL_ROWS, COLS / 64>(P.o, stage, COL0, to.tma_c + row0, to.bidh,
+                                                       0);
+            else
+                tma::store_tile<PANEL_ROWS, COLS / 64>(P.o, stage, COL0, row0, to.bidh, to.tma_c);
+            tma::bulk_commit();
+        }
+    }
+
     // O / l into this warpgroup's panels of the staged tile (stmatrix, 16 bytes per
     // instruction and lane, no bank conflict), then one TMA store per panel, issued by the
     // warpgroup's first thread. With a tile of its own the warpgroup does not wait for it: the
@@ -1014,32 +1064,17 @@ template <class K> struct WsConsumer {
     __device__ __forceinline__ void store_staged(const OutTile& to) const {
         const bool leader = threadIdx.x % 128 == 0;
         const uint32_t stage = sm.o(group, qs);
-        constexpr int PANEL_ROWS = K::O_PANEL_ROWS;
         if (leader) tma::bulk_wait_read<0>();  // the last store has read the tile
         tma::named_sync(EPILOGUE_BAR + group, 128);
         float inv[2], row_lse[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) finalize(r, &inv[r], &row_lse[r]);
-        sm90::stage_fragments<T, PANEL_ROWS, DT>(stage, o[0], warp_row0 - group * 64, 0, inv[0],
-                                                 inv[1], lane);
-        sm90::fence_proxy_async();
-        tma::named_sync(EPILOGUE_BAR + group, 128);
-        const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
-        if (K::O_MAY_COPY && to.tma_c < 0) {
-            // No TMA box (OutTile::tma_c): the rows in [0, seqlen_q), copied (the head dim is
-            // a multiple of 8 wherever O has a tensor map).
-            const int first = max(row0, 0), end = min(row0 + 64, to.seqlen_q);
-            if (end > first)
-                sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
-                    stage, first - row0, 0, end - first, p.d / 8,
-                    to.out + int64_t(first) * p.o_row_stride, p.o_row_stride, threadIdx.x % 128,
-                    128);
-        } else if (leader) {
-            if constexpr (K::PACKED)
-                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, to.tma_c + row0, to.bidh, 0);
-            else
-                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, row0, to.bidh, to.tma_c);
-            tma::bulk_commit();
+        store_round<0>(to, stage, inv, leader);
+        if constexpr (K::O_ROUNDS > 1) {
+            static_assert(K::O_ROUNDS == 2, "O in two halves");
+            if (leader) tma::bulk_wait_read<0>();
+            tma::named_sync(EPILOGUE_BAR + group, 128);
+            store_round<1>(to, stage, inv, leader);
         }
         if constexpr (K::O_IN_Q) {
             if (leader) tma::bulk_wait_read<0>();

@@ -40,7 +40,8 @@ pub(crate) fn fwd_fp8(
 /// Up to this many keys the narrowest key tile is taken: a 192-key tile pads 512 keys to
 /// 576, and the 128 x 192 kernel ran 3% (non-causal) and 9% (causal) slower than 128 x 128
 /// there, while from 1k keys it was 4-14% faster (H200; docs/archive/PERF.md, "the
-/// constant-offset FP8 transposer").
+/// constant-offset FP8 transposer"). d = 256 takes the same rule between its 64- and
+/// 128-key tiles.
 const FP8_NARROW_MAX_KEYS: usize = 512;
 
 /// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest
@@ -190,8 +191,10 @@ mod tests {
         );
         assert_eq!(bn(128, true, false), 192);
         assert_eq!(bn(128, true, true), 128);
-        assert_eq!(bn(256, false, false), 64);
-        assert_eq!(bn(256, false, true), 64);
+        assert_eq!(bn(256, false, false), 128);
+        assert_eq!(bn(256, false, true), 128, "one 128-key tile per block");
+        assert_eq!(bn(256, true, false), 128);
+        assert_eq!(kernel(256, 512, false, false).unwrap().variant().bn, 64);
         assert_eq!(kernel(128, 512, false, false).unwrap().variant().bn, 128);
         assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 192);
         assert!(kernel(64, 4096, false, false).is_err());
