@@ -362,6 +362,9 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(128, 192, 2, 2).fp8(),
     fwd_ws(128, 128, 2, 2).packed().fp8(),
     fwd_ws(128, 192, 2, 2).packed().fp8(),
+    // d = 128 with 256-key tiles: one Q slot holding O in two halves, P V before S.
+    fwd_ws(128, 256, 2, 2).fp8(),
+    fwd_ws(128, 256, 2, 2).packed().fp8(),
     fwd_ws(256, 64, 2, 2).fp8(),
     fwd_ws(256, 64, 2, 2).packed().fp8(),
     // d = 256 with 128-key tiles: O staged through the Q slot in two halves, P V waited for

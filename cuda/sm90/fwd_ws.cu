@@ -138,11 +138,19 @@ struct WsTraits {
     // hold 1-4 key tiles): the producer may then run two work tiles ahead (1.011x at 512 and
     // 1.012x at 1k causal, which it then also ran, in 6 and 5 of 6 rounds, H100;
     // docs/archive/PERF.md, "Three Q slots in the d 64 two-warpgroup forward").
+    // P(j - 1) V(j - 1) issued and waited for before S(j) rather than in flight beside it
+    // (the softmax then overlaps only the other warpgroup's matmuls), so that P takes
+    // registers of S: the FP8 kernels whose O, S and P do not fit beside the rest in 232
+    // (ptxas -v, d = 256 x 128 keys: O 128 + S 64 + P 16, 124 bytes of spill stores and
+    // serialized wgmmas in flight together, 8 bytes P V first; d = 128 x 256 keys: O 64 +
+    // S 128 + P 32, 8 bytes P V first). With one Q slot, which holds O (O_IN_Q).
+    static constexpr bool PV_BEFORE_S = FP8 && D * BN == 256 * 128;
     static constexpr bool THREE_Q =
         D == 64 && CONSUMERS == 2 &&
         WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, O_BYTES).bytes <= 232448;
     static constexpr int Q_STAGES =
         THREE_Q                                                                  ? 3
+        : PV_BEFORE_S                                                            ? 1
         : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0, KV_TILES).bytes <= 232448 ? 2
                                                                                   : 1;
     // O through shared memory and a TMA store (WsConsumer::store_staged) where the tile fits
@@ -156,9 +164,9 @@ struct WsTraits {
     // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
     // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers). An e4m3 Q row
     // holds half an O row: O goes in two rounds of half the head dim (O_ROUNDS). The FP8
-    // d = 256 128-key kernel needs it: stored from registers, its consumers spilled O itself
-    // (~2 KB, ptxas -v).
-    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256;
+    // PV_BEFORE_S kernels need it: stored from registers, the d = 256 one's consumers spilled
+    // O itself (~2 KB, ptxas -v).
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && (D == 256 || PV_BEFORE_S);
     static constexpr int O_ROUNDS = O_IN_Q ? 2 / ELEM : 1;
     static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
     static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
@@ -179,12 +187,6 @@ struct WsTraits {
     // and block-mask producers spill at 24, d = 256's below 40.
     // FP8: the producer warpgroup's transposing warps (two ldmatrix units in flight) keep 40
     // like the two-warpgroup producers, the consumers 232.
-    // P(j - 1) V(j - 1) issued and waited for before S(j) rather than in flight beside it
-    // (the softmax then overlaps only the other warpgroup's matmuls): the FP8 d = 256 128-key
-    // kernel, whose O (128 registers), S (64) and P (16) do not fit beside the rest in 232
-    // (ptxas -v: 124 bytes of spill stores and serialized wgmmas; with P V first, P takes
-    // registers of S and 8 bytes remain, one value around a pingpong barrier).
-    static constexpr bool PV_BEFORE_S = FP8 && D == 256 && BN == 128;
     static constexpr bool LEAN_PRODUCER =
         CONSUMERS == 2 && MODS == MODS_NONE && D == 128 && !FP8;
     static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
