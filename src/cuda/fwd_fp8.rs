@@ -48,8 +48,8 @@ const FP8_NARROW_MAX_KEYS: usize = 512;
 /// sequence's), or the error that names what is compiled. The widest key tile that fits the
 /// call: tiles of more than 128 keys straddle the 128-key blocks of per-block k and v
 /// descales (`kv_blocks`), which take 128-key tiles, and short sequences take the narrowest
-/// (`FP8_NARROW_MAX_KEYS`). `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest, `n<keys>` that
-/// many keys where it fits (A/B runs).
+/// (`FP8_NARROW_MAX_KEYS`). `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest, `n<keys>` takes
+/// that many keys instead of the widest where it fits (A/B runs).
 fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
     let forced = overrides().ws_shape.as_str();
     let narrowest = forced == "base" || sk <= FP8_NARROW_MAX_KEYS;
@@ -64,10 +64,10 @@ fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> 
     let fitting = Kernel::ALL.iter().copied().filter(|k| fits(k.variant()));
     let bn = |k: &Kernel| k.variant().bn;
     let forced_kernel = forced_bn.and_then(|n| fitting.clone().find(|k| bn(k) == n));
-    let chosen = if forced_kernel.is_some() {
-        forced_kernel
-    } else if narrowest {
+    let chosen = if narrowest {
         fitting.min_by_key(bn)
+    } else if forced_kernel.is_some() {
+        forced_kernel
     } else {
         fitting.max_by_key(bn)
     };
