@@ -367,8 +367,10 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(128, 256, 2, 2).packed().fp8(),
     fwd_ws(256, 64, 2, 2).fp8(),
     fwd_ws(256, 64, 2, 2).packed().fp8(),
-    // d = 256 with 128-key tiles: O staged through the Q slot in two halves, P V waited for
-    // before S (WsTraits::O_ROUNDS, PV_BEFORE_S).
+    // d = 256 with 96- and 128-key tiles: O staged through the Q slot in two halves
+    // (WsTraits::O_ROUNDS), the 128-key one with P V waited for before S (PV_BEFORE_S).
+    fwd_ws(256, 96, 2, 2).fp8(),
+    fwd_ws(256, 96, 2, 2).packed().fp8(),
     fwd_ws(256, 128, 2, 2).fp8(),
     fwd_ws(256, 128, 2, 2).packed().fp8(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block

@@ -84,8 +84,8 @@ constexpr int FP8_BLOCK = 128;
 struct WsLayout {
     int o, bar, tile, key, bytes;
     static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages, int o_bytes,
-                                 int kv_tiles = 2) {
-        const int o = q * q_bytes + kv_tiles * stages * kv_bytes, bar = o + o_bytes;
+                                 int kv_tiles = 2, int vt_extra = 0) {
+        const int o = q * q_bytes + kv_tiles * stages * kv_bytes + vt_extra, bar = o + o_bytes;
         const int tile = (bar + (2 * q + 2 * kv_tiles * stages) * 8 + 15) / 16 * 16;
         return {o, bar, tile, tile + 16 * q, tile + 16 * q + 16 + 1024};
     }
@@ -138,35 +138,52 @@ struct WsTraits {
     // hold 1-4 key tiles): the producer may then run two work tiles ahead (1.011x at 512 and
     // 1.012x at 1k causal, which it then also ran, in 6 and 5 of 6 rounds, H100;
     // docs/archive/PERF.md, "Three Q slots in the d 64 two-warpgroup forward").
+    // FP8: V^T in panels of 128 keys (D rows of 128 bytes each, 128-byte swizzled), what the
+    // k steps of P V read. A tile's last 64 keys (BN = 64 at d = 256, BN = 192) go to a half
+    // panel: the two slots' halves share one panel, slot st in its bytes 64 st..64 st + 63 (a
+    // k step's 32 bytes stay inside a swizzled row either way), so that V^T takes what K and V
+    // take, BN x D bytes a slot. A last 96 keys (BN = 96) take a panel of their own per slot,
+    // VT_EXTRA bytes more than BN x D a slot.
+    static constexpr int VT_FULL_PANELS = BN / 128;
+    static constexpr bool VT_HALF = FP8 && BN % 128 == 64;
+    static constexpr bool VT_OWN = FP8 && BN % 128 != 0 && !VT_HALF;
+    static constexpr int VT_SLOT_BYTES = (VT_FULL_PANELS + (VT_OWN ? 1 : 0)) * D * 128;
+    static constexpr int VT_EXTRA = VT_OWN ? STAGES * (128 - BN % 128) * D : 0;
     // P(j - 1) V(j - 1) issued and waited for before S(j) rather than in flight beside it
     // (the softmax then overlaps only the other warpgroup's matmuls), so that P takes
     // registers of S: the FP8 kernels whose O, S and P do not fit beside the rest in 232
     // (ptxas -v, d = 256 x 128 keys: O 128 + S 64 + P 16, 124 bytes of spill stores and
     // serialized wgmmas in flight together, 8 bytes P V first; d = 128 x 256 keys: O 64 +
-    // S 128 + P 32, 8 bytes P V first). With one Q slot, which holds O (O_IN_Q).
+    // S 128 + P 32, 8 bytes P V first).
     static constexpr bool PV_BEFORE_S = FP8 && D * BN == 256 * 128;
     static constexpr bool THREE_Q =
         D == 64 && CONSUMERS == 2 &&
         WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, O_BYTES).bytes <= 232448;
+    // FP8 kernels whose staged O does not fit beside two Q slots take one, which holds O
+    // (O_IN_Q), rather than store O from registers.
+    static constexpr bool FP8_O_IN_Q =
+        FP8 &&
+        WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, O_BYTES, KV_TILES, VT_EXTRA).bytes > 232448;
     static constexpr int Q_STAGES =
-        THREE_Q                                                                  ? 3
-        : PV_BEFORE_S                                                            ? 1
-        : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0, KV_TILES).bytes <= 232448 ? 2
-                                                                                  : 1;
+        THREE_Q ? 3
+        : FP8_O_IN_Q ? 1
+        : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0, KV_TILES, VT_EXTRA).bytes <= 232448 ? 2
+                                                                                            : 1;
     // O through shared memory and a TMA store (WsConsumer::store_staged) where the tile fits
     // beside the Q slots, else straight from registers.
     static constexpr bool O_STAGED =
-        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_BYTES, KV_TILES).bytes <= 232448;
-    static constexpr WsLayout LAYOUT =
-        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_STAGED ? O_BYTES : 0, KV_TILES);
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_BYTES, KV_TILES, VT_EXTRA).bytes <=
+        232448;
+    static constexpr WsLayout LAYOUT = WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES,
+                                                    O_STAGED ? O_BYTES : 0, KV_TILES, VT_EXTRA);
     // d = 256, one Q slot and no room for O: each warpgroup stages its O in its own 64 rows of
     // the Q tile, free after its last S, and hands the slot back once the store has read them
     // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
     // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers). An e4m3 Q row
     // holds half an O row: O goes in two rounds of half the head dim (O_ROUNDS). The FP8
-    // PV_BEFORE_S kernels need it: stored from registers, the d = 256 one's consumers spilled
-    // O itself (~2 KB, ptxas -v).
-    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && (D == 256 || PV_BEFORE_S);
+    // kernels past FP8_O_IN_Q need it: stored from registers, the d = 256 128-key kernel's
+    // consumers spilled O itself (~2 KB, ptxas -v).
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && (D == 256 || FP8_O_IN_Q);
     static constexpr int O_ROUNDS = O_IN_Q ? 2 / ELEM : 1;
     static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
     static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
@@ -194,17 +211,10 @@ struct WsTraits {
     // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.
     static constexpr int TRANSPOSERS = 3;
     static_assert(D % PANEL_COLS == 0, "panels are 128 bytes wide");
-    // FP8: V^T in panels of 128 keys (D rows of 128 bytes each, 128-byte swizzled), what the
-    // k steps of P V read. A tile's last 64 keys (BN = 64 at d = 256, whose registers hold no
-    // wider S; BN = 192) go to a half panel: the two slots' halves share one panel, slot st in
-    // its bytes 64 st..64 st + 63 (a k step's 32 bytes stay inside a swizzled row either way),
-    // so that V^T takes what K and V take, BN x D bytes a slot.
-    static constexpr int VT_FULL_PANELS = BN / 128;
-    static constexpr bool VT_HALF = FP8 && BN % 128 == 64;
-    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALF && STAGES == 2)) &&
-                           MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
-                  "FP8: V^T in 128-key panels (a last half panel shared by two slots), no score "
-                  "mods, no dropout, two consumers");
+    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALF && STAGES == 2) || VT_OWN) &&
+                           BN % 32 == 0 && MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
+                  "FP8: V^T in 128-key panels (a last half panel shared by two slots, or a "
+                  "partial one per slot), k32 steps, no score mods, no dropout, two consumers");
     static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 };
@@ -220,14 +230,17 @@ template <class K> struct WsSmem {
     __device__ __forceinline__ uint32_t v(int st) const {
         return base + K::Q_STAGES * K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
     }
-    // FP8: V transposed (WsTraits::VT_FULL_PANELS, VT_HALF), what P V reads: slot st's full
-    // panels, the half panel the two slots share, and the first byte of st's keys in its rows.
+    // FP8: V transposed (WsTraits::VT_FULL_PANELS, VT_HALF, VT_OWN), what P V reads: slot
+    // st's full panels, the panel of its last keys (the half panel the two slots share, or its
+    // own), and the first byte of those keys in its rows.
     __device__ __forceinline__ uint32_t vt(int st) const {
         return base + K::Q_STAGES * K::Q_BYTES + 2 * K::STAGES * K::KV_BYTES +
-               st * K::VT_FULL_PANELS * K::D * 128;
+               st * K::VT_SLOT_BYTES;
     }
-    __device__ __forceinline__ uint32_t vt_half() const { return vt(K::STAGES); }
-    __device__ __forceinline__ int vt_half_key0(int st) const { return 64 * st; }
+    __device__ __forceinline__ uint32_t vt_part(int st) const {
+        return K::VT_HALF ? vt(K::STAGES) : vt(st) + K::VT_FULL_PANELS * K::D * 128;
+    }
+    __device__ __forceinline__ int vt_part_key0(int st) const { return K::VT_HALF ? 64 * st : 0; }
     __device__ __forceinline__ uint32_t full_q(int qs) const {
         return base + K::BAR_OFFSET + 8 * qs;
     }
@@ -454,8 +467,8 @@ __device__ __forceinline__ void ws_transpose(const WsSmem<K>& sm, int thread) {
         if (ld_shared(sm.key(s.st)) == 0) return;
         tma::wait(sm.empty_vt(s.st), s.phase ^ 1);
 #ifndef CANDLE_FLASH_FP8_NO_TRANSPOSE  // the A/B build that times the rest (wrong results)
-        sm90::transpose_v_fp8<K::BN, K::D, K::TRANSPOSERS>(sm.vt(s.st), sm.vt_half(),
-                                                           sm.vt_half_key0(s.st), sm.v(s.st),
+        sm90::transpose_v_fp8<K::BN, K::D, K::TRANSPOSERS>(sm.vt(s.st), sm.vt_part(s.st),
+                                                           sm.vt_part_key0(s.st), sm.v(s.st),
                                                            thread);
 #endif
         // The stores (generic proxy) become visible to the wgmmas (async proxy) that read them.
@@ -589,12 +602,12 @@ template <class K> struct WsConsumer {
     }
 
     // FP8: k step kk of V^T in slot st, `rows` bytes into its panels (a half of the head dim):
-    // in a full panel, or in the half panel the two slots share.
+    // in a full panel, or in the panel of the slot's last keys (WsSmem::vt_part).
     __device__ __forceinline__ uint64_t vt_desc(int st, int rows, int kk) const {
         constexpr int FULL_STEPS = 4 * K::VT_FULL_PANELS;
         if (kk < FULL_STEPS) return sm90::kmajor_desc(sm.vt(st) + rows, D, kk);
-        return sm90::kmajor_desc(sm.vt_half() + rows, D,
-                                 sm.vt_half_key0(st) / 32 + kk - FULL_STEPS);
+        return sm90::kmajor_desc(sm.vt_part(st) + rows, D,
+                                 sm.vt_part_key0(st) / 32 + kk - FULL_STEPS);
     }
 
     // O += P V of the tile in slot st, issued (one commit group). Head dims past 128 take
