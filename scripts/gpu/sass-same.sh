@@ -9,8 +9,9 @@
 #   REF   a git ref, e.g. main
 #   FILE  a CUDA file under cuda/, e.g. cuda/sm90/fwd_ws.cu
 #   ARCH  sm_90a (default; the Hopper set) or sm_80
-# Needs nvcc (../shared/cuda/env.sh), a build of the tree (its generated instances/) and
-# sass.sh's cuobjdump (downloaded once by `bash scripts/gpu/sass.sh`).
+# Needs nvcc (../shared/cuda/env.sh), a build of the tree (its generated instances/ and
+# recorded nvcc commands); cuobjdump comes as sass.sh's does (stage-lib.sh: sass_tools). Two
+# whole builds compare with `kernel_digest.py --diff` instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -20,11 +21,10 @@ if [ $# -lt 2 ]; then
 fi
 ref=$1 file=$2 arch=${3:-sm_90a}
 virt=compute_${arch#sm_}
-bin=${HOME:-/tmp}/.cache/candle-flash-sass/triton/backends/nvidia/bin
-if [ ! -x "$bin/cuobjdump" ]; then
-  echo "error: no cuobjdump in $bin: run scripts/gpu/sass.sh once" >&2
-  exit 1
-fi
+# shellcheck source=scripts/gpu/stage-lib.sh
+source scripts/gpu/stage-lib.sh
+sass_tools
+bin=$SASS_BIN
 # The stem build.rs gives a file: cuda/sm90/fwd_ws.cu -> sm90_fwd_ws, cuda/train/train.cu -> train.
 dir=$(basename "$(dirname "$file")") name=$(basename "$file" .cu)
 stem=$([ "$dir" = "$name" ] && echo "$name" || echo "${dir}_$name")
@@ -38,7 +38,25 @@ trap 'rm -rf "$T"' EXIT
 mkdir -p "$T/inc/instances" "$T/ref"
 cp "$inc" "$T/inc/instances/"
 git archive "$ref" cuda | tar -x -C "$T/ref"
-flags=(-std=c++17 -O3 --use_fast_math -cubin "-gencode=arch=$virt,code=$arch")
+# The build's own nvcc flags for the file (its recorded command, build/nvcc.rs), less the
+# include paths, the one-dtype define, the outputs and the source.
+set_dir=$([ "$arch" = sm_80 ] && echo sm80 || echo sm90a)
+cmd=$(ls -t "$(dirname "$(dirname "$inc")")/$set_dir/$stem".*.cmd 2>/dev/null | head -n 1 || true)
+if [ -z "$cmd" ]; then
+  echo "error: no $set_dir/$stem.*.cmd beside $inc: that build has no $arch set" >&2
+  exit 1
+fi
+flags=()
+skip=0
+for tok in $(cat "$cmd"); do
+  if [ "$skip" = 1 ]; then skip=0; continue; fi
+  case $tok in
+    -o) skip=1 ;;
+    -I* | -DCANDLE_FLASH_ONLY_* | -fatbin | -ptx | -gencode=* | -arch=* | *.cu) ;;
+    *) flags+=("$tok") ;;
+  esac
+done
+flags+=(-cubin "-gencode=arch=$virt,code=$arch")
 
 # The tree's side from a copy of the rows (the ref's loses those it cannot compile), beside
 # the ref's first attempt.

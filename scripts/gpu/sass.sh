@@ -22,17 +22,10 @@ fi
 file=$1 kernel=$2
 shift 2
 
-cache=${HOME:-/tmp}/.cache/candle-flash-sass
-bin=$cache/triton/backends/nvidia/bin
-if [ ! -x "$bin/cuobjdump" ] || [ ! -x "$bin/nvdisasm" ]; then
-  mkdir -p "$cache"
-  # Triton 3.0.0 ships CUDA 12.4's cuobjdump, which reads the sm_90a cubins nvcc 13 writes.
-  python3 -m pip download --quiet --no-deps --dest "$cache" triton==3.0.0
-  wheel=$(ls "$cache"/triton-3.0.0-*.whl | head -n 1)
-  # cuobjdump calls nvdisasm for the SASS.
-  python3 -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract("triton/backends/nvidia/bin/" + t, sys.argv[2]) for t in ("cuobjdump", "nvdisasm")]' "$wheel" "$cache"
-  chmod +x "$bin/cuobjdump" "$bin/nvdisasm"
-fi
+# shellcheck source=scripts/gpu/stage-lib.sh
+source scripts/gpu/stage-lib.sh
+sass_tools
+bin=$SASS_BIN
 
 fatbin=$(ls -t target/release/build/candle-flash-*/out/sm90a/"$file".*.fatbin 2>/dev/null | head -n 1 || true)
 if [ -z "$fatbin" ]; then

@@ -1,5 +1,5 @@
-# Sourced by the scripts that stage binaries here for the lent GPU (scripts/gpu/stage.sh,
-# scripts/bench/candle-patched.sh --stage).
+# Sourced by the scripts that run here for the lent GPU (scripts/gpu/stage.sh,
+# scripts/bench/candle-patched.sh --stage, sass.sh, sass-same.sh).
 # shellcheck shell=bash
 
 # cuda_toolchain: sources ../shared/cuda/env.sh (nvcc and the CUDA libraries on PATH); fails
@@ -15,6 +15,22 @@ cuda_toolchain() {
   if ! command -v nvcc >/dev/null; then
     echo "error: nvcc not found after sourcing $env_sh; run: bash ../shared/cuda/setup-toolchain.sh" >&2
     return 1
+  fi
+}
+
+# sass_tools: sets SASS_BIN to a folder holding cuobjdump and nvdisasm (this machine's CUDA
+# has no disassembler): Triton 3.0.0's wheel ships CUDA 12.4's, which read the sm_90a cubins
+# nvcc 13 writes; downloaded once into ~/.cache/candle-flash-sass.
+sass_tools() {
+  local cache=${HOME:-/tmp}/.cache/candle-flash-sass wheel
+  SASS_BIN=$cache/triton/backends/nvidia/bin
+  if [ ! -x "$SASS_BIN/cuobjdump" ] || [ ! -x "$SASS_BIN/nvdisasm" ]; then
+    mkdir -p "$cache"
+    python3 -m pip download --quiet --no-deps --dest "$cache" triton==3.0.0 || return 1
+    wheel=$(ls "$cache"/triton-3.0.0-*.whl | head -n 1)
+    # cuobjdump calls nvdisasm for the SASS.
+    python3 -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract("triton/backends/nvidia/bin/" + t, sys.argv[2]) for t in ("cuobjdump", "nvdisasm")]' "$wheel" "$cache" || return 1
+    chmod +x "$SASS_BIN/cuobjdump" "$SASS_BIN/nvdisasm"
   fi
 }
 

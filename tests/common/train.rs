@@ -87,16 +87,16 @@ fn compare(
     dtype: DType,
     output_slack: f32,
 ) -> Result<()> {
-    let (shape, cpu) = ((out_shape, dtype), &Device::Cpu);
     compare_base_on(
         name,
         dev,
-        cpu,
+        &Device::Cpu,
         ours,
         reference,
         inputs,
         differentiable,
-        shape,
+        out_shape,
+        dtype,
         output_slack,
     )
 }
@@ -113,7 +113,8 @@ fn compare_base_on(
     reference: &dyn Fn(&[Tensor]) -> Result<Tensor>,
     inputs: &[Tensor],
     differentiable: &[bool],
-    (out_shape, dtype): (&[usize], DType),
+    out_shape: &[usize],
+    dtype: DType,
     output_slack: f32,
 ) -> Result<()> {
     let weight = randn(out_shape, dtype)?;
@@ -515,7 +516,8 @@ fn linear_case(
             &reference,
             &inputs,
             &differentiable,
-            (&out, dtype),
+            &out,
+            dtype,
             0.5,
         )
     })();
