@@ -63,13 +63,11 @@ fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> 
     };
     let fitting = Kernel::ALL.iter().copied().filter(|k| fits(k.variant()));
     let bn = |k: &Kernel| k.variant().bn;
-    let forced_kernel = forced_bn.and_then(|n| fitting.clone().find(|k| bn(k) == n));
     let chosen = if narrowest {
         fitting.min_by_key(bn)
-    } else if forced_kernel.is_some() {
-        forced_kernel
     } else {
-        fitting.max_by_key(bn)
+        let forced = forced_bn.and_then(|n| fitting.clone().find(|k| bn(k) == n));
+        forced.or_else(|| fitting.max_by_key(bn))
     };
     if let Some(k) = chosen {
         return Ok(k);
