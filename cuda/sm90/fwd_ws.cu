@@ -149,13 +149,6 @@ struct WsTraits {
     static constexpr bool VT_OWN = FP8 && BN % 128 != 0 && !VT_HALF;
     static constexpr int VT_SLOT_BYTES = (VT_FULL_PANELS + (VT_OWN ? 1 : 0)) * D * 128;
     static constexpr int VT_EXTRA = VT_OWN ? STAGES * (128 - BN % 128) * D : 0;
-    // P(j - 1) V(j - 1) issued and waited for before S(j) rather than in flight beside it
-    // (the softmax then overlaps only the other warpgroup's matmuls), so that P takes
-    // registers of S: the FP8 kernels whose O, S and P do not fit beside the rest in 232
-    // (ptxas -v, d = 256 x 128 keys: O 128 + S 64 + P 16, 124 bytes of spill stores and
-    // serialized wgmmas in flight together, 8 bytes P V first; d = 128 x 256 keys: O 64 +
-    // S 128 + P 32, 8 bytes P V first).
-    static constexpr bool PV_BEFORE_S = FP8 && D * BN == 256 * 128;
     static constexpr bool THREE_Q =
         D == 64 && CONSUMERS == 2 &&
         WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, O_BYTES).bytes <= 232448;
@@ -181,8 +174,8 @@ struct WsTraits {
     // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
     // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers). An e4m3 Q row
     // holds half an O row: O goes in two rounds of half the head dim (O_ROUNDS). The FP8
-    // kernels past FP8_O_IN_Q need it: stored from registers, the d = 256 128-key kernel's
-    // consumers spilled O itself (~2 KB, ptxas -v).
+    // kernels past FP8_O_IN_Q need it: stored from registers, O itself went to local memory
+    // (~2 KB in a d = 256 x 128-key build, ptxas -v).
     static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && (D == 256 || FP8_O_IN_Q);
     static constexpr int O_ROUNDS = O_IN_Q ? 2 / ELEM : 1;
     static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
@@ -911,19 +904,12 @@ template <class K> struct WsConsumer {
         take_turn();
         sm90::fence_operand(o[0]);
         sm90::fence();
-        if constexpr (K::PV_BEFORE_S) {
-            issue_pv(prev.st);
-            pv_done(prev.st);
-            sm90::fence();
-            issue_s(s, cur.st);
-        } else {
-            issue_s(s, cur.st);
-            issue_pv(prev.st);
-        }
+        issue_s(s, cur.st);
+        issue_pv(prev.st);
         pass_turn();
         uint32_t keep[2];
         draw_keep(keep, w, nb);
-        sm90::wait<K::PV_BEFORE_S ? 0 : WS_WAIT_S>();
+        sm90::wait<WS_WAIT_S>();
         sm90::fence_operand(s[0]);
         release(sm.empty_k(cur.st));
         scores(s, w, nb, m);
@@ -931,14 +917,14 @@ template <class K> struct WsConsumer {
             OnlineSoftmax<1> next;
             float alpha[1][2];  // O starts over
             exp_scores(next, s, alpha, m, tile_descales(nb));
-            if constexpr (!K::PV_BEFORE_S) pv_done(prev.st);
+            pv_done(prev.st);
             store(done);
             zero(o);
             softmax = next;
         } else {
             float alpha[1][2];
             const bool rescale = exp_scores(softmax, s, alpha, m, tile_descales(nb));
-            if constexpr (!K::PV_BEFORE_S) pv_done(prev.st);
+            pv_done(prev.st);
             if (rescale) softmax.rescale(o, alpha);
         }
         drop(s, keep);

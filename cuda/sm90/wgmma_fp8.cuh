@@ -46,7 +46,6 @@ SM90_WGMMA_FP8(64, 32, 33, 34, 35, 36, 37)
 SM90_WGMMA_FP8(96, 48, 49, 50, 51, 52, 53)
 SM90_WGMMA_FP8(128, 64, 65, 66, 67, 68, 69)
 SM90_WGMMA_FP8(192, 96, 97, 98, 99, 100, 101)
-SM90_WGMMA_FP8(256, 128, 129, 130, 131, 132, 133)
 #undef SM90_WGMMA_FP8
 
 // Keeps the A operand's registers of an in-flight wgmma as they are until this point (the

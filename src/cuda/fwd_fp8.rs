@@ -41,7 +41,9 @@ pub(crate) fn fwd_fp8(
 /// 576, and the 128 x 192 kernel ran 3% (non-causal) and 9% (causal) slower than 128 x 128
 /// there, while from 1k keys it was 4-14% faster (H200; docs/archive/PERF.md, "the
 /// constant-offset FP8 transposer"). d = 256 takes the same rule between its 64- and
-/// 128-key tiles.
+/// 96-key tiles: the 96-key kernel ran 1.06-1.21x the 64-key one non-causal from 1k keys,
+/// causal 0.99x at 1k and 1.09-1.20x from 2k, level at 512 (H200, two alternated rounds;
+/// docs/archive/PERF.md, session 57).
 const FP8_NARROW_MAX_KEYS: usize = 512;
 
 /// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest
@@ -187,20 +189,24 @@ mod tests {
         if !overrides().ws_shape.is_empty() {
             return;
         }
-        assert_eq!(bn(128, false, false), 256);
+        assert_eq!(bn(128, false, false), 192);
         assert_eq!(
             bn(128, false, true),
             128,
             "per-block k/v: tiles inside one block"
         );
-        assert_eq!(bn(128, true, false), 256);
+        assert_eq!(bn(128, true, false), 192);
         assert_eq!(bn(128, true, true), 128);
-        assert_eq!(bn(256, false, false), 128);
-        assert_eq!(bn(256, false, true), 128, "one 128-key tile per block");
-        assert_eq!(bn(256, true, false), 128);
+        assert_eq!(bn(256, false, false), 96);
+        assert_eq!(
+            bn(256, false, true),
+            64,
+            "96-key tiles straddle 128-key blocks"
+        );
+        assert_eq!(bn(256, true, false), 96);
         assert_eq!(kernel(256, 512, false, false).unwrap().variant().bn, 64);
         assert_eq!(kernel(128, 512, false, false).unwrap().variant().bn, 128);
-        assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 256);
+        assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 192);
         assert!(kernel(64, 4096, false, false).is_err());
     }
 }
