@@ -364,6 +364,10 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(128, 192, 2, 2).packed().fp8(),
     fwd_ws(256, 64, 2, 2).fp8(),
     fwd_ws(256, 64, 2, 2).packed().fp8(),
+    // d = 256 with 96-key tiles: O staged through the Q slot in two halves
+    // (WsTraits::O_ROUNDS), V^T's last 96 keys in a panel of each slot's own (VT_OWN).
+    fwd_ws(256, 96, 2, 2).fp8(),
+    fwd_ws(256, 96, 2, 2).packed().fp8(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and

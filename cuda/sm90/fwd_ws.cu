@@ -84,8 +84,8 @@ constexpr int FP8_BLOCK = 128;
 struct WsLayout {
     int o, bar, tile, key, bytes;
     static constexpr WsLayout of(int q, int q_bytes, int kv_bytes, int stages, int o_bytes,
-                                 int kv_tiles = 2) {
-        const int o = q * q_bytes + kv_tiles * stages * kv_bytes, bar = o + o_bytes;
+                                 int kv_tiles = 2, int vt_extra = 0) {
+        const int o = q * q_bytes + kv_tiles * stages * kv_bytes + vt_extra, bar = o + o_bytes;
         const int tile = (bar + (2 * q + 2 * kv_tiles * stages) * 8 + 15) / 16 * 16;
         return {o, bar, tile, tile + 16 * q, tile + 16 * q + 16 + 1024};
     }
@@ -138,24 +138,46 @@ struct WsTraits {
     // hold 1-4 key tiles): the producer may then run two work tiles ahead (1.011x at 512 and
     // 1.012x at 1k causal, which it then also ran, in 6 and 5 of 6 rounds, H100;
     // docs/archive/PERF.md, "Three Q slots in the d 64 two-warpgroup forward").
+    // FP8: V^T in panels of 128 keys (D rows of 128 bytes each, 128-byte swizzled), what the
+    // k steps of P V read. A tile's last 64 keys (BN = 64 at d = 256, BN = 192) go to a half
+    // panel: the two slots' halves share one panel, slot st in its bytes 64 st..64 st + 63 (a
+    // k step's 32 bytes stay inside a swizzled row either way), so that V^T takes what K and V
+    // take, BN x D bytes a slot. A last 96 keys (BN = 96) take a panel of their own per slot,
+    // VT_EXTRA bytes more than BN x D a slot.
+    static constexpr int VT_FULL_PANELS = BN / 128;
+    static constexpr bool VT_HALF = FP8 && BN % 128 == 64;
+    static constexpr bool VT_OWN = FP8 && BN % 128 != 0 && !VT_HALF;
+    static constexpr int VT_SLOT_BYTES = (VT_FULL_PANELS + (VT_OWN ? 1 : 0)) * D * 128;
+    static constexpr int VT_EXTRA = VT_OWN ? STAGES * (128 - BN % 128) * D : 0;
     static constexpr bool THREE_Q =
         D == 64 && CONSUMERS == 2 &&
         WsLayout::of(3, Q_BYTES, KV_BYTES, STAGES, O_BYTES).bytes <= 232448;
+    // FP8 kernels whose staged O does not fit beside two Q slots take one, which holds O
+    // (O_IN_Q), rather than store O from registers.
+    static constexpr bool FP8_O_IN_Q =
+        FP8 &&
+        WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, O_BYTES, KV_TILES, VT_EXTRA).bytes > 232448;
     static constexpr int Q_STAGES =
-        THREE_Q                                                                  ? 3
-        : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0, KV_TILES).bytes <= 232448 ? 2
-                                                                                  : 1;
+        THREE_Q ? 3
+        : FP8_O_IN_Q ? 1
+        : WsLayout::of(2, Q_BYTES, KV_BYTES, STAGES, 0, KV_TILES, VT_EXTRA).bytes <= 232448 ? 2
+                                                                                            : 1;
     // O through shared memory and a TMA store (WsConsumer::store_staged) where the tile fits
     // beside the Q slots, else straight from registers.
     static constexpr bool O_STAGED =
-        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_BYTES, KV_TILES).bytes <= 232448;
-    static constexpr WsLayout LAYOUT =
-        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_STAGED ? O_BYTES : 0, KV_TILES);
+        WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES, O_BYTES, KV_TILES, VT_EXTRA).bytes <=
+        232448;
+    static constexpr WsLayout LAYOUT = WsLayout::of(Q_STAGES, Q_BYTES, KV_BYTES, STAGES,
+                                                    O_STAGED ? O_BYTES : 0, KV_TILES, VT_EXTRA);
     // d = 256, one Q slot and no room for O: each warpgroup stages its O in its own 64 rows of
     // the Q tile, free after its last S, and hands the slot back once the store has read them
     // (1.05-1.17x up to 2k, level at 16k; the next Q then loads later, which cost the d = 128
-    // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers).
-    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && D == 256 && !FP8;
+    // 176-key kernel 1-2.5% at 8k-16k: it keeps its stores from registers). An e4m3 Q row
+    // holds half an O row: O goes in two rounds of half the head dim (O_ROUNDS). The FP8
+    // kernels past FP8_O_IN_Q need it: stored from registers, O itself went to local memory
+    // (~2 KB in a d = 256 x 128-key build, ptxas -v).
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && (D == 256 || FP8_O_IN_Q);
+    static constexpr int O_ROUNDS = O_IN_Q ? 2 / ELEM : 1;
     static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
     static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;
     static constexpr int KEY_OFFSET = LAYOUT.key, SMEM_BYTES = LAYOUT.bytes;
@@ -182,17 +204,10 @@ struct WsTraits {
     // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.
     static constexpr int TRANSPOSERS = 3;
     static_assert(D % PANEL_COLS == 0, "panels are 128 bytes wide");
-    // FP8: V^T in panels of 128 keys (D rows of 128 bytes each, 128-byte swizzled), what the
-    // k steps of P V read. A tile's last 64 keys (BN = 64 at d = 256, whose registers hold no
-    // wider S; BN = 192) go to a half panel: the two slots' halves share one panel, slot st in
-    // its bytes 64 st..64 st + 63 (a k step's 32 bytes stay inside a swizzled row either way),
-    // so that V^T takes what K and V take, BN x D bytes a slot.
-    static constexpr int VT_FULL_PANELS = BN / 128;
-    static constexpr bool VT_HALF = FP8 && BN % 128 == 64;
-    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALF && STAGES == 2)) &&
-                           MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
-                  "FP8: V^T in 128-key panels (a last half panel shared by two slots), no score "
-                  "mods, no dropout, two consumers");
+    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALF && STAGES == 2) || VT_OWN) &&
+                           BN % 32 == 0 && MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
+                  "FP8: V^T in 128-key panels (a last half panel shared by two slots, or a "
+                  "partial one per slot), k32 steps, no score mods, no dropout, two consumers");
     static_assert(BN * 128 % 1024 == 0, "panels must stay 1 KB aligned");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 };
@@ -208,14 +223,17 @@ template <class K> struct WsSmem {
     __device__ __forceinline__ uint32_t v(int st) const {
         return base + K::Q_STAGES * K::Q_BYTES + (K::STAGES + st) * K::KV_BYTES;
     }
-    // FP8: V transposed (WsTraits::VT_FULL_PANELS, VT_HALF), what P V reads: slot st's full
-    // panels, the half panel the two slots share, and the first byte of st's keys in its rows.
+    // FP8: V transposed (WsTraits::VT_FULL_PANELS, VT_HALF, VT_OWN), what P V reads: slot
+    // st's full panels, the panel of its last keys (the half panel the two slots share, or its
+    // own), and the first byte of those keys in its rows.
     __device__ __forceinline__ uint32_t vt(int st) const {
         return base + K::Q_STAGES * K::Q_BYTES + 2 * K::STAGES * K::KV_BYTES +
-               st * K::VT_FULL_PANELS * K::D * 128;
+               st * K::VT_SLOT_BYTES;
     }
-    __device__ __forceinline__ uint32_t vt_half() const { return vt(K::STAGES); }
-    __device__ __forceinline__ int vt_half_key0(int st) const { return 64 * st; }
+    __device__ __forceinline__ uint32_t vt_part(int st) const {
+        return K::VT_HALF ? vt(K::STAGES) : vt(st) + K::VT_FULL_PANELS * K::D * 128;
+    }
+    __device__ __forceinline__ int vt_part_key0(int st) const { return K::VT_HALF ? 64 * st : 0; }
     __device__ __forceinline__ uint32_t full_q(int qs) const {
         return base + K::BAR_OFFSET + 8 * qs;
     }
@@ -442,8 +460,8 @@ __device__ __forceinline__ void ws_transpose(const WsSmem<K>& sm, int thread) {
         if (ld_shared(sm.key(s.st)) == 0) return;
         tma::wait(sm.empty_vt(s.st), s.phase ^ 1);
 #ifndef CANDLE_FLASH_FP8_NO_TRANSPOSE  // the A/B build that times the rest (wrong results)
-        sm90::transpose_v_fp8<K::BN, K::D, K::TRANSPOSERS>(sm.vt(s.st), sm.vt_half(),
-                                                           sm.vt_half_key0(s.st), sm.v(s.st),
+        sm90::transpose_v_fp8<K::BN, K::D, K::TRANSPOSERS>(sm.vt(s.st), sm.vt_part(s.st),
+                                                           sm.vt_part_key0(s.st), sm.v(s.st),
                                                            thread);
 #endif
         // The stores (generic proxy) become visible to the wgmmas (async proxy) that read them.
@@ -577,12 +595,12 @@ template <class K> struct WsConsumer {
     }
 
     // FP8: k step kk of V^T in slot st, `rows` bytes into its panels (a half of the head dim):
-    // in a full panel, or in the half panel the two slots share.
+    // in a full panel, or in the panel of the slot's last keys (WsSmem::vt_part).
     __device__ __forceinline__ uint64_t vt_desc(int st, int rows, int kk) const {
         constexpr int FULL_STEPS = 4 * K::VT_FULL_PANELS;
         if (kk < FULL_STEPS) return sm90::kmajor_desc(sm.vt(st) + rows, D, kk);
-        return sm90::kmajor_desc(sm.vt_half() + rows, D,
-                                 sm.vt_half_key0(st) / 32 + kk - FULL_STEPS);
+        return sm90::kmajor_desc(sm.vt_part(st) + rows, D,
+                                 sm.vt_part_key0(st) / 32 + kk - FULL_STEPS);
     }
 
     // O += P V of the tile in slot st, issued (one commit group). Head dims past 128 take
@@ -899,20 +917,14 @@ template <class K> struct WsConsumer {
             OnlineSoftmax<1> next;
             float alpha[1][2];  // O starts over
             exp_scores(next, s, alpha, m, tile_descales(nb));
-            sm90::wait<0>();
-            sm90::fence_operand(o[0]);
-            fence_pa();
-            release(sm.pv_empty(prev.st));
+            pv_done(prev.st);
             store(done);
             zero(o);
             softmax = next;
         } else {
             float alpha[1][2];
             const bool rescale = exp_scores(softmax, s, alpha, m, tile_descales(nb));
-            sm90::wait<0>();
-            sm90::fence_operand(o[0]);
-            fence_pa();
-            release(sm.pv_empty(prev.st));
+            pv_done(prev.st);
             if (rescale) softmax.rescale(o, alpha);
         }
         drop(s, keep);
@@ -928,10 +940,16 @@ template <class K> struct WsConsumer {
         sm90::fence();
         issue_pv(last.st);
         pass_turn();
+        pv_done(last.st);
+    }
+
+    // The P V from slot st waited for (with every wgmma before it): O and P's registers are
+    // final, the slot goes back.
+    __device__ __forceinline__ void pv_done(int st) {
         sm90::wait<0>();
         sm90::fence_operand(o[0]);
         fence_pa();
-        release(sm.pv_empty(last.st));
+        release(sm.pv_empty(st));
     }
 
     // Every work tile of the block (CARRY), their key tiles last first, in one stream: a work
@@ -1004,6 +1022,39 @@ template <class K> struct WsConsumer {
         }
     }
 
+    // Columns [ROUND * COLS, (ROUND + 1) * COLS) of O / l (COLS = D / K::O_ROUNDS) into the
+    // stage and out (store_staged).
+    template <int ROUND>
+    __device__ __forceinline__ void store_round(const OutTile& to, uint32_t stage,
+                                                const float (&inv)[2], bool leader) const {
+        constexpr int PANEL_ROWS = K::O_PANEL_ROWS, ROUNDS = K::O_ROUNDS, COLS = D / ROUNDS;
+        constexpr int COL0 = ROUND * COLS;
+        const auto& part =
+            *reinterpret_cast<const float(*)[DT / ROUNDS][4]>(&o[0][ROUND * DT / ROUNDS]);
+        sm90::stage_fragments<T, PANEL_ROWS, DT / ROUNDS>(stage, part, warp_row0 - group * 64, 0,
+                                                          inv[0], inv[1], lane);
+        sm90::fence_proxy_async();
+        tma::named_sync(EPILOGUE_BAR + group, 128);
+        const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
+        if (K::O_MAY_COPY && to.tma_c < 0) {
+            // No TMA box (OutTile::tma_c): the rows in [0, seqlen_q), copied (the head dim is
+            // a multiple of 8 wherever O has a tensor map; in rounds, the FP8 kernels' exact D).
+            const int first = max(row0, 0), end = min(row0 + 64, to.seqlen_q);
+            if (end > first)
+                sm90::copy_panel_rows<T, PANEL_ROWS, COLS / 8>(
+                    stage, first - row0, 0, end - first, ROUNDS == 1 ? p.d / 8 : COLS / 8,
+                    to.out + int64_t(first) * p.o_row_stride + COL0, p.o_row_stride,
+                    threadIdx.x % 128, 128);
+        } else if (leader) {
+            if constexpr (K::PACKED)
+                tma::store_tile<PANEL_ROWS, COLS / 64>(P.o, stage, COL0, to.tma_c + row0, to.bidh,
+                                                       0);
+            else
+                tma::store_tile<PANEL_ROWS, COLS / 64>(P.o, stage, COL0, row0, to.bidh, to.tma_c);
+            tma::bulk_commit();
+        }
+    }
+
     // O / l into this warpgroup's panels of the staged tile (stmatrix, 16 bytes per
     // instruction and lane, no bank conflict), then one TMA store per panel, issued by the
     // warpgroup's first thread. With a tile of its own the warpgroup does not wait for it: the
@@ -1014,32 +1065,17 @@ template <class K> struct WsConsumer {
     __device__ __forceinline__ void store_staged(const OutTile& to) const {
         const bool leader = threadIdx.x % 128 == 0;
         const uint32_t stage = sm.o(group, qs);
-        constexpr int PANEL_ROWS = K::O_PANEL_ROWS;
         if (leader) tma::bulk_wait_read<0>();  // the last store has read the tile
         tma::named_sync(EPILOGUE_BAR + group, 128);
         float inv[2], row_lse[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) finalize(r, &inv[r], &row_lse[r]);
-        sm90::stage_fragments<T, PANEL_ROWS, DT>(stage, o[0], warp_row0 - group * 64, 0, inv[0],
-                                                 inv[1], lane);
-        sm90::fence_proxy_async();
-        tma::named_sync(EPILOGUE_BAR + group, 128);
-        const int row0 = to.row0 - (warp_row0 - group * 64);  // the warpgroup's first row
-        if (K::O_MAY_COPY && to.tma_c < 0) {
-            // No TMA box (OutTile::tma_c): the rows in [0, seqlen_q), copied (the head dim is
-            // a multiple of 8 wherever O has a tensor map).
-            const int first = max(row0, 0), end = min(row0 + 64, to.seqlen_q);
-            if (end > first)
-                sm90::copy_panel_rows<T, PANEL_ROWS, D / 8>(
-                    stage, first - row0, 0, end - first, p.d / 8,
-                    to.out + int64_t(first) * p.o_row_stride, p.o_row_stride, threadIdx.x % 128,
-                    128);
-        } else if (leader) {
-            if constexpr (K::PACKED)
-                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, to.tma_c + row0, to.bidh, 0);
-            else
-                tma::store_tile<PANEL_ROWS, D / 64>(P.o, stage, 0, row0, to.bidh, to.tma_c);
-            tma::bulk_commit();
+        store_round<0>(to, stage, inv, leader);
+        if constexpr (K::O_ROUNDS > 1) {
+            static_assert(K::O_ROUNDS == 2, "O in two halves");
+            if (leader) tma::bulk_wait_read<0>();
+            tma::named_sync(EPILOGUE_BAR + group, 128);
+            store_round<1>(to, stage, inv, leader);
         }
         if constexpr (K::O_IN_Q) {
             if (leader) tma::bulk_wait_read<0>();

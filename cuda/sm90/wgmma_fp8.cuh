@@ -43,6 +43,7 @@ template <int N> struct WgmmaFp8;
     };
 
 SM90_WGMMA_FP8(64, 32, 33, 34, 35, 36, 37)
+SM90_WGMMA_FP8(96, 48, 49, 50, 51, 52, 53)
 SM90_WGMMA_FP8(128, 64, 65, 66, 67, 68, 69)
 SM90_WGMMA_FP8(192, 96, 97, 98, 99, 100, 101)
 #undef SM90_WGMMA_FP8
@@ -91,8 +92,9 @@ __device__ __forceinline__ uint32_t panel_byte(int row, int b) {
 }
 
 // Transposes an e4m3 V tile (BN key rows x D bytes, TMA's panels) into V^T (D rows of 128-key
-// panels from `vt`; with BN % 128 = 64 the last 64 keys go to the half panel `half`, from byte
-// `half_key0` of its rows) in the permuted key order, by WARPS warps (`thread` 0..32 WARPS - 1).
+// panels from `vt`; the last BN % 128 keys go to the panel `half` from byte `half_key0` of its
+// rows: a half panel two slots share at 64 keys, a slot's own at 96) in the permuted key
+// order, by WARPS warps (`thread` 0..32 WARPS - 1).
 // A unit is 16 keys x 32 head-dim bytes: ldmatrix.trans reads them as four 8 x 8 matrices of
 // 16-bit pairs (keys 0-7 and 8-15 of two 16-byte chunks), giving lane 4c + t the bytes of
 // head-dim pair c for keys 2t, 2t + 1 (and 8 + 2t, 9 + 2t); one byte permute per register
@@ -187,11 +189,12 @@ __device__ __forceinline__ void transpose_v_fp8(uint32_t vt, uint32_t half, int 
                                                 uint32_t v, int thread) {
     static_assert(WARPS >= 1 && WARPS <= 4, "one to four transposing warps");
     const int warp = thread / 32, lane = thread % 32;
-    if constexpr (BN < 128) {
+    if constexpr (BN < 96) {
         // d = 256's 64-key tiles give a warp ~11 units of 16 x 32 bytes: unrolled, their
         // offsets outgrew the producer's 40 registers (20 bytes of spill, opaque copies or
         // not), and the same offsets in a runtime loop came to ~25 instructions a unit against
-        // this loop's ~22.
+        // this loop's ~22. Its 96-key tiles (16 units a warp, a panel of their own per slot)
+        // unroll without spill at ~7 instructions a unit (ptxas -v, SASS).
         transpose_loop<BN, D>(vt, half, half_key0, v, thread, 32 * WARPS);
         return;
     }

@@ -40,16 +40,22 @@ pub(crate) fn fwd_fp8(
 /// Up to this many keys the narrowest key tile is taken: a 192-key tile pads 512 keys to
 /// 576, and the 128 x 192 kernel ran 3% (non-causal) and 9% (causal) slower than 128 x 128
 /// there, while from 1k keys it was 4-14% faster (H200; docs/archive/PERF.md, "the
-/// constant-offset FP8 transposer").
+/// constant-offset FP8 transposer"). d = 256 takes the same rule between its 64- and
+/// 96-key tiles: the 96-key kernel ran 1.06-1.21x the 64-key one non-causal from 1k keys,
+/// causal 0.99x at 1k and 1.09-1.20x from 2k, level at 512 (H200, two alternated rounds;
+/// docs/archive/PERF.md, session 57).
 const FP8_NARROW_MAX_KEYS: usize = 512;
 
 /// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest
 /// sequence's), or the error that names what is compiled. The widest key tile that fits the
 /// call: tiles of more than 128 keys straddle the 128-key blocks of per-block k and v
 /// descales (`kv_blocks`), which take 128-key tiles, and short sequences take the narrowest
-/// (`FP8_NARROW_MAX_KEYS`). `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest (A/B runs).
+/// (`FP8_NARROW_MAX_KEYS`). `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest, `n<keys>` takes
+/// that many keys instead of the widest where it fits (A/B runs).
 fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
-    let narrowest = overrides().ws_shape == "base" || sk <= FP8_NARROW_MAX_KEYS;
+    let forced = overrides().ws_shape.as_str();
+    let narrowest = forced == "base" || sk <= FP8_NARROW_MAX_KEYS;
+    let forced_bn: Option<u16> = forced.strip_prefix('n').and_then(|n| n.parse().ok());
     let fits = |v: &Variant| {
         v.family == Family::FwdWs
             && usize::from(v.d) == d
@@ -62,7 +68,8 @@ fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> 
     let chosen = if narrowest {
         fitting.min_by_key(bn)
     } else {
-        fitting.max_by_key(bn)
+        let forced = forced_bn.and_then(|n| fitting.clone().find(|k| bn(k) == n));
+        forced.or_else(|| fitting.max_by_key(bn))
     };
     if let Some(k) = chosen {
         return Ok(k);
@@ -178,8 +185,8 @@ mod tests {
 
     #[test]
     fn the_widest_key_tile_that_fits_the_descales() {
-        // Without CANDLE_FLASH_WS_SHAPE=base (the environment of `cargo test`).
-        if overrides().ws_shape == "base" {
+        // Without CANDLE_FLASH_WS_SHAPE (the environment of `cargo test`).
+        if !overrides().ws_shape.is_empty() {
             return;
         }
         assert_eq!(bn(128, false, false), 192);
@@ -190,8 +197,14 @@ mod tests {
         );
         assert_eq!(bn(128, true, false), 192);
         assert_eq!(bn(128, true, true), 128);
-        assert_eq!(bn(256, false, false), 64);
-        assert_eq!(bn(256, false, true), 64);
+        assert_eq!(bn(256, false, false), 96);
+        assert_eq!(
+            bn(256, false, true),
+            64,
+            "96-key tiles straddle 128-key blocks"
+        );
+        assert_eq!(bn(256, true, false), 96);
+        assert_eq!(kernel(256, 512, false, false).unwrap().variant().bn, 64);
         assert_eq!(kernel(128, 512, false, false).unwrap().variant().bn, 128);
         assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 192);
         assert!(kernel(64, 4096, false, false).is_err());

@@ -509,8 +509,9 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         );
         suite.record(&name, fixed_case(dev, c));
     }
-    // Short sequences take 128-key tiles; the longest here past 512 keys takes d 128's
-    // 192-key packed kernel (per-tensor and per-head descales).
+    // Short sequences take the narrowest key tiles; the longest here past 512 keys take the
+    // widest packed kernels (d 128: 192 keys with per-tensor and per-head descales; d 256: 96
+    // keys, O put out in two halves, copied at a sequence's end).
     let short: &[usize] = &[1, 113, 300, 64, 257];
     let long: &[usize] = &[1, 700, 1030, 257];
     for d in [128, 256] {
