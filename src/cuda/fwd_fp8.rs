@@ -43,7 +43,7 @@ pub(crate) fn fwd_fp8(
 /// constant-offset FP8 transposer"). d = 256 takes the same rule between its 64- and
 /// 96-key tiles: the 96-key kernel ran 1.06-1.21x the 64-key one non-causal from 1k keys,
 /// causal 0.99x at 1k and 1.09-1.20x from 2k, level at 512 (H200, two alternated rounds;
-/// docs/archive/PERF.md, session 57).
+/// docs/archive/PERF.md, "the FP8 forward's wider key tiles measured").
 const FP8_NARROW_MAX_KEYS: usize = 512;
 
 /// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest
@@ -189,21 +189,23 @@ mod tests {
         if !overrides().ws_shape.is_empty() {
             return;
         }
-        assert_eq!(bn(128, false, false), 192);
-        assert_eq!(
-            bn(128, false, true),
-            128,
-            "per-block k/v: tiles inside one block"
-        );
-        assert_eq!(bn(128, true, false), 192);
-        assert_eq!(bn(128, true, true), 128);
-        assert_eq!(bn(256, false, false), 96);
-        assert_eq!(
-            bn(256, false, true),
-            64,
-            "96-key tiles straddle 128-key blocks"
-        );
-        assert_eq!(bn(256, true, false), 96);
+        // (head dim, packed, per-block k/v descales) -> key tile past 512 keys: per-block
+        // descales take tiles inside one 128-row block (96 keys would straddle them).
+        for (d, packed, kv_blocks, want) in [
+            (128, false, false, 192),
+            (128, false, true, 128),
+            (128, true, false, 192),
+            (128, true, true, 128),
+            (256, false, false, 96),
+            (256, false, true, 64),
+            (256, true, false, 96),
+        ] {
+            assert_eq!(
+                bn(d, packed, kv_blocks),
+                want,
+                "d {d}, packed {packed}, per-block {kv_blocks}"
+            );
+        }
         assert_eq!(kernel(256, 512, false, false).unwrap().variant().bn, 64);
         assert_eq!(kernel(128, 512, false, false).unwrap().variant().bn, 128);
         assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 192);
