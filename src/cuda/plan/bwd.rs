@@ -192,3 +192,78 @@ fn separate(d: usize, sparse: bool, smem: usize) -> Result<BwdPlan> {
         None => bail!("flash-attn backward: no dQ kernel for head dim {d}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The default switches: no CANDLE_FLASH_* variable set.
+    const H100: DeviceFacts = DeviceFacts {
+        major: 9,
+        sms: 132,
+        smem: 227 * 1024,
+    };
+
+    fn query(d: usize, mods: Mods) -> BwdQuery {
+        BwdQuery {
+            d,
+            deterministic: false,
+            dropout: false,
+            mods,
+            cap_alone: false,
+            packed: false,
+        }
+    }
+
+    /// The warp-specialized main kernel's (head dim, mods, deterministic), if chosen.
+    fn ws(q: &BwdQuery) -> Option<(u16, Mods, bool)> {
+        match plan_bwd(q, &H100).unwrap().0? {
+            BwdPlan::Ws { main, .. } => {
+                let v = main.variant();
+                Some((v.d, v.mods, v.deterministic))
+            }
+            other => panic!("expected the warp-specialized kernels, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn hopper_takes_the_warp_specialized_kernels_of_the_class() {
+        for (d, class) in [(64, 64), (96, 128), (128, 128), (160, 256), (256, 256)] {
+            assert_eq!(ws(&query(d, Mods::None)), Some((class, Mods::None, false)));
+        }
+        // A softcap alone (its scale at most 1) on the `_cap` kernels where compiled.
+        let cap = |d| {
+            ws(&BwdQuery {
+                cap_alone: true,
+                ..query(d, Mods::Scores)
+            })
+        };
+        assert_eq!(cap(128), Some((128, Mods::Cap, false)));
+        assert_eq!(cap(256), Some((256, Mods::Scores, false)));
+        // Deterministic under a block mask: the `_sparse_det` kernels; 65-96 under one keep
+        // the mma.sync kernels.
+        let det = BwdQuery {
+            deterministic: true,
+            ..query(128, Mods::Sparse)
+        };
+        assert_eq!(ws(&det), Some((128, Mods::Sparse, true)));
+        assert_eq!(ws(&query(96, Mods::Sparse)), None);
+    }
+
+    #[test]
+    fn off_hopper_the_mma_kernels_run() {
+        let facts = DeviceFacts { major: 8, ..H100 };
+        let (ws, plan) = plan_bwd(&query(128, Mods::None), &facts).unwrap();
+        assert!(ws.is_none());
+        assert!(matches!(plan, BwdPlan::Fused { .. }), "{plan:?}");
+        // Deterministic, or under a block mask: the separate pair.
+        let det = BwdQuery {
+            deterministic: true,
+            ..query(128, Mods::None)
+        };
+        let (_, plan) = plan_bwd(&det, &facts).unwrap();
+        assert!(matches!(plan, BwdPlan::Separate { .. }), "{plan:?}");
+        let (_, plan) = plan_bwd(&query(64, Mods::Sparse), &facts).unwrap();
+        assert!(matches!(plan, BwdPlan::Separate { .. }), "{plan:?}");
+    }
+}
