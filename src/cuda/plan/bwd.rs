@@ -195,19 +195,8 @@ fn separate(d: usize, sparse: bool, smem: usize) -> Result<BwdPlan> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_facts::{A100, HOPPER};
     use super::*;
-
-    // The default switches: no CANDLE_FLASH_* variable set.
-    const H100: DeviceFacts = DeviceFacts {
-        major: 9,
-        sms: 132,
-        smem: 227 * 1024,
-    };
-    const A100: DeviceFacts = DeviceFacts {
-        major: 8,
-        sms: 108,
-        smem: 163 * 1024,
-    };
 
     fn query(d: usize, mods: Mods) -> BwdQuery {
         BwdQuery {
@@ -222,7 +211,7 @@ mod tests {
 
     /// The warp-specialized main kernel's (head dim, mods, deterministic), if chosen.
     fn ws(q: &BwdQuery) -> Option<(u16, Mods, bool)> {
-        match plan_bwd(q, &H100).unwrap().0? {
+        match plan_bwd(q, &HOPPER).unwrap().0? {
             BwdPlan::Ws { main, .. } => {
                 let v = main.variant();
                 Some((v.d, v.mods, v.deterministic))

@@ -216,10 +216,8 @@ fn num_splits(blocks: usize, key_tiles: usize, sms: usize, slots: usize, warps: 
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_facts::HOPPER;
     use super::*;
-
-    const H200_SMS: usize = 132;
-    const H200_SMEM: usize = 227 * 1024;
 
     /// The plan on an H200 for `pairs` batch x K/V heads, `rows` packed query rows a K/V
     /// head and `max_len` keys, with three blocks of any kernel resident per SM.
@@ -231,7 +229,7 @@ mod tests {
             max_len,
             fp8_cache: false,
         };
-        plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(0)).unwrap()
+        plan_decode(&q, HOPPER.sms, HOPPER.smem, |_| Ok(3), |_, _| Ok(0)).unwrap()
     }
 
     fn warps(p: &DecodePlan) -> u32 {
@@ -265,13 +263,13 @@ mod tests {
             fp8_cache: false,
         };
         // Batch 1 at 8k keys: 8 clusters of 16 splits, if the device runs 8 at once.
-        let p = plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(8)).unwrap();
+        let p = plan_decode(&q, HOPPER.sms, HOPPER.smem, |_| Ok(3), |_, _| Ok(8)).unwrap();
         assert_eq!((p.splits, p.cluster), (16, true));
-        let p = plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(7)).unwrap();
+        let p = plan_decode(&q, HOPPER.sms, HOPPER.smem, |_| Ok(3), |_, _| Ok(7)).unwrap();
         assert_eq!((p.splits, p.cluster), (16, false));
         // Unsplit launches have nothing to merge.
         let q = DecodeQuery { pairs: 128, ..q };
-        let p = plan_decode(&q, H200_SMS, H200_SMEM, |_| Ok(3), |_, _| Ok(1000)).unwrap();
+        let p = plan_decode(&q, HOPPER.sms, HOPPER.smem, |_| Ok(3), |_, _| Ok(1000)).unwrap();
         assert_eq!((p.splits, p.cluster), (1, false));
     }
 

@@ -198,14 +198,8 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_facts::HOPPER;
     use super::*;
-
-    // The default switches: no CANDLE_FLASH_* variable set.
-    const H100: DeviceFacts = DeviceFacts {
-        major: 9,
-        sms: 132,
-        smem: 227 * 1024,
-    };
 
     fn query(d: usize, sq: usize, causal: bool) -> FwdQuery {
         FwdQuery {
@@ -223,99 +217,74 @@ mod tests {
     /// The warp-specialized kernel's (head dim, consumer warpgroups, keys per tile, mods,
     /// packed, dropout), if one is chosen.
     fn ws(q: &FwdQuery) -> Option<(u16, u8, u16, Mods, bool, bool)> {
-        let v = plan_fwd(q, &H100).unwrap().ws?.variant();
+        let v = plan_fwd(q, &HOPPER).unwrap().ws?.variant();
         Some((v.d, v.groups, v.bn, v.mods, v.packed, v.dropout))
     }
 
     #[test]
     fn hopper_shapes_follow_the_measured_rules() {
-        let none = Mods::None;
-        // d 64: three warpgroups, but causal up to 512 rows 128 x 128, and below 512 the
-        // one-warpgroup wgmma kernel instead.
-        assert_eq!(
-            ws(&query(64, 4096, false)),
-            Some((64, 3, 128, none, false, false))
-        );
-        assert_eq!(
-            ws(&query(64, 512, true)),
-            Some((64, 2, 128, none, false, false))
-        );
-        assert_eq!(
-            ws(&query(64, 1024, true)),
-            Some((64, 3, 128, none, false, false))
-        );
-        assert_eq!(ws(&query(64, 256, true)), None);
-        // d 128: 176-key tiles without a mask from 8k keys.
-        assert_eq!(
-            ws(&query(128, 4096, false)),
-            Some((128, 2, 128, none, false, false))
-        );
-        assert_eq!(
-            ws(&query(128, 8192, false)),
-            Some((128, 2, 176, none, false, false))
-        );
-        assert_eq!(
-            ws(&query(128, 8192, true)),
-            Some((128, 2, 128, none, false, false))
-        );
-        // d 256: 80-key tiles, but 64 causal up to 1k.
-        assert_eq!(
-            ws(&query(256, 1024, true)),
-            Some((256, 2, 64, none, false, false))
-        );
-        assert_eq!(
-            ws(&query(256, 2048, true)),
-            Some((256, 2, 80, none, false, false))
-        );
-        assert_eq!(
-            ws(&query(256, 512, false)),
-            Some((256, 2, 80, none, false, false))
-        );
-        // The classes between: 96 on d 128's kernels, 160-224 on d 256's.
-        assert_eq!(ws(&query(96, 4096, false)).map(|k| k.0), Some(128));
-        assert_eq!(ws(&query(160, 4096, false)).map(|k| k.0), Some(256));
+        // (head dim, rows = keys, causal) -> (kernel head dim, warpgroups, keys per tile):
+        // - d 64: three warpgroups, but causal up to 512 rows 128 x 128, and below 512 the
+        //   one-warpgroup wgmma kernel instead (no warp-specialized kernel);
+        // - d 128: 176-key tiles without a mask from 8k keys;
+        // - d 256: 80-key tiles, but 64 causal up to 1k;
+        // - the classes between: 96 on d 128's kernels, 160-224 on d 256's.
+        for (d, sq, causal, want) in [
+            (64, 4096, false, Some((64, 3, 128))),
+            (64, 512, true, Some((64, 2, 128))),
+            (64, 1024, true, Some((64, 3, 128))),
+            (64, 256, true, None),
+            (128, 4096, false, Some((128, 2, 128))),
+            (128, 8192, false, Some((128, 2, 176))),
+            (128, 8192, true, Some((128, 2, 128))),
+            (256, 1024, true, Some((256, 2, 64))),
+            (256, 2048, true, Some((256, 2, 80))),
+            (256, 512, false, Some((256, 2, 80))),
+            (96, 4096, false, Some((128, 2, 128))),
+            (160, 4096, false, Some((256, 2, 80))),
+        ] {
+            let want = want.map(|(kd, groups, bn)| (kd, groups, bn, Mods::None, false, false));
+            assert_eq!(
+                ws(&query(d, sq, causal)),
+                want,
+                "d {d}, {sq} rows, causal {causal}"
+            );
+        }
     }
 
     #[test]
     fn hopper_features_take_their_own_kernels() {
-        let with = |d, mods, packed, dropout| {
-            ws(&FwdQuery {
+        // (head dim, mods, packed, dropout) at 8k keys -> (keys per tile), two warpgroups:
+        // modifiers take the one kernel per head dim compiled with them; packed batches the
+        // chosen shape's `_packed` kernel, else the base one; none is compiled with modifiers
+        // and packed batches or dropout together.
+        for (d, mods, packed, dropout, want) in [
+            (128, Mods::Scores, false, false, Some(128)),
+            (256, Mods::Sparse, false, false, Some(64)),
+            (256, Mods::None, true, false, Some(80)),
+            (128, Mods::None, true, false, Some(128)),
+            (128, Mods::None, false, true, Some(128)),
+            (128, Mods::Scores, true, false, None),
+            (128, Mods::Scores, false, true, None),
+        ] {
+            let q = FwdQuery {
                 mods,
                 packed,
                 dropout,
                 ..query(d, 8192, false)
-            })
-        };
-        // Modifiers: the one kernel per head dim compiled with them.
-        assert_eq!(
-            with(128, Mods::Scores, false, false),
-            Some((128, 2, 128, Mods::Scores, false, false))
-        );
-        assert_eq!(
-            with(256, Mods::Sparse, false, false),
-            Some((256, 2, 64, Mods::Sparse, false, false))
-        );
-        // Packed batches: the chosen shape's `_packed` kernel, else the base one.
-        assert_eq!(
-            with(256, Mods::None, true, false),
-            Some((256, 2, 80, Mods::None, true, false))
-        );
-        assert_eq!(
-            with(128, Mods::None, true, false),
-            Some((128, 2, 128, Mods::None, true, false))
-        );
-        assert_eq!(
-            with(128, Mods::None, false, true),
-            Some((128, 2, 128, Mods::None, false, true))
-        );
-        // None is compiled with modifiers and packed batches or dropout together.
-        assert_eq!(with(128, Mods::Scores, true, false), None);
-        assert_eq!(with(128, Mods::Scores, false, true), None);
+            };
+            let want = want.map(|bn| (d as u16, 2, bn, mods, packed, dropout));
+            assert_eq!(
+                ws(&q),
+                want,
+                "d {d}, {mods:?}, packed {packed}, dropout {dropout}"
+            );
+        }
     }
 
     #[test]
     fn hopper_falls_back_to_the_wgmma_kernel_without_dropout() {
-        let fallback = |q: &FwdQuery| plan_fwd(q, &H100).unwrap().fallback.variant();
+        let fallback = |q: &FwdQuery| plan_fwd(q, &HOPPER).unwrap().fallback.variant();
         let v = fallback(&query(128, 1024, true));
         assert_eq!((v.family, v.groups, v.bn), (Family::FwdSm90, 1, 48));
         let v = fallback(&FwdQuery {

@@ -66,3 +66,22 @@ pub(crate) fn ws_variant_allowed(mods: Mods, packed: bool, dropout: bool) -> boo
     let off = (packed && o.ws_packed_off) || (dropout && o.ws_dropout_off);
     !off && !((packed || dropout) && mods != Mods::None)
 }
+
+/// The devices the planners' unit tests plan for (the default switches: no CANDLE_FLASH_*
+/// variable set).
+#[cfg(test)]
+mod test_facts {
+    use super::super::runtime::DeviceFacts;
+
+    /// H100 and H200 alike: 132 SMs, 227 KB of shared memory per block.
+    pub const HOPPER: DeviceFacts = DeviceFacts {
+        major: 9,
+        sms: 132,
+        smem: 227 * 1024,
+    };
+    pub const A100: DeviceFacts = DeviceFacts {
+        major: 8,
+        sms: 108,
+        smem: 163 * 1024,
+    };
+}
