@@ -3,6 +3,8 @@
 //! The A/B switches they honour are read once (`super::overrides`).
 
 mod bwd;
+#[cfg(test)]
+mod coverage;
 mod decode;
 mod fwd;
 
@@ -83,5 +85,11 @@ mod test_facts {
         major: 8,
         sms: 108,
         smem: 163 * 1024,
+    };
+    /// sm_86 and sm_89 (RTX 3090, 4090, L40S): 99 KB of shared memory per block.
+    pub const ADA: DeviceFacts = DeviceFacts {
+        major: 8,
+        sms: 128,
+        smem: 99 * 1024,
     };
 }
