@@ -10,7 +10,7 @@ mod builtin;
 mod data;
 #[path = "../examples/finetune/lora.rs"]
 mod lora;
-#[path = "../examples/llama/model.rs"]
+#[path = "../examples/llama/model/mod.rs"]
 mod model;
 #[path = "../examples/finetune/optim.rs"]
 mod optim;

@@ -17,7 +17,7 @@ mod checkpoint;
 mod generate;
 #[path = "../examples/llama/graph.rs"]
 mod graph;
-#[path = "../examples/llama/model.rs"]
+#[path = "../examples/llama/model/mod.rs"]
 mod model;
 #[path = "../examples/llama/source.rs"]
 mod source;

@@ -23,7 +23,7 @@ mod checkpoint;
 mod generate;
 #[path = "../examples/llama/gguf.rs"]
 mod gguf;
-#[path = "../examples/llama/model.rs"]
+#[path = "../examples/llama/model/mod.rs"]
 mod model;
 #[path = "../examples/llama/source.rs"]
 mod source;

@@ -1,5 +1,5 @@
 //! Training a LLaMA-style model with candle-flash's forward and backward: the model of the
-//! inference example (`examples/llama/model.rs`), packed documents (varlen: no token attends
+//! inference example (`examples/llama/model/`), packed documents (varlen: no token attends
 //! across a document), AdamW, warm-up + cosine learning rate, gradient clipping and
 //! accumulation, evaluation on a held-out split, checkpoints the inference example loads.
 //!
@@ -28,7 +28,7 @@ mod checkpoint;
 #[path = "../llama/generate.rs"]
 mod generate;
 #[allow(dead_code)]
-#[path = "../llama/model.rs"]
+#[path = "../llama/model/mod.rs"]
 mod model;
 
 mod data;
