@@ -323,7 +323,7 @@ impl Stepper for Graphs {
 }
 
 /// The device's copy bandwidth in GB/s: bytes read + written by device-to-device copies of a
-/// 2 GiB buffer (the benches' measure, benches/attention.rs), the median of 5 timings of 4
+/// 2 GiB buffer (the benches' measure, benches/attention/), the median of 5 timings of 4
 /// copies. `None` on the CPU.
 pub fn copy_bandwidth(dev: &Device) -> Result<Option<f64>> {
     #[cfg(feature = "cuda")]

@@ -1,4 +1,4 @@
-//! candle-flash-attn 0.11.1's forward timed on the grid of benches/attention.rs, the same way
+//! candle-flash-attn 0.11.1's forward timed on the grid of benches/attention/, the same way
 //! (three rotating input sets, warm-up, calibrated iterations, median of 7, freed memory kept in
 //! CUDA's pool), for the same-run comparison of docs/archive/bench-h200-s15.md. Not part of the crate:
 //! build it in a scratch directory outside this repository (its binary stays out of it too):

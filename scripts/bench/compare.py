@@ -2,7 +2,7 @@
 """Puts our benchmark next to PyTorch's: one markdown table per pass, and optionally a PNG.
 
 Inputs are JSON lists of records {impl, pass, hd, seqlen, batch, heads, heads_k, causal, ms,
-tflops} as written by benches/attention.rs (impl "candle-flash", "candle-naive") and
+tflops} as written by benches/attention/ (impl "candle-flash", "candle-naive") and
 scripts/bench/torch_bench.py ("torch-flash", "torch-cudnn"). Records without `tflops` but with
 `gbps` are shown in GB/s.
 
@@ -22,7 +22,7 @@ against the fastest eager torch form, as our own timing is eager; the CUDA-graph
 follow in their own columns.
 
 A/B mode (--ab): one TFLOP/s table for runs of our bench side by side (kernel A/B runs).
-Each argument is LABEL=PATH, a JSON of benches/attention.rs or scripts/bench/torch_bench.py;
+Each argument is LABEL=PATH, a JSON of benches/attention/ or scripts/bench/torch_bench.py;
 rows are (pass, hd, seqlen, heads, causal), columns the labels (a torch JSON gives one column
 per backend, torch-flash and torch-cudnn), and the last columns each label's ratio to
 torch-flash. --passes picks the passes (default fwd,bwd). A file that is missing is an error

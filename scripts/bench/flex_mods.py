@@ -10,7 +10,7 @@ MUFU operation, as in our kernels and in FlashAttention's) through a custom op t
 inlines; torch.tanh lowers to libdevice's exact tanh, which would charge flex for a slower
 tanh than ours. `--exact-tanh` times that form too.
 
-Shapes: benches/attention.rs `mods_section`: (hd, seqlen, heads) = (128, 16k, 16),
+Shapes: benches/attention/options.rs `mods_section`: (hd, seqlen, heads) = (128, 16k, 16),
 (64, 4k, 32), (256, 4k, 8), batch 16k / seqlen, bf16. Softcap: causal and not, against plain
 attention with the same mask. Windows (the bench's): (seqlen / 4, 0) causal and
 (seqlen / 8, seqlen / 8), against plain non-causal attention, `ideal` being the share of

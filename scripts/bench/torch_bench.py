@@ -11,7 +11,7 @@ Timing: CUDA events around a loop that rotates over input sets (each set alone i
 than the 50 MB L2), median of several repeats after a warm-up.
 
 Decode (always run after the grid; --decode-only runs only it), the shapes of the decode
-section of benches/attention.rs: GQA 32/8 heads, hd 128, one query token per sequence over all
+section of benches/attention/: GQA 32/8 heads, hd 128, one query token per sequence over all
 L cached tokens, (batch, L) in (1, 8k), (8, 8k), (1, 64k), (32, 4k). q (b, 32, 1, 128),
 k/v (b, 8, L, 128), rotating over >= 3 caches of >= 256 MiB in all. GB/s = K+V bytes read
 (2*b*L*8*128*2) / time. Each backend (flash, cuDNN, efficient) is timed in two forms:
@@ -26,7 +26,7 @@ A form whose output differs from a float32 reference by more than 3% of its larg
 reported and not recorded. The device copy bandwidth (bytes read + written by a 2 GiB bf16
 copy_) is recorded as impl "torch-copy", pass "copy".
 
---dropout P times the grid with dropout_p = P (benches/attention.rs takes the same flag).
+--dropout P times the grid with dropout_p = P (benches/attention/ takes the same flag).
 
 Usage: python3 scripts/bench/torch_bench.py [--quick] [--decode-only | --no-decode] [--no-graph]
                                       [--passes fwd,bwd,fwd+bwd] [--dropout P] [--dtype bf16|fp16]
@@ -68,7 +68,7 @@ COPY_ELEMS = 1 << 30  # 2 GiB of bf16
 def grid(quick):
     """(hd, seqlen, heads, heads_k, causal) in the order they are measured."""
     hds, seqlens = ((64, 128), (1024, 4096)) if quick else ((64, 128, 256), (512, 1024, 2048, 4096, 8192, 16384))
-    # CANDLE_FLASH_BENCH_HDS=160,192 replaces the head dims, as in benches/attention.rs.
+    # CANDLE_FLASH_BENCH_HDS=160,192 replaces the head dims, as in benches/attention/.
     env_hds = os.environ.get("CANDLE_FLASH_BENCH_HDS")
     if env_hds:
         hds = tuple(int(x) for x in env_hds.split(",") if x.strip())

@@ -38,7 +38,8 @@ mkdir -p .gpu
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-has_rs() { compgen -G "$1/*.rs" >/dev/null; }
+# A target is a file `DIR/NAME.rs` or a folder with `DIR/NAME/main.rs`.
+has_rs() { compgen -G "$1/*.rs" >/dev/null || compgen -G "$1/*/main.rs" >/dev/null; }
 
 if [ "$BUILD" = 1 ]; then
   # One profile (--release) for everything that builds `cuda`: each new profile re-runs
