@@ -211,4 +211,51 @@ mod tests {
         assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 192);
         assert!(kernel(64, 4096, false, false).is_err());
     }
+
+    /// Every FP8 problem at a head dim with FP8 kernels has one, for every key count, packed
+    /// or not, with or without per-block k/v descales, that fits a Hopper block's shared
+    /// memory (227 KB) and whose key tiles stay inside the descales' 128-row blocks; every
+    /// other head dim the CUDA path takes is an error that names the compiled ones.
+    #[test]
+    fn every_fp8_problem_has_a_kernel_that_fits() {
+        if !overrides().ws_shape.is_empty() {
+            return;
+        }
+        let compiled = |d: usize| {
+            Kernel::ALL.iter().any(|k| {
+                let v = k.variant();
+                v.family == Family::FwdWs && v.fp8 && usize::from(v.d) == d
+            })
+        };
+        for d in (8..=256).step_by(8) {
+            for sk in [1, 512, 513, 1023, 16384] {
+                for packed in [false, true] {
+                    for kv_blocks in [false, true] {
+                        let what =
+                            format!("d {d}, {sk} keys, packed {packed}, per-block {kv_blocks}");
+                        match kernel(d, sk, packed, kv_blocks) {
+                            Ok(k) => {
+                                let (v, g) = (k.variant(), k.geometry());
+                                assert!(
+                                    v.fp8 && usize::from(v.d) == d && v.packed == packed,
+                                    "{what}: {v:?}"
+                                );
+                                assert!(g.smem as usize <= 227 * 1024, "{what}: {} B", g.smem);
+                                let bn = usize::from(v.bn);
+                                assert!(
+                                    !kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(bn),
+                                    "{what}: {bn} keys"
+                                );
+                            }
+                            Err(e) => {
+                                assert!(!compiled(d), "{what}: {e}");
+                                assert!(e.to_string().contains("head_dim"), "{what}: {e}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(compiled(128) && compiled(256));
+    }
 }
