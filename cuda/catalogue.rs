@@ -228,9 +228,10 @@ impl Variant {
     }
 }
 
-/// Forward, mma.sync: every head dim class, with and without dropout.
+/// Forward, mma.sync: every head dim class, with and without dropout. Compiled with every
+/// score modifier, the block mask tested at run time (`MODS_ANY`, the `Mask` default).
 const fn fwd(d: u16) -> Variant {
-    row(Family::Fwd, d)
+    row(Family::Fwd, d).mods(Mods::Sparse)
 }
 /// Forward, wgmma: `groups` warpgroups of 64 rows, `bn` keys per tile, `min_blocks` per SM.
 const fn fwd_sm90(d: u16, groups: u8, bn: u16, min_blocks: u8) -> Variant {
@@ -249,12 +250,13 @@ const fn fwd_ws(d: u16, bn: u16, stages: u8, groups: u8) -> Variant {
     v
 }
 /// The sm80 backward's kernels for head dim `d`: dK/dV (mods Scores: the softcap and ALiBi
-/// are always compiled in; `Sparse` adds the block mask), dQ.
+/// are always compiled in; `Sparse` adds the block mask), dQ (every modifier, the block mask
+/// tested at run time: `MODS_ANY`, the `Mask` default).
 const fn bwd_dkdv(d: u16) -> Variant {
     row(Family::BwdDkdv, d).mods(Mods::Scores)
 }
 const fn bwd_dq(d: u16) -> Variant {
-    row(Family::BwdDq, d)
+    row(Family::BwdDq, d).mods(Mods::Sparse)
 }
 const fn bwd_fused(d: u16) -> Variant {
     row(Family::BwdFused, d).mods(Mods::Scores)

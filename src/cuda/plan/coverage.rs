@@ -8,7 +8,7 @@
 //! that a new catalogue row or planner rule cannot leave, say, an RTX 4090 (99 KB) without a
 //! backward at some head dim.
 
-use super::super::catalogue::{Family, Kernel, Mods, Variant};
+use super::super::catalogue::{Family, Kernel, Mods};
 use super::super::runtime::DeviceFacts;
 use super::test_facts::{A100, ADA, HOPPER};
 use super::*;
@@ -56,15 +56,6 @@ fn needs_grid() -> impl Iterator<Item = Needs> {
     })
 }
 
-/// The modifier code a kernel has. The mma.sync forward is compiled with every modifier and
-/// a run-time block mask (its `.cu` default), whatever its row says.
-fn mods_of(v: &Variant) -> Mods {
-    match v.family {
-        Family::Fwd => Mods::Sparse,
-        _ => v.mods,
-    }
-}
-
 /// Whether code compiled with `have` serves a problem at `need`: each level includes the one
 /// below (None < Scores < Sparse); `Cap` only a softcap without ALiBi.
 fn mods_cover(have: Mods, need: Mods, cap_alone: bool) -> bool {
@@ -85,17 +76,8 @@ fn mods_cover(have: Mods, need: Mods, cap_alone: bool) -> bool {
 fn unfit(k: Kernel, n: &Needs, dev: &DeviceFacts) -> Option<String> {
     let v = k.variant();
     let g = k.geometry();
-    let hopper_only = matches!(
-        v.family,
-        Family::FwdSm90
-            | Family::FwdWs
-            | Family::BwdSm90
-            | Family::BwdSm90Convert
-            | Family::BwdWs
-            | Family::BwdWsPrep
-            | Family::BwdWsConvert
-    );
-    if hopper_only && !dev.hopper() {
+    // build.rs's rule: the files under cuda/sm90 are compiled for sm_90a only.
+    if v.family.file().path().starts_with("sm90/") && !dev.hopper() {
         return Some("a Hopper kernel".into());
     }
     if g.smem as usize > dev.smem {
@@ -113,6 +95,7 @@ fn unfit(k: Kernel, n: &Needs, dev: &DeviceFacts) -> Option<String> {
             | Family::FwdSm90
             | Family::FwdWs
             | Family::BwdDkdv
+            | Family::BwdDq
             | Family::BwdFused
             | Family::BwdSm90
             | Family::BwdWs
@@ -120,17 +103,17 @@ fn unfit(k: Kernel, n: &Needs, dev: &DeviceFacts) -> Option<String> {
     if !main {
         return None;
     }
-    if !mods_cover(mods_of(v), n.mods, n.cap_alone) {
+    if !mods_cover(v.mods, n.mods, n.cap_alone) {
         return Some(format!(
             "compiled with {:?} for a {:?} problem",
             v.mods, n.mods
         ));
     }
-    // Dropout: the dK/dV kernels always keep its code; the wgmma kernels have none; the
-    // others have it where their row says so. The warp-specialized kernels are compiled per
+    // Dropout: the separate dK/dV and dQ kernels always keep its code; the wgmma kernels
+    // have none; the others have it where their row says so. The warp-specialized kernels are compiled per
     // combination, so a kernel without dropout or packed batches serves none.
     let has_dropout = match v.family {
-        Family::BwdDkdv => true,
+        Family::BwdDkdv | Family::BwdDq => true,
         Family::FwdSm90 | Family::BwdSm90 => false,
         _ => v.dropout,
     };
