@@ -53,15 +53,35 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
     };
     let fallback = match sm90 {
         Some(k) => k,
-        None => mma_kernel(d, q.dropout, facts.smem)?,
+        None => mma_kernel(d, q, facts.smem)?,
     };
     Ok(FwdPlan { ws, fallback })
 }
 
 /// The mma.sync kernel of head dim class `d`: its own tile, or where that needs more than
-/// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one.
-fn mma_kernel(d: usize, dropout: bool, smem: usize) -> Result<Kernel> {
-    let of = |tile| Kernel::of(Family::Fwd, d, |v| v.tile == tile && v.dropout == dropout);
+/// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
+/// a score modifier or block mask take a plain kernel where one is compiled (`CANDLE_FLASH_MMA`
+/// chooses among them for A/B runs: `any` the kernel with every modifier, `n<keys>` a key
+/// tile).
+fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
+    let forced = overrides().mma.as_str();
+    if q.mods == Mods::None && !q.dropout && forced != "any" {
+        let bn = forced
+            .strip_prefix('n')
+            .and_then(|n| n.parse::<u16>().ok())
+            .unwrap_or(0);
+        let plain = Kernel::of(Family::Fwd, d, |v| {
+            v.mods == Mods::None && v.tile == Tile::Base && v.bn == bn
+        });
+        if let Some(k) = plain.filter(|k| k.geometry().smem as usize <= smem) {
+            return Ok(k);
+        }
+    }
+    let of = |tile| {
+        Kernel::of(Family::Fwd, d, |v| {
+            v.tile == tile && v.dropout == q.dropout && v.mods == Mods::Sparse
+        })
+    };
     let Some(base) = of(Tile::Base) else {
         bail!("flash-attn: no forward kernel for head dim {d}")
     };
@@ -301,5 +321,63 @@ mod tests {
             ..query(128, 4096, false)
         });
         assert_eq!((v.family, v.dropout), (Family::Fwd, true));
+    }
+
+    const A100: DeviceFacts = DeviceFacts {
+        major: 8,
+        sms: 108,
+        smem: 163 * 1024,
+    };
+    const ADA: DeviceFacts = DeviceFacts {
+        major: 8,
+        sms: 128,
+        smem: 99 * 1024,
+    };
+
+    fn mma(d: usize, mods: Mods, dropout: bool, facts: &DeviceFacts) -> Kernel {
+        let q = FwdQuery {
+            d,
+            sq: 4096,
+            sk: 4096,
+            causal: false,
+            mods,
+            packed: false,
+            dropout,
+            pairs: 16,
+        };
+        let plan = plan_fwd(&q, facts).unwrap();
+        assert!(plan.ws.is_none(), "no warp-specialized kernel off Hopper");
+        plan.fallback
+    }
+
+    #[test]
+    fn plain_problems_take_the_plain_mma_kernels_where_compiled() {
+        for d in [64, 128] {
+            let v = mma(d, Mods::None, false, &A100).variant();
+            assert_eq!(
+                (v.d as usize, v.mods, v.bn, v.dropout),
+                (d, Mods::None, 0, false)
+            );
+        }
+        // Head dims without one, and problems with a modifier or dropout: the kernel with
+        // every modifier.
+        let any = |d, mods, dropout| {
+            let v = mma(d, mods, dropout, &A100).variant();
+            (v.d, v.mods, v.dropout)
+        };
+        assert_eq!(any(96, Mods::None, false), (96, Mods::Sparse, false));
+        assert_eq!(any(128, Mods::Scores, false), (128, Mods::Sparse, false));
+        assert_eq!(any(128, Mods::Sparse, false), (128, Mods::Sparse, false));
+        assert_eq!(any(128, Mods::None, true), (128, Mods::Sparse, true));
+    }
+
+    #[test]
+    fn small_devices_take_the_small_tile_above_their_shared_memory() {
+        let v = mma(256, Mods::None, false, &ADA).variant();
+        assert_eq!((v.tile, v.mods), (Tile::Small, Mods::Sparse));
+        let v = mma(256, Mods::None, false, &A100).variant();
+        assert_eq!((v.tile, v.mods), (Tile::Base, Mods::Sparse));
+        // The plain kernels fit both.
+        assert_eq!(mma(128, Mods::None, false, &ADA).variant().mods, Mods::None);
     }
 }
