@@ -61,19 +61,31 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
 /// The mma.sync kernel of head dim class `d`: its own tile, or where that needs more than
 /// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
 /// a score modifier or block mask take a plain kernel where one is compiled (`CANDLE_FLASH_MMA`
-/// chooses among them for A/B runs: `any` the kernel with every modifier, `n<keys>` a key
-/// tile).
+/// chooses among them for A/B runs: `any` the kernel with every modifier, `wide` the plain
+/// kernel with the widest key tile, FlashAttention-2's: 128 keys at d = 64, 64 at d = 128).
 fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
-    let forced = overrides().mma.as_str();
+    mma_kernel_with(d, q, smem, overrides().mma.as_str())
+}
+
+/// [`mma_kernel`] under the switch's value `forced`.
+fn mma_kernel_with(d: usize, q: &FwdQuery, smem: usize, forced: &str) -> Result<Kernel> {
     if q.mods == Mods::None && !q.dropout && forced != "any" {
-        let bn = forced
-            .strip_prefix('n')
-            .and_then(|n| n.parse::<u16>().ok())
-            .unwrap_or(0);
-        let plain = Kernel::of(Family::Fwd, d, |v| {
-            v.mods == Mods::None && v.tile == Tile::Base && v.bn == bn
-        });
-        if let Some(k) = plain.filter(|k| k.geometry().smem as usize <= smem) {
+        // The head dim's own key tile, or with `wide` the widest compiled.
+        let plain = Kernel::ALL
+            .iter()
+            .copied()
+            .filter(|k| {
+                let v = k.variant();
+                v.family == Family::Fwd
+                    && usize::from(v.d) == d
+                    && v.mods == Mods::None
+                    && v.tile == Tile::Base
+                    && !v.dropout
+                    && (v.bn == 0 || forced == "wide")
+                    && k.geometry().smem as usize <= smem
+            })
+            .max_by_key(|k| k.geometry().bn);
+        if let Some(k) = plain {
             return Ok(k);
         }
     }
@@ -379,5 +391,30 @@ mod tests {
         assert_eq!((v.tile, v.mods), (Tile::Base, Mods::Sparse));
         // The plain kernels fit both.
         assert_eq!(mma(128, Mods::None, false, &ADA).variant().mods, Mods::None);
+    }
+
+    #[test]
+    fn the_switch_picks_the_wide_plain_tile_or_every_modifier() {
+        let q = |d| FwdQuery {
+            d,
+            sq: 4096,
+            sk: 4096,
+            causal: true,
+            mods: Mods::None,
+            packed: false,
+            dropout: false,
+            pairs: 16,
+        };
+        let pick = |d, forced| {
+            let k = mma_kernel_with(d, &q(d), A100.smem, forced).unwrap();
+            (k.variant().mods, k.geometry().bn)
+        };
+        assert_eq!(pick(64, ""), (Mods::None, 64));
+        assert_eq!(pick(64, "wide"), (Mods::None, 128));
+        assert_eq!(pick(128, ""), (Mods::None, 32));
+        assert_eq!(pick(128, "wide"), (Mods::None, 64));
+        assert_eq!(pick(128, "any"), (Mods::Sparse, 32));
+        // Where no wider one is compiled, `wide` is the plain kernel.
+        assert_eq!(pick(96, "wide"), (Mods::Sparse, 32));
     }
 }
