@@ -269,12 +269,6 @@ mod tests {
         assert!(matches!(plan, BwdPlan::Separate { .. }), "{plan:?}");
     }
 
-    const A100: DeviceFacts = DeviceFacts {
-        major: 8,
-        sms: 108,
-        smem: 163 * 1024,
-    };
-
     fn fused(d: usize, mods: Mods, dropout: bool) -> (Kernel, Kernel) {
         let q = BwdQuery {
             d,
