@@ -230,7 +230,7 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_facts::HOPPER;
+    use super::super::test_facts::{A100, ADA, HOPPER};
     use super::*;
 
     fn query(d: usize, sq: usize, causal: bool) -> FwdQuery {
@@ -334,17 +334,6 @@ mod tests {
         });
         assert_eq!((v.family, v.dropout), (Family::Fwd, true));
     }
-
-    const A100: DeviceFacts = DeviceFacts {
-        major: 8,
-        sms: 108,
-        smem: 163 * 1024,
-    };
-    const ADA: DeviceFacts = DeviceFacts {
-        major: 8,
-        sms: 128,
-        smem: 99 * 1024,
-    };
 
     fn mma(d: usize, mods: Mods, dropout: bool, facts: &DeviceFacts) -> Kernel {
         let q = FwdQuery {
