@@ -8,7 +8,7 @@
 //! that a new catalogue row or planner rule cannot leave, say, an RTX 4090 (99 KB) without a
 //! backward at some head dim.
 
-use super::super::catalogue::{Family, Kernel, Mods, Variant};
+use super::super::catalogue::{Family, Kernel, Mods};
 use super::super::runtime::DeviceFacts;
 use super::test_facts::{A100, ADA, HOPPER};
 use super::*;
@@ -54,15 +54,6 @@ fn needs_grid() -> impl Iterator<Item = Needs> {
         }
         grid
     })
-}
-
-/// The modifier code a kernel has. The mma.sync forward is compiled with every modifier and
-/// a run-time block mask (its `.cu` default), whatever its row says.
-fn mods_of(v: &Variant) -> Mods {
-    match v.family {
-        Family::Fwd => Mods::Sparse,
-        _ => v.mods,
-    }
 }
 
 /// Whether code compiled with `have` serves a problem at `need`: each level includes the one
@@ -120,7 +111,7 @@ fn unfit(k: Kernel, n: &Needs, dev: &DeviceFacts) -> Option<String> {
     if !main {
         return None;
     }
-    if !mods_cover(mods_of(v), n.mods, n.cap_alone) {
+    if !mods_cover(v.mods, n.mods, n.cap_alone) {
         return Some(format!(
             "compiled with {:?} for a {:?} problem",
             v.mods, n.mods
