@@ -84,7 +84,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     };
 
     // Double-buffered: the row statistics travel raw with the tile's cp.async group (no
-    // registers held across an iteration); the LSE is converted in place once it landed. Rows past
+    // registers held across an iteration); the LSE is converted where it is read. Rows past
     // the end get LSE -inf, so P = 0 there: their Q rows are zero, but a score is not, under
     // an ALiBi bias (a negative slope raises far scores), and exp2 of it can overflow f16
     // into inf x (dO = 0) = NaN in dV. Their dsum is 0.
@@ -123,9 +123,6 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
             __syncthreads();
         } else {
             cp_async_wait<0>();
-            // Each row's LSE to log2 units once, by the thread whose copy brought it (its own
-            // cp.async writes are visible to it after the wait), not at every read.
-            if (tid < BM) sLse_all[stage * BM + tid] = lse_log2(sLse_all[stage * BM + tid]);
             // Tile it is visible to every warp, and every warp is done with tile it - 1, whose
             // stage the next tile's copy now overwrites while this one is computed.
             __syncthreads();
@@ -139,8 +136,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         }
         const Dropout dropout(p, bidb, bidh);
         const bool use_dropout = MAYBE_DROPOUT && dropout.active();
-        // LSE of column `col` in log2 units (both paths store it converted).
-        const auto lse2 = [&](int col) { return sLse[col]; };
+        // LSE of column `col` in log2 units (single-buffered tiles stored it converted).
+        const auto lse2 = [&](int col) {
+            if constexpr (STAGES == 1) return sLse[col];
+            return lse_log2(sLse[col]);
+        };
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
