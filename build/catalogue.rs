@@ -66,11 +66,18 @@ fn name(v: &Variant, dt: &str) -> String {
     let d = v.d;
     let opt = |b: bool, s: &'static str| if b { s } else { "" };
     match v.family {
-        Family::Fwd => format!(
-            "flash_fwd_{dt}_d{d}{}{}",
-            opt(v.tile == Tile::Small, "_s64"),
-            opt(v.dropout, "_dropout")
-        ),
+        Family::Fwd => {
+            let shape = match (v.tile, v.bn) {
+                (Tile::Small, _) => "_s64".to_string(),
+                (_, 0) => String::new(),
+                (_, bn) => format!("_n{bn}"),
+            };
+            format!(
+                "flash_fwd_{dt}_d{d}{shape}{}{}",
+                mods_suffix(v.mods),
+                opt(v.dropout, "_dropout")
+            )
+        }
         Family::FwdSm90 => {
             let shape = match v.groups {
                 1 => format!("_g1_n{}", v.bn),
@@ -118,7 +125,8 @@ fn name(v: &Variant, dt: &str) -> String {
             };
             if v.family == Family::BwdFused {
                 format!(
-                    "flash_bwd_dkdvq_{dt}_d{d}{shape}{}",
+                    "flash_bwd_dkdvq_{dt}_d{d}{shape}{}{}",
+                    mods_suffix(v.mods),
                     opt(v.dropout, "_dropout")
                 )
             } else {
@@ -183,6 +191,7 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
     );
     Some(match v.family {
         Family::Fwd if v.tile == Tile::Small => format!("FwdSmallConfig<{t}, {d}>::Traits"),
+        Family::Fwd if v.bn > 0 => format!("FwdKeys<{t}, {d}, {}>::Traits", v.bn),
         Family::Fwd => format!("FwdConfig<{t}, {d}>::Traits"),
         Family::FwdSm90 => format!(
             "Sm90Traits<{t}, {d}, {}, {}, {}>",
@@ -227,7 +236,16 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
 fn body(v: &Variant, t: &str) -> String {
     let k = traits(v, t).unwrap_or_default();
     match v.family {
-        Family::Fwd => format!("flash_fwd<{k}, {}>(p)", flag(v.dropout)),
+        // `Sparse` rows: every modifier and the block mask, tested at run time.
+        Family::Fwd => format!(
+            "flash_fwd<{k}, {}, {}>(p)",
+            flag(v.dropout),
+            if v.mods == Mods::Sparse {
+                "MODS_ANY"
+            } else {
+                mods_c(v.mods)
+            }
+        ),
         Family::FwdSm90 => format!("flash_fwd_sm90<{k}>(p)"),
         Family::FwdWs => format!("flash_fwd_ws<{k}>(p)"),
         Family::BwdDsum => format!("flash_bwd_dsum<{t}>(p)"),

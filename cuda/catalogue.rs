@@ -59,7 +59,7 @@ impl File {
 /// What a kernel computes: its entry template, its parameter block and its file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
-    /// Forward, mma.sync (`flash_fwd_<dtype>_d<D>[_s64][_dropout]`).
+    /// Forward, mma.sync (`flash_fwd_<dtype>_d<D>[_n<BN>|_s64][_sparse][_dropout]`).
     Fwd,
     /// Forward, wgmma (`flash_fwd_sm90_<dtype>_d<D>[_g1_n<BN>|_g3][_mods|_sparse]`).
     FwdSm90,
@@ -160,8 +160,9 @@ pub struct Variant {
     /// Head dim compiled for (0: any, the kernel reads it from its parameters).
     pub d: u16,
     pub tile: Tile,
-    /// Keys per tile where the row chooses it (forward wgmma and warp-specialized); else 0,
-    /// the traits' own (the geometry's `bn` has it either way).
+    /// Keys per tile where the row chooses it (forward wgmma and warp-specialized, the
+    /// mma.sync forward's `_n<BN>`); else 0, the traits' own (the geometry's `bn` has it
+    /// either way).
     pub bn: u16,
     /// Ring slots where the row chooses them: K/V (warp-specialized forward), Q/dO
     /// (warp-specialized backward); else 0.
@@ -228,10 +229,17 @@ impl Variant {
     }
 }
 
-/// Forward, mma.sync: every head dim class, with and without dropout. Compiled with every
-/// score modifier, the block mask tested at run time (`MODS_ANY`, the `Mask` default).
+/// Forward, mma.sync: every head dim class, with and without dropout, compiled with every
+/// score modifier and a run-time block mask (`Sparse`, the code of `MODS_ANY`).
 const fn fwd(d: u16) -> Variant {
-    row(Family::Fwd, d).mods(Mods::Sparse)
+    row(Family::Fwd, d).mods(Sparse)
+}
+/// The mma.sync forward without score modifiers or block mask: `bn` keys per tile (0: the
+/// traits' own).
+const fn fwd_plain(d: u16, bn: u16) -> Variant {
+    let mut v = row(Family::Fwd, d);
+    v.bn = bn;
+    v
 }
 /// Forward, wgmma: `groups` warpgroups of 64 rows, `bn` keys per tile, `min_blocks` per SM.
 const fn fwd_sm90(d: u16, groups: u8, bn: u16, min_blocks: u8) -> Variant {
@@ -260,6 +268,11 @@ const fn bwd_dq(d: u16) -> Variant {
 }
 const fn bwd_fused(d: u16) -> Variant {
     row(Family::BwdFused, d).mods(Mods::Scores)
+}
+/// The fused backward without the softcap and ALiBi (their run-time branches cost the plain
+/// kernels instructions and registers).
+const fn bwd_fused_plain(d: u16) -> Variant {
+    row(Family::BwdFused, d)
 }
 const fn bwd_fused_convert(d: u16) -> Variant {
     row(Family::BwdFusedConvert, d).bounds(Bounds::Traits(0))
@@ -312,6 +325,12 @@ pub const CATALOGUE: &[Variant] = &[
     fwd(224).tile(Small).dropout(),
     fwd(256).tile(Small),
     fwd(256).tile(Small).dropout(),
+    // Without score modifiers (the common problem), at the head dims the Ampere/Ada path is
+    // measured at against FlashAttention-2; also on its key tiles (d = 64: 128, d = 128: 64).
+    fwd_plain(64, 0),
+    fwd_plain(128, 0),
+    fwd_plain(64, 128),
+    fwd_plain(128, 64),
     // sm90/fwd.cu: the wgmma forward. Two warpgroups of 64 rows and 128-key tiles; three at
     // d = 64 (192 rows sharing each K/V tile); one warpgroup per block where three (d = 64,
     // 128 keys; d = 128, 48 keys) or four (d = 64, 64 keys) blocks share an SM, so that one
@@ -409,6 +428,12 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_fused(128).tile(Tall),
     bwd_fused_convert(128).tile(Wide),
     bwd_fused_convert(128).tile(Tall),
+    bwd_fused_plain(64),
+    bwd_fused_plain(128),
+    bwd_fused_plain(64).tile(Wide),
+    bwd_fused_plain(64).tile(Tall),
+    bwd_fused_plain(128).tile(Wide),
+    bwd_fused_plain(128).tile(Tall),
     bwd_dkdv(160),
     bwd_dkdv(160).mods(Sparse),
     bwd_dq(160),

@@ -128,13 +128,17 @@ __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const t
     zero(acc);
     gemm_dq<typename K::T, MT, NT, K::BN / 16, K::DS_STRIDE, K::STRIDE>(acc, ds_t + row0,
                                                                          sK + col0, lane);
+    // One pointer per thread, then compile-time offsets from it, which fold into the atomics'
+    // address field (offsets computed per atomic in 32 bits cost four integer instructions
+    // each to widen and add: ptxas, sm_80).
+    float* const base = tile + dq_slot<FRAG>(warp, 0, lane);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; e += DQ_VEC) {
-                float* dst = tile + dq_slot<FRAG>(warp, (mt * NT + nt) * 4 + e, lane);
+                float* dst = base + ((mt * NT + nt) * 4 + e) * 32;  // = dq_slot(.., i, ..)
                 if constexpr (DQ_VEC == 2)
                     red_add_v2(dst, acc[mt][nt][e], acc[mt][nt][e + 1]);
                 else

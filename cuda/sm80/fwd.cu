@@ -3,7 +3,9 @@
 #include "sm80/fwd_block.cuh"
 #include "sm80/traits.cuh"
 
-template <class K, bool DROPOUT> __device__ __forceinline__ void flash_fwd(const AttnParams& p) {
+// MODS (common/mask/levels.cuh): the score modifiers and block mask compiled in; the host
+// sends a kernel only the problems its MODS covers.
+template <class K, bool DROPOUT, int MODS> __device__ __forceinline__ void flash_fwd(const AttnParams& p) {
     using T = typename K::T;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // Heaviest query blocks first: under a causal mask the last rows see the most keys, and
@@ -26,7 +28,7 @@ template <class K, bool DROPOUT> __device__ __forceinline__ void flash_fwd(const
            seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
     float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
 
-    FwdBlock<K, DROPOUT> block(p, src, Mask(p, seq, bidb, bidh), bidb, bidh, m0, seq.seqlen_q,
+    FwdBlock<K, DROPOUT> block(p, src, Mask(p, seq, bidb, bidh, MODS), bidb, bidh, m0, seq.seqlen_q,
                                reinterpret_cast<T*>(smem_raw));
     int nb_begin, nb_end;
     block.key_blocks(&nb_begin, &nb_end);

@@ -9,6 +9,7 @@
 //! | `CANDLE_FLASH_ARCH` | `sm80` | the sm_80 kernels on any GPU (no wgmma, no programmatic launch) |
 //! | `CANDLE_FLASH_SMEM_KB` | KB | caps the shared memory per block the kernels may use (99: Ada, 163: A100) |
 //! | `CANDLE_FLASH_FWD` | `mma`, `sm90` | the mma.sync forward, or the first (not warp-specialized) wgmma forward |
+//! | `CANDLE_FLASH_MMA` | `any`, `wide` | the mma.sync kernels: `any` those compiled with every score modifier for plain problems too (forward and fused backward), `wide` the plain forward with its widest compiled key tile |
 //! | `CANDLE_FLASH_SM90_SHAPE` | `g1`, `g1n64`, `g2`, `g3` | the first wgmma forward's consumer groups and key tile |
 //! | `CANDLE_FLASH_WS_SHAPE` | `base`, `g3`, `n<keys>` (e.g. `n176`) | the warp-specialized forward's tile shape, where compiled (plan/fwd.rs); FP8: `base` the narrowest key tiles, `n<keys>` that width instead of the widest (fwd_fp8.rs) |
 //! | `CANDLE_FLASH_WS_PERSISTENT` | `0` | one block per tile instead of persistent blocks |
@@ -40,6 +41,8 @@ pub(crate) struct Overrides {
     pub smem_kb: Option<usize>,
     /// `CANDLE_FLASH_FWD`, empty when unset.
     pub fwd: String,
+    /// `CANDLE_FLASH_MMA`, empty when unset.
+    pub mma: String,
     /// `CANDLE_FLASH_SM90_SHAPE`, empty when unset.
     pub sm90_shape: String,
     /// `CANDLE_FLASH_WS_SHAPE`, empty when unset.
@@ -82,6 +85,7 @@ impl Overrides {
             arch_sm80: is("ARCH", "sm80"),
             smem_kb: number("SMEM_KB"),
             fwd: get("FWD").unwrap_or_default(),
+            mma: get("MMA").unwrap_or_default(),
             sm90_shape: get("SM90_SHAPE").unwrap_or_default(),
             ws_shape: get("WS_SHAPE").unwrap_or_default(),
             ws_persistent_off: is("WS_PERSISTENT", "0"),

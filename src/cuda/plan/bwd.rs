@@ -139,10 +139,19 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
         v.mods == if sparse { Mods::Sparse } else { q.mods }
     });
     let wgmma = facts.hopper() && sm90.is_some() && !q.dropout;
+    // Plain problems take the kernels compiled without the softcap and ALiBi where they exist
+    // (`CANDLE_FLASH_MMA=any`: the others, for A/B runs).
+    let plain = q.mods == Mods::None && overrides().mma != "any";
     let fused = |tile: Tile, dropout: bool| {
-        Kernel::of(Family::BwdFused, d, |v| {
-            v.tile == tile && v.dropout == dropout
-        })
+        let of = |mods: Mods| {
+            Kernel::of(Family::BwdFused, d, |v| {
+                v.tile == tile && v.dropout == dropout && v.mods == mods
+            })
+        };
+        plain
+            .then(|| of(Mods::None))
+            .flatten()
+            .or_else(|| of(Mods::Scores))
     };
     let has_fused = fused(Tile::Base, false).is_some();
     if q.deterministic || !has_fused || env == Some("separate") || (sparse && !wgmma) {
@@ -258,5 +267,41 @@ mod tests {
         assert!(matches!(plan, BwdPlan::Separate { .. }), "{plan:?}");
         let (_, plan) = plan_bwd(&query(64, Mods::Sparse), &A100).unwrap();
         assert!(matches!(plan, BwdPlan::Separate { .. }), "{plan:?}");
+    }
+
+    fn fused(d: usize, mods: Mods, dropout: bool) -> (Kernel, Kernel) {
+        let q = BwdQuery {
+            d,
+            deterministic: false,
+            dropout,
+            mods,
+            cap_alone: false,
+            packed: false,
+        };
+        let (ws, plan) = plan_bwd(&q, &A100).unwrap();
+        assert!(ws.is_none(), "no warp-specialized kernel off Hopper");
+        match plan {
+            BwdPlan::Fused { dkdvq, convert } => (dkdvq, convert),
+            other => panic!("expected the fused kernels, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn plain_problems_take_the_plain_fused_kernels() {
+        for d in [64, 128] {
+            let (plain, convert) = fused(d, Mods::None, false);
+            let (mods, convert_mods) = fused(d, Mods::Scores, false);
+            // The same tile (and so the same dq_accum conversion), without the modifiers.
+            assert_eq!(
+                (plain.variant().mods, mods.variant().mods),
+                (Mods::None, Mods::Scores)
+            );
+            assert_eq!(plain.variant().tile, mods.variant().tile);
+            assert_eq!(convert, convert_mods);
+            assert_eq!(plain.variant().tile, convert.variant().tile);
+        }
+        // Dropout and head dims without a plain kernel keep the kernel with the modifiers.
+        assert_eq!(fused(128, Mods::None, true).0.variant().mods, Mods::Scores);
+        assert_eq!(fused(96, Mods::None, false).0.variant().mods, Mods::Scores);
     }
 }
