@@ -41,6 +41,7 @@ fn mods_c(mods: Mods) -> &'static str {
         Mods::Cap => "MODS_CAP",
         Mods::Scores => "MODS_SCORES",
         Mods::Sparse => "MODS_SPARSE",
+        Mods::Any => "MODS_ANY",
     }
 }
 
@@ -49,7 +50,7 @@ fn mods_suffix(mods: Mods) -> &'static str {
         Mods::None => "",
         Mods::Cap => "_cap",
         Mods::Scores => "_mods",
-        Mods::Sparse => "_sparse",
+        Mods::Sparse | Mods::Any => "_sparse",
     }
 }
 
@@ -67,11 +68,7 @@ fn name(v: &Variant, dt: &str) -> String {
     let opt = |b: bool, s: &'static str| if b { s } else { "" };
     match v.family {
         Family::Fwd => {
-            let shape = match (v.tile, v.bn) {
-                (Tile::Small, _) => "_s64".to_string(),
-                (_, 0) => String::new(),
-                (_, bn) => format!("_n{bn}"),
-            };
+            let shape = if v.tile == Tile::Small { "_s64" } else { "" };
             format!(
                 "flash_fwd_{dt}_d{d}{shape}{}{}",
                 mods_suffix(v.mods),
@@ -121,6 +118,7 @@ fn name(v: &Variant, dt: &str) -> String {
             let shape = match v.tile {
                 Tile::Wide => "_bn128",
                 Tile::Tall => "_bn128t",
+                Tile::Grid => "_bn128g",
                 _ => "",
             };
             if v.family == Family::BwdFused {
@@ -191,7 +189,6 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
     );
     Some(match v.family {
         Family::Fwd if v.tile == Tile::Small => format!("FwdSmallConfig<{t}, {d}>::Traits"),
-        Family::Fwd if v.bn > 0 => format!("FwdKeys<{t}, {d}, {}>::Traits", v.bn),
         Family::Fwd => format!("FwdConfig<{t}, {d}>::Traits"),
         Family::FwdSm90 => format!(
             "Sm90Traits<{t}, {d}, {}, {}, {}>",
@@ -213,6 +210,9 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
         Family::BwdDkdv if v.tile == Tile::Small => format!("BwdKvSmall256<{t}>::Kv"),
         Family::BwdDkdv => format!("BwdConfig<{t}, {d}>::Kv"),
         Family::BwdDq => format!("BwdConfig<{t}, {d}>::Q"),
+        Family::BwdFused | Family::BwdFusedConvert if v.tile == Tile::Grid => {
+            format!("BwdGridConfig<{t}, {d}>::Kv")
+        }
         Family::BwdFused | Family::BwdFusedConvert => format!(
             "BwdFusedConfig<{t}, {d}, {}, {}>::Kv",
             flag(wide),
@@ -236,20 +236,14 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
 fn body(v: &Variant, t: &str) -> String {
     let k = traits(v, t).unwrap_or_default();
     match v.family {
-        // `Sparse` rows: every modifier and the block mask, tested at run time.
-        Family::Fwd => format!(
-            "flash_fwd<{k}, {}, {}>(p)",
-            flag(v.dropout),
-            if v.mods == Mods::Sparse {
-                "MODS_ANY"
-            } else {
-                mods_c(v.mods)
-            }
-        ),
+        Family::Fwd => format!("flash_fwd<{k}, {}, {}>(p)", flag(v.dropout), mods_c(v.mods)),
         Family::FwdSm90 => format!("flash_fwd_sm90<{k}>(p)"),
         Family::FwdWs => format!("flash_fwd_ws<{k}>(p)"),
         Family::BwdDsum => format!("flash_bwd_dsum<{t}>(p)"),
         Family::BwdSm90Convert => format!("flash_bwd_dq_convert<{t}>(p)"),
+        Family::BwdFused if v.tile == Tile::Grid => {
+            format!("flash_bwd_grid<{k}, {}>(p)", mods_c(v.mods))
+        }
         Family::BwdDkdv | Family::BwdFused => format!(
             "flash_bwd_dkdv<{k}, {}, {}>(p)",
             // The dK/dV kernels keep the dropout path (the fused one compiles it out without).

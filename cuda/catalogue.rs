@@ -59,7 +59,7 @@ impl File {
 /// What a kernel computes: its entry template, its parameter block and its file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
-    /// Forward, mma.sync (`flash_fwd_<dtype>_d<D>[_n<BN>|_s64][_sparse][_dropout]`).
+    /// Forward, mma.sync (`flash_fwd_<dtype>_d<D>[_s64][_sparse][_dropout]`).
     Fwd,
     /// Forward, wgmma (`flash_fwd_sm90_<dtype>_d<D>[_g1_n<BN>|_g3][_mods|_sparse]`).
     FwdSm90,
@@ -123,6 +123,9 @@ pub enum Mods {
     Scores,
     /// Softcap, ALiBi and the block mask (`_sparse`).
     Sparse,
+    /// Every modifier, the block mask tested at run time so that plain problems run too
+    /// (`MODS_ANY`; the mma.sync forward and dQ kernels, named `_sparse`).
+    Any,
 }
 
 /// A named tile shape of a family whose shapes live in the device code's config structs
@@ -137,6 +140,8 @@ pub enum Tile {
     Wide,
     /// `Wide` with twice the streamed query rows (`_bn128t`).
     Tall,
+    /// 128 keys over 8 warps on FlashAttention-2's warp layout (`_bn128g`, sm80/bwd_grid.cuh).
+    Grid,
 }
 
 /// A kernel's `__launch_bounds__`: what ptxas may assume of its launches, which decides its
@@ -160,8 +165,7 @@ pub struct Variant {
     /// Head dim compiled for (0: any, the kernel reads it from its parameters).
     pub d: u16,
     pub tile: Tile,
-    /// Keys per tile where the row chooses it (forward wgmma and warp-specialized, the
-    /// mma.sync forward's `_n<BN>`); else 0, the traits' own (the geometry's `bn` has it
+    /// Keys per tile where the row chooses it (forward wgmma and warp-specialized); else 0, the traits' own (the geometry's `bn` has it
     /// either way).
     pub bn: u16,
     /// Ring slots where the row chooses them: K/V (warp-specialized forward), Q/dO
@@ -230,16 +234,13 @@ impl Variant {
 }
 
 /// Forward, mma.sync: every head dim class, with and without dropout, compiled with every
-/// score modifier and a run-time block mask (`Sparse`, the code of `MODS_ANY`).
+/// score modifier and a run-time block mask.
 const fn fwd(d: u16) -> Variant {
-    row(Family::Fwd, d).mods(Sparse)
+    row(Family::Fwd, d).mods(Any)
 }
-/// The mma.sync forward without score modifiers or block mask: `bn` keys per tile (0: the
-/// traits' own).
-const fn fwd_plain(d: u16, bn: u16) -> Variant {
-    let mut v = row(Family::Fwd, d);
-    v.bn = bn;
-    v
+/// The mma.sync forward without score modifiers or block mask.
+const fn fwd_plain(d: u16) -> Variant {
+    row(Family::Fwd, d)
 }
 /// Forward, wgmma: `groups` warpgroups of 64 rows, `bn` keys per tile, `min_blocks` per SM.
 const fn fwd_sm90(d: u16, groups: u8, bn: u16, min_blocks: u8) -> Variant {
@@ -259,12 +260,12 @@ const fn fwd_ws(d: u16, bn: u16, stages: u8, groups: u8) -> Variant {
 }
 /// The sm80 backward's kernels for head dim `d`: dK/dV (mods Scores: the softcap and ALiBi
 /// are always compiled in; `Sparse` adds the block mask), dQ (every modifier, the block mask
-/// tested at run time: `MODS_ANY`, the `Mask` default).
+/// tested at run time: `Any`, the `Mask` default).
 const fn bwd_dkdv(d: u16) -> Variant {
     row(Family::BwdDkdv, d).mods(Mods::Scores)
 }
 const fn bwd_dq(d: u16) -> Variant {
-    row(Family::BwdDq, d).mods(Mods::Sparse)
+    row(Family::BwdDq, d).mods(Any)
 }
 const fn bwd_fused(d: u16) -> Variant {
     row(Family::BwdFused, d).mods(Mods::Scores)
@@ -296,8 +297,8 @@ const fn decode(d: u16, warps: u8) -> Variant {
     v
 }
 
-use Mods::{Cap, Scores, Sparse};
-use Tile::{Small, Tall, Wide};
+use Mods::{Any, Cap, Scores, Sparse};
+use Tile::{Grid, Small, Tall, Wide};
 
 /// Every compiled kernel. Order is free; the generated `Kernel` enum follows it.
 pub const CATALOGUE: &[Variant] = &[
@@ -326,11 +327,9 @@ pub const CATALOGUE: &[Variant] = &[
     fwd(256).tile(Small),
     fwd(256).tile(Small).dropout(),
     // Without score modifiers (the common problem), at the head dims the Ampere/Ada path is
-    // measured at against FlashAttention-2; also on its key tiles (d = 64: 128, d = 128: 64).
-    fwd_plain(64, 0),
-    fwd_plain(128, 0),
-    fwd_plain(64, 128),
-    fwd_plain(128, 64),
+    // measured at against FlashAttention-2.
+    fwd_plain(64),
+    fwd_plain(128),
     // sm90/fwd.cu: the wgmma forward. Two warpgroups of 64 rows and 128-key tiles; three at
     // d = 64 (192 rows sharing each K/V tile); one warpgroup per block where three (d = 64,
     // 128 keys; d = 128, 48 keys) or four (d = 64, 64 keys) blocks share an SM, so that one
@@ -392,8 +391,8 @@ pub const CATALOGUE: &[Variant] = &[
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and
-    // its conversion, at 64 and 128 its 128-key shapes; d = 256's dK/dV with 16-row tiles for
-    // 99 KB devices.
+    // its conversion, at 64 and 128 its 128-key shapes (at 128 also on FlashAttention-2's
+    // warp layout); d = 256's dK/dV with 16-row tiles for 99 KB devices.
     row(Family::BwdDsum, 0).bounds(Bounds::Free),
     row(Family::BwdSm90Convert, 0).bounds(Bounds::Free),
     bwd_dkdv(32),
@@ -434,6 +433,9 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_fused_plain(64).tile(Tall),
     bwd_fused_plain(128).tile(Wide),
     bwd_fused_plain(128).tile(Tall),
+    bwd_fused(128).tile(Grid),
+    bwd_fused_plain(128).tile(Grid),
+    bwd_fused_convert(128).tile(Grid),
     bwd_dkdv(160),
     bwd_dkdv(160).mods(Sparse),
     bwd_dq(160),

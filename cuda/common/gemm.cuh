@@ -92,3 +92,33 @@ template <int MT, int NT> __device__ __forceinline__ void zero(float (&acc)[MT][
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 }
+
+// acc += A B with A (MT*16 x KT*16) and B (KT*16 x NT*8) both row-major in shared memory, A
+// read as it is and B k-major through ldmatrix.trans: the backward's dV += P^T dO and
+// dK += dS^T Q where P^T and dS^T were staged key-major by the warps that computed them.
+// `a` points at A's first row, `b` at B's first row and column.
+template <typename T, int MT, int KT, int NT, int A_STRIDE, int B_STRIDE>
+__device__ __forceinline__ void gemm_st(float (&acc)[MT][NT][4], const T* a, const T* b, int lane) {
+    static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");
+    const int mi = lane / 8;
+    const uint32_t a_base = opaque(smem_addr(a + (lane % 16) * A_STRIDE + (lane / 16) * 8));
+    const uint32_t b_base =
+        opaque(smem_addr(b + ((mi % 2) * 8 + lane % 8) * B_STRIDE + (mi / 2) * 8));
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+        uint32_t af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(af[mt], a_base + (mt * 16 * A_STRIDE + kk * 16) * sizeof(T));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
+            ldmatrix_x4_trans(bf, b_base + (kk * 16 * B_STRIDE + np * 16) * sizeof(T));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                MmaOp<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
+                MmaOp<T>::run(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+            }
+        }
+    }
+}

@@ -6,10 +6,12 @@
 //   flash_bwd_dsum_<dtype>
 //   flash_bwd_dkdvq_<dtype>_d<D>[_dropout]  dK, dV, atomic dQ        grid (ceil(sk/BN), h_k, b)
 //   flash_bwd_dq_convert_<dtype>_d<D>  dq = dq_accum * scale           grid (ceil(sq/BM), h, b)
-// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128[t] are 128-key shapes of the second (no dropout),
-// converted by flash_bwd_dq_convert_<dtype>_d<D>_bn128[t] (the tiled dq_accum follows the
-// kernel's warps). flash_bwd_dq_convert_<dtype> converts the wgmma kernel's dq_accum.
+// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128[t] and _d128_bn128g (FlashAttention-2's warp
+// layout) are 128-key shapes of the second (no dropout), converted by
+// flash_bwd_dq_convert_<dtype>_d<D>_bn128[t|g] (the tiled dq_accum follows the kernel's
+// warps). flash_bwd_dq_convert_<dtype> converts the wgmma kernel's dq_accum.
 #include "sm80/bwd_dkdv.cuh"
+#include "sm80/bwd_grid.cuh"
 #include "sm80/bwd_dq.cuh"
 
 // One warp per row: each lane reads one 16-byte chunk of dO and O (d <= 256 = 32 lanes x 8).

@@ -9,7 +9,7 @@
 //! | `CANDLE_FLASH_ARCH` | `sm80` | the sm_80 kernels on any GPU (no wgmma, no programmatic launch) |
 //! | `CANDLE_FLASH_SMEM_KB` | KB | caps the shared memory per block the kernels may use (99: Ada, 163: A100) |
 //! | `CANDLE_FLASH_FWD` | `mma`, `sm90` | the mma.sync forward, or the first (not warp-specialized) wgmma forward |
-//! | `CANDLE_FLASH_MMA` | `any`, `wide` | the mma.sync kernels: `any` those compiled with every score modifier for plain problems too (forward and fused backward), `wide` the plain forward with its widest compiled key tile |
+//! | `CANDLE_FLASH_MMA` | `any` | the mma.sync kernels compiled with every score modifier for plain problems too (forward and fused backward) |
 //! | `CANDLE_FLASH_SM90_SHAPE` | `g1`, `g1n64`, `g2`, `g3` | the first wgmma forward's consumer groups and key tile |
 //! | `CANDLE_FLASH_WS_SHAPE` | `base`, `g3`, `n<keys>` (e.g. `n176`) | the warp-specialized forward's tile shape, where compiled (plan/fwd.rs); FP8: `base` the narrowest key tiles, `n<keys>` that width instead of the widest (fwd_fp8.rs) |
 //! | `CANDLE_FLASH_WS_PERSISTENT` | `0` | one block per tile instead of persistent blocks |
@@ -18,7 +18,7 @@
 //! | `CANDLE_FLASH_WS_DROPOUT` | `0` | dropout off the `_dropout` warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_LPT` | waves | the forward's longest-first tail (default 2, 0 none) |
 //! | `CANDLE_FLASH_BWD_LPT` | waves | the backward's longest-first tail (default 2, 0 none) |
-//! | `CANDLE_FLASH_BWD` | `separate`, `sm90`, `bn64`, `bn128`, `bn128t` | the older backward kernels: deterministic pair, first wgmma, mma.sync fused key tile |
+//! | `CANDLE_FLASH_BWD` | `separate`, `sm90`, `bn64`, `bn128`, `bn128t`, `bn128g` | the older backward kernels: deterministic pair, first wgmma, mma.sync fused key tile (`bn128t`: the 128-key shapes without the `g` warp layout) |
 //! | `CANDLE_FLASH_BWD_CAP` | `0` | a softcap's backward on the `_mods` kernels instead of `_cap` |
 //! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
 //! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |

@@ -13,16 +13,18 @@
 //! override). It has a deterministic mode (the key blocks add dQ in order; under a block mask
 //! in its `_sparse_det` kernels): `deterministic(true)` runs it there, and the dK/dV and dQ
 //! kernels elsewhere. Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
-//! warps where that variant is compiled (d 64 and 128, no dropout) and fits, with twice the
-//! streamed query rows where 158 KB of shared memory is allowed (A100, Hopper: +3-5% at d 64,
-//! even at d 128; docs/archive/PERF.md, "a taller 128-key backward"), else 64 keys over 4
+//! warps where that variant is compiled (d 64 and 128, no dropout) and fits: at d 128 on
+//! FlashAttention-2's warp layout where 156 KB of shared memory is allowed (A100, Hopper:
+//! +3-4% over the tall shape on the H100's sm_80 path; docs/archive/PERF.md, session 61),
+//! with twice the streamed query rows where 158 KB is (+3-5% at d 64; docs/archive/PERF.md,
+//! "a taller 128-key backward"), else 64 keys over 4
 //! warps: at hd 128, seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200;
 //! docs/archive/PERF.md, "backward: dQ by atomics in the dK/dV kernel, double-buffered Q/dO").
 //!
 //! `CANDLE_FLASH_BWD` overrides the choice for A/B comparisons of speed and accuracy:
 //! `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma kernel on
-//! Hopper; `bn64`, `bn128` and `bn128t` (128 keys, twice the query rows per tile) force the
-//! mma.sync fused kernel of that shape.
+//! Hopper; `bn64`, `bn128`, `bn128t` (128 keys, twice the query rows per tile) and `bn128g`
+//! (128 keys on FlashAttention-2's warp layout) force the mma.sync fused kernel of that shape.
 
 use candle::{bail, Result};
 
@@ -73,7 +75,7 @@ fn bwd_override() -> Option<&'static str> {
 
 /// The warp-specialized kernels of the head dim's class, on Hopper, deterministic or not.
 /// `CANDLE_FLASH_BWD` (A/B runs) keeps them off: `separate` everywhere; `sm90`, `bn64`,
-/// `bn128`, `bn128t` where those kernels exist (64-128), but `bn*` under a block mask at
+/// `bn128`, `bn128t`, `bn128g` where those kernels exist (64-128), but `bn*` under a block mask at
 /// 64/128 still runs them (the fused mma.sync kernels have no `_sparse` variant). Head dims
 /// 65-96 under a block mask keep the mma.sync kernels (measured only without one).
 fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
@@ -128,7 +130,8 @@ fn ws_kernel(d: usize, q: &BwdQuery) -> Option<Kernel> {
 /// The kernels before the warp-specialized ones; also where those were chosen but cannot run
 /// (tensors TMA cannot address). The first wgmma kernel at 64/128 on Hopper, else the
 /// mma.sync fused kernels up to 128, else the dK/dV and dQ kernels. The 128-key fused shapes
-/// run only where they fit in the device's shared memory, the tall one first. Under a block
+/// run only where they fit in the device's shared memory, the grid one first, then the tall
+/// one. Under a block
 /// mask the mma.sync kernels run the separate path, whose dK/dV kernel has the `_sparse`
 /// variant (the fused ones have none: the walk cost them registers).
 fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
@@ -168,7 +171,9 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
     let wide: &[Tile] = match env {
         Some("bn64") => &[],
         Some("bn128") => &[Tile::Wide],
-        _ => &[Tile::Tall, Tile::Wide],
+        Some("bn128t") => &[Tile::Tall, Tile::Wide],
+        Some("bn128g") => &[Tile::Grid],
+        _ => &[Tile::Grid, Tile::Tall, Tile::Wide],
     };
     let fits =
         |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
@@ -204,7 +209,7 @@ fn separate(d: usize, sparse: bool, smem: usize) -> Result<BwdPlan> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_facts::{A100, HOPPER};
+    use super::super::test_facts::{A100, ADA, HOPPER};
     use super::*;
 
     fn query(d: usize, mods: Mods) -> BwdQuery {
@@ -270,6 +275,10 @@ mod tests {
     }
 
     fn fused(d: usize, mods: Mods, dropout: bool) -> (Kernel, Kernel) {
+        fused_on(d, mods, dropout, &A100)
+    }
+
+    fn fused_on(d: usize, mods: Mods, dropout: bool, facts: &DeviceFacts) -> (Kernel, Kernel) {
         let q = BwdQuery {
             d,
             deterministic: false,
@@ -278,7 +287,7 @@ mod tests {
             cap_alone: false,
             packed: false,
         };
-        let (ws, plan) = plan_bwd(&q, &A100).unwrap();
+        let (ws, plan) = plan_bwd(&q, facts).unwrap();
         assert!(ws.is_none(), "no warp-specialized kernel off Hopper");
         match plan {
             BwdPlan::Fused { dkdvq, convert } => (dkdvq, convert),
@@ -303,5 +312,19 @@ mod tests {
         // Dropout and head dims without a plain kernel keep the kernel with the modifiers.
         assert_eq!(fused(128, Mods::None, true).0.variant().mods, Mods::Scores);
         assert_eq!(fused(96, Mods::None, false).0.variant().mods, Mods::Scores);
+    }
+
+    #[test]
+    fn the_fused_tile_follows_the_head_dim_and_the_shared_memory() {
+        let tile = |d, dropout, facts| fused_on(d, Mods::None, dropout, facts).0.variant().tile;
+        // 163 KB (A100): FlashAttention-2's warp layout at d = 128, the tall shape at d = 64.
+        assert_eq!(tile(128, false, &A100), Tile::Grid);
+        assert_eq!(tile(64, false, &A100), Tile::Tall);
+        // 99 KB (sm_86/89): the 128-key shape with 64-row tiles at d = 64 (93 KB); at d = 128
+        // its 32-row tiles need 102 KB, so 64 keys over 4 warps.
+        assert_eq!(tile(64, false, &ADA), Tile::Wide);
+        assert_eq!(tile(128, false, &ADA), Tile::Base);
+        // Dropout: 64 keys over 4 warps.
+        assert_eq!(tile(128, true, &A100), Tile::Base);
     }
 }

@@ -57,13 +57,14 @@ fn needs_grid() -> impl Iterator<Item = Needs> {
 }
 
 /// Whether code compiled with `have` serves a problem at `need`: each level includes the one
-/// below (None < Scores < Sparse); `Cap` only a softcap without ALiBi.
+/// below (None < Scores < Sparse < Any); `Cap` only a softcap without ALiBi.
 fn mods_cover(have: Mods, need: Mods, cap_alone: bool) -> bool {
     let rank = |m: Mods| match m {
         Mods::None => 0,
         Mods::Cap => 1,
         Mods::Scores => 2,
         Mods::Sparse => 3,
+        Mods::Any => 4,
     };
     match have {
         Mods::Cap => need == Mods::None || (need == Mods::Scores && cap_alone),

@@ -60,9 +60,8 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
 
 /// The mma.sync kernel of head dim class `d`: its own tile, or where that needs more than
 /// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
-/// a score modifier or block mask take a plain kernel where one is compiled (`CANDLE_FLASH_MMA`
-/// chooses among them for A/B runs: `any` the kernel with every modifier, `wide` the plain
-/// kernel with the widest key tile, FlashAttention-2's: 128 keys at d = 64, 64 at d = 128).
+/// a score modifier or block mask take a plain kernel where one is compiled
+/// (`CANDLE_FLASH_MMA=any` sends them to the kernel with every modifier, for A/B runs).
 fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
     mma_kernel_with(d, q, smem, overrides().mma.as_str())
 }
@@ -70,28 +69,16 @@ fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
 /// [`mma_kernel`] under the switch's value `forced`.
 fn mma_kernel_with(d: usize, q: &FwdQuery, smem: usize, forced: &str) -> Result<Kernel> {
     if q.mods == Mods::None && !q.dropout && forced != "any" {
-        // The head dim's own key tile, or with `wide` the widest compiled.
-        let plain = Kernel::ALL
-            .iter()
-            .copied()
-            .filter(|k| {
-                let v = k.variant();
-                v.family == Family::Fwd
-                    && usize::from(v.d) == d
-                    && v.mods == Mods::None
-                    && v.tile == Tile::Base
-                    && !v.dropout
-                    && (v.bn == 0 || forced == "wide")
-                    && k.geometry().smem as usize <= smem
-            })
-            .max_by_key(|k| k.geometry().bn);
-        if let Some(k) = plain {
+        let plain = Kernel::of(Family::Fwd, d, |v| {
+            v.mods == Mods::None && v.tile == Tile::Base && !v.dropout
+        });
+        if let Some(k) = plain.filter(|k| k.geometry().smem as usize <= smem) {
             return Ok(k);
         }
     }
     let of = |tile| {
         Kernel::of(Family::Fwd, d, |v| {
-            v.tile == tile && v.dropout == q.dropout && v.mods == Mods::Sparse
+            v.tile == tile && v.dropout == q.dropout && v.mods == Mods::Any
         })
     };
     let Some(base) = of(Tile::Base) else {
@@ -355,10 +342,7 @@ mod tests {
     fn plain_problems_take_the_plain_mma_kernels_where_compiled() {
         for d in [64, 128] {
             let v = mma(d, Mods::None, false, &A100).variant();
-            assert_eq!(
-                (v.d as usize, v.mods, v.bn, v.dropout),
-                (d, Mods::None, 0, false)
-            );
+            assert_eq!((v.d as usize, v.mods, v.dropout), (d, Mods::None, false));
         }
         // Head dims without one, and problems with a modifier or dropout: the kernel with
         // every modifier.
@@ -366,24 +350,24 @@ mod tests {
             let v = mma(d, mods, dropout, &A100).variant();
             (v.d, v.mods, v.dropout)
         };
-        assert_eq!(any(96, Mods::None, false), (96, Mods::Sparse, false));
-        assert_eq!(any(128, Mods::Scores, false), (128, Mods::Sparse, false));
-        assert_eq!(any(128, Mods::Sparse, false), (128, Mods::Sparse, false));
-        assert_eq!(any(128, Mods::None, true), (128, Mods::Sparse, true));
+        assert_eq!(any(96, Mods::None, false), (96, Mods::Any, false));
+        assert_eq!(any(128, Mods::Scores, false), (128, Mods::Any, false));
+        assert_eq!(any(128, Mods::Sparse, false), (128, Mods::Any, false));
+        assert_eq!(any(128, Mods::None, true), (128, Mods::Any, true));
     }
 
     #[test]
     fn small_devices_take_the_small_tile_above_their_shared_memory() {
         let v = mma(256, Mods::None, false, &ADA).variant();
-        assert_eq!((v.tile, v.mods), (Tile::Small, Mods::Sparse));
+        assert_eq!((v.tile, v.mods), (Tile::Small, Mods::Any));
         let v = mma(256, Mods::None, false, &A100).variant();
-        assert_eq!((v.tile, v.mods), (Tile::Base, Mods::Sparse));
+        assert_eq!((v.tile, v.mods), (Tile::Base, Mods::Any));
         // The plain kernels fit both.
         assert_eq!(mma(128, Mods::None, false, &ADA).variant().mods, Mods::None);
     }
 
     #[test]
-    fn the_switch_picks_the_wide_plain_tile_or_every_modifier() {
+    fn the_switch_picks_the_kernel_with_every_modifier() {
         let q = |d| FwdQuery {
             d,
             sq: 4096,
@@ -399,11 +383,10 @@ mod tests {
             (k.variant().mods, k.geometry().bn)
         };
         assert_eq!(pick(64, ""), (Mods::None, 64));
-        assert_eq!(pick(64, "wide"), (Mods::None, 128));
+        assert_eq!(pick(64, "any"), (Mods::Any, 64));
         assert_eq!(pick(128, ""), (Mods::None, 32));
-        assert_eq!(pick(128, "wide"), (Mods::None, 64));
-        assert_eq!(pick(128, "any"), (Mods::Sparse, 32));
-        // Where no wider one is compiled, `wide` is the plain kernel.
-        assert_eq!(pick(96, "wide"), (Mods::Sparse, 32));
+        assert_eq!(pick(128, "any"), (Mods::Any, 32));
+        // No plain kernel at d = 96: the one with every modifier.
+        assert_eq!(pick(96, ""), (Mods::Any, 32));
     }
 }

@@ -1,0 +1,197 @@
+// dK, dV and atomic dQ for one block of 128 keys on FlashAttention-2's warp layout (its
+// Algorithm 2, lines 5-21; the traits in bwd_traits.cuh). The fused kernel of bwd_dkdv.cuh
+// gives each warp 16 keys against all of a tile's queries and keeps P^T and dS^T in registers
+// as the A operands of dV and dK, so every warp reads all of Q and dO for every product; here
+// S^T and dP^T are split over keys and queries and P^T, dS^T go through shared memory, which
+// reads fewer shared bytes per mma (sm_80's limit in this kernel) at the price of one more
+// barrier per tile and the P^T stores: +3-4% at d = 128 on the H100's sm_80 path, but 1-3%
+// slower at d = 64, which keeps the other layout (docs/archive/PERF.md, session 61). No
+// dropout: those problems keep the other layout too.
+#pragma once
+#include "common/bwd_dq_accum.cuh"
+#include "common/bwd_tiles.cuh"
+#include "common/copy.cuh"
+#include "common/gemm.cuh"
+#include "common/mask/levels.cuh"
+#include "common/mask/visibility.cuh"
+#include "common/params.cuh"
+#include "common/seq_info.cuh"
+#include "common/softmax.cuh"
+#include "sm80/bwd_traits.cuh"
+
+template <class K, int MODS>
+__device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
+    using T = typename K::T;
+    constexpr int D = K::D, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
+    constexpr int STRIDE = K::STRIDE, DS_STRIDE = K::DS_STRIDE;
+    constexpr int KMT = K::KMT, DOT = K::DOT;
+    const AttnParams& p = bp.a;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);
+    T* sV = sK + BN * STRIDE;
+    T* sQ_all = sV + BN * STRIDE;                // two Q tiles
+    T* sdO = sQ_all + 2 * BM * STRIDE;           // one dO tile
+    T* sP_t = sdO + BM * STRIDE;                 // P^T (BN x BM)
+    T* sdS_t = sP_t + BN * DS_STRIDE;            // dS^T (BN x BM)
+    // Per Q stage: the LSE of the tile's rows (as stored) and their rowsum(dO O).
+    float* sLse_all = reinterpret_cast<float*>(sdS_t + BN * DS_STRIDE);
+    float* sDsum_all = sLse_all + 2 * BM;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    // S^T warp tile: keys key0.., queries q0.. of the tile; dK/dV warp tile: keys kv0..,
+    // columns c0...
+    const int key0 = (warp % K::WK) * MT * 16, q0 = (warp / K::WK) * NQ * 8;
+    const int kv0 = (warp % K::WKV) * KMT * 16, c0 = (warp / K::WKV) * DOT * 8;
+    const int n0 = blockIdx.x * BN, bidh_k = blockIdx.y, bidb = blockIdx.z;
+    const SeqInfo seq(p, bidb);
+    if (n0 >= seq.seqlen_k) return;  // packed batches: this sequence is shorter than the grid
+
+    const T* k = static_cast<const T*>(p.k) +
+                 seq.k_offset(p.k_batch_stride, p.k_row_stride, p.k_head_stride, bidb, bidh_k);
+    const T* v = static_cast<const T*>(p.v) +
+                 seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k);
+    load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
+                                    seq.seqlen_k - n0, p.d, tid);
+    load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+                                    seq.seqlen_k - n0, p.d, tid);
+    cp_async_commit();
+
+    float dk[KMT][DOT][4], dv[KMT][DOT][4];
+    zero(dk);
+    zero(dv);
+    const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, MODS);
+    const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);
+    const auto load_q = [&](int bidh, int m0, int stage) {
+        const T* q = static_cast<const T*>(p.q) +
+                     seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
+        load_tile<T, BM, D, K::THREADS>(sQ_all + stage * BM * STRIDE,
+                                        q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
+                                        seq.seqlen_q - m0, p.d, tid);
+    };
+    const auto load_do = [&](int bidh, int m0) {
+        const T* dout = static_cast<const T*>(bp.dout) +
+                        seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
+        load_tile<T, BM, D, K::THREADS>(sdO, dout + int64_t(m0) * p.o_row_stride,
+                                        p.o_row_stride, seq.seqlen_q - m0, p.d, tid);
+    };
+    // As in bwd_dkdv.cuh: rows past the end get LSE -inf (P = 0 there) and dsum 0.
+    const auto load_row_stats = [&](int bidh, int m0, int stage) {
+        if (tid >= BM) return;
+        const int row = m0 + tid;
+        const int64_t off = seq.lse_offset(p, bidb, bidh) + min(row, seq.seqlen_q - 1);
+        const bool valid = row < seq.seqlen_q;
+        if (valid)
+            cp_async_4(sLse_all + stage * BM + tid, p.lse + off, true);
+        else
+            sLse_all[stage * BM + tid] = -INFINITY;
+        cp_async_4(sDsum_all + stage * BM + tid, bp.dsum + off, valid);
+    };
+    int bidh = bidh_k * p.h_h_k_ratio, m0 = tiles.m0_begin;
+    if (tiles.count > 0) {
+        tiles.first(mask, bidh, m0);
+        load_q(bidh, m0, 0);
+        load_do(bidh, m0);
+        load_row_stats(bidh, m0, 0);
+    }
+    cp_async_commit();
+    const int t = lane % 4;
+    for (int it = 0; it < tiles.count; ++it, tiles.next(mask, bidh, m0)) {
+        const int stage = it % 2;
+        const T* sQ = sQ_all + stage * BM * STRIDE;
+        const float* sLse = sLse_all + stage * BM;
+        const float* sDsum = sDsum_all + stage * BM;
+        int next_bidh = bidh, next_m0 = m0;
+        const bool has_next = it + 1 < tiles.count;
+        if (has_next) tiles.next(mask, next_bidh, next_m0);
+        cp_async_wait<0>();
+        // Tile it (Q, dO, row statistics) is visible to every warp, and every warp is done
+        // with tile it - 1: its Q stage, P^T and dS^T.
+        __syncthreads();
+        if (has_next) {
+            load_q(next_bidh, next_m0, stage ^ 1);
+            load_row_stats(next_bidh, next_m0, stage ^ 1);
+        }
+        cp_async_commit();
+
+        float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
+        zero(st);
+        gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + key0 * STRIDE, sQ + q0 * STRIDE, lane);
+        if ((MODS & MODS_BLOCKS ? mask.with_head(bidh) : mask)
+                .template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
+            mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + key0, m0 + q0, lane, true);
+        else
+            mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + key0, m0 + q0, lane, false);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = q0 + nt * 8 + 2 * t + (e % 2);
+                    st[mt][nt][e] =
+                        exp2f(fmaf(st[mt][nt][e], p.scale_log2, -lse_log2(sLse[col])));
+                }
+        uint32_t a[MT][NQ / 2][4];
+        pack_a<T, MT, NQ>(st, a);
+        store_ds_t<MT, NQ / 2, DS_STRIDE>(sP_t + key0 * DS_STRIDE + q0, a, lane);
+
+        float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
+        zero(dpt);
+        gemm_ss<T, MT, NQ, D / 16, STRIDE>(dpt, sV + key0 * STRIDE, sdO + q0 * STRIDE, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = q0 + nt * 8 + 2 * t + (e % 2);
+                    dpt[mt][nt][e] = st[mt][nt][e] * (dpt[mt][nt][e] - sDsum[col]);
+                }
+        if (mask.softcap_pre != 0.f)  // dS's factor 1 - t^2 from the tanh
+            mask.with_head(bidh).template times_cap_grad<MT, NQ, true>(
+                dpt, st, n0 + key0, m0 + q0, lane, p.scale_log2, [&](int, int nt, int e) {
+                    return lse_log2(sLse[q0 + nt * 8 + 2 * t + (e % 2)]);
+                });
+        pack_a<T, MT, NQ>(dpt, a);
+        store_ds_t<MT, NQ / 2, DS_STRIDE>(sdS_t + key0 * DS_STRIDE + q0, a, lane);
+        __syncthreads();  // P^T and dS^T of every warp are in shared memory
+
+        // dV += P^T dO (line 16), then dO's buffer is free for the next tile.
+        gemm_st<T, KMT, BM / 16, DOT, DS_STRIDE, STRIDE>(dv, sP_t + kv0 * DS_STRIDE, sdO + c0,
+                                                          lane);
+        __syncthreads();
+        if (has_next) load_do(next_bidh, next_m0);
+        cp_async_commit();
+        // dK += dS^T Q (line 21), dQ += dS K (line 20).
+        gemm_st<T, KMT, BM / 16, DOT, DS_STRIDE, STRIDE>(dk, sdS_t + kv0 * DS_STRIDE, sQ + c0,
+                                                          lane);
+        dq_accumulate<K>(sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0),
+                         warp, lane);
+    }
+
+    cp_async_wait<0>();  // K and V were requested even if no query block sees them
+
+    // dK carries the softmax scale of S = scale Q K^T (applied once here, not per tile).
+    const int64_t dk_offset =
+        seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride, bidb, bidh_k);
+    T* dk_out = static_cast<T*>(bp.dk) + dk_offset;
+    T* dv_out = static_cast<T*>(bp.dv) + dk_offset;
+    const int g = lane / 4;
+#pragma unroll
+    for (int mt = 0; mt < KMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = n0 + kv0 + mt * 16 + g + 8 * r;
+            if (row >= seq.seqlen_k) continue;
+#pragma unroll
+            for (int dt = 0; dt < DOT; ++dt) {
+                const int col = c0 + dt * 8 + 2 * t;
+                if (col >= p.d) continue;
+                const int64_t off = int64_t(row) * bp.dk_row_stride + col;
+                *reinterpret_cast<uint32_t*>(dk_out + off) = MmaOp<T>::pack(
+                    dk[mt][dt][2 * r] * p.grad_scale, dk[mt][dt][2 * r + 1] * p.grad_scale);
+                *reinterpret_cast<uint32_t*>(dv_out + off) =
+                    MmaOp<T>::pack(dv[mt][dt][2 * r], dv[mt][dt][2 * r + 1]);
+            }
+        }
+}
