@@ -6,6 +6,7 @@
 #pragma once
 #include "common/bwd_dq_accum.cuh"
 #include "common/bwd_tiles.cuh"
+#include "sm80/bwd_key_block.cuh"
 #include "sm80/bwd_traits.cuh"
 #include "common/copy.cuh"
 #include "common/gemm.cuh"
@@ -47,14 +48,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     const SeqInfo seq(p, bidb);
     if (n0 >= seq.seqlen_k) return;  // packed batches: this sequence is shorter than the grid
 
-    const T* k = static_cast<const T*>(p.k) +
-                 seq.k_offset(p.k_batch_stride, p.k_row_stride, p.k_head_stride, bidb, bidh_k);
-    const T* v = static_cast<const T*>(p.v) +
-                 seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k);
-    load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
-                                    seq.seqlen_k - n0, p.d, tid);
-    load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
-                                    seq.seqlen_k - n0, p.d, tid);
+    load_key_block<T, BN, D, K::THREADS>(sK, sV, p, seq, bidb, bidh_k, n0, tid);
     cp_async_commit();
 
     float dk[MT][DOT][4], dv[MT][DOT][4];
@@ -83,28 +77,16 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         dsum = row < seq.seqlen_q ? bp.dsum[off + row] : 0.f;
     };
 
-    // Double-buffered: the row statistics travel raw with the tile's cp.async group (no
-    // registers held across an iteration); the LSE is converted where it is read. Rows past
-    // the end get LSE -inf, so P = 0 there: their Q rows are zero, but a score is not, under
-    // an ALiBi bias (a negative slope raises far scores), and exp2 of it can overflow f16
-    // into inf x (dO = 0) = NaN in dV. Their dsum is 0.
-    const auto load_row_stats = [&](int bidh, int m0, int stage) {
-        if (tid >= BM) return;
-        const int row = m0 + tid;
-        const int64_t off = seq.lse_offset(p, bidb, bidh) + min(row, seq.seqlen_q - 1);
-        const bool valid = row < seq.seqlen_q;
-        if (valid)
-            cp_async_4(sLse_all + stage * BM + tid, p.lse + off, true);
-        else
-            sLse_all[stage * BM + tid] = -INFINITY;
-        cp_async_4(sDsum_all + stage * BM + tid, bp.dsum + off, valid);
+    // Double-buffered: the row statistics travel raw with the tile's cp.async group.
+    const auto stats_of_stage = [&](int bidh, int m0, int stage) {
+        load_row_stats<BM>(sLse_all, sDsum_all, stage, bp, seq, bidb, bidh, m0, tid);
     };
     int bidh = bidh_k * p.h_h_k_ratio, m0 = tiles.m0_begin;  // tile it
     if (tiles.count > 0) tiles.first(mask, bidh, m0);
     if constexpr (STAGES == 2) {
         if (tiles.count > 0) {
             load_q_do(bidh, m0, 0);
-            load_row_stats(bidh, m0, 0);
+            stats_of_stage(bidh, m0, 0);
         }
         cp_async_commit();
     }
@@ -130,7 +112,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
                 int next_bidh = bidh, next_m0 = m0;
                 tiles.next(mask, next_bidh, next_m0);
                 load_q_do(next_bidh, next_m0, stage ^ 1);
-                load_row_stats(next_bidh, next_m0, stage ^ 1);
+                stats_of_stage(next_bidh, next_m0, stage ^ 1);
             }
             cp_async_commit();
         }
@@ -222,27 +204,5 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
 
     cp_async_wait<0>();  // K and V were requested even if no query block sees them
 
-    // dK carries the softmax scale of S = scale Q K^T (applied once here, not per tile).
-    const int64_t dk_offset =
-        seq.k_offset(bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride, bidb, bidh_k);
-    T* dk_out = static_cast<T*>(bp.dk) + dk_offset;
-    T* dv_out = static_cast<T*>(bp.dv) + dk_offset;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = n0 + warp_row0 + mt * 16 + g + 8 * r;
-            if (row >= seq.seqlen_k) continue;
-#pragma unroll
-            for (int dt = 0; dt < DOT; ++dt) {
-                const int col = col0 + dt * 8 + 2 * t;
-                if (col >= p.d) continue;
-                const int64_t off = int64_t(row) * bp.dk_row_stride + col;
-                *reinterpret_cast<uint32_t*>(dk_out + off) =
-                    MmaOp<T>::pack(dk[mt][dt][2 * r] * p.grad_scale, dk[mt][dt][2 * r + 1] * p.grad_scale);
-                *reinterpret_cast<uint32_t*>(dv_out + off) =
-                    MmaOp<T>::pack(dv[mt][dt][2 * r], dv[mt][dt][2 * r + 1]);
-            }
-        }
+    store_dk_dv<T, MT, DOT>(dk, dv, bp, seq, bidb, bidh_k, n0 + warp_row0, col0, lane);
 }

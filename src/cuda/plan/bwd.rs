@@ -15,7 +15,8 @@
 //! kernels elsewhere. Elsewhere the mma.sync fused kernel takes 128 keys per block over 8
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits: at d 128 on
 //! FlashAttention-2's warp layout where 156 KB of shared memory is allowed (A100, Hopper:
-//! +3-4% over the tall shape on the H100's sm_80 path; docs/archive/PERF.md, session 61),
+//! +3-4% over the tall shape on the H100's sm_80 path; docs/archive/PERF.md, "the fused
+//! backward on FlashAttention-2's warp layout"),
 //! with twice the streamed query rows where 158 KB is (+3-5% at d 64; docs/archive/PERF.md,
 //! "a taller 128-key backward"), else 64 keys over 4
 //! warps: at hd 128, seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200;
