@@ -118,7 +118,8 @@ fn name(v: &Variant, dt: &str) -> String {
             let shape = match v.tile {
                 Tile::Wide => "_bn128",
                 Tile::Tall => "_bn128t",
-                Tile::Grid => "_bn128g",
+                Tile::Grid => "_grid",
+                Tile::GridQ1 => "_grid_q1",
                 _ => "",
             };
             if v.family == Family::BwdFused {
@@ -211,7 +212,10 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
         Family::BwdDkdv => format!("BwdConfig<{t}, {d}>::Kv"),
         Family::BwdDq => format!("BwdConfig<{t}, {d}>::Q"),
         Family::BwdFused | Family::BwdFusedConvert if v.tile == Tile::Grid => {
-            format!("BwdGridConfig<{t}, {d}>::Kv")
+            format!("BwdGridConfig<{t}, {d}, 2>::Kv")
+        }
+        Family::BwdFused | Family::BwdFusedConvert if v.tile == Tile::GridQ1 => {
+            format!("BwdGridConfig<{t}, {d}, 1>::Kv")
         }
         Family::BwdFused | Family::BwdFusedConvert => format!(
             "BwdFusedConfig<{t}, {d}, {}, {}>::Kv",
@@ -241,7 +245,7 @@ fn body(v: &Variant, t: &str) -> String {
         Family::FwdWs => format!("flash_fwd_ws<{k}>(p)"),
         Family::BwdDsum => format!("flash_bwd_dsum<{t}>(p)"),
         Family::BwdSm90Convert => format!("flash_bwd_dq_convert<{t}>(p)"),
-        Family::BwdFused if v.tile == Tile::Grid => {
+        Family::BwdFused if matches!(v.tile, Tile::Grid | Tile::GridQ1) => {
             format!("flash_bwd_grid<{k}, {}>(p)", mods_c(v.mods))
         }
         Family::BwdDkdv | Family::BwdFused => format!(

@@ -140,8 +140,11 @@ pub enum Tile {
     Wide,
     /// `Wide` with twice the streamed query rows (`_bn128t`).
     Tall,
-    /// 128 keys over 8 warps on FlashAttention-2's warp layout (`_bn128g`, sm80/bwd_grid.cuh).
+    /// The fused backward on FlashAttention-2's warp layout over 8 warps (`_grid`,
+    /// sm80/bwd_grid.cuh; d = 128: 128 keys, d = 256: 64).
     Grid,
+    /// `Grid` with Q single-buffered, for 163 KB devices (`_grid_q1`; d = 256).
+    GridQ1,
 }
 
 /// A kernel's `__launch_bounds__`: what ptxas may assume of its launches, which decides its
@@ -298,7 +301,7 @@ const fn decode(d: u16, warps: u8) -> Variant {
 }
 
 use Mods::{Any, Cap, Scores, Sparse};
-use Tile::{Grid, Small, Tall, Wide};
+use Tile::{Grid, GridQ1, Small, Tall, Wide};
 
 /// Every compiled kernel. Order is free; the generated `Kernel` enum follows it.
 pub const CATALOGUE: &[Variant] = &[
@@ -391,8 +394,9 @@ pub const CATALOGUE: &[Variant] = &[
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and
-    // its conversion, at 64 and 128 its 128-key shapes (at 128 also on FlashAttention-2's
-    // warp layout); d = 256's dK/dV with 16-row tiles for 99 KB devices.
+    // its conversion, at 64 and 128 its 128-key shapes, at 128 and 256 on FlashAttention-2's
+    // warp layout (d = 256 with Q single-buffered too, for 163 KB devices); d = 256's dK/dV
+    // with 16-row tiles for 99 KB devices.
     row(Family::BwdDsum, 0).bounds(Bounds::Free),
     row(Family::BwdSm90Convert, 0).bounds(Bounds::Free),
     bwd_dkdv(32),
@@ -436,6 +440,12 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_fused(128).tile(Grid),
     bwd_fused_plain(128).tile(Grid),
     bwd_fused_convert(128).tile(Grid),
+    bwd_fused(256).tile(Grid),
+    bwd_fused_plain(256).tile(Grid),
+    bwd_fused_convert(256).tile(Grid),
+    bwd_fused(256).tile(GridQ1),
+    bwd_fused_plain(256).tile(GridQ1),
+    bwd_fused_convert(256).tile(GridQ1),
     bwd_dkdv(160),
     bwd_dkdv(160).mods(Sparse),
     bwd_dq(160),

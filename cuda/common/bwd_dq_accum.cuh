@@ -118,32 +118,39 @@ __device__ __forceinline__ int64_t dq_tile_offset(const BwdParams& bp, const Seq
 }
 
 // This tile's dQ contribution: dS (BM x BN) K (BN x D), split over the warps, added to the
-// tile at `tile` (dq_tile_offset).
-template <class K>
+// tile at `tile` (dq_tile_offset). PASSES > 1 computes each warp's columns in that many
+// passes, each with a fraction of the accumulators (registers for kernels that hold dK and dV
+// for many columns), reading dS once per pass.
+template <class K, int PASSES = 1>
 __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const typename K::T* sK,
                                               float* tile, int warp, int lane) {
-    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = K::DQ_FRAG;
+    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = K::DQ_FRAG, PNT = NT / PASSES;
+    static_assert(PNT * PASSES == NT && PNT % 2 == 0, "whole pairs of n8 tiles per pass");
     const int row0 = K::dq_row0(warp), col0 = K::dq_col0(warp);
-    float acc[MT][NT][4];
-    zero(acc);
-    gemm_dq<typename K::T, MT, NT, K::BN / 16, K::DS_STRIDE, K::STRIDE>(acc, ds_t + row0,
-                                                                         sK + col0, lane);
     // One pointer per thread, then compile-time offsets from it, which fold into the atomics'
     // address field (offsets computed per atomic in 32 bits cost four integer instructions
     // each to widen and add: ptxas, sm_80).
     float* const base = tile + dq_slot<FRAG>(warp, 0, lane);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int pass = 0; pass < PASSES; ++pass) {
+        float acc[MT][PNT][4];
+        zero(acc);
+        gemm_dq<typename K::T, MT, PNT, K::BN / 16, K::DS_STRIDE, K::STRIDE>(
+            acc, ds_t + row0, sK + col0 + pass * PNT * 8, lane);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; e += DQ_VEC) {
-                float* dst = base + ((mt * NT + nt) * 4 + e) * 32;  // = dq_slot(.., i, ..)
-                if constexpr (DQ_VEC == 2)
-                    red_add_v2(dst, acc[mt][nt][e], acc[mt][nt][e + 1]);
-                else
-                    atomicAdd(dst, acc[mt][nt][e]);
-            }
+            for (int j = 0; j < PNT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; e += DQ_VEC) {
+                    const int nt = pass * PNT + j;
+                    float* dst = base + ((mt * NT + nt) * 4 + e) * 32;  // = dq_slot(.., i, ..)
+                    if constexpr (DQ_VEC == 2)
+                        red_add_v2(dst, acc[mt][j][e], acc[mt][j][e + 1]);
+                    else
+                        atomicAdd(dst, acc[mt][j][e]);
+                }
+    }
 }
 
 // dq = tile * scale for one tile of a tiled buffer: the block has the fused kernel's warps,

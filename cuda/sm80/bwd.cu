@@ -6,10 +6,11 @@
 //   flash_bwd_dsum_<dtype>
 //   flash_bwd_dkdvq_<dtype>_d<D>[_dropout]  dK, dV, atomic dQ        grid (ceil(sk/BN), h_k, b)
 //   flash_bwd_dq_convert_<dtype>_d<D>  dq = dq_accum * scale           grid (ceil(sq/BM), h, b)
-// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128[t] and _d128_bn128g (FlashAttention-2's warp
-// layout) are 128-key shapes of the second (no dropout), converted by
-// flash_bwd_dq_convert_<dtype>_d<D>_bn128[t|g] (the tiled dq_accum follows the kernel's
-// warps). flash_bwd_dq_convert_<dtype> converts the wgmma kernel's dq_accum.
+// flash_bwd_dkdvq_<dtype>_d{64,128}_bn128[t] are 128-key shapes of the second (no dropout),
+// flash_bwd_dkdvq_<dtype>_d{128,256}_grid[_q1] the same on FlashAttention-2's warp layout
+// (d = 256: 64 keys), each converted by the flash_bwd_dq_convert_ of its name (the tiled
+// dq_accum follows the kernel's warps). flash_bwd_dq_convert_<dtype> converts the wgmma
+// kernel's dq_accum.
 #include "sm80/bwd_dkdv.cuh"
 #include "sm80/bwd_grid.cuh"
 #include "sm80/bwd_dq.cuh"

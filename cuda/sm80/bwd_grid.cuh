@@ -1,4 +1,4 @@
-// dK, dV and atomic dQ for one block of 128 keys on FlashAttention-2's warp layout (its
+// dK, dV and atomic dQ for one block of keys on FlashAttention-2's warp layout (its
 // Algorithm 2, lines 5-21; the traits in bwd_traits.cuh). The fused kernel of bwd_dkdv.cuh
 // gives each warp 16 keys against all of a tile's queries and keeps P^T and dS^T in registers
 // as the A operands of dV and dK, so every warp reads all of Q and dO for every product; here
@@ -6,8 +6,10 @@
 // reads fewer shared bytes per mma (sm_80's limit in this kernel) at the price of one more
 // barrier per tile and the P^T stores: +3-4% at d = 128 on the H100's sm_80 path, but 1-3%
 // slower at d = 64, which keeps the other layout (docs/archive/PERF.md, "the fused backward
-// on FlashAttention-2's warp layout"). No
-// dropout: those problems keep the other layout too.
+// on FlashAttention-2's warp layout"). At d = 256, where no other fused kernel fits, it
+// replaces the deterministic pair (dK/dV in two column halves that each recompute S and dP,
+// then a dQ kernel that recomputes both again). No dropout: those problems keep the other
+// kernels.
 #pragma once
 #include "common/bwd_dq_accum.cuh"
 #include "common/bwd_tiles.cuh"
@@ -26,18 +28,18 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     using T = typename K::T;
     constexpr int D = K::D, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
     constexpr int STRIDE = K::STRIDE, DS_STRIDE = K::DS_STRIDE;
-    constexpr int KMT = K::KMT, DOT = K::DOT;
+    constexpr int KMT = K::KMT, DOT = K::DOT, STAGES = K::STAGES;
     const AttnParams& p = bp.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + BN * STRIDE;
-    T* sQ_all = sV + BN * STRIDE;                // two Q tiles
-    T* sdO = sQ_all + 2 * BM * STRIDE;           // one dO tile
+    T* sQ_all = sV + BN * STRIDE;                // STAGES Q tiles
+    T* sdO = sQ_all + STAGES * BM * STRIDE;      // one dO tile
     T* sP_t = sdO + BM * STRIDE;                 // P^T (BN x BM)
     T* sdS_t = sP_t + BN * DS_STRIDE;            // dS^T (BN x BM)
     // Per Q stage: the LSE of the tile's rows (as stored) and their rowsum(dO O).
     float* sLse_all = reinterpret_cast<float*>(sdS_t + BN * DS_STRIDE);
-    float* sDsum_all = sLse_all + 2 * BM;
+    float* sDsum_all = sLse_all + STAGES * BM;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     // S^T warp tile: keys key0.., queries q0.. of the tile; dK/dV warp tile: keys kv0..,
@@ -83,7 +85,7 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     cp_async_commit();
     const int t = lane % 4;
     for (int it = 0; it < tiles.count; ++it, tiles.next(mask, bidh, m0)) {
-        const int stage = it % 2;
+        const int stage = STAGES == 2 ? it % 2 : 0;
         const T* sQ = sQ_all + stage * BM * STRIDE;
         const float* sLse = sLse_all + stage * BM;
         const float* sDsum = sDsum_all + stage * BM;
@@ -94,11 +96,13 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
         // Tile it (Q, dO, row statistics) is visible to every warp, and every warp is done
         // with tile it - 1: its Q stage, P^T and dS^T.
         __syncthreads();
-        if (has_next) {
-            load_q(next_bidh, next_m0, stage ^ 1);
-            stats_of_stage(next_bidh, next_m0, stage ^ 1);
+        if constexpr (STAGES == 2) {
+            if (has_next) {
+                load_q(next_bidh, next_m0, stage ^ 1);
+                stats_of_stage(next_bidh, next_m0, stage ^ 1);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
@@ -152,8 +156,16 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
         // dK += dS^T Q (line 21), dQ += dS K (line 20).
         gemm_st<T, KMT, BM / 16, DOT, DS_STRIDE, STRIDE>(dk, sdS_t + kv0 * DS_STRIDE, sQ + c0,
                                                           lane);
-        dq_accumulate<K>(sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0),
-                         warp, lane);
+        if constexpr (STAGES == 1) {
+            __syncthreads();  // every warp is done with Q and the row statistics
+            if (has_next) {
+                load_q(next_bidh, next_m0, 0);
+                stats_of_stage(next_bidh, next_m0, 0);
+            }
+            cp_async_commit();
+        }
+        dq_accumulate<K, K::DQ_PASSES>(
+            sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0), warp, lane);
     }
 
     cp_async_wait<0>();  // K and V were requested even if no query block sees them

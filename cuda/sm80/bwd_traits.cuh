@@ -86,21 +86,22 @@ template <typename T, int D, bool WIDE = false, bool TALL = false> struct BwdFus
     using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN>;
 };
 
-// The fused backward on FlashAttention-2's warp layout (sm80/bwd_grid.cuh): 128 keys over 8
+// The fused backward on FlashAttention-2's warp layout (sm80/bwd_grid.cuh): BN keys over 8
 // warps, and each product split over the warps in two dimensions so that every warp reads
 // less of its shared operands per mma. S^T and dP^T on a WK x WQ grid (keys x queries), P^T
 // and dS^T staged key-major in shared memory, then dV and dK on a WKV x WD grid (keys x
-// columns) and dQ on the fused kernel's DQ_WM x DQ_WN. Q is double-buffered, dO single (the
-// next dO is requested once every warp has read this one), which keeps d = 128 with 64 rows
-// (156 KB) within an A100's 163 KB.
-template <typename T_, int D_, int BM_, int WQ_> struct BwdGridTraits {
+// columns) and dQ on the fused kernel's DQ_WM x DQ_WN. dO is single-buffered (the next dO is
+// requested once every warp has read this one), Q double-buffered where Q_STAGES = 2, else
+// requested once dK has read it.
+template <typename T_, int D_, int BN_, int BM_, int WQ_, int WD_, int Q_STAGES_>
+struct BwdGridTraits {
     using T = T_;
-    static constexpr int D = D_, BN = 128, BM = BM_, NWARPS = 8, STAGES = 2;
+    static constexpr int D = D_, BN = BN_, BM = BM_, NWARPS = 8, STAGES = Q_STAGES_;
     static constexpr int THREADS = NWARPS * 32;
     static constexpr int WQ = WQ_, WK = NWARPS / WQ;  // S^T, dP^T warp grid
     static constexpr int MT = BN / (16 * WK);         // m16 key tiles of S^T per warp
     static constexpr int NQ = BM / (8 * WQ);          // n8 query tiles of S^T per warp
-    static constexpr int WD = 2, WKV = NWARPS / WD;   // dK, dV warp grid
+    static constexpr int WD = WD_, WKV = NWARPS / WD;  // dK, dV warp grid
     static constexpr int KMT = BN / (16 * WKV);       // m16 key tiles of dK, dV per warp
     static constexpr int DOT = D / (8 * WD);          // n8 column tiles of dK, dV per warp
     static constexpr int STRIDE = D + SMEM_PAD;
@@ -109,10 +110,13 @@ template <typename T_, int D_, int BM_, int WQ_> struct BwdGridTraits {
     static constexpr int DQ_MT = BM / (16 * DQ_WM);
     static constexpr int DQ_NT = D / (8 * DQ_WN);
     static constexpr int DQ_FRAG = DQ_MT * DQ_NT * 4;
+    // dQ's columns in passes of at most 4 n8 tiles: 32 accumulators beside dK's and dV's.
+    static constexpr int DQ_PASSES = DQ_NT > 4 ? DQ_NT / 4 : 1;
     static __device__ __forceinline__ int dq_row0(int warp) { return (warp / DQ_WN) * DQ_MT * 16; }
     static __device__ __forceinline__ int dq_col0(int warp) { return (warp % DQ_WN) * DQ_NT * 8; }
     static constexpr int SMEM_BYTES = (2 * BN + (STAGES + 1) * BM) * STRIDE * int(sizeof(T)) +
                                       2 * BN * DS_STRIDE * int(sizeof(T)) + 2 * STAGES * BM * 4;
+    static_assert(STAGES == 1 || STAGES == 2, "Q is single- or double-buffered");
     static_assert(BN == MT * 16 * WK && BM == NQ * 8 * WQ && NQ % 2 == 0, "S^T warp tiles");
     static_assert(BN == KMT * 16 * WKV && D == DOT * 8 * WD && DOT % 2 == 0, "dK, dV warp tiles");
     static_assert(BM <= THREADS, "one thread per row loads the LSE and rowsum(dO O)");
@@ -120,8 +124,11 @@ template <typename T_, int D_, int BM_, int WQ_> struct BwdGridTraits {
                   "dQ tile shape");
 };
 
-// d = 128: 64 rows per tile, S^T warp tiles of 32 keys x 32 queries (compiled at d = 128 only).
-template <typename T, int D> struct BwdGridConfig {
-    static_assert(D == 128, "the grid layout is compiled at d = 128");
-    using Kv = BwdGridTraits<T, D, 64, 2>;
+// d = 128: 128 keys, 64 rows per tile, S^T warp tiles of 32 keys x 32 queries, dK/dV of 32
+// keys x 64 columns, Q double-buffered (156 KB). d = 256: 64 keys and 64 rows, S^T warp tiles
+// of 16 keys x 32 queries, dK/dV of 32 keys x 64 columns, Q double-buffered where 184 KB is
+// allowed (Hopper's sm_80 path), else single (151 KB, A100).
+template <typename T, int D, int Q_STAGES = 2> struct BwdGridConfig {
+    static_assert(D == 128 || D == 256, "the grid layout is compiled at d = 128 and 256");
+    using Kv = BwdGridTraits<T, D, (D == 128 ? 128 : 64), 64, 2, (D == 128 ? 2 : 4), Q_STAGES>;
 };

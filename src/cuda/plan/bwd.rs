@@ -1,7 +1,7 @@
 //! The backward's kernel choice. dsum, then either
 //! - the dK/dV kernel and the dQ kernel (deterministic; any head dim), or
-//! - for d <= 128 when the caller allows non-determinism (the default): one kernel for dK, dV
-//!   and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
+//! - for d <= 128 and d = 256 when the caller allows non-determinism (the default): one kernel
+//!   for dK, dV and dQ, dQ summed with f32 atomics into a zeroed buffer, then a convert kernel.
 //!
 //! On Hopper at d 64 and 128, for batches whose tensors TMA can address, the fused kernel is
 //! the warp-specialized one (packed batches in its `_packed` kernels, dropout in its
@@ -16,7 +16,9 @@
 //! warps where that variant is compiled (d 64 and 128, no dropout) and fits: at d 128 on
 //! FlashAttention-2's warp layout where 156 KB of shared memory is allowed (A100, Hopper:
 //! +3-4% over the tall shape on the H100's sm_80 path; docs/archive/PERF.md, "the fused
-//! backward on FlashAttention-2's warp layout"),
+//! backward on FlashAttention-2's warp layout"), and at d 256 (no dropout) on the same layout
+//! with 64 keys, Q double-buffered where 184 KB is allowed, else single (A100): 1.4-1.75x the
+//! deterministic pair it replaces (docs/archive/PERF.md, "the grid layout at d 256"),
 //! with twice the streamed query rows where 158 KB is (+3-5% at d 64; docs/archive/PERF.md,
 //! "a taller 128-key backward"), else 64 keys over 4
 //! warps: at hd 128, seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200;
@@ -24,8 +26,8 @@
 //!
 //! `CANDLE_FLASH_BWD` overrides the choice for A/B comparisons of speed and accuracy:
 //! `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma kernel on
-//! Hopper; `bn64`, `bn128`, `bn128t` (128 keys, twice the query rows per tile) and `bn128g`
-//! (128 keys on FlashAttention-2's warp layout) force the mma.sync fused kernel of that shape.
+//! Hopper; `bn64`, `bn128`, `bn128t` (128 keys, twice the query rows per tile) and `grid`
+//! (FlashAttention-2's warp layout) force the mma.sync fused kernel of that shape.
 
 use candle::{bail, Result};
 
@@ -76,7 +78,7 @@ fn bwd_override() -> Option<&'static str> {
 
 /// The warp-specialized kernels of the head dim's class, on Hopper, deterministic or not.
 /// `CANDLE_FLASH_BWD` (A/B runs) keeps them off: `separate` everywhere; `sm90`, `bn64`,
-/// `bn128`, `bn128t`, `bn128g` where those kernels exist (64-128), but `bn*` under a block mask at
+/// `bn128`, `bn128t`, `grid` where those kernels exist (64-128), but `bn*` under a block mask at
 /// 64/128 still runs them (the fused mma.sync kernels have no `_sparse` variant). Head dims
 /// 65-96 under a block mask keep the mma.sync kernels (measured only without one).
 fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
@@ -157,8 +159,27 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
             .flatten()
             .or_else(|| of(Mods::Scores))
     };
-    let has_fused = fused(Tile::Base, false).is_some();
-    if q.deterministic || !has_fused || env == Some("separate") || (sparse && !wgmma) {
+    // The first that fits of the allowed wider shapes (none with dropout), else 64 keys over
+    // 4 warps; head dims without a fused kernel that runs here (d = 256 with dropout or on a
+    // 99 KB device, d 160-224) take the deterministic pair.
+    let wide: &[Tile] = match env {
+        Some("bn64") => &[],
+        Some("bn128") => &[Tile::Wide],
+        Some("bn128t") => &[Tile::Tall, Tile::Wide],
+        Some("grid") => &[Tile::Grid, Tile::GridQ1],
+        _ => &[Tile::Grid, Tile::GridQ1, Tile::Tall, Tile::Wide],
+    };
+    let fits =
+        |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
+    let tile = wide
+        .iter()
+        .copied()
+        .find(|&t| !q.dropout && fits(t).is_some())
+        .or_else(|| fused(Tile::Base, q.dropout).map(|_| Tile::Base));
+    let Some(tile) = tile else {
+        return separate(d, sparse, facts.smem);
+    };
+    if q.deterministic || env == Some("separate") || (sparse && !wgmma) {
         return separate(d, sparse, facts.smem);
     }
     if wgmma && (env.is_none() || env == Some("sm90") || sparse) {
@@ -168,21 +189,6 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
             return Ok(BwdPlan::Sm90 { dkdvq, convert });
         }
     }
-    // The first that fits of the allowed 128-key shapes; 64 keys otherwise.
-    let wide: &[Tile] = match env {
-        Some("bn64") => &[],
-        Some("bn128") => &[Tile::Wide],
-        Some("bn128t") => &[Tile::Tall, Tile::Wide],
-        Some("bn128g") => &[Tile::Grid],
-        _ => &[Tile::Grid, Tile::Tall, Tile::Wide],
-    };
-    let fits =
-        |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
-    let tile = wide
-        .iter()
-        .copied()
-        .find(|&t| !q.dropout && fits(t).is_some())
-        .unwrap_or(Tile::Base);
     match (
         fused(tile, q.dropout),
         Kernel::of(Family::BwdFusedConvert, d, |v| v.tile == tile),
@@ -327,5 +333,18 @@ mod tests {
         assert_eq!(tile(128, false, &ADA), Tile::Base);
         // Dropout: 64 keys over 4 warps.
         assert_eq!(tile(128, true, &A100), Tile::Base);
+        // d = 256: the grid layout, Q double-buffered where 184 KB is allowed (Hopper's sm_80
+        // path), else single; on 99 KB devices and with dropout the deterministic pair.
+        let hopper_sm80 = DeviceFacts { major: 8, ..HOPPER };
+        assert_eq!(tile(256, false, &hopper_sm80), Tile::Grid);
+        assert_eq!(tile(256, false, &A100), Tile::GridQ1);
+        for (dropout, facts) in [(false, &ADA), (true, &A100)] {
+            let q = BwdQuery {
+                dropout,
+                ..query(256, Mods::None)
+            };
+            let (_, plan) = plan_bwd(&q, facts).unwrap();
+            assert!(matches!(plan, BwdPlan::Separate { .. }), "{plan:?}");
+        }
     }
 }
