@@ -72,6 +72,15 @@ if [ ${#args[@]} = 0 ]; then
   run_step tests-kvcache-global-merge "$OUT/gpu-tests.log" --append \
     env CANDLE_FLASH_DECODE_CLUSTER=0 "$BIN/gpu" --only kvcache,fp8 || rc=$?
   [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
+  # The Ampere/Ada path's attention as an A100 (163 KB of shared memory a block) and an RTX
+  # 4090 (99 KB) take it: tiles that only those limits choose, e.g. the d 256 backward's
+  # single-buffered `_grid_q1` and the 99 KB devices' small tiles.
+  for kb in 163 99; do
+    rc=0
+    run_step "tests-sm80-${kb}k" "$OUT/gpu-tests.log" --append \
+      env CANDLE_FLASH_ARCH=sm80 CANDLE_FLASH_SMEM_KB=$kb "$BIN/gpu" --only fwd,bwd || rc=$?
+    [ "$rc" = 0 ] || [ "$gpu_rc" != 0 ] || gpu_rc=$rc
+  done
   # Every catalogue kernel of the device's set loads with the launch bounds of its geometry.
   if [ -x "$BIN/unit" ]; then
     rc=0
