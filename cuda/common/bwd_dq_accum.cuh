@@ -118,13 +118,14 @@ __device__ __forceinline__ int64_t dq_tile_offset(const BwdParams& bp, const Seq
 }
 
 // This tile's dQ contribution: dS (BM x BN) K (BN x D), split over the warps, added to the
-// tile at `tile` (dq_tile_offset). PASSES > 1 computes each warp's columns in that many
+// tile at `tile` (dq_tile_offset). K::DQ_PASSES > 1 computes each warp's columns in that many
 // passes, each with a fraction of the accumulators (registers for kernels that hold dK and dV
 // for many columns), reading dS once per pass.
-template <class K, int PASSES = 1>
+template <class K>
 __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const typename K::T* sK,
                                               float* tile, int warp, int lane) {
-    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = K::DQ_FRAG, PNT = NT / PASSES;
+    constexpr int MT = K::DQ_MT, NT = K::DQ_NT, FRAG = K::DQ_FRAG, PASSES = K::DQ_PASSES;
+    constexpr int PNT = NT / PASSES;
     static_assert(PNT * PASSES == NT && PNT % 2 == 0, "whole pairs of n8 tiles per pass");
     const int row0 = K::dq_row0(warp), col0 = K::dq_col0(warp);
     // One pointer per thread, then compile-time offsets from it, which fold into the atomics'

@@ -164,8 +164,8 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
             }
             cp_async_commit();
         }
-        dq_accumulate<K, K::DQ_PASSES>(
-            sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0), warp, lane);
+        dq_accumulate<K>(sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0),
+                         warp, lane);
     }
 
     cp_async_wait<0>();  // K and V were requested even if no query block sees them

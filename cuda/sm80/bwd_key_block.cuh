@@ -24,9 +24,10 @@ __device__ __forceinline__ void load_key_block(T* sK, T* sV, const AttnParams& p
 
 // The LSE (as stored) and rowsum(dO O) of rows [m0, m0 + BM) into the stage's slots of the
 // per-stage arrays, one thread per row, by cp.async with the tile's group (no registers held
-// across an iteration; the LSE is converted where it is read). Rows past the end get LSE -inf, so P = 0 there: their Q rows are zero, but a
-// score is not, under an ALiBi bias (a negative slope raises far scores), and exp2 of it can
-// overflow f16 into inf x (dO = 0) = NaN in dV. Their dsum is 0.
+// across an iteration; the LSE is converted where it is read). Rows past the end get LSE
+// -inf, so P = 0 there: their Q rows are zero, but a score is not, under an ALiBi bias (a
+// negative slope raises far scores), and exp2 of it can overflow f16 into inf x (dO = 0) =
+// NaN in dV. Their dsum is 0.
 template <int BM>
 __device__ __forceinline__ void load_row_stats(float* sLse_all, float* sDsum_all, int stage,
                                                const BwdParams& bp, const SeqInfo& seq, int bidb,

@@ -28,6 +28,7 @@ struct BwdKvTraits {
     static constexpr int DQ_MT = BM / (16 * DQ_WM);  // m16 query tiles of dQ per warp
     static constexpr int DQ_NT = D / (8 * DQ_WN);    // n8 column tiles of dQ per warp
     static constexpr int DQ_FRAG = DQ_MT * DQ_NT * 4;  // dQ accumulators per thread
+    static constexpr int DQ_PASSES = 1;                 // dq_accumulate: all columns at once
     // First row and column of `warp`'s dQ tile within the BM x D tile.
     static __device__ __forceinline__ int dq_row0(int warp) { return (warp / DQ_WN) * DQ_MT * 16; }
     static __device__ __forceinline__ int dq_col0(int warp) { return (warp % DQ_WN) * DQ_NT * 8; }

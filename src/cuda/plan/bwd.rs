@@ -160,6 +160,9 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
             .flatten()
             .or_else(|| of(Mods::Scores))
     };
+    if q.deterministic || env == Some("separate") || (sparse && !wgmma) {
+        return separate(d, sparse, facts.smem);
+    }
     // The first that fits of the allowed wider shapes (none with dropout), else 64 keys over
     // 4 warps; head dims without a fused kernel that runs here (d = 256 with dropout or on a
     // 99 KB device, d 160-224) take the deterministic pair. `GridQ1` (d = 256 within 163 KB)
@@ -175,17 +178,14 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
     };
     let fits =
         |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
-    let tile = wide
+    let chosen = wide
         .iter()
-        .copied()
-        .find(|&t| !q.dropout && fits(t).is_some())
-        .or_else(|| fused(Tile::Base, q.dropout).map(|_| Tile::Base));
-    let Some(tile) = tile else {
+        .filter(|_| !q.dropout)
+        .find_map(|&t| fits(t).map(|k| (t, k)))
+        .or_else(|| fused(Tile::Base, q.dropout).map(|k| (Tile::Base, k)));
+    let Some((tile, dkdvq)) = chosen else {
         return separate(d, sparse, facts.smem);
     };
-    if q.deterministic || env == Some("separate") || (sparse && !wgmma) {
-        return separate(d, sparse, facts.smem);
-    }
     if wgmma && (env.is_none() || env == Some("sm90") || sparse) {
         if let (Some(dkdvq), Some(convert)) =
             (sm90, Kernel::of(Family::BwdSm90Convert, 0, |_| true))
@@ -193,12 +193,9 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
             return Ok(BwdPlan::Sm90 { dkdvq, convert });
         }
     }
-    match (
-        fused(tile, q.dropout),
-        Kernel::of(Family::BwdFusedConvert, d, |v| v.tile == tile),
-    ) {
-        (Some(dkdvq), Some(convert)) => Ok(BwdPlan::Fused { dkdvq, convert }),
-        _ => bail!("flash-attn backward: no fused kernel for head dim {d}"),
+    match Kernel::of(Family::BwdFusedConvert, d, |v| v.tile == tile) {
+        Some(convert) => Ok(BwdPlan::Fused { dkdvq, convert }),
+        None => bail!("flash-attn backward: no dQ conversion for head dim {d}'s fused kernel"),
     }
 }
 
