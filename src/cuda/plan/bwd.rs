@@ -165,16 +165,14 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
     }
     // The first that fits of the allowed wider shapes (none with dropout), else 64 keys over
     // 4 warps; head dims without a fused kernel that runs here (d = 256 with dropout or on a
-    // 99 KB device, d 160-224) take the deterministic pair. `GridQ1` (d = 256 within 163 KB)
-    // runs only under `CANDLE_FLASH_BWD=grid` until a GPU test section has run it (benched,
-    // not yet tested: docs/archive/PERF.md, "the grid layout at d 256"); the A100 keeps the
-    // pair there.
+    // 99 KB device, d 160-224) take the deterministic pair. `GridQ1` is the grid layout with
+    // Q single-buffered, so that d = 256 fits 163 KB (A100).
     let wide: &[Tile] = match env {
         Some("bn64") => &[],
         Some("bn128") => &[Tile::Wide],
         Some("bn128t") => &[Tile::Tall, Tile::Wide],
         Some("grid") => &[Tile::Grid, Tile::GridQ1],
-        _ => &[Tile::Grid, Tile::Tall, Tile::Wide],
+        _ => &[Tile::Grid, Tile::GridQ1, Tile::Tall, Tile::Wide],
     };
     let fits =
         |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
@@ -334,12 +332,13 @@ mod tests {
         assert_eq!(tile(128, false, &ADA), Tile::Base);
         // Dropout: 64 keys over 4 warps.
         assert_eq!(tile(128, true, &A100), Tile::Base);
-        // d = 256: the grid layout where 184 KB is allowed (Hopper's sm_80 path); within
-        // 163 KB (its Q single-buffered kernel not yet run by a test), on 99 KB devices and
-        // with dropout the deterministic pair.
+        // d = 256: the grid layout where 184 KB is allowed (Hopper's sm_80 path), Q
+        // single-buffered within 163 KB; on 99 KB devices and with dropout the deterministic
+        // pair.
         let hopper_sm80 = DeviceFacts { major: 8, ..HOPPER };
         assert_eq!(tile(256, false, &hopper_sm80), Tile::Grid);
-        for (dropout, facts) in [(false, &A100), (false, &ADA), (true, &A100)] {
+        assert_eq!(tile(256, false, &A100), Tile::GridQ1);
+        for (dropout, facts) in [(false, &ADA), (true, &A100)] {
             let q = BwdQuery {
                 dropout,
                 ..query(256, Mods::None)
