@@ -68,7 +68,11 @@ fn name(v: &Variant, dt: &str) -> String {
     let opt = |b: bool, s: &'static str| if b { s } else { "" };
     match v.family {
         Family::Fwd => {
-            let shape = if v.tile == Tile::Small { "_s64" } else { "" };
+            let shape = match v.tile {
+                Tile::Small => "_s64",
+                Tile::Wide => "_wide",
+                _ => "",
+            };
             format!(
                 "flash_fwd_{dt}_d{d}{shape}{}{}",
                 mods_suffix(v.mods),
@@ -190,6 +194,7 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
     );
     Some(match v.family {
         Family::Fwd if v.tile == Tile::Small => format!("FwdSmallConfig<{t}, {d}>::Traits"),
+        Family::Fwd if v.tile == Tile::Wide => format!("FwdWideConfig<{t}, {d}>::Traits"),
         Family::Fwd => format!("FwdConfig<{t}, {d}>::Traits"),
         Family::FwdSm90 => format!(
             "Sm90Traits<{t}, {d}, {}, {}, {}>",

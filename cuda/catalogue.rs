@@ -136,7 +136,8 @@ pub enum Tile {
     Base,
     /// The small-shared-memory shape for 99 KB devices (forward `_s64`, dK/dV `_s16`).
     Small,
-    /// The fused backward with 128 keys over 8 warps (`_bn128`).
+    /// Wider key tiles: the fused backward with 128 keys over 8 warps (`_bn128`); the plain
+    /// forward at d = 64 with 96 (`_wide`, `FwdWideConfig`), for non-causal problems.
     Wide,
     /// `Wide` with twice the streamed query rows (`_bn128t`).
     Tall,
@@ -332,6 +333,7 @@ pub const CATALOGUE: &[Variant] = &[
     // Without score modifiers (the common problem), at the head dims the Ampere/Ada path is
     // measured at against FlashAttention-2.
     fwd_plain(64),
+    fwd_plain(64).tile(Wide),
     fwd_plain(128),
     // sm90/fwd.cu: the wgmma forward. Two warpgroups of 64 rows and 128-key tiles; three at
     // d = 64 (192 rows sharing each K/V tile); one warpgroup per block where three (d = 64,

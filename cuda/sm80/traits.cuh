@@ -36,6 +36,12 @@ template <typename T> struct FwdConfig<T, 160> { using Traits = FwdTraits<T, 160
 template <typename T> struct FwdConfig<T, 192> { using Traits = FwdTraits<T, 192, 128, 64, 8>; };
 template <typename T> struct FwdConfig<T, 224> { using Traits = FwdTraits<T, 224, 128, 64, 8>; };
 template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 128, 64, 8>; };
+// Plain problems without a causal mask at d = 64 (the kernel without score modifiers): 96-key
+// tiles, which ptxas fits with 8 bytes of spill where 128 keys spilled 140. On the H100's
+// sm_80 path +3-6% at 1k-16k against 64-key tiles, but 0.7-3.5% slower causal, whose
+// diagonal tiles mask more keys (docs/archive/PERF.md, "the d 64 forward's 96-key tile").
+template <typename T, int D> struct FwdWideConfig;
+template <typename T> struct FwdWideConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 96, 4>; };
 // Where a device allows 99 KB of shared memory per block (sm_86/89), d >= 192 takes 64 query
 // rows and 32-key tiles (52-68 KB instead of 102-135 KB). The planner
 // (src/cuda/plan/fwd.rs) takes it where the other does not fit.

@@ -60,8 +60,10 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
 
 /// The mma.sync kernel of head dim class `d`: its own tile, or where that needs more than
 /// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
-/// a score modifier or block mask take a plain kernel where one is compiled
-/// (`CANDLE_FLASH_MMA=any` sends them to the kernel with every modifier, for A/B runs).
+/// a score modifier or block mask take a plain kernel where one is compiled, without a causal
+/// mask its wider key tile where one is (d = 64: 96 keys, +4-6% non-causal, slower causal;
+/// `FwdWideConfig`). For A/B runs `CANDLE_FLASH_MMA=any` sends them to the kernel with every
+/// modifier, `base` keeps them off the wider tile.
 fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
     mma_kernel_with(d, q, smem, overrides().mma.as_str())
 }
@@ -69,10 +71,16 @@ fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
 /// [`mma_kernel`] under the switch's value `forced`.
 fn mma_kernel_with(d: usize, q: &FwdQuery, smem: usize, forced: &str) -> Result<Kernel> {
     if q.mods == Mods::None && !q.dropout && forced != "any" {
-        let plain = Kernel::of(Family::Fwd, d, |v| {
-            v.mods == Mods::None && v.tile == Tile::Base && !v.dropout
-        });
-        if let Some(k) = plain.filter(|k| k.geometry().smem as usize <= smem) {
+        let plain = |tile| {
+            Kernel::of(Family::Fwd, d, |v| {
+                v.mods == Mods::None && v.tile == tile && !v.dropout
+            })
+            .filter(|k| k.geometry().smem as usize <= smem)
+        };
+        let wide = (!q.causal && forced != "base")
+            .then(|| plain(Tile::Wide))
+            .flatten();
+        if let Some(k) = wide.or_else(|| plain(Tile::Base)) {
             return Ok(k);
         }
     }
@@ -357,6 +365,30 @@ mod tests {
     }
 
     #[test]
+    fn plain_non_causal_problems_take_the_wider_key_tile_where_compiled() {
+        let pick = |d, causal, forced| {
+            let k = mma_kernel_with(d, &query(d, 4096, causal), A100.smem, forced).unwrap();
+            (k.variant().tile, k.variant().mods, k.geometry().bn)
+        };
+        assert_eq!(pick(64, false, ""), (Tile::Wide, Mods::None, 96));
+        assert_eq!(pick(64, true, ""), (Tile::Base, Mods::None, 64));
+        assert_eq!(pick(64, false, "base"), (Tile::Base, Mods::None, 64));
+        assert_eq!(pick(64, false, "any"), (Tile::Base, Mods::Any, 64));
+        // None at d = 128 (48 keys measured level with 32).
+        assert_eq!(pick(128, false, ""), (Tile::Base, Mods::None, 32));
+        // A modifier or dropout: the kernel with every modifier.
+        let q = FwdQuery {
+            mods: Mods::Scores,
+            ..query(64, 4096, false)
+        };
+        let k = mma_kernel_with(64, &q, A100.smem, "").unwrap();
+        assert_eq!(
+            (k.variant().tile, k.variant().mods),
+            (Tile::Base, Mods::Any)
+        );
+    }
+
+    #[test]
     fn small_devices_take_the_small_tile_above_their_shared_memory() {
         let v = mma(256, Mods::None, false, &ADA).variant();
         assert_eq!((v.tile, v.mods), (Tile::Small, Mods::Any));
@@ -384,6 +416,7 @@ mod tests {
         };
         assert_eq!(pick(64, ""), (Mods::None, 64));
         assert_eq!(pick(64, "any"), (Mods::Any, 64));
+        assert_eq!(pick(64, "base"), (Mods::None, 64));
         assert_eq!(pick(128, ""), (Mods::None, 32));
         assert_eq!(pick(128, "any"), (Mods::Any, 32));
         // No plain kernel at d = 96: the one with every modifier.
