@@ -4,14 +4,37 @@
 #pragma once
 #include "common/mma.cuh"
 
+// A's MT m16 tiles of k16 step kk, row-major in shared memory from the lane's `a_base`.
+template <typename T, int MT, int STRIDE>
+__device__ __forceinline__ void load_a(uint32_t (&af)[MT][4], uint32_t a_base, int kk) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(af[mt], a_base + (mt * 16 * STRIDE + kk * 16) * sizeof(T));
+}
+
+// One k16 step kk of acc += A B with B (16 x NT*8) k-major in shared memory, read through
+// ldmatrix.trans from the lane's `b_base`; `a(mt)` is A's fragment of m16 tile mt.
+template <typename T, int MT, int NT, int STRIDE, class AFrag>
+__device__ __forceinline__ void mma_b_trans_step(float (&acc)[MT][NT][4], const AFrag& a,
+                                                 uint32_t b_base, int kk) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
+        ldmatrix_x4_trans(bf, b_base + (kk * 16 * STRIDE + np * 16) * sizeof(T));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            MmaOp<T>::run(acc[mt][2 * np], a(mt), bf[0], bf[1]);
+            MmaOp<T>::run(acc[mt][2 * np + 1], a(mt), bf[2], bf[3]);
+        }
+    }
+}
+
 // One k-step of gemm_ss: A (MT m16 tiles) and B (NT n8 tiles) of k16 step kk.
 template <typename T, int MT, int NT, int STRIDE>
 __device__ __forceinline__ void gemm_ss_step(float (&acc)[MT][NT][4], uint32_t a_base,
                                              uint32_t b_base, int kk) {
     uint32_t af[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        ldmatrix_x4(af[mt], a_base + (mt * 16 * STRIDE + kk * 16) * sizeof(T));
+    load_a<T, MT, STRIDE>(af, a_base, kk);
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
         uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
@@ -72,16 +95,8 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[MT][NT][4], const uint32_t 
     const uint32_t b_base = opaque(smem_addr(b + ((mi % 2) * 8 + lane % 8) * STRIDE + (mi / 2) * 8));
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk)
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-            uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
-            ldmatrix_x4_trans(bf, b_base + (kk * 16 * STRIDE + np * 16) * sizeof(T));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                MmaOp<T>::run(acc[mt][2 * np], a[mt][kk], bf[0], bf[1]);
-                MmaOp<T>::run(acc[mt][2 * np + 1], a[mt][kk], bf[2], bf[3]);
-            }
-        }
+        mma_b_trans_step<T, MT, NT, STRIDE>(
+            acc, [&](int mt) -> const uint32_t(&)[4] { return a[mt][kk]; }, b_base, kk);
 }
 
 template <int MT, int NT> __device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
@@ -107,18 +122,8 @@ __device__ __forceinline__ void gemm_st(float (&acc)[MT][NT][4], const T* a, con
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
         uint32_t af[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4(af[mt], a_base + (mt * 16 * A_STRIDE + kk * 16) * sizeof(T));
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-            uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
-            ldmatrix_x4_trans(bf, b_base + (kk * 16 * B_STRIDE + np * 16) * sizeof(T));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                MmaOp<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
-                MmaOp<T>::run(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-            }
-        }
+        load_a<T, MT, A_STRIDE>(af, a_base, kk);
+        mma_b_trans_step<T, MT, NT, B_STRIDE>(
+            acc, [&](int mt) -> const uint32_t(&)[4] { return af[mt]; }, b_base, kk);
     }
 }
