@@ -59,17 +59,11 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, MODS);
     const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);
     const auto load_q = [&](int bidh, int m0, int stage) {
-        const T* q = static_cast<const T*>(p.q) +
-                     seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
-        load_tile<T, BM, D, K::THREADS>(sQ_all + stage * BM * STRIDE,
-                                        q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
-                                        seq.seqlen_q - m0, p.d, tid);
+        load_query_rows<T, BM, D, K::THREADS>(sQ_all + stage * BM * STRIDE, QueryRows::Q, bp, seq,
+                                              bidb, bidh, m0, tid);
     };
     const auto load_do = [&](int bidh, int m0) {
-        const T* dout = static_cast<const T*>(bp.dout) +
-                        seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
-        load_tile<T, BM, D, K::THREADS>(sdO, dout + int64_t(m0) * p.o_row_stride,
-                                        p.o_row_stride, seq.seqlen_q - m0, p.d, tid);
+        load_query_rows<T, BM, D, K::THREADS>(sdO, QueryRows::DO, bp, seq, bidb, bidh, m0, tid);
     };
     // The row statistics into Q's stage (bwd_key_block.cuh).
     const auto stats_of_stage = [&](int bidh, int m0, int stage) {

@@ -22,6 +22,24 @@ __device__ __forceinline__ void load_key_block(T* sK, T* sV, const AttnParams& p
                                  seq.seqlen_k - n0, p.d, tid);
 }
 
+// Query rows [m0, m0 + BM) of head bidh from q (`which` = Q) or dO (`which` = DO), rows
+// past the sequence zero-filled: the tiles a key block streams.
+enum class QueryRows { Q, DO };
+template <typename T, int BM, int D, int THREADS>
+__device__ __forceinline__ void load_query_rows(T* dst, QueryRows which, const BwdParams& bp,
+                                                const SeqInfo& seq, int bidb, int bidh, int m0,
+                                                int tid) {
+    const AttnParams& p = bp.a;
+    const bool q = which == QueryRows::Q;
+    const int64_t row_stride = q ? p.q_row_stride : p.o_row_stride;
+    const T* src = static_cast<const T*>(q ? p.q : bp.dout) +
+                   (q ? seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh)
+                      : seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb,
+                                     bidh));
+    load_tile<T, BM, D, THREADS>(dst, src + int64_t(m0) * row_stride, row_stride,
+                                 seq.seqlen_q - m0, p.d, tid);
+}
+
 // The LSE (as stored) and rowsum(dO O) of rows [m0, m0 + BM) into the stage's slots of the
 // per-stage arrays, one thread per row, by cp.async with the tile's group (no registers held
 // across an iteration; the LSE is converted where it is read). Rows past the end get LSE
