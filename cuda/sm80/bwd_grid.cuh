@@ -78,7 +78,7 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     }
     cp_async_commit();
     const int t = lane % 4;
-    for (int it = 0; it < tiles.count; ++it, tiles.next(mask, bidh, m0)) {
+    for (int it = 0; it < tiles.count; ++it) {
         const int stage = STAGES == 2 ? it % 2 : 0;
         const T* sQ = sQ_all + stage * BM * STRIDE;
         const float* sLse = sLse_all + stage * BM;
@@ -160,6 +160,8 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
         }
         dq_accumulate<K>(sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0),
                          warp, lane);
+        bidh = next_bidh;
+        m0 = next_m0;
     }
 
     cp_async_wait<0>();  // K and V were requested even if no query block sees them
