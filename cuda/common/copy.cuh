@@ -1,9 +1,5 @@
 // Global -> shared tile copies with cp.async (16-byte chunks, zero-filled out of bounds), and
-// the padded shared-memory tile layout.
-//
-// Tiles are row-major with rows of D + PAD elements: a row pitch of 2D + 16 bytes puts the
-// eight 16-byte rows an ldmatrix reads into eight different bank groups, for every head dim
-// (a XOR swizzle needs D / 8 to be a multiple of 8, which 40, 96, 160, 224 are not).
+// the two shared-memory tile layouts the ldmatrix readers know.
 #pragma once
 #include <climits>
 #include <cstdint>
@@ -12,6 +8,58 @@
 
 constexpr int SMEM_PAD = 8;         // elements added to each shared-memory row
 constexpr int CHUNK = 8;            // 16-bit elements per 16-byte copy
+
+// Row-major tiles whose rows are PITCH elements apart, chunks in place: with PITCH = D + 8
+// (PaddedRows) the eight 16-byte rows an ldmatrix reads fall into eight different bank
+// groups for every head dim. The price is in the copies: a padded row starts 16 bytes off a
+// 32-byte boundary every other row, and a cp.async whose 32-byte global sector lands across
+// such a boundary moves that sector twice (SwizzledRows below).
+//
+// A layout gives an ldmatrix lane its base address (lane_base: the lane's row inside the
+// tile and its chunk, 0 or 1) and the address of the fragment `row0` rows and `c0` chunks on
+// (at; row0 a multiple of 8, c0 even, both compile-time in the unrolled loops), and a copy
+// the element offset of (row, col), col a multiple of CHUNK.
+template <int PITCH_> struct PitchRows {
+    static constexpr int PITCH = PITCH_;
+    static constexpr int ROW_PERIOD = 1;  // rows after which offset()'s column mapping repeats
+    __device__ __forceinline__ static int offset(int row, int col) { return row * PITCH + col; }
+    template <typename T>
+    __device__ __forceinline__ static uint32_t lane_base(const T* tile, int row, int chunk) {
+        return opaque(smem_addr(tile + row * PITCH + chunk * CHUNK));
+    }
+    template <typename T>
+    __device__ __forceinline__ static uint32_t at(uint32_t base, int row0, int c0) {
+        return base + (row0 * PITCH + c0 * CHUNK) * sizeof(T);
+    }
+};
+template <int D> using PaddedRows = PitchRows<D + SMEM_PAD>;
+
+// Rows of D rounded up to eight 16-byte chunks, so that every row starts on a 128-byte
+// boundary, with chunk c of row r stored at chunk c ^ (r % 8): the eight rows an ldmatrix
+// reads still hit eight different bank groups, and every copied sector lands whole.
+// Measured with a probe streaming K as the decode kernel does (H200, ncu): padded rows
+// 6.29 M sectors and 2.75 M L2 requests for 4.19 M sectors of data, 3.9 TB/s; swizzled rows
+// 4.19 M sectors, 1.05 M requests, 4.0 TB/s. Tiles must start on a 128-byte boundary.
+template <int D> struct SwizzledRows {
+    static constexpr int CHUNKS = (D / CHUNK + 7) / 8 * 8;  // 16-byte chunks per row
+    static constexpr int PITCH = CHUNKS * CHUNK;             // elements per row
+    static constexpr int ROW_BYTES = PITCH * 2;              // 16-bit elements
+    static constexpr int ROW_PERIOD = 8;
+    __device__ __forceinline__ static int offset(int row, int col) {
+        return row * PITCH + (col ^ ((row & 7) * CHUNK));
+    }
+    // The swizzle sits in address bits 4-6 of the lane's base, so moving to an even chunk
+    // c0 is an XOR of those bits (c0's low bits never meet the lane's chunk 0 or 1) and the
+    // rest an add that folds into ldmatrix's immediate.
+    template <typename T>
+    __device__ __forceinline__ static uint32_t lane_base(const T* tile, int row, int chunk) {
+        return opaque(smem_addr(tile + row * PITCH + ((chunk ^ (row & 7)) * CHUNK)));
+    }
+    template <typename T>
+    __device__ __forceinline__ static uint32_t at(uint32_t base, int row0, int c0) {
+        return (base ^ ((c0 & 7) << 4)) + row0 * ROW_BYTES + ((c0 & ~7) << 4);
+    }
+};
 
 // 16 bytes global -> shared; when !valid the destination is zero-filled and nothing is read.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
@@ -42,24 +90,24 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 // d = 128: 44 M against FlashAttention-2's 5 M), which FA2's precomputed copy partitions do
 // not pay. Measured: +1-7% forward (causal, d = 64), +1-5% backward (docs/archive/PERF.md,
 // "the sm_80 set next to FlashAttention-2, counter by counter").
-template <typename T, int ROWS, int D, int NTHREADS>
+template <typename T, int ROWS, int D, int NTHREADS, class L = PaddedRows<D>>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride,
                                           int rows_valid, int cols_valid, int tid) {
     constexpr int CHUNKS_PER_ROW = D / CHUNK;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
     static_assert(CHUNKS % NTHREADS == 0, "tile chunks must split evenly over the threads");
-    if constexpr (NTHREADS % CHUNKS_PER_ROW == 0) {
+    if constexpr (NTHREADS % CHUNKS_PER_ROW == 0 &&
+                  (NTHREADS / CHUNKS_PER_ROW) % L::ROW_PERIOD == 0) {
         // 32-bit offsets within the tile (the usual case by far) hold fewer registers.
         if (rows_valid >= ROWS && cols_valid >= D && row_stride <= INT_MAX / ROWS) {
             constexpr int ROWS_PER_PASS = NTHREADS / CHUNKS_PER_ROW;
             const int stride = int(row_stride);
             const int row = tid / CHUNKS_PER_ROW, col = (tid % CHUNKS_PER_ROW) * CHUNK;
             const T* src = gmem + (row * stride + col);
-            T* dst = smem + row * (D + SMEM_PAD) + col;
+            T* dst = smem + L::offset(row, col);
 #pragma unroll
             for (int i = 0; i < CHUNKS / NTHREADS; ++i)
-                cp_async_16(dst + i * ROWS_PER_PASS * (D + SMEM_PAD),
-                            src + i * ROWS_PER_PASS * stride);
+                cp_async_16(dst + i * ROWS_PER_PASS * L::PITCH, src + i * ROWS_PER_PASS * stride);
             return;
         }
     }
@@ -70,7 +118,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
         const int col = (c % CHUNKS_PER_ROW) * CHUNK;
         const bool valid = row < rows_valid && col < cols_valid;
         const T* src = valid ? gmem + row * row_stride + col : gmem;
-        cp_async_16(smem + row * (D + SMEM_PAD) + col, src, valid);
+        cp_async_16(smem + L::offset(row, col), src, valid);
     }
 }
 

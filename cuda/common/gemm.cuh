@@ -1,26 +1,27 @@
 // Warp-level matmuls on tensor cores, the three shapes FlashAttention needs (forward and
 // backward alike). Each warp computes MT m16 row tiles x NT n8 column tiles in the mma C
-// layout (see mma.cuh). Shared tiles are row-major with a pitch of STRIDE elements.
+// layout (see mma.cuh). Shared tiles are row-major in a layout L of common/copy.cuh
+// (PitchRows<STRIDE> or SwizzledRows<D>).
 #pragma once
+#include "common/copy.cuh"
 #include "common/mma.cuh"
 
 // A's MT m16 tiles of k16 step kk, row-major in shared memory from the lane's `a_base`.
-template <typename T, int MT, int STRIDE>
+template <typename T, int MT, class L>
 __device__ __forceinline__ void load_a(uint32_t (&af)[MT][4], uint32_t a_base, int kk) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        ldmatrix_x4(af[mt], a_base + (mt * 16 * STRIDE + kk * 16) * sizeof(T));
+    for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], L::template at<T>(a_base, mt * 16, 2 * kk));
 }
 
 // One k16 step kk of acc += A B with B (16 x NT*8) k-major in shared memory, read through
 // ldmatrix.trans from the lane's `b_base`; `a(mt)` is A's fragment of m16 tile mt.
-template <typename T, int MT, int NT, int STRIDE, class AFrag>
+template <typename T, int MT, int NT, class L, class AFrag>
 __device__ __forceinline__ void mma_b_trans_step(float (&acc)[MT][NT][4], const AFrag& a,
                                                  uint32_t b_base, int kk) {
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
         uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
-        ldmatrix_x4_trans(bf, b_base + (kk * 16 * STRIDE + np * 16) * sizeof(T));
+        ldmatrix_x4_trans(bf, L::template at<T>(b_base, kk * 16, 2 * np));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             MmaOp<T>::run(acc[mt][2 * np], a(mt), bf[0], bf[1]);
@@ -30,15 +31,15 @@ __device__ __forceinline__ void mma_b_trans_step(float (&acc)[MT][NT][4], const 
 }
 
 // One k-step of gemm_ss: A (MT m16 tiles) and B (NT n8 tiles) of k16 step kk.
-template <typename T, int MT, int NT, int STRIDE>
+template <typename T, int MT, int NT, class L>
 __device__ __forceinline__ void gemm_ss_step(float (&acc)[MT][NT][4], uint32_t a_base,
                                              uint32_t b_base, int kk) {
     uint32_t af[MT][4];
-    load_a<T, MT, STRIDE>(af, a_base, kk);
+    load_a<T, MT, L>(af, a_base, kk);
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
         uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
-        ldmatrix_x4(bf, b_base + (np * 16 * STRIDE + kk * 16) * sizeof(T));
+        ldmatrix_x4(bf, L::template at<T>(b_base, np * 16, 2 * kk));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             MmaOp<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
@@ -54,18 +55,18 @@ __device__ __forceinline__ void gemm_ss_step(float (&acc)[MT][NT][4], uint32_t a
 // sm_80 set next to FlashAttention-2, counter by counter"); FULL = false unrolls it by two,
 // for kernels that need the registers (the d = 64 backward was 2-5% slower fully unrolled;
 // others spilled more).
-template <typename T, int MT, int NT, int KSTEPS, int STRIDE, bool FULL = true>
+template <typename T, int MT, int NT, int KSTEPS, class L, bool FULL = true>
 __device__ __forceinline__ void gemm_ss(float (&acc)[MT][NT][4], const T* a, const T* b, int lane) {
     static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");
     const int mi = lane / 8;  // which 8x8 matrix of an x4 load this lane addresses
-    const uint32_t a_base = opaque(smem_addr(a + (lane % 16) * STRIDE + (lane / 16) * 8));
-    const uint32_t b_base = opaque(smem_addr(b + ((mi / 2) * 8 + lane % 8) * STRIDE + (mi % 2) * 8));
+    const uint32_t a_base = L::lane_base(a, lane % 16, lane / 16);
+    const uint32_t b_base = L::lane_base(b, (mi / 2) * 8 + lane % 8, mi % 2);
     if constexpr (FULL) {
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk) gemm_ss_step<T, MT, NT, STRIDE>(acc, a_base, b_base, kk);
+        for (int kk = 0; kk < KSTEPS; ++kk) gemm_ss_step<T, MT, NT, L>(acc, a_base, b_base, kk);
     } else {
 #pragma unroll 2
-        for (int kk = 0; kk < KSTEPS; ++kk) gemm_ss_step<T, MT, NT, STRIDE>(acc, a_base, b_base, kk);
+        for (int kk = 0; kk < KSTEPS; ++kk) gemm_ss_step<T, MT, NT, L>(acc, a_base, b_base, kk);
     }
 }
 
@@ -87,15 +88,15 @@ __device__ __forceinline__ void pack_a(const float (&c)[MT][NT][4], uint32_t (&a
 // acc += A B with A in registers (MT x KT k16 fragments) and B (KT*16 x NT*8) row-major in
 // shared memory, read k-major through ldmatrix.trans: O += P V, dQ += dS K, dV += P^T dO,
 // dK += dS^T Q. `b` points at B's first row and first column.
-template <typename T, int MT, int KT, int NT, int STRIDE>
+template <typename T, int MT, int KT, int NT, class L>
 __device__ __forceinline__ void gemm_rs(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KT][4],
                                         const T* b, int lane) {
     static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");
     const int mi = lane / 8;
-    const uint32_t b_base = opaque(smem_addr(b + ((mi % 2) * 8 + lane % 8) * STRIDE + (mi / 2) * 8));
+    const uint32_t b_base = L::lane_base(b, (mi % 2) * 8 + lane % 8, mi / 2);
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk)
-        mma_b_trans_step<T, MT, NT, STRIDE>(
+        mma_b_trans_step<T, MT, NT, L>(
             acc, [&](int mt) -> const uint32_t(&)[4] { return a[mt][kk]; }, b_base, kk);
 }
 
@@ -112,18 +113,17 @@ template <int MT, int NT> __device__ __forceinline__ void zero(float (&acc)[MT][
 // read as it is and B k-major through ldmatrix.trans: the backward's dV += P^T dO and
 // dK += dS^T Q where P^T and dS^T were staged key-major by the warps that computed them.
 // `a` points at A's first row, `b` at B's first row and column.
-template <typename T, int MT, int KT, int NT, int A_STRIDE, int B_STRIDE>
+template <typename T, int MT, int KT, int NT, class LA, class LB>
 __device__ __forceinline__ void gemm_st(float (&acc)[MT][NT][4], const T* a, const T* b, int lane) {
     static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");
     const int mi = lane / 8;
-    const uint32_t a_base = opaque(smem_addr(a + (lane % 16) * A_STRIDE + (lane / 16) * 8));
-    const uint32_t b_base =
-        opaque(smem_addr(b + ((mi % 2) * 8 + lane % 8) * B_STRIDE + (mi / 2) * 8));
+    const uint32_t a_base = LA::lane_base(a, lane % 16, lane / 16);
+    const uint32_t b_base = LB::lane_base(b, (mi % 2) * 8 + lane % 8, mi / 2);
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
         uint32_t af[MT][4];
-        load_a<T, MT, A_STRIDE>(af, a_base, kk);
-        mma_b_trans_step<T, MT, NT, B_STRIDE>(
+        load_a<T, MT, LA>(af, a_base, kk);
+        mma_b_trans_step<T, MT, NT, LB>(
             acc, [&](int mt) -> const uint32_t(&)[4] { return af[mt]; }, b_base, kk);
     }
 }

@@ -54,21 +54,8 @@ __device__ __forceinline__ int64_t opaque64(int64_t x) {
     return x;
 }
 
-// The decode kernel's K/V tiles in shared memory: rows of PITCH elements (D rounded up to
-// eight 16-byte chunks, so every row starts on a 128-byte boundary), chunk c of row r stored
-// at chunk c ^ (r % 8) so that the eight rows an ldmatrix reads hit eight different bank
-// groups.
-//
-// Why not the padded rows (D + 8) of copy.cuh: a cp.async whose 32-byte global sector lands
-// across a 32-byte boundary of shared memory moves that sector twice, and a padded row
-// starts 16 bytes off such a boundary every other row. A probe streaming K like the decode
-// kernel (H200; ncu): padded rows 6.29 M sectors and 2.75 M L2 requests for 4.19 M sectors
-// of data, 3.9 TB/s; dense or swizzled rows 4.19 M sectors, 1.05 M requests, 4.0 TB/s.
-template <int D> struct SwizzledRows {
-    static constexpr int CHUNKS = (D / CHUNK + 7) / 8 * 8;  // 16-byte chunks per row
-    static constexpr int PITCH = CHUNKS * CHUNK;             // elements per row
-    static constexpr int ROW_BYTES = PITCH * 2;              // 16-bit elements
-};
+// The decode kernel's K/V tiles in shared memory are SwizzledRows (common/copy.cuh): padded
+// rows would move every other row's copied sectors twice.
 
 // One warp copies a BN x D tile whose rows are `row_stride` apart in global memory into a
 // SwizzledRows tile. Each lane keeps one 16-byte column of the tile and walks down the rows,

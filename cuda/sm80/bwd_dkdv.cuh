@@ -126,7 +126,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
-        gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
+        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
         // Two calls with constant `masked`, not one with the test as argument: that one
         // spilled 36 bytes at d = 224 (ptxas -v, sm_80).
         // The block mask is per query head; the rest of block_needs_mask is not.
@@ -171,11 +171,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         } else {
             pack_a<T, MT, NQ>(st, a);
         }
-        gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
+        gemm_rs<T, MT, NQ / 2, DOT, PitchRows<STRIDE>>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
 
         float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
         zero(dpt);
-        gemm_ss<T, MT, NQ, D / 16, STRIDE, FULL_UNROLL>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
+        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>, FULL_UNROLL>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -194,7 +194,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         pack_a<T, MT, NQ>(dpt, a);
         if constexpr (K::DQ)
             store_ds_t<MT, NQ / 2, K::DS_STRIDE>(sdS_t + warp_row0 * K::DS_STRIDE, a, lane);
-        gemm_rs<T, MT, NQ / 2, DOT, STRIDE>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
+        gemm_rs<T, MT, NQ / 2, DOT, PitchRows<STRIDE>>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
         if constexpr (K::DQ) {
             __syncthreads();  // dS^T of every warp is in shared memory
             dq_accumulate<K>(sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0),

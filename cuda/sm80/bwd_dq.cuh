@@ -80,12 +80,12 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
 
         float s[MT][NT][4];  // S = Q K^T, then P = exp(scale S - LSE)
         zero(s);
-        gemm_ss<T, MT, NT, D / 16, STRIDE, false>(s, sQ + warp_row0 * STRIDE, sK, lane);
+        gemm_ss<T, MT, NT, D / 16, PitchRows<STRIDE>, false>(s, sQ + warp_row0 * STRIDE, sK, lane);
         mask.apply<MT, NT>(s, m0 + warp_row0, n0, lane,
                            mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0));
         float dp[MT][NT][4];  // dP = dO V^T, then dS = P (dP - rowsum(dO O))
         zero(dp);
-        gemm_ss<T, MT, NT, D / 16, STRIDE, false>(dp, sdO + warp_row0 * STRIDE, sV, lane);
+        gemm_ss<T, MT, NT, D / 16, PitchRows<STRIDE>, false>(dp, sdO + warp_row0 * STRIDE, sV, lane);
         // With dropout, dO V^T is the gradient of P o Z / (1 - p).
         uint32_t keep[MT][2];
 #pragma unroll
@@ -116,7 +116,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
                 }
         uint32_t a[MT][NT / 2][4];
         pack_a<T, MT, NT>(dp, a);
-        gemm_rs<T, MT, NT / 2, DT, STRIDE>(dq, a, sK, lane);  // dQ += dS K
+        gemm_rs<T, MT, NT / 2, DT, PitchRows<STRIDE>>(dq, a, sK, lane);  // dQ += dS K
     }
     cp_async_wait<0>();  // Q and dO were requested even if no key block is visible
 

@@ -100,7 +100,7 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
-        gemm_ss<T, MT, NQ, D / 16, STRIDE>(st, sK + key0 * STRIDE, sQ + q0 * STRIDE, lane);
+        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>>(st, sK + key0 * STRIDE, sQ + q0 * STRIDE, lane);
         if ((MODS & MODS_BLOCKS ? mask.with_head(bidh) : mask)
                 .template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
             mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + key0, m0 + q0, lane, true);
@@ -122,7 +122,7 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
 
         float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
         zero(dpt);
-        gemm_ss<T, MT, NQ, D / 16, STRIDE>(dpt, sV + key0 * STRIDE, sdO + q0 * STRIDE, lane);
+        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>>(dpt, sV + key0 * STRIDE, sdO + q0 * STRIDE, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -142,13 +142,13 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
         __syncthreads();  // P^T and dS^T of every warp are in shared memory
 
         // dV += P^T dO (line 16), then dO's buffer is free for the next tile.
-        gemm_st<T, KMT, BM / 16, DOT, DS_STRIDE, STRIDE>(dv, sP_t + kv0 * DS_STRIDE, sdO + c0,
+        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, PitchRows<STRIDE>>(dv, sP_t + kv0 * DS_STRIDE, sdO + c0,
                                                           lane);
         __syncthreads();
         if (has_next) load_do(next_bidh, next_m0);
         cp_async_commit();
         // dK += dS^T Q (line 21), dQ += dS K (line 20).
-        gemm_st<T, KMT, BM / 16, DOT, DS_STRIDE, STRIDE>(dk, sdS_t + kv0 * DS_STRIDE, sQ + c0,
+        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, PitchRows<STRIDE>>(dk, sdS_t + kv0 * DS_STRIDE, sQ + c0,
                                                           lane);
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with Q and the row statistics

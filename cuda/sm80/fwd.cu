@@ -7,7 +7,7 @@
 // sends a kernel only the problems its MODS covers.
 template <class K, bool DROPOUT, int MODS> __device__ __forceinline__ void flash_fwd(const AttnParams& p) {
     using T = typename K::T;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];  // SwizzledRows tiles
     // Heaviest query blocks first: under a causal mask the last rows see the most keys, and
     // starting them early shortens the tail of the last wave.
     const int m_block = gridDim.x - 1 - blockIdx.x;

@@ -25,15 +25,15 @@ template <class K> struct FwdRows {
     __device__ __forceinline__ int rows_per_query() const { return 1; }
 
     __device__ __forceinline__ void load_q(T* sQ, int m0, int tid) const {
-        load_tile<T, K::BM, K::D, K::THREADS>(sQ, q + m0 * q_row_stride, q_row_stride,
+        load_tile<T, K::BM, K::D, K::THREADS, typename K::Rows>(sQ, q + m0 * q_row_stride, q_row_stride,
                                               seqlen_q - m0, d, tid);
     }
     __device__ __forceinline__ void load_k(T* sK, int n0, int tid) const {
-        load_tile<T, K::BN, K::D, K::THREADS>(sK, k + int64_t(n0) * k_row_stride, k_row_stride,
+        load_tile<T, K::BN, K::D, K::THREADS, typename K::Rows>(sK, k + int64_t(n0) * k_row_stride, k_row_stride,
                                               seqlen_k - n0, d, tid);
     }
     __device__ __forceinline__ void load_v(T* sV, int n0, int tid) const {
-        load_tile<T, K::BN, K::D, K::THREADS>(sV, v + int64_t(n0) * v_row_stride, v_row_stride,
+        load_tile<T, K::BN, K::D, K::THREADS, typename K::Rows>(sV, v + int64_t(n0) * v_row_stride, v_row_stride,
                                               seqlen_k - n0, d, tid);
     }
 };
@@ -43,6 +43,7 @@ template <class K> struct FwdRows {
 template <class K, bool DROPOUT> struct FwdBlock {
     using T = typename K::T;
     using Mma = MmaOp<T>;
+    using Rows = typename K::Rows;
     static constexpr int D = K::D, BM = K::BM, BN = K::BN, MT = K::MT, NT = K::NT, DT = K::DT;
     static constexpr int STRIDE = K::STRIDE;
 
@@ -105,7 +106,7 @@ template <class K, bool DROPOUT> struct FwdBlock {
         float s[MT][NT][4];  // S = Q K^T (line 8); k-loop fully unrolled up to d = 128, where
                              // it was measured faster (d > 128 spilled more, ptxas -v)
         zero(s);
-        gemm_ss<T, MT, NT, D / 16, STRIDE, (D <= 128)>(s, sQ + warp_row0() * STRIDE, sK, lane);
+        gemm_ss<T, MT, NT, D / 16, Rows, (D <= 128)>(s, sQ + warp_row0() * STRIDE, sK, lane);
         mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane, MASK, src.rows_per_query());
         // K[nb - 1] is requested before the softmax, so that its copy overlaps the softmax
         // as well as P V (FlashAttention-2's order: +2-3% at d = 128 on the H100 than
@@ -121,7 +122,7 @@ template <class K, bool DROPOUT> struct FwdBlock {
         if (dropout_on()) apply_dropout(s, nb);
         uint32_t pa[MT][NT / 2][4];  // P as the A operand of P V, straight from registers
         pack_a<T, MT, NT>(s, pa);
-        gemm_rs<T, MT, NT / 2, DT, STRIDE>(o, pa, sV, lane);  // O += P V (line 10)
+        gemm_rs<T, MT, NT / 2, DT, Rows>(o, pa, sV, lane);  // O += P V (line 10)
     }
 
     // Key blocks [nb_begin, nb_end), last first: with a causal mask the only blocks that need
@@ -164,7 +165,7 @@ template <class K, bool DROPOUT> struct FwdBlock {
                 if (t == 0 && m0 + row < seqlen_q) lse[m0 + row] = row_lse;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
-                    *reinterpret_cast<uint32_t*>(sQ + row * STRIDE + dt * 8 + 2 * t) =
+                    *reinterpret_cast<uint32_t*>(sQ + Rows::offset(row, dt * 8) + 2 * t) =
                         Mma::pack(o[mt][dt][2 * r] * inv_sum, o[mt][dt][2 * r + 1] * inv_sum);
             }
         __syncwarp();
@@ -175,7 +176,7 @@ template <class K, bool DROPOUT> struct FwdBlock {
             const int col = (c % CHUNKS_PER_ROW) * CHUNK;
             if (m0 + row < seqlen_q && col < p.d)
                 *reinterpret_cast<uint4*>(out + int64_t(m0 + row) * out_row_stride + col) =
-                    *reinterpret_cast<const uint4*>(sQ + row * STRIDE + col);
+                    *reinterpret_cast<const uint4*>(sQ + Rows::offset(row, col));
         }
     }
 };

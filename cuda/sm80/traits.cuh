@@ -2,7 +2,13 @@
 // two (MT = 2) halve the shared-memory reads of K and V per tensor-core op, which is what
 // keeps ldmatrix bandwidth below the mma rate (256 B of B operand per 2048 FMAs per tile).
 #pragma once
+#include <type_traits>
+
 #include "common/copy.cuh"
+
+#ifndef FWD_SWIZZLE
+#define FWD_SWIZZLE 1
+#endif
 
 template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct FwdTraits {
     using T = T_;
@@ -14,7 +20,10 @@ template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct FwdTraits {
     static constexpr int MT = BM / (16 * NWARPS);  // m16 tiles per warp
     static constexpr int NT = BN / 8;              // n8 tiles of S = Q K^T per warp
     static constexpr int DT = D / 8;               // n8 tiles of O per warp
-    static constexpr int STRIDE = D + SMEM_PAD;    // shared-memory row pitch in elements
+    // Head dims of whole 128-byte rows keep their tiles in swizzled rows, whose copies move
+    // each sector once; the others pad (common/copy.cuh).
+    using Rows = std::conditional_t<FWD_SWIZZLE && D % 64 == 0, SwizzledRows<D>, PaddedRows<D>>;
+    static constexpr int STRIDE = Rows::PITCH;     // shared-memory row pitch in elements
     static constexpr int SMEM_BYTES = (BM + 2 * BN) * STRIDE * int(sizeof(T));
     static_assert(BM == MT * 16 * NWARPS, "BM must be a multiple of 16 rows per warp");
     static_assert(D % 16 == 0 && BN % 16 == 0, "mma k-steps are 16 wide");
