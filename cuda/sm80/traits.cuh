@@ -6,11 +6,8 @@
 
 #include "common/copy.cuh"
 
-#ifndef FWD_SWIZZLE
-#define FWD_SWIZZLE 1
-#endif
-
-template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct FwdTraits {
+template <typename T_, int D_, int BM_, int BN_, int NWARPS_, bool SWIZZLE = D_ % 64 == 0>
+struct FwdTraits {
     using T = T_;
     static constexpr int D = D_;            // head dim the kernel is compiled for (>= actual d)
     static constexpr int BM = BM_;          // query rows per thread block
@@ -21,8 +18,11 @@ template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct FwdTraits {
     static constexpr int NT = BN / 8;              // n8 tiles of S = Q K^T per warp
     static constexpr int DT = D / 8;               // n8 tiles of O per warp
     // Head dims of whole 128-byte rows keep their tiles in swizzled rows, whose copies move
-    // each sector once; the others pad (common/copy.cuh).
-    using Rows = std::conditional_t<FWD_SWIZZLE && D % 64 == 0, SwizzledRows<D>, PaddedRows<D>>;
+    // each sector once (common/copy.cuh); the others pad. On the H100's sm_80 path swizzled
+    // rows measured +1-3% at d 128, +3% at d 64 (64-key tiles) and +11% at d 256
+    // (docs/archive/PERF.md, "the sm_80 forward's tiles in swizzled rows").
+    static_assert(!SWIZZLE || D % 64 == 0, "swizzled rows need whole 128-byte rows");
+    using Rows = std::conditional_t<SWIZZLE, SwizzledRows<D>, PaddedRows<D>>;
     static constexpr int STRIDE = Rows::PITCH;     // shared-memory row pitch in elements
     static constexpr int SMEM_BYTES = (BM + 2 * BN) * STRIDE * int(sizeof(T));
     static_assert(BM == MT * 16 * NWARPS, "BM must be a multiple of 16 rows per warp");
@@ -49,8 +49,11 @@ template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256
 // tiles, which ptxas fits with 8 bytes of spill where 128 keys spilled 140. On the H100's
 // sm_80 path +3-6% at 1k-16k against 64-key tiles, but 0.7-3.5% slower causal, whose
 // diagonal tiles mask more keys (docs/archive/PERF.md, "the d 64 forward's 96-key tile").
+// Its rows stay padded: swizzled, ptxas spilled 56 bytes and it ran 6-7% slower.
 template <typename T, int D> struct FwdWideConfig;
-template <typename T> struct FwdWideConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 96, 4>; };
+template <typename T> struct FwdWideConfig<T, 64> {
+    using Traits = FwdTraits<T, 64, 128, 96, 4, false>;
+};
 // Where a device allows 99 KB of shared memory per block (sm_86/89), d >= 192 takes 64 query
 // rows and 32-key tiles (52-68 KB instead of 102-135 KB). The planner
 // (src/cuda/plan/fwd.rs) takes it where the other does not fit.
