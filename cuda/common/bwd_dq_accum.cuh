@@ -39,25 +39,24 @@ __device__ __forceinline__ void red_add_v4(float* addr, const float (&x)[4]) {
 // acc += dS K for this warp's MT x NT tiles: dS (queries x keys) is read from the key-major
 // dS^T tile with ldmatrix.trans (A operand), K (keys x d, row-major) also with .trans (B).
 // `ds_t` points at query column row0 of dS^T, `b` at column col0 of K.
-template <typename T, int MT, int NT, int KSTEPS, int DS_STRIDE, int STRIDE>
+template <typename T, int MT, int NT, int KSTEPS, class LA, class LB>
 __device__ __forceinline__ void gemm_dq(float (&acc)[MT][NT][4], const T* ds_t, const T* b,
                                         int lane) {
     static_assert(NT % 2 == 0, "B is loaded two n8 tiles at a time");
     const int mi = lane / 8;
     // Matrix mi of an A fragment covers queries (mi % 2) * 8.. and keys (mi / 2) * 8..
-    const uint32_t a_base =
-        opaque(smem_addr(ds_t + ((mi / 2) * 8 + lane % 8) * DS_STRIDE + (mi % 2) * 8));
-    const uint32_t b_base = opaque(smem_addr(b + ((mi % 2) * 8 + lane % 8) * STRIDE + (mi / 2) * 8));
+    const uint32_t a_base = LA::lane_base(ds_t, (mi / 2) * 8 + lane % 8, mi % 2);
+    const uint32_t b_base = LB::lane_base(b, (mi % 2) * 8 + lane % 8, mi / 2);
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
         uint32_t af[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4_trans(af[mt], a_base + (kk * 16 * DS_STRIDE + mt * 16) * sizeof(T));
+            ldmatrix_x4_trans(af[mt], LA::template at<T>(a_base, kk * 16, 2 * mt));
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t bf[4];
-            ldmatrix_x4_trans(bf, b_base + (kk * 16 * STRIDE + np * 16) * sizeof(T));
+            ldmatrix_x4_trans(bf, LB::template at<T>(b_base, kk * 16, 2 * np));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 MmaOp<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
@@ -136,7 +135,12 @@ __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const t
     for (int pass = 0; pass < PASSES; ++pass) {
         float acc[MT][PNT][4];
         zero(acc);
-        gemm_dq<typename K::T, MT, PNT, K::BN / 16, K::DS_STRIDE, K::STRIDE>(
+        // Each warp's and pass's K columns start a multiple of PNT chunks in, PNT a power of
+        // two: no low bits in common with the lane's chunk or the loads' 2 np
+        // (SwizzledRows::lane_base).
+        static_assert(K::Rows::ROW_PERIOD == 1 || (PNT & (PNT - 1)) == 0,
+                      "swizzled K: column offsets of whole power-of-two chunks");
+        gemm_dq<typename K::T, MT, PNT, K::BN / 16, PitchRows<K::DS_STRIDE>, typename K::Rows>(
             acc, ds_t + row0, sK + col0 + pass * PNT * 8, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)

@@ -48,12 +48,13 @@ template <int D> struct SwizzledRows {
     __device__ __forceinline__ static int offset(int row, int col) {
         return row * PITCH + (col ^ ((row & 7) * CHUNK));
     }
-    // The swizzle sits in address bits 4-6 of the lane's base, so moving to an even chunk
-    // c0 is an XOR of those bits (c0's low bits never meet the lane's chunk 0 or 1) and the
-    // rest an add that folds into ldmatrix's immediate.
+    // The swizzle sits in address bits 4-6, so a chunk is placed by an XOR of those bits:
+    // `tile` may point a few chunks into its rows (a warp's columns) as long as those, the
+    // lane's chunk (0 or 1) and at()'s c0 have no low bits in common, as every caller's
+    // powers of two do; the rest of c0 is an add that folds into ldmatrix's immediate.
     template <typename T>
     __device__ __forceinline__ static uint32_t lane_base(const T* tile, int row, int chunk) {
-        return opaque(smem_addr(tile + row * PITCH + ((chunk ^ (row & 7)) * CHUNK)));
+        return opaque(smem_addr(tile + row * PITCH) ^ ((chunk ^ (row & 7)) << 4));
     }
     template <typename T>
     __device__ __forceinline__ static uint32_t at(uint32_t base, int row0, int c0) {

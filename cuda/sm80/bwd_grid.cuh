@@ -26,11 +26,12 @@
 template <class K, int MODS>
 __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     using T = typename K::T;
+    using Rows = typename K::Rows;
     constexpr int D = K::D, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
     constexpr int STRIDE = K::STRIDE, DS_STRIDE = K::DS_STRIDE;
     constexpr int KMT = K::KMT, DOT = K::DOT, STAGES = K::STAGES;
     const AttnParams& p = bp.a;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];  // SwizzledRows tiles
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + BN * STRIDE;
     T* sQ_all = sV + BN * STRIDE;                // STAGES Q tiles
@@ -50,7 +51,7 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     const SeqInfo seq(p, bidb);
     if (n0 >= seq.seqlen_k) return;  // packed batches: this sequence is shorter than the grid
 
-    load_key_block<T, BN, D, K::THREADS>(sK, sV, p, seq, bidb, bidh_k, n0, tid);
+    load_key_block<T, BN, D, K::THREADS, Rows>(sK, sV, p, seq, bidb, bidh_k, n0, tid);
     cp_async_commit();
 
     float dk[KMT][DOT][4], dv[KMT][DOT][4];
@@ -59,11 +60,11 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, MODS);
     const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);
     const auto load_q = [&](int bidh, int m0, int stage) {
-        load_query_rows<T, BM, D, K::THREADS>(sQ_all + stage * BM * STRIDE, QueryRows::Q, bp, seq,
+        load_query_rows<T, BM, D, K::THREADS, Rows>(sQ_all + stage * BM * STRIDE, QueryRows::Q, bp, seq,
                                               bidb, bidh, m0, tid);
     };
     const auto load_do = [&](int bidh, int m0) {
-        load_query_rows<T, BM, D, K::THREADS>(sdO, QueryRows::DO, bp, seq, bidb, bidh, m0, tid);
+        load_query_rows<T, BM, D, K::THREADS, Rows>(sdO, QueryRows::DO, bp, seq, bidb, bidh, m0, tid);
     };
     // The row statistics into Q's stage (bwd_key_block.cuh).
     const auto stats_of_stage = [&](int bidh, int m0, int stage) {
@@ -100,7 +101,7 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
-        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>>(st, sK + key0 * STRIDE, sQ + q0 * STRIDE, lane);
+        gemm_ss<T, MT, NQ, D / 16, Rows>(st, sK + key0 * STRIDE, sQ + q0 * STRIDE, lane);
         if ((MODS & MODS_BLOCKS ? mask.with_head(bidh) : mask)
                 .template block_needs_mask<BN>(m0, m0 + BM - 1, n0))
             mask.with_head(bidh).template apply<MT, NQ, true>(st, n0 + key0, m0 + q0, lane, true);
@@ -122,7 +123,7 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
 
         float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
         zero(dpt);
-        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>>(dpt, sV + key0 * STRIDE, sdO + q0 * STRIDE, lane);
+        gemm_ss<T, MT, NQ, D / 16, Rows>(dpt, sV + key0 * STRIDE, sdO + q0 * STRIDE, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -142,13 +143,13 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
         __syncthreads();  // P^T and dS^T of every warp are in shared memory
 
         // dV += P^T dO (line 16), then dO's buffer is free for the next tile.
-        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, PitchRows<STRIDE>>(dv, sP_t + kv0 * DS_STRIDE, sdO + c0,
+        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, Rows>(dv, sP_t + kv0 * DS_STRIDE, sdO + c0,
                                                           lane);
         __syncthreads();
         if (has_next) load_do(next_bidh, next_m0);
         cp_async_commit();
         // dK += dS^T Q (line 21), dQ += dS K (line 20).
-        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, PitchRows<STRIDE>>(dk, sdS_t + kv0 * DS_STRIDE, sQ + c0,
+        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, Rows>(dk, sdS_t + kv0 * DS_STRIDE, sQ + c0,
                                                           lane);
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with Q and the row statistics

@@ -8,7 +8,7 @@
 #include "common/seq_info.cuh"
 
 // Keys [n0, n0 + BN) of K/V head bidh_k, rows past the sequence zero-filled.
-template <typename T, int BN, int D, int THREADS>
+template <typename T, int BN, int D, int THREADS, class L = PaddedRows<D>>
 __device__ __forceinline__ void load_key_block(T* sK, T* sV, const AttnParams& p,
                                                const SeqInfo& seq, int bidb, int bidh_k, int n0,
                                                int tid) {
@@ -16,16 +16,16 @@ __device__ __forceinline__ void load_key_block(T* sK, T* sV, const AttnParams& p
                  seq.k_offset(p.k_batch_stride, p.k_row_stride, p.k_head_stride, bidb, bidh_k);
     const T* v = static_cast<const T*>(p.v) +
                  seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k);
-    load_tile<T, BN, D, THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
+    load_tile<T, BN, D, THREADS, L>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
                                  seq.seqlen_k - n0, p.d, tid);
-    load_tile<T, BN, D, THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+    load_tile<T, BN, D, THREADS, L>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
                                  seq.seqlen_k - n0, p.d, tid);
 }
 
 // Query rows [m0, m0 + BM) of head bidh from q (`which` = Q) or dO (`which` = DO), rows
 // past the sequence zero-filled: the tiles a key block streams.
 enum class QueryRows { Q, DO };
-template <typename T, int BM, int D, int THREADS>
+template <typename T, int BM, int D, int THREADS, class L = PaddedRows<D>>
 __device__ __forceinline__ void load_query_rows(T* dst, QueryRows which, const BwdParams& bp,
                                                 const SeqInfo& seq, int bidb, int bidh, int m0,
                                                 int tid) {
@@ -36,7 +36,7 @@ __device__ __forceinline__ void load_query_rows(T* dst, QueryRows which, const B
                    (q ? seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh)
                       : seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb,
                                      bidh));
-    load_tile<T, BM, D, THREADS>(dst, src + int64_t(m0) * row_stride, row_stride,
+    load_tile<T, BM, D, THREADS, L>(dst, src + int64_t(m0) * row_stride, row_stride,
                                  seq.seqlen_q - m0, p.d, tid);
 }
 

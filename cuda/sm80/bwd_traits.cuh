@@ -23,7 +23,8 @@ struct BwdKvTraits {
     static constexpr int NQ = BM / 8;              // n8 query tiles of S^T per warp
     static constexpr int DOT = DO / 8;             // n8 tiles of dK, dV per warp
     static constexpr int SPLITS = D / DO;          // column splits of dK, dV
-    static constexpr int STRIDE = D + SMEM_PAD;
+    using Rows = PaddedRows<D>;
+    static constexpr int STRIDE = Rows::PITCH;
     static constexpr int DQ_WN = DQ_WN_, DQ_WM = NWARPS / DQ_WN;
     static constexpr int DQ_MT = BM / (16 * DQ_WM);  // m16 query tiles of dQ per warp
     static constexpr int DQ_NT = D / (8 * DQ_WN);    // n8 column tiles of dQ per warp
@@ -105,7 +106,10 @@ struct BwdGridTraits {
     static constexpr int WD = WD_, WKV = NWARPS / WD;  // dK, dV warp grid
     static constexpr int KMT = BN / (16 * WKV);       // m16 key tiles of dK, dV per warp
     static constexpr int DOT = D / (8 * WD);          // n8 column tiles of dK, dV per warp
-    static constexpr int STRIDE = D + SMEM_PAD;
+    // Q, dO, K and V in swizzled rows, whose copies move each sector once (common/copy.cuh);
+    // P^T and dS^T, written by the warps, in padded ones.
+    using Rows = SwizzledRows<D>;
+    static constexpr int STRIDE = Rows::PITCH;
     static constexpr int DS_STRIDE = BM + SMEM_PAD;   // P^T, dS^T tiles: BN rows of BM queries
     static constexpr int DQ_WN = NWARPS * 32 / BM, DQ_WM = NWARPS / DQ_WN;
     static constexpr int DQ_MT = BM / (16 * DQ_WM);
@@ -120,6 +124,7 @@ struct BwdGridTraits {
     static_assert(STAGES == 1 || STAGES == 2, "Q is single- or double-buffered");
     static_assert(BN == MT * 16 * WK && BM == NQ * 8 * WQ && NQ % 2 == 0, "S^T warp tiles");
     static_assert(BN == KMT * 16 * WKV && D == DOT * 8 * WD && DOT % 2 == 0, "dK, dV warp tiles");
+    static_assert(D % 64 == 0 && (DOT * 8) % 64 == 0, "whole swizzled rows and column groups");
     static_assert(BM <= THREADS, "one thread per row loads the LSE and rowsum(dO O)");
     static_assert(BM == DQ_MT * 16 * DQ_WM && D == DQ_NT * 8 * DQ_WN && DQ_NT % 2 == 0,
                   "dQ tile shape");
