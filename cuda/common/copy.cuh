@@ -97,8 +97,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
     constexpr int CHUNKS_PER_ROW = D / CHUNK;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
     static_assert(CHUNKS % NTHREADS == 0, "tile chunks must split evenly over the threads");
-    if constexpr (NTHREADS % CHUNKS_PER_ROW == 0 &&
-                  (NTHREADS / CHUNKS_PER_ROW) % L::ROW_PERIOD == 0) {
+    if constexpr (NTHREADS % CHUNKS_PER_ROW == 0) {
         // 32-bit offsets within the tile (the usual case by far) hold fewer registers.
         if (rows_valid >= ROWS && cols_valid >= D && row_stride <= INT_MAX / ROWS) {
             constexpr int ROWS_PER_PASS = NTHREADS / CHUNKS_PER_ROW;
@@ -107,8 +106,14 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
             const T* src = gmem + (row * stride + col);
             T* dst = smem + L::offset(row, col);
 #pragma unroll
-            for (int i = 0; i < CHUNKS / NTHREADS; ++i)
-                cp_async_16(dst + i * ROWS_PER_PASS * L::PITCH, src + i * ROWS_PER_PASS * stride);
+            for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
+                // Where a pass moves the rows by less than the swizzle's period, each pass
+                // has its own column mapping.
+                T* d = ROWS_PER_PASS % L::ROW_PERIOD == 0
+                           ? dst + i * ROWS_PER_PASS * L::PITCH
+                           : smem + L::offset(row + i * ROWS_PER_PASS, col);
+                cp_async_16(d, src + i * ROWS_PER_PASS * stride);
+            }
             return;
         }
     }

@@ -23,6 +23,7 @@
 template <class K, bool MAYBE_DROPOUT = true, int MODS = MODS_SCORES>
 __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     using T = typename K::T;
+    using Rows = typename K::Rows;
     constexpr int D = K::D, DO = K::DO, BN = K::BN, BM = K::BM, MT = K::MT, NQ = K::NQ;
     constexpr int DOT = K::DOT, STRIDE = K::STRIDE, STAGES = K::STAGES;
     static_assert(STAGES == 1 || STAGES == 2, "Q/dO tiles are single- or double-buffered");
@@ -30,7 +31,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     // others keep the registers (ptxas -v, sm_80: full unrolling doubled or tripled their spills).
     constexpr bool FULL_UNROLL = D > 64 && K::NWARPS == 8;
     const AttnParams& p = bp.a;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];  // SwizzledRows tiles
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + BN * STRIDE;
     T* sQ_all = sV + BN * STRIDE;             // STAGES Q tiles
@@ -48,7 +49,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
     const SeqInfo seq(p, bidb);
     if (n0 >= seq.seqlen_k) return;  // packed batches: this sequence is shorter than the grid
 
-    load_key_block<T, BN, D, K::THREADS>(sK, sV, p, seq, bidb, bidh_k, n0, tid);
+    load_key_block<T, BN, D, K::THREADS, Rows>(sK, sV, p, seq, bidb, bidh_k, n0, tid);
     cp_async_commit();
 
     float dk[MT][DOT][4], dv[MT][DOT][4];
@@ -61,10 +62,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
                      seq.q_offset(p.q_batch_stride, p.q_row_stride, p.q_head_stride, bidb, bidh);
         const T* dout = static_cast<const T*>(bp.dout) +
                         seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
-        load_tile<T, BM, D, K::THREADS>(sQ_all + stage * BM * STRIDE,
+        load_tile<T, BM, D, K::THREADS, Rows>(sQ_all + stage * BM * STRIDE,
                                         q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
                                         seq.seqlen_q - m0, p.d, tid);
-        load_tile<T, BM, D, K::THREADS>(sdO_all + stage * BM * STRIDE,
+        load_tile<T, BM, D, K::THREADS, Rows>(sdO_all + stage * BM * STRIDE,
                                         dout + int64_t(m0) * p.o_row_stride, p.o_row_stride,
                                         seq.seqlen_q - m0, p.d, tid);
     };
@@ -126,7 +127,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
 
         float st[MT][NQ][4];  // S^T = K Q^T (line 11), then P^T (line 13)
         zero(st);
-        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
+        gemm_ss<T, MT, NQ, D / 16, Rows, FULL_UNROLL>(st, sK + warp_row0 * STRIDE, sQ, lane);
         // Two calls with constant `masked`, not one with the test as argument: that one
         // spilled 36 bytes at d = 224 (ptxas -v, sm_80).
         // The block mask is per query head; the rest of block_needs_mask is not.
@@ -171,11 +172,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         } else {
             pack_a<T, MT, NQ>(st, a);
         }
-        gemm_rs<T, MT, NQ / 2, DOT, PitchRows<STRIDE>>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
+        gemm_rs<T, MT, NQ / 2, DOT, Rows>(dv, a, sdO + col0, lane);  // dV += P^T dO (line 16)
 
         float dpt[MT][NQ][4];  // dP^T = V dO^T (line 17), then dS^T (line 19)
         zero(dpt);
-        gemm_ss<T, MT, NQ, D / 16, PitchRows<STRIDE>, FULL_UNROLL>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
+        gemm_ss<T, MT, NQ, D / 16, Rows, FULL_UNROLL>(dpt, sV + warp_row0 * STRIDE, sdO, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -194,7 +195,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         pack_a<T, MT, NQ>(dpt, a);
         if constexpr (K::DQ)
             store_ds_t<MT, NQ / 2, K::DS_STRIDE>(sdS_t + warp_row0 * K::DS_STRIDE, a, lane);
-        gemm_rs<T, MT, NQ / 2, DOT, PitchRows<STRIDE>>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
+        gemm_rs<T, MT, NQ / 2, DOT, Rows>(dk, a, sQ + col0, lane);  // dK += dS^T Q (line 21)
         if constexpr (K::DQ) {
             __syncthreads();  // dS^T of every warp is in shared memory
             dq_accumulate<K>(sdS_t, sK, bp.dq_accum + dq_tile_offset<K>(bp, seq, bidb, bidh, m0),

@@ -1,6 +1,8 @@
 // Tile shapes of the backward kernels. Both keep one m16 tile per warp (MT = 1): each thread
 // then holds two accumulators (dK and dV, or dQ) plus two score tiles in registers.
 #pragma once
+#include <type_traits>
+
 #include "common/copy.cuh"
 
 // dK/dV kernel: a block owns BN keys and DO of the output columns, and streams BM-row tiles
@@ -23,11 +25,16 @@ struct BwdKvTraits {
     static constexpr int NQ = BM / 8;              // n8 query tiles of S^T per warp
     static constexpr int DOT = DO / 8;             // n8 tiles of dK, dV per warp
     static constexpr int SPLITS = D / DO;          // column splits of dK, dV
-    using Rows = PaddedRows<D>;
-    static constexpr int STRIDE = Rows::PITCH;
     static constexpr int DQ_WN = DQ_WN_, DQ_WM = NWARPS / DQ_WN;
     static constexpr int DQ_MT = BM / (16 * DQ_WM);  // m16 query tiles of dQ per warp
     static constexpr int DQ_NT = D / (8 * DQ_WN);    // n8 column tiles of dQ per warp
+    // Q, dO, K and V in swizzled rows (copies move each sector once, common/copy.cuh) where
+    // rows, column splits and dQ's warp columns are whole powers of two of chunks; dS^T,
+    // written by the warps, padded.
+    static constexpr bool SWIZZLE =
+        D % 64 == 0 && DO % 64 == 0 && (!DQ || (DQ_NT & (DQ_NT - 1)) == 0);
+    using Rows = std::conditional_t<SWIZZLE, SwizzledRows<D>, PaddedRows<D>>;
+    static constexpr int STRIDE = Rows::PITCH;
     static constexpr int DQ_FRAG = DQ_MT * DQ_NT * 4;  // dQ accumulators per thread
     static constexpr int DQ_PASSES = 1;                 // dq_accumulate: all columns at once
     // First row and column of `warp`'s dQ tile within the BM x D tile.
