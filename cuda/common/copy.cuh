@@ -104,16 +104,18 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
             const int stride = int(row_stride);
             const int row = tid / CHUNKS_PER_ROW, col = (tid % CHUNKS_PER_ROW) * CHUNK;
             const T* src = gmem + (row * stride + col);
-            T* dst = smem + L::offset(row, col);
+            // A pass that moves the rows by less than the layout's period changes its column
+            // mapping: one destination per phase of the period, each stepping a period on.
+            constexpr int PHASES =
+                ROWS_PER_PASS % L::ROW_PERIOD == 0 ? 1 : L::ROW_PERIOD / ROWS_PER_PASS;
+            static_assert(PHASES == 1 || L::ROW_PERIOD % ROWS_PER_PASS == 0, "whole phases");
+            T* dst[PHASES];
 #pragma unroll
-            for (int i = 0; i < CHUNKS / NTHREADS; ++i) {
-                // Where a pass moves the rows by less than the swizzle's period, each pass
-                // has its own column mapping.
-                T* d = ROWS_PER_PASS % L::ROW_PERIOD == 0
-                           ? dst + i * ROWS_PER_PASS * L::PITCH
-                           : smem + L::offset(row + i * ROWS_PER_PASS, col);
-                cp_async_16(d, src + i * ROWS_PER_PASS * stride);
-            }
+            for (int j = 0; j < PHASES; ++j) dst[j] = smem + L::offset(row + j * ROWS_PER_PASS, col);
+#pragma unroll
+            for (int i = 0; i < CHUNKS / NTHREADS; ++i)
+                cp_async_16(dst[i % PHASES] + i / PHASES * PHASES * ROWS_PER_PASS * L::PITCH,
+                            src + i * ROWS_PER_PASS * stride);
             return;
         }
     }
