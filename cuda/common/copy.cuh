@@ -39,7 +39,9 @@ template <int D> using PaddedRows = PitchRows<D + SMEM_PAD>;
 // reads still hit eight different bank groups, and every copied sector lands whole.
 // Measured with a probe streaming K as the decode kernel does (H200, ncu): padded rows
 // 6.29 M sectors and 2.75 M L2 requests for 4.19 M sectors of data, 3.9 TB/s; swizzled rows
-// 4.19 M sectors, 1.05 M requests, 4.0 TB/s. Tiles must start on a 128-byte boundary.
+// 4.19 M sectors, 1.05 M requests, 4.0 TB/s. The sm_80 d 128 forward's copies: 1.5x the
+// sectors padded (docs/archive/PERF.md, "the sm_80 kernels' tiles in swizzled rows").
+// Tiles must start on a 128-byte boundary.
 template <int D> struct SwizzledRows {
     static constexpr int CHUNKS = (D / CHUNK + 7) / 8 * 8;  // 16-byte chunks per row
     static constexpr int PITCH = CHUNKS * CHUNK;             // elements per row
