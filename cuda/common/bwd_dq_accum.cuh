@@ -53,16 +53,8 @@ __device__ __forceinline__ void gemm_dq(float (&acc)[MT][NT][4], const T* ds_t, 
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
             ldmatrix_x4_trans(af[mt], LA::template at<T>(a_base, kk * 16, 2 * mt));
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-            uint32_t bf[4];
-            ldmatrix_x4_trans(bf, LB::template at<T>(b_base, kk * 16, 2 * np));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                MmaOp<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
-                MmaOp<T>::run(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-            }
-        }
+        mma_b_step<T, MT, NT, LB, true>(
+            acc, [&](int mt) -> const uint32_t(&)[4] { return af[mt]; }, b_base, kk);
     }
 }
 

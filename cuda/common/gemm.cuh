@@ -13,15 +13,19 @@ __device__ __forceinline__ void load_a(uint32_t (&af)[MT][4], uint32_t a_base, i
     for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], L::template at<T>(a_base, mt * 16, 2 * kk));
 }
 
-// One k16 step kk of acc += A B with B (16 x NT*8) k-major in shared memory, read through
-// ldmatrix.trans from the lane's `b_base`; `a(mt)` is A's fragment of m16 tile mt.
-template <typename T, int MT, int NT, class L, class AFrag>
-__device__ __forceinline__ void mma_b_trans_step(float (&acc)[MT][NT][4], const AFrag& a,
-                                                 uint32_t b_base, int kk) {
+// One k16 step kk of acc += A B over B's NT n8 tiles, two per x4 load from the lane's
+// `b_base`: B k-major in shared memory (TRANS: 16 x NT*8, read through ldmatrix.trans) or
+// n-major (NT*8 x 16, as K for S = Q K^T); `a(mt)` is A's fragment of m16 tile mt.
+template <typename T, int MT, int NT, class L, bool TRANS, class AFrag>
+__device__ __forceinline__ void mma_b_step(float (&acc)[MT][NT][4], const AFrag& a,
+                                           uint32_t b_base, int kk) {
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
         uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
-        ldmatrix_x4_trans(bf, L::template at<T>(b_base, kk * 16, 2 * np));
+        if constexpr (TRANS)
+            ldmatrix_x4_trans(bf, L::template at<T>(b_base, kk * 16, 2 * np));
+        else
+            ldmatrix_x4(bf, L::template at<T>(b_base, np * 16, 2 * kk));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             MmaOp<T>::run(acc[mt][2 * np], a(mt), bf[0], bf[1]);
@@ -36,16 +40,8 @@ __device__ __forceinline__ void gemm_ss_step(float (&acc)[MT][NT][4], uint32_t a
                                              uint32_t b_base, int kk) {
     uint32_t af[MT][4];
     load_a<T, MT, L>(af, a_base, kk);
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bf[4];  // B of n8 tiles 2np (bf0, bf1) and 2np+1 (bf2, bf3)
-        ldmatrix_x4(bf, L::template at<T>(b_base, np * 16, 2 * kk));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            MmaOp<T>::run(acc[mt][2 * np], af[mt], bf[0], bf[1]);
-            MmaOp<T>::run(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-        }
-    }
+    mma_b_step<T, MT, NT, L, false>(
+        acc, [&](int mt) -> const uint32_t(&)[4] { return af[mt]; }, b_base, kk);
 }
 
 // acc += A B^T with A (MT*16 x 16*KSTEPS) and B (NT*8 x 16*KSTEPS) both row-major in shared
@@ -96,7 +92,7 @@ __device__ __forceinline__ void gemm_rs(float (&acc)[MT][NT][4], const uint32_t 
     const uint32_t b_base = L::lane_base(b, (mi % 2) * 8 + lane % 8, mi / 2);
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk)
-        mma_b_trans_step<T, MT, NT, L>(
+        mma_b_step<T, MT, NT, L, true>(
             acc, [&](int mt) -> const uint32_t(&)[4] { return a[mt][kk]; }, b_base, kk);
 }
 
@@ -123,7 +119,7 @@ __device__ __forceinline__ void gemm_st(float (&acc)[MT][NT][4], const T* a, con
     for (int kk = 0; kk < KT; ++kk) {
         uint32_t af[MT][4];
         load_a<T, MT, LA>(af, a_base, kk);
-        mma_b_trans_step<T, MT, NT, LB>(
+        mma_b_step<T, MT, NT, LB, true>(
             acc, [&](int mt) -> const uint32_t(&)[4] { return af[mt]; }, b_base, kk);
     }
 }
