@@ -6,7 +6,7 @@
 
 #include "common/copy.cuh"
 
-template <typename T_, int D_, int BM_, int BN_, int NWARPS_, bool SWIZZLE = D_ % 64 == 0>
+template <typename T_, int D_, int BM_, int BN_, int NWARPS_, bool SWIZZLE = true>
 struct FwdTraits {
     using T = T_;
     static constexpr int D = D_;            // head dim the kernel is compiled for (>= actual d)
@@ -17,11 +17,10 @@ struct FwdTraits {
     static constexpr int MT = BM / (16 * NWARPS);  // m16 tiles per warp
     static constexpr int NT = BN / 8;              // n8 tiles of S = Q K^T per warp
     static constexpr int DT = D / 8;               // n8 tiles of O per warp
-    // Head dims of whole 128-byte rows keep their tiles in swizzled rows, whose copies move
-    // each sector once (common/copy.cuh); the others pad. On the H100's sm_80 path swizzled
-    // rows measured +1-3% at d 128, +3% at d 64 (64-key tiles) and +11% at d 256
-    // (docs/archive/PERF.md, "the sm_80 forward's tiles in swizzled rows").
-    static_assert(!SWIZZLE || D % 64 == 0, "swizzled rows need whole 128-byte rows");
+    // Tiles in swizzled rows, whose copies move each sector once (common/copy.cuh); head
+    // dims that are not whole 128-byte rows round their rows up to one (d 96: 128). On the
+    // H100's sm_80 path swizzled rows measured +1-3% at d 128, +3% at d 64 (64-key tiles) and
+    // +11% at d 256 (docs/archive/PERF.md, "the sm_80 kernels' tiles in swizzled rows").
     using Rows = std::conditional_t<SWIZZLE, SwizzledRows<D>, PaddedRows<D>>;
     static constexpr int STRIDE = Rows::PITCH;     // shared-memory row pitch in elements
     static constexpr int SMEM_BYTES = (BM + 2 * BN) * STRIDE * int(sizeof(T));
