@@ -113,7 +113,8 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
             static_assert(PHASES == 1 || L::ROW_PERIOD % ROWS_PER_PASS == 0, "whole phases");
             T* dst[PHASES];
 #pragma unroll
-            for (int j = 0; j < PHASES; ++j) dst[j] = smem + L::offset(row + j * ROWS_PER_PASS, col);
+            for (int j = 0; j < PHASES; ++j)
+                dst[j] = smem + L::offset(row + j * ROWS_PER_PASS, col);
 #pragma unroll
             for (int i = 0; i < CHUNKS / NTHREADS; ++i)
                 cp_async_16(dst[i % PHASES] + i / PHASES * PHASES * ROWS_PER_PASS * L::PITCH,

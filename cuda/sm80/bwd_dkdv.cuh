@@ -63,11 +63,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const BwdParams& bp) {
         const T* dout = static_cast<const T*>(bp.dout) +
                         seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
         load_tile<T, BM, D, K::THREADS, Rows>(sQ_all + stage * BM * STRIDE,
-                                        q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
-                                        seq.seqlen_q - m0, p.d, tid);
+                                              q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
+                                              seq.seqlen_q - m0, p.d, tid);
         load_tile<T, BM, D, K::THREADS, Rows>(sdO_all + stage * BM * STRIDE,
-                                        dout + int64_t(m0) * p.o_row_stride, p.o_row_stride,
-                                        seq.seqlen_q - m0, p.d, tid);
+                                              dout + int64_t(m0) * p.o_row_stride,
+                                              p.o_row_stride, seq.seqlen_q - m0, p.d, tid);
     };
     // Single-buffered: row `tid` of tile `it` (tid < BM), LSE in log2 units and rowsum(dO O).
     const auto row_stats = [&](int bidh, int m0, float& lse2, float& dsum) {

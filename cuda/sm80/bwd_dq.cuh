@@ -17,6 +17,7 @@
 template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams& bp) {
     using T = typename K::T;
     constexpr int D = K::D, BN = K::BN, BM = K::BM, MT = K::MT, NT = K::NT, DT = K::DT;
+    using Rows = typename K::Rows;
     constexpr int STRIDE = K::STRIDE;
     const AttnParams& p = bp.a;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -41,9 +42,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
                  seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k);
     const T* dout = static_cast<const T*>(bp.dout) +
                     seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
-    load_tile<T, BM, D, K::THREADS>(sQ, q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
+    load_tile<T, BM, D, K::THREADS, Rows>(sQ, q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
                                     seq.seqlen_q - m0, p.d, tid);
-    load_tile<T, BM, D, K::THREADS>(sdO, dout + int64_t(m0) * p.o_row_stride, p.o_row_stride,
+    load_tile<T, BM, D, K::THREADS, Rows>(sdO, dout + int64_t(m0) * p.o_row_stride, p.o_row_stride,
                                     seq.seqlen_q - m0, p.d, tid);
     cp_async_commit();
 
@@ -70,9 +71,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
          nb = mask.template next_key_block<BN>(m0, m0 + BM - 1, nb, nb_begin)) {
         const int n0 = nb * BN;
         __syncthreads();  // every warp is done with the previous K, V tiles
-        load_tile<T, BN, D, K::THREADS>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
+        load_tile<T, BN, D, K::THREADS, Rows>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
                                         seq.seqlen_k - n0, p.d, tid);
-        load_tile<T, BN, D, K::THREADS>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+        load_tile<T, BN, D, K::THREADS, Rows>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
                                         seq.seqlen_k - n0, p.d, tid);
         cp_async_commit();
         cp_async_wait<0>();
@@ -80,12 +81,12 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
 
         float s[MT][NT][4];  // S = Q K^T, then P = exp(scale S - LSE)
         zero(s);
-        gemm_ss<T, MT, NT, D / 16, PitchRows<STRIDE>, false>(s, sQ + warp_row0 * STRIDE, sK, lane);
+        gemm_ss<T, MT, NT, D / 16, Rows, false>(s, sQ + warp_row0 * STRIDE, sK, lane);
         mask.apply<MT, NT>(s, m0 + warp_row0, n0, lane,
                            mask.template block_needs_mask<BN>(m0, m0 + BM - 1, n0));
         float dp[MT][NT][4];  // dP = dO V^T, then dS = P (dP - rowsum(dO O))
         zero(dp);
-        gemm_ss<T, MT, NT, D / 16, PitchRows<STRIDE>, false>(dp, sdO + warp_row0 * STRIDE, sV, lane);
+        gemm_ss<T, MT, NT, D / 16, Rows, false>(dp, sdO + warp_row0 * STRIDE, sV, lane);
         // With dropout, dO V^T is the gradient of P o Z / (1 - p).
         uint32_t keep[MT][2];
 #pragma unroll
@@ -116,7 +117,7 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
                 }
         uint32_t a[MT][NT / 2][4];
         pack_a<T, MT, NT>(dp, a);
-        gemm_rs<T, MT, NT / 2, DT, PitchRows<STRIDE>>(dq, a, sK, lane);  // dQ += dS K
+        gemm_rs<T, MT, NT / 2, DT, Rows>(dq, a, sK, lane);  // dQ += dS K
     }
     cp_async_wait<0>();  // Q and dO were requested even if no key block is visible
 

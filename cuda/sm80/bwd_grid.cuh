@@ -60,11 +60,12 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
     const Mask mask(p, seq, bidb, bidh_k * p.h_h_k_ratio, MODS);
     const QueryTiles<BM, BN> tiles(mask, p, n0, seq.seqlen_q);
     const auto load_q = [&](int bidh, int m0, int stage) {
-        load_query_rows<T, BM, D, K::THREADS, Rows>(sQ_all + stage * BM * STRIDE, QueryRows::Q, bp, seq,
-                                              bidb, bidh, m0, tid);
+        load_query_rows<T, BM, D, K::THREADS, Rows>(sQ_all + stage * BM * STRIDE, QueryRows::Q,
+                                                    bp, seq, bidb, bidh, m0, tid);
     };
     const auto load_do = [&](int bidh, int m0) {
-        load_query_rows<T, BM, D, K::THREADS, Rows>(sdO, QueryRows::DO, bp, seq, bidb, bidh, m0, tid);
+        load_query_rows<T, BM, D, K::THREADS, Rows>(sdO, QueryRows::DO, bp, seq, bidb, bidh, m0,
+                                                    tid);
     };
     // The row statistics into Q's stage (bwd_key_block.cuh).
     const auto stats_of_stage = [&](int bidh, int m0, int stage) {
@@ -143,14 +144,14 @@ __device__ __forceinline__ void flash_bwd_grid(const BwdParams& bp) {
         __syncthreads();  // P^T and dS^T of every warp are in shared memory
 
         // dV += P^T dO (line 16), then dO's buffer is free for the next tile.
-        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, Rows>(dv, sP_t + kv0 * DS_STRIDE, sdO + c0,
-                                                          lane);
+        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, Rows>(dv, sP_t + kv0 * DS_STRIDE,
+                                                                  sdO + c0, lane);
         __syncthreads();
         if (has_next) load_do(next_bidh, next_m0);
         cp_async_commit();
         // dK += dS^T Q (line 21), dQ += dS K (line 20).
-        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, Rows>(dk, sdS_t + kv0 * DS_STRIDE, sQ + c0,
-                                                          lane);
+        gemm_st<T, KMT, BM / 16, DOT, PitchRows<DS_STRIDE>, Rows>(dk, sdS_t + kv0 * DS_STRIDE,
+                                                                  sQ + c0, lane);
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with Q and the row statistics
             if (has_next) {

@@ -17,9 +17,9 @@ __device__ __forceinline__ void load_key_block(T* sK, T* sV, const AttnParams& p
     const T* v = static_cast<const T*>(p.v) +
                  seq.k_offset(p.v_batch_stride, p.v_row_stride, p.v_head_stride, bidb, bidh_k);
     load_tile<T, BN, D, THREADS, L>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
-                                 seq.seqlen_k - n0, p.d, tid);
+                                    seq.seqlen_k - n0, p.d, tid);
     load_tile<T, BN, D, THREADS, L>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
-                                 seq.seqlen_k - n0, p.d, tid);
+                                    seq.seqlen_k - n0, p.d, tid);
 }
 
 // Query rows [m0, m0 + BM) of head bidh from q (`which` = Q) or dO (`which` = DO), rows
@@ -37,7 +37,7 @@ __device__ __forceinline__ void load_query_rows(T* dst, QueryRows which, const B
                       : seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb,
                                      bidh));
     load_tile<T, BM, D, THREADS, L>(dst, src + int64_t(m0) * row_stride, row_stride,
-                                 seq.seqlen_q - m0, p.d, tid);
+                                    seq.seqlen_q - m0, p.d, tid);
 }
 
 // The LSE (as stored) and rowsum(dO O) of rows [m0, m0 + BM) into the stage's slots of the

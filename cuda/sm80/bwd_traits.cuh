@@ -60,7 +60,8 @@ template <typename T_, int D_, int BM_, int BN_, int NWARPS_> struct BwdQTraits 
     static constexpr int MT = BM / (16 * NWARPS);
     static constexpr int NT = BN / 8;
     static constexpr int DT = D / 8;
-    static constexpr int STRIDE = D + SMEM_PAD;
+    using Rows = PaddedRows<D>;
+    static constexpr int STRIDE = Rows::PITCH;
     static constexpr int SMEM_BYTES = (2 * BM + 2 * BN) * STRIDE * int(sizeof(T));
     static_assert(BM == MT * 16 * NWARPS && D % 16 == 0, "tile shape");
 };

@@ -25,16 +25,22 @@ template <class K> struct FwdRows {
     __device__ __forceinline__ int rows_per_query() const { return 1; }
 
     __device__ __forceinline__ void load_q(T* sQ, int m0, int tid) const {
-        load_tile<T, K::BM, K::D, K::THREADS, typename K::Rows>(sQ, q + m0 * q_row_stride, q_row_stride,
-                                              seqlen_q - m0, d, tid);
+        load<K::BM>(sQ, q, q_row_stride, m0, seqlen_q, tid);
     }
     __device__ __forceinline__ void load_k(T* sK, int n0, int tid) const {
-        load_tile<T, K::BN, K::D, K::THREADS, typename K::Rows>(sK, k + int64_t(n0) * k_row_stride, k_row_stride,
-                                              seqlen_k - n0, d, tid);
+        load<K::BN>(sK, k, k_row_stride, n0, seqlen_k, tid);
     }
     __device__ __forceinline__ void load_v(T* sV, int n0, int tid) const {
-        load_tile<T, K::BN, K::D, K::THREADS, typename K::Rows>(sV, v + int64_t(n0) * v_row_stride, v_row_stride,
-                                              seqlen_k - n0, d, tid);
+        load<K::BN>(sV, v, v_row_stride, n0, seqlen_k, tid);
+    }
+
+  private:
+    // ROWS rows from row r0 of a tensor of `rows` rows at `base`.
+    template <int ROWS>
+    __device__ __forceinline__ void load(T* dst, const T* base, int64_t row_stride, int r0,
+                                         int rows, int tid) const {
+        load_tile<T, ROWS, K::D, K::THREADS, typename K::Rows>(dst, base + r0 * row_stride,
+                                                               row_stride, rows - r0, d, tid);
     }
 };
 
