@@ -53,6 +53,12 @@ template <typename T, int D> struct FwdWideConfig;
 template <typename T> struct FwdWideConfig<T, 64> {
     using Traits = FwdTraits<T, 64, 128, 96, 4, false>;
 };
+template <typename T> struct FwdWideConfig<T, 128> { using Traits = FwdTraits<T, 128, 128, 64, 4>; };
+// Plain problems at d = 256 where an SM's shared memory holds two blocks of 96 KB (Hopper's
+// 228 KB; an A100's 164 KB holds one): 64 rows on 4 warps, the shape FlashAttention-2 picks
+// there, so that one block's softmax and loads overlap the other's matmuls.
+template <typename T, int D> struct FwdPairConfig;
+template <typename T> struct FwdPairConfig<T, 256> { using Traits = FwdTraits<T, 256, 64, 64, 4>; };
 // Where a device allows 99 KB of shared memory per block (sm_86/89), d >= 192 takes 64 query
 // rows and 32-key tiles (52-68 KB instead of 102-135 KB). The planner
 // (src/cuda/plan/fwd.rs) takes it where the other does not fit.

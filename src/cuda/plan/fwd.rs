@@ -62,8 +62,9 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
 /// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
 /// a score modifier or block mask take a plain kernel where one is compiled, without a causal
 /// mask its wider key tile where one is (d = 64: 96 keys, +4-6% non-causal, slower causal;
-/// `FwdWideConfig`). For A/B runs `CANDLE_FLASH_MMA=any` sends them to the kernel with every
-/// modifier, `base` keeps them off the wider tile.
+/// `FwdWideConfig`), and the half-height tile where one is and two of its blocks fit an SM
+/// (d = 256 on Hopper's shared memory; `FwdPairConfig`). For A/B runs `CANDLE_FLASH_MMA=any`
+/// sends them to the kernel with every modifier, `base` keeps them on the base tile.
 fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
     mma_kernel_with(d, q, smem, overrides().mma.as_str())
 }
@@ -80,7 +81,13 @@ fn mma_kernel_with(d: usize, q: &FwdQuery, smem: usize, forced: &str) -> Result<
         let wide = (!q.causal && forced != "base")
             .then(|| plain(Tile::Wide))
             .flatten();
-        if let Some(k) = wide.or_else(|| plain(Tile::Base)) {
+        // Two blocks an SM: each reserves 1 KB beside its own, and `smem` is what one block
+        // may have, an SM's less that 1 KB.
+        let pair = (forced != "base")
+            .then(|| plain(Tile::Pair))
+            .flatten()
+            .filter(|k| 2 * k.geometry().smem as usize + 1024 <= smem);
+        if let Some(k) = wide.or(pair).or_else(|| plain(Tile::Base)) {
             return Ok(k);
         }
     }
@@ -348,7 +355,7 @@ mod tests {
 
     #[test]
     fn plain_problems_take_the_plain_mma_kernels_where_compiled() {
-        for d in [64, 128] {
+        for d in [64, 96, 128] {
             let v = mma(d, Mods::None, false, &A100).variant();
             assert_eq!((v.d as usize, v.mods, v.dropout), (d, Mods::None, false));
         }
@@ -358,7 +365,7 @@ mod tests {
             let v = mma(d, mods, dropout, &A100).variant();
             (v.d, v.mods, v.dropout)
         };
-        assert_eq!(any(96, Mods::None, false), (96, Mods::Any, false));
+        assert_eq!(any(160, Mods::None, false), (160, Mods::Any, false));
         assert_eq!(any(128, Mods::Scores, false), (128, Mods::Any, false));
         assert_eq!(any(128, Mods::Sparse, false), (128, Mods::Any, false));
         assert_eq!(any(128, Mods::None, true), (128, Mods::Any, true));
@@ -393,9 +400,41 @@ mod tests {
         let v = mma(256, Mods::None, false, &ADA).variant();
         assert_eq!((v.tile, v.mods), (Tile::Small, Mods::Any));
         let v = mma(256, Mods::None, false, &A100).variant();
-        assert_eq!((v.tile, v.mods), (Tile::Base, Mods::Any));
+        assert_eq!((v.tile, v.mods), (Tile::Base, Mods::None));
+        assert_eq!(
+            mma(256, Mods::Scores, false, &A100).variant().tile,
+            Tile::Base
+        );
         // The plain kernels fit both.
         assert_eq!(mma(128, Mods::None, false, &ADA).variant().mods, Mods::None);
+    }
+
+    #[test]
+    fn two_blocks_an_sm_take_the_half_height_tile_where_they_fit() {
+        // Hopper's shared memory on the sm_80 path (`CANDLE_FLASH_ARCH=sm80`).
+        let sm80_hopper = DeviceFacts { major: 8, ..HOPPER };
+        for causal in [false, true] {
+            let k = mma_kernel_with(256, &query(256, 4096, causal), sm80_hopper.smem, "").unwrap();
+            let g = k.geometry();
+            assert_eq!(
+                (k.variant().tile, k.variant().mods),
+                (Tile::Pair, Mods::None)
+            );
+            assert_eq!((g.bm, g.bn), (64, 64));
+            assert!(2 * g.smem as usize + 1024 <= sm80_hopper.smem);
+        }
+        let v = mma(256, Mods::None, false, &sm80_hopper).variant();
+        assert_eq!(v.tile, Tile::Pair);
+        // An A100 holds one such block: the base tile; `base` forces it.
+        assert_eq!(
+            mma(256, Mods::None, false, &A100).variant().tile,
+            Tile::Base
+        );
+        let k = mma_kernel_with(256, &query(256, 4096, false), sm80_hopper.smem, "base").unwrap();
+        assert_eq!(k.variant().tile, Tile::Base);
+        // A modifier: the kernel with every modifier, base tile.
+        let v = mma(256, Mods::Scores, false, &sm80_hopper).variant();
+        assert_eq!((v.tile, v.mods), (Tile::Base, Mods::Any));
     }
 
     #[test]
@@ -419,7 +458,8 @@ mod tests {
         assert_eq!(pick(64, "base"), (Mods::None, 64));
         assert_eq!(pick(128, ""), (Mods::None, 32));
         assert_eq!(pick(128, "any"), (Mods::Any, 32));
-        // No plain kernel at d = 96: the one with every modifier.
-        assert_eq!(pick(96, ""), (Mods::Any, 32));
+        assert_eq!(pick(96, ""), (Mods::None, 32));
+        // No plain kernel at d = 160: the one with every modifier.
+        assert_eq!(pick(160, ""), (Mods::Any, 64));
     }
 }
