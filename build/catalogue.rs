@@ -71,7 +71,6 @@ fn name(v: &Variant, dt: &str) -> String {
             let shape = match v.tile {
                 Tile::Small => "_s64",
                 Tile::Wide => "_wide",
-                Tile::Pair => "_pair",
                 _ => "",
             };
             format!(
@@ -196,7 +195,6 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
     Some(match v.family {
         Family::Fwd if v.tile == Tile::Small => format!("FwdSmallConfig<{t}, {d}>::Traits"),
         Family::Fwd if v.tile == Tile::Wide => format!("FwdWideConfig<{t}, {d}>::Traits"),
-        Family::Fwd if v.tile == Tile::Pair => format!("FwdPairConfig<{t}, {d}>::Traits"),
         Family::Fwd => format!("FwdConfig<{t}, {d}>::Traits"),
         Family::FwdSm90 => format!(
             "Sm90Traits<{t}, {d}, {}, {}, {}>",

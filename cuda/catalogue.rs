@@ -137,7 +137,8 @@ pub enum Tile {
     /// The small-shared-memory shape for 99 KB devices (forward `_s64`, dK/dV `_s16`).
     Small,
     /// Wider key tiles: the fused backward with 128 keys over 8 warps (`_bn128`); the plain
-    /// forward at d = 64 with 96 (`_wide`, `FwdWideConfig`), for non-causal problems.
+    /// forward (`_wide`, `FwdWideConfig`) at d = 64 with 96 for non-causal problems, at d = 96
+    /// and 128 with 64.
     Wide,
     /// `Wide` with twice the streamed query rows (`_bn128t`).
     Tall,
@@ -146,10 +147,6 @@ pub enum Tile {
     Grid,
     /// `Grid` with Q single-buffered, for 163 KB devices (`_grid_q1`; d = 256).
     GridQ1,
-    /// Half the base tile's query rows on half its warps, so that two blocks share an SM
-    /// whose shared memory holds both (the plain forward at d = 256: 64 x 64 on 4 warps,
-    /// `_pair`, `FwdPairConfig`).
-    Pair,
 }
 
 /// A kernel's `__launch_bounds__`: what ptxas may assume of its launches, which decides its
@@ -306,7 +303,7 @@ const fn decode(d: u16, warps: u8) -> Variant {
 }
 
 use Mods::{Any, Cap, Scores, Sparse};
-use Tile::{Grid, GridQ1, Pair, Small, Tall, Wide};
+use Tile::{Grid, GridQ1, Small, Tall, Wide};
 
 /// Every compiled kernel. Order is free; the generated `Kernel` enum follows it.
 pub const CATALOGUE: &[Variant] = &[
@@ -335,15 +332,13 @@ pub const CATALOGUE: &[Variant] = &[
     fwd(256).tile(Small),
     fwd(256).tile(Small).dropout(),
     // Without score modifiers (the common problem), at the head dims the Ampere/Ada path is
-    // measured at against FlashAttention-2, and d 96 (Phi-3's; 0.82-0.89x FlashAttention-2
-    // with every modifier compiled in).
+    // measured at against FlashAttention-2, and d 96 (Phi-3's). d 96 and 128 take their
+    // 64-key tile causal or not, so only that one is compiled; d 64 keeps 64 keys causal.
     fwd_plain(64),
     fwd_plain(64).tile(Wide),
-    fwd_plain(96),
-    fwd_plain(128),
+    fwd_plain(96).tile(Wide),
     fwd_plain(128).tile(Wide),
     fwd_plain(256),
-    fwd_plain(256).tile(Pair).bounds(Bounds::Traits(2)),
     // sm90/fwd.cu: the wgmma forward. Two warpgroups of 64 rows and 128-key tiles; three at
     // d = 64 (192 rows sharing each K/V tile); one warpgroup per block where three (d = 64,
     // 128 keys; d = 128, 48 keys) or four (d = 64, 64 keys) blocks share an SM, so that one

@@ -44,21 +44,21 @@ template <typename T> struct FwdConfig<T, 160> { using Traits = FwdTraits<T, 160
 template <typename T> struct FwdConfig<T, 192> { using Traits = FwdTraits<T, 192, 128, 64, 8>; };
 template <typename T> struct FwdConfig<T, 224> { using Traits = FwdTraits<T, 224, 128, 64, 8>; };
 template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256, 128, 64, 8>; };
-// Plain problems without a causal mask at d = 64 (the kernel without score modifiers): 96-key
-// tiles, which ptxas fits with 8 bytes of spill where 128 keys spilled 140. On the H100's
-// sm_80 path +3-6% at 1k-16k against 64-key tiles, but 0.7-3.5% slower causal, whose
-// diagonal tiles mask more keys (docs/archive/PERF.md, "the d 64 forward's 96-key tile").
-// Its rows stay padded: swizzled, ptxas spilled 56 bytes and it ran 6-7% slower.
+// Wider key tiles for plain problems (the kernels without score modifiers), which the
+// planner (src/cuda/plan/fwd.rs) prefers where compiled. d = 64, non-causal only: 96 keys,
+// which ptxas fits with 8 bytes of spill where 128 keys spilled 140; on the H100's sm_80
+// path +3-6% at 1k-16k against 64-key tiles, but 0.7-3.5% slower causal, whose diagonal
+// tiles mask more keys (docs/archive/PERF.md, "the d 64 forward's 96-key tile"). Its rows
+// stay padded: swizzled, ptxas spilled 56 bytes and it ran 6-7% slower. d = 96 and 128: 64
+// keys, FlashAttention-2's tile, which spills 40-48 bytes of stack yet measured +4-24% over
+// 32 keys with and without a causal mask once the rows were swizzled (padded, it had lost:
+// docs/archive/PERF.md, "64-key tiles at d 96 and 128 on swizzled rows").
 template <typename T, int D> struct FwdWideConfig;
 template <typename T> struct FwdWideConfig<T, 64> {
     using Traits = FwdTraits<T, 64, 128, 96, 4, false>;
 };
+template <typename T> struct FwdWideConfig<T, 96> { using Traits = FwdTraits<T, 96, 128, 64, 4>; };
 template <typename T> struct FwdWideConfig<T, 128> { using Traits = FwdTraits<T, 128, 128, 64, 4>; };
-// Plain problems at d = 256 where an SM's shared memory holds two blocks of 96 KB (Hopper's
-// 228 KB; an A100's 164 KB holds one): 64 rows on 4 warps, the shape FlashAttention-2 picks
-// there, so that one block's softmax and loads overlap the other's matmuls.
-template <typename T, int D> struct FwdPairConfig;
-template <typename T> struct FwdPairConfig<T, 256> { using Traits = FwdTraits<T, 256, 64, 64, 4>; };
 // Where a device allows 99 KB of shared memory per block (sm_86/89), d >= 192 takes 64 query
 // rows and 32-key tiles (52-68 KB instead of 102-135 KB). The planner
 // (src/cuda/plan/fwd.rs) takes it where the other does not fit.

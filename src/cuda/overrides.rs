@@ -9,7 +9,7 @@
 //! | `CANDLE_FLASH_ARCH` | `sm80` | the sm_80 kernels on any GPU (no wgmma, no programmatic launch) |
 //! | `CANDLE_FLASH_SMEM_KB` | KB | caps the shared memory per block the kernels may use (99: Ada, 163: A100) |
 //! | `CANDLE_FLASH_FWD` | `mma`, `sm90` | the mma.sync forward, or the first (not warp-specialized) wgmma forward |
-//! | `CANDLE_FLASH_MMA` | `any`, `base` | `any`: the mma.sync kernels compiled with every score modifier for plain problems too (forward and fused backward); `base`: the plain forward's own key tile where a wider one is compiled |
+//! | `CANDLE_FLASH_MMA` | `any`, `base`, `wide` | `any`: the mma.sync kernels compiled with every score modifier for plain problems too (forward and fused backward); `base`: the plain forward's own key tile where a wider one is compiled; `wide`: the wider one for causal problems at d 64 too |
 //! | `CANDLE_FLASH_SM90_SHAPE` | `g1`, `g1n64`, `g2`, `g3` | the first wgmma forward's consumer groups and key tile |
 //! | `CANDLE_FLASH_WS_SHAPE` | `base`, `g3`, `n<keys>` (e.g. `n176`) | the warp-specialized forward's tile shape, where compiled (plan/fwd.rs); FP8: `base` the narrowest key tiles, `n<keys>` that width instead of the widest (fwd_fp8.rs) |
 //! | `CANDLE_FLASH_WS_PERSISTENT` | `0` | one block per tile instead of persistent blocks |

@@ -60,11 +60,12 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
 
 /// The mma.sync kernel of head dim class `d`: its own tile, or where that needs more than
 /// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
-/// a score modifier or block mask take a plain kernel where one is compiled, without a causal
-/// mask its wider key tile where one is (d = 64: 96 keys, +4-6% non-causal, slower causal;
-/// `FwdWideConfig`), and the half-height tile where one is and two of its blocks fit an SM
-/// (d = 256 on Hopper's shared memory; `FwdPairConfig`). For A/B runs `CANDLE_FLASH_MMA=any`
-/// sends them to the kernel with every modifier, `base` keeps them on the base tile.
+/// a score modifier or block mask take a plain kernel where one is compiled, and its wider
+/// key tile where one is (`FwdWideConfig`): at d = 96 and 128 64 keys, +4-24% with and
+/// without a causal mask; at d = 64 96 keys, +4-6% non-causal but slower causal, whose
+/// diagonal tiles mask more keys, so causal problems keep 64 there. For A/B runs
+/// `CANDLE_FLASH_MMA=any` sends them to the kernel with every modifier, `base` keeps them off
+/// the wider tile, `wide` puts causal problems at d = 64 on it too.
 fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
     mma_kernel_with(d, q, smem, overrides().mma.as_str())
 }
@@ -78,16 +79,10 @@ fn mma_kernel_with(d: usize, q: &FwdQuery, smem: usize, forced: &str) -> Result<
             })
             .filter(|k| k.geometry().smem as usize <= smem)
         };
-        let wide = (!q.causal && forced != "base")
+        let wide = ((!q.causal || d != 64 || forced == "wide") && forced != "base")
             .then(|| plain(Tile::Wide))
             .flatten();
-        // Two blocks an SM: each reserves 1 KB beside its own, and `smem` is what one block
-        // may have, an SM's less that 1 KB.
-        let pair = (forced != "base")
-            .then(|| plain(Tile::Pair))
-            .flatten()
-            .filter(|k| 2 * k.geometry().smem as usize + 1024 <= smem);
-        if let Some(k) = wide.or(pair).or_else(|| plain(Tile::Base)) {
+        if let Some(k) = wide.or_else(|| plain(Tile::Base)) {
             return Ok(k);
         }
     }
@@ -355,7 +350,7 @@ mod tests {
 
     #[test]
     fn plain_problems_take_the_plain_mma_kernels_where_compiled() {
-        for d in [64, 96, 128] {
+        for d in [64, 96, 128, 256] {
             let v = mma(d, Mods::None, false, &A100).variant();
             assert_eq!((v.d as usize, v.mods, v.dropout), (d, Mods::None, false));
         }
@@ -372,7 +367,7 @@ mod tests {
     }
 
     #[test]
-    fn plain_non_causal_problems_take_the_wider_key_tile_where_compiled() {
+    fn plain_problems_take_the_wider_key_tile_where_compiled() {
         let pick = |d, causal, forced| {
             let k = mma_kernel_with(d, &query(d, 4096, causal), A100.smem, forced).unwrap();
             (k.variant().tile, k.variant().mods, k.geometry().bn)
@@ -381,8 +376,15 @@ mod tests {
         assert_eq!(pick(64, true, ""), (Tile::Base, Mods::None, 64));
         assert_eq!(pick(64, false, "base"), (Tile::Base, Mods::None, 64));
         assert_eq!(pick(64, false, "any"), (Tile::Base, Mods::Any, 64));
-        // None at d = 128 (48 keys measured level with 32).
-        assert_eq!(pick(128, false, ""), (Tile::Base, Mods::None, 32));
+        assert_eq!(pick(128, false, ""), (Tile::Wide, Mods::None, 64));
+        assert_eq!(pick(128, true, ""), (Tile::Wide, Mods::None, 64));
+        // `base` at d = 128: no plain kernel on 32 keys is compiled, the one with every modifier.
+        assert_eq!(pick(128, true, "base"), (Tile::Base, Mods::Any, 32));
+        assert_eq!(pick(96, false, ""), (Tile::Wide, Mods::None, 64));
+        assert_eq!(pick(96, true, ""), (Tile::Wide, Mods::None, 64));
+        assert_eq!(pick(64, true, "wide"), (Tile::Wide, Mods::None, 96));
+        // None at d = 256.
+        assert_eq!(pick(256, false, ""), (Tile::Base, Mods::None, 64));
         // A modifier or dropout: the kernel with every modifier.
         let q = FwdQuery {
             mods: Mods::Scores,
@@ -410,34 +412,6 @@ mod tests {
     }
 
     #[test]
-    fn two_blocks_an_sm_take_the_half_height_tile_where_they_fit() {
-        // Hopper's shared memory on the sm_80 path (`CANDLE_FLASH_ARCH=sm80`).
-        let sm80_hopper = DeviceFacts { major: 8, ..HOPPER };
-        for causal in [false, true] {
-            let k = mma_kernel_with(256, &query(256, 4096, causal), sm80_hopper.smem, "").unwrap();
-            let g = k.geometry();
-            assert_eq!(
-                (k.variant().tile, k.variant().mods),
-                (Tile::Pair, Mods::None)
-            );
-            assert_eq!((g.bm, g.bn), (64, 64));
-            assert!(2 * g.smem as usize + 1024 <= sm80_hopper.smem);
-        }
-        let v = mma(256, Mods::None, false, &sm80_hopper).variant();
-        assert_eq!(v.tile, Tile::Pair);
-        // An A100 holds one such block: the base tile; `base` forces it.
-        assert_eq!(
-            mma(256, Mods::None, false, &A100).variant().tile,
-            Tile::Base
-        );
-        let k = mma_kernel_with(256, &query(256, 4096, false), sm80_hopper.smem, "base").unwrap();
-        assert_eq!(k.variant().tile, Tile::Base);
-        // A modifier: the kernel with every modifier, base tile.
-        let v = mma(256, Mods::Scores, false, &sm80_hopper).variant();
-        assert_eq!((v.tile, v.mods), (Tile::Base, Mods::Any));
-    }
-
-    #[test]
     fn the_switch_picks_the_kernel_with_every_modifier() {
         let q = |d| FwdQuery {
             d,
@@ -456,9 +430,9 @@ mod tests {
         assert_eq!(pick(64, ""), (Mods::None, 64));
         assert_eq!(pick(64, "any"), (Mods::Any, 64));
         assert_eq!(pick(64, "base"), (Mods::None, 64));
-        assert_eq!(pick(128, ""), (Mods::None, 32));
+        assert_eq!(pick(128, ""), (Mods::None, 64));
         assert_eq!(pick(128, "any"), (Mods::Any, 32));
-        assert_eq!(pick(96, ""), (Mods::None, 32));
+        assert_eq!(pick(96, ""), (Mods::None, 64));
         // No plain kernel at d = 160: the one with every modifier.
         assert_eq!(pick(160, ""), (Mods::Any, 64));
     }
