@@ -34,7 +34,9 @@ struct FwdTraits {
 // at d = 128 a 64-key tile spilled 112 B, so those use 64 and 32.
 // At d = 128 without dropout, 32-key tiles measured +4-7% causal and -2% to +2% non-causal
 // against 64-key ones on the H100's sm_80 path, with fewer registers, so both variants take 32
-// (docs/archive/PERF.md, "d = 128 without dropout back to 32-key tiles").
+// (docs/archive/PERF.md, "d = 128 without dropout back to 32-key tiles"). Those were padded
+// rows and kernels with every score modifier; plain problems now take 64 keys at d = 96 and
+// 128 (FwdWideConfig below).
 template <typename T, int D> struct FwdConfig;
 template <typename T> struct FwdConfig<T, 32> { using Traits = FwdTraits<T, 32, 128, 64, 4>; };
 template <typename T> struct FwdConfig<T, 64> { using Traits = FwdTraits<T, 64, 128, 64, 4>; };
