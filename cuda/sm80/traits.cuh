@@ -52,7 +52,7 @@ template <typename T> struct FwdConfig<T, 256> { using Traits = FwdTraits<T, 256
 // path +3-6% at 1k-16k against 64-key tiles, but 0.7-3.5% slower causal, whose diagonal
 // tiles mask more keys (docs/archive/PERF.md, "the d 64 forward's 96-key tile"). Its rows
 // stay padded: swizzled, ptxas spilled 56 bytes and it ran 6-7% slower. d = 96 and 128: 64
-// keys, FlashAttention-2's tile, which spills 40-48 bytes of stack yet measured +4-24% over
+// keys, FlashAttention-2's tile, which spills 40-48 bytes of stack yet measured +2-25% over
 // 32 keys with and without a causal mask once the rows were swizzled (padded, it had lost:
 // docs/archive/PERF.md, "64-key tiles at d 96 and 128 on swizzled rows").
 template <typename T, int D> struct FwdWideConfig;

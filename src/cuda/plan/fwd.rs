@@ -61,7 +61,7 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
 /// The mma.sync kernel of head dim class `d`: its own tile, or where that needs more than
 /// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
 /// a score modifier or block mask take a plain kernel where one is compiled, and its wider
-/// key tile where one is (`FwdWideConfig`): at d = 96 and 128 64 keys, +4-24% with and
+/// key tile where one is (`FwdWideConfig`): at d = 96 and 128 64 keys, +2-25% with and
 /// without a causal mask; at d = 64 96 keys, +4-6% non-causal but slower causal, whose
 /// diagonal tiles mask more keys, so causal problems keep 64 there. For A/B runs
 /// `CANDLE_FLASH_MMA=any` sends them to the kernel with every modifier, `base` keeps them off
