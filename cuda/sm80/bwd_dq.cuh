@@ -43,9 +43,9 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
     const T* dout = static_cast<const T*>(bp.dout) +
                     seq.q_offset(p.o_batch_stride, p.o_row_stride, p.o_head_stride, bidb, bidh);
     load_tile<T, BM, D, K::THREADS, Rows>(sQ, q + int64_t(m0) * p.q_row_stride, p.q_row_stride,
-                                    seq.seqlen_q - m0, p.d, tid);
-    load_tile<T, BM, D, K::THREADS, Rows>(sdO, dout + int64_t(m0) * p.o_row_stride, p.o_row_stride,
-                                    seq.seqlen_q - m0, p.d, tid);
+                                          seq.seqlen_q - m0, p.d, tid);
+    load_tile<T, BM, D, K::THREADS, Rows>(sdO, dout + int64_t(m0) * p.o_row_stride,
+                                          p.o_row_stride, seq.seqlen_q - m0, p.d, tid);
     cp_async_commit();
 
     // This thread's rows: LSE in log2 units (+inf where P must be 0) and rowsum(dO O).
@@ -71,10 +71,10 @@ template <class K> __device__ __forceinline__ void flash_bwd_dq(const BwdParams&
          nb = mask.template next_key_block<BN>(m0, m0 + BM - 1, nb, nb_begin)) {
         const int n0 = nb * BN;
         __syncthreads();  // every warp is done with the previous K, V tiles
-        load_tile<T, BN, D, K::THREADS, Rows>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
-                                        seq.seqlen_k - n0, p.d, tid);
-        load_tile<T, BN, D, K::THREADS, Rows>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
-                                        seq.seqlen_k - n0, p.d, tid);
+        load_tile<T, BN, D, K::THREADS, Rows>(sK, k + int64_t(n0) * p.k_row_stride,
+                                              p.k_row_stride, seq.seqlen_k - n0, p.d, tid);
+        load_tile<T, BN, D, K::THREADS, Rows>(sV, v + int64_t(n0) * p.v_row_stride,
+                                              p.v_row_stride, seq.seqlen_k - n0, p.d, tid);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();

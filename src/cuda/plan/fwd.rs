@@ -62,10 +62,10 @@ pub(crate) fn plan_fwd(q: &FwdQuery, facts: &DeviceFacts) -> Result<FwdPlan> {
 /// `smem` bytes of shared memory (d >= 192 on a 99 KB device) the small one. Problems without
 /// a score modifier or block mask take a plain kernel where one is compiled, and its wider
 /// key tile where one is (`FwdWideConfig`): at d = 96 and 128 64 keys, +2-25% with and
-/// without a causal mask; at d = 64 96 keys, +4-6% non-causal but slower causal, whose
-/// diagonal tiles mask more keys, so causal problems keep 64 there. For A/B runs
-/// `CANDLE_FLASH_MMA=any` sends them to the kernel with every modifier, `base` keeps them off
-/// the wider tile, `wide` puts causal problems at d = 64 on it too.
+/// without a causal mask; at d = 64 96 keys, +4-6% non-causal but slower causal, where tiles
+/// that do not divide the query tile mask more keys, so causal problems keep 64 there. For
+/// A/B runs `CANDLE_FLASH_MMA=any` sends them to the kernel with every modifier, `base` keeps
+/// them off the wider tile, `wide` puts causal problems at d = 64 on it too.
 fn mma_kernel(d: usize, q: &FwdQuery, smem: usize) -> Result<Kernel> {
     mma_kernel_with(d, q, smem, overrides().mma.as_str())
 }
@@ -79,9 +79,16 @@ fn mma_kernel_with(d: usize, q: &FwdQuery, smem: usize, forced: &str) -> Result<
             })
             .filter(|k| k.geometry().smem as usize <= smem)
         };
-        let wide = ((!q.causal || d != 64 || forced == "wide") && forced != "base")
+        // Under a causal mask a key tile that does not divide the query tile (d = 64's 96
+        // keys against 128 rows) spreads the diagonal over more tiles that need the mask.
+        let diagonal_whole = |k: &Kernel| {
+            let g = k.geometry();
+            !q.causal || g.bm % g.bn == 0 || forced == "wide"
+        };
+        let wide = (forced != "base")
             .then(|| plain(Tile::Wide))
-            .flatten();
+            .flatten()
+            .filter(diagonal_whole);
         if let Some(k) = wide.or_else(|| plain(Tile::Base)) {
             return Ok(k);
         }
