@@ -83,7 +83,7 @@ fn mma_kernel_with(d: usize, q: &FwdQuery, smem: usize, forced: &str) -> Result<
         // keys against 128 rows) spreads the diagonal over more tiles that need the mask.
         let diagonal_whole = |k: &Kernel| {
             let g = k.geometry();
-            !q.causal || g.bm % g.bn == 0 || forced == "wide"
+            !q.causal || g.bm.is_multiple_of(g.bn) || forced == "wide"
         };
         let wide = (forced != "base")
             .then(|| plain(Tile::Wide))
