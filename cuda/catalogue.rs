@@ -438,6 +438,7 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_fused_convert(128).tile(Wide),
     bwd_fused_convert(128).tile(Tall),
     bwd_fused_plain(64),
+    bwd_fused_plain(96),
     bwd_fused_plain(128),
     bwd_fused_plain(64).tile(Wide),
     bwd_fused_plain(64).tile(Tall),

@@ -112,7 +112,7 @@ template <class K, bool DROPOUT> struct FwdBlock {
         float s[MT][NT][4];  // S = Q K^T (line 8); k-loop fully unrolled up to d = 128, where
                              // it was measured faster (d > 128 spilled more, ptxas -v)
         zero(s);
-        gemm_ss<T, MT, NT, D / 16, Rows, (D <= 128)>(s, sQ + warp_row0() * STRIDE, sK, lane);
+        gemm_ss<T, MT, NT, D / 16, Rows, true>(s, sQ + warp_row0() * STRIDE, sK, lane);
         mask.apply<MT, NT>(s, m0 + warp_row0(), nb * BN, lane, MASK, src.rows_per_query());
         // K[nb - 1] is requested before the softmax, so that its copy overlaps the softmax
         // as well as P V (FlashAttention-2's order: +2-3% at d = 128 on the H100 than

@@ -303,7 +303,7 @@ mod tests {
 
     #[test]
     fn plain_problems_take_the_plain_fused_kernels() {
-        for d in [64, 128] {
+        for d in [64, 96, 128] {
             let (plain, convert) = fused(d, Mods::None, false);
             let (mods, convert_mods) = fused(d, Mods::Scores, false);
             // The same tile (and so the same dq_accum conversion), without the modifiers.
@@ -317,7 +317,7 @@ mod tests {
         }
         // Dropout and head dims without a plain kernel keep the kernel with the modifiers.
         assert_eq!(fused(128, Mods::None, true).0.variant().mods, Mods::Scores);
-        assert_eq!(fused(96, Mods::None, false).0.variant().mods, Mods::Scores);
+        assert_eq!(fused(32, Mods::None, false).0.variant().mods, Mods::Scores);
     }
 
     #[test]
