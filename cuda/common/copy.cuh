@@ -50,6 +50,14 @@ template <int D> struct SwizzledRows {
     __device__ __forceinline__ static int offset(int row, int col) {
         return row * PITCH + (col ^ ((row & 7) * CHUNK));
     }
+    // Shared address of 16-byte chunk `chunk` of row `row + step` of the tile at `base`, for a
+    // row below 8 and a step that is a multiple of a power of two above it: the sum's swizzle
+    // is then row's XOR step's, so a copy that walks a lane down the rows pays one XOR with a
+    // constant a row.
+    __device__ __forceinline__ static uint32_t chunk_at(uint32_t base, int row, int step,
+                                                        int chunk) {
+        return base + (row + step) * ROW_BYTES + (((chunk ^ row) ^ (step & 7)) << 4);
+    }
     // The swizzle sits in address bits 4-6, so a chunk is placed by an XOR of those bits:
     // `tile` may point a few chunks into its rows (a warp's columns) as long as those, the
     // lane's chunk (0 or 1) and at()'s c0 have no low bits in common, as every caller's

@@ -62,8 +62,8 @@ __device__ __forceinline__ int64_t opaque64(int64_t x) {
 // so a copy is one 64-bit pointer step and one cp.async: no per-chunk row arithmetic. Rows of
 // D / 8 chunks are spread over LPR lanes (a power of two, so each lane's column is fixed);
 // lanes past the last chunk of a row (head dims 96, 160, 192, 224) copy nothing. A lane's
-// rows are row + i * RSTEP with row < RSTEP <= 8 and RSTEP a power of two, so the swizzle of
-// its i-th row is row ^ (i * RSTEP % 8): one XOR with a constant per unrolled copy.
+// rows are row + i * RSTEP with row < RSTEP <= 8 and RSTEP a power of two: the steps
+// SwizzledRows::chunk_at places with one XOR with a constant per unrolled copy.
 template <typename T, int BN, int D> struct WarpTileCopy {
     using Rows = SwizzledRows<D>;
     static constexpr int CPR = D / CHUNK;
@@ -80,8 +80,7 @@ template <typename T, int BN, int D> struct WarpTileCopy {
 
     // Shared address of this lane's i-th copy in the tile at `smem`.
     __device__ __forceinline__ uint32_t dst(uint32_t smem, int i) const {
-        return smem + (row + i * RSTEP) * Rows::ROW_BYTES +
-               (((chunk ^ row) ^ ((i * RSTEP) & 7)) << 4);
+        return Rows::chunk_at(smem, row, i * RSTEP, chunk);
     }
 
     // All BN rows and D columns exist.
