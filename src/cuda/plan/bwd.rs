@@ -21,9 +21,10 @@
 //! (docs/archive/PERF.md, "the grid layout at d 256"; its Q single-buffered kernel for 163 KB
 //! only under `CANDLE_FLASH_BWD=grid`, see below),
 //! with twice the streamed query rows where 158 KB is (+3-5% at d 64; docs/archive/PERF.md,
-//! "a taller 128-key backward"), else 64 keys over 4
-//! warps: at hd 128, seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200;
-//! docs/archive/PERF.md, "backward: dQ by atomics in the dK/dV kernel, double-buffered Q/dO").
+//! "a taller 128-key backward"), else 64 keys over 4 warps (at d 96 without modifiers on
+//! swizzled rows of 128 elements where 109 KB is allowed, `Tile::Swizzled`): at hd 128,
+//! seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200; docs/archive/PERF.md,
+//! "backward: dQ by atomics in the dK/dV kernel, double-buffered Q/dO").
 //!
 //! `CANDLE_FLASH_BWD` overrides the choice for A/B comparisons of speed and accuracy:
 //! `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma kernel on
@@ -163,16 +164,23 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
     if q.deterministic || env == Some("separate") || (sparse && !wgmma) {
         return separate(d, sparse, facts.smem);
     }
-    // The first that fits of the allowed wider shapes (none with dropout), else 64 keys over
-    // 4 warps; head dims without a fused kernel that runs here (d = 256 with dropout or on a
-    // 99 KB device, d 160-224) take the deterministic pair. `GridQ1` is the grid layout with
-    // Q single-buffered, so that d = 256 fits 163 KB (A100).
+    // The first that fits of the allowed wider shapes (none with dropout; `Swizzled`: d 96's
+    // base shape on swizzled rows), else 64 keys over 4 warps; head dims without a fused
+    // kernel that runs here (d = 256 with dropout or on a 99 KB device, d 160-224) take the
+    // deterministic pair. `GridQ1` is the grid layout with Q single-buffered, so that d = 256
+    // fits 163 KB (A100).
     let wide: &[Tile] = match env {
         Some("bn64") => &[],
         Some("bn128") => &[Tile::Wide],
         Some("bn128t") => &[Tile::Tall, Tile::Wide],
         Some("grid") => &[Tile::Grid, Tile::GridQ1],
-        _ => &[Tile::Grid, Tile::GridQ1, Tile::Tall, Tile::Wide],
+        _ => &[
+            Tile::Grid,
+            Tile::GridQ1,
+            Tile::Tall,
+            Tile::Wide,
+            Tile::Swizzled,
+        ],
     };
     let fits =
         |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
@@ -303,7 +311,7 @@ mod tests {
 
     #[test]
     fn plain_problems_take_the_plain_fused_kernels() {
-        for d in [64, 96, 128] {
+        for d in [64, 128] {
             let (plain, convert) = fused(d, Mods::None, false);
             let (mods, convert_mods) = fused(d, Mods::Scores, false);
             // The same tile (and so the same dq_accum conversion), without the modifiers.
@@ -315,6 +323,20 @@ mod tests {
             assert_eq!(convert, convert_mods);
             assert_eq!(plain.variant().tile, convert.variant().tile);
         }
+        // d = 96: the plain kernel on swizzled rows (its own dq_accum tiling and conversion),
+        // on padded ones where that does not fit (99 KB), as the kernel with the modifiers.
+        let (plain, convert) = fused(96, Mods::None, false);
+        assert_eq!(
+            (plain.variant().mods, plain.variant().tile),
+            (Mods::None, Tile::Swizzled)
+        );
+        assert_eq!(convert.variant().tile, Tile::Swizzled);
+        let (plain, _) = fused_on(96, Mods::None, false, &ADA);
+        assert_eq!(
+            (plain.variant().mods, plain.variant().tile),
+            (Mods::None, Tile::Base)
+        );
+        assert_eq!(fused(96, Mods::Scores, false).0.variant().tile, Tile::Base);
         // Dropout and head dims without a plain kernel keep the kernel with the modifiers.
         assert_eq!(fused(128, Mods::None, true).0.variant().mods, Mods::Scores);
         assert_eq!(fused(32, Mods::None, false).0.variant().mods, Mods::Scores);
@@ -332,6 +354,10 @@ mod tests {
         assert_eq!(tile(128, false, &ADA), Tile::Base);
         // Dropout: 64 keys over 4 warps.
         assert_eq!(tile(128, true, &A100), Tile::Base);
+        // d = 96: swizzled rows where 109 KB is allowed, padded ones with dropout or on 99 KB.
+        assert_eq!(tile(96, false, &A100), Tile::Swizzled);
+        assert_eq!(tile(96, true, &A100), Tile::Base);
+        assert_eq!(tile(96, false, &ADA), Tile::Base);
         // d = 256: the grid layout where 184 KB is allowed (Hopper's sm_80 path), Q
         // single-buffered within 163 KB; on 99 KB devices and with dropout the deterministic
         // pair.
