@@ -444,6 +444,8 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_fused_plain(96),
     bwd_fused_plain(96).tile(Swizzled),
     bwd_fused_convert(96).tile(Swizzled),
+    bwd_fused_plain(96).tile(Wide),
+    bwd_fused_convert(96).tile(Wide),
     bwd_fused_plain(128),
     bwd_fused_plain(64).tile(Wide),
     bwd_fused_plain(64).tile(Tall),

@@ -92,6 +92,7 @@ template <typename T> struct BwdKvSmall256 { using Kv = BwdKvTraits<T, 256, 128,
 // TALL (WIDE only): twice the streamed rows (d = 64: 128, d = 128: 64), which halves the
 // barriers and the K/V fragment reloads per query at the price of a few spilled registers
 // (ptxas -v, sm_80: 40-44 B) and 158 KB of shared memory at d = 128 (A100 and Hopper only).
+// WIDE at d = 96 (FA2's d 96 shape: 64 x 128 over 8 warps): 123 KB on padded rows.
 // SWZ (d = 96): the base shape on swizzled rows, dQ's warps on 16 rows x all 96 columns
 // (109 KB: A100 and Hopper, not 99 KB devices).
 template <typename T, int D, bool WIDE = false, bool TALL = false, bool SWZ = false>
@@ -100,8 +101,10 @@ struct BwdFusedConfig {
     static_assert(!SWZ || (D == 96 && !WIDE), "swizzled rows: the d 96 base shape only");
     static constexpr int BM = (D <= 96 ? 64 : 32) * (TALL ? 2 : 1);
     static constexpr int NWARPS = WIDE ? 8 : 4;
-    // dQ warp tiles of 32 rows, or (SWZ) of 16 rows and every column
-    static constexpr int DQ_WN = SWZ ? 1 : NWARPS * 32 / BM;
+    // dQ warp tiles of 32 rows; of 16 rows and every column (SWZ); of 16 rows and half the
+    // columns at d = 96 on 8 warps (32 rows would leave each warp three n8 tiles, and the B
+    // loads take them in pairs)
+    static constexpr int DQ_WN = SWZ ? 1 : (D == 96 && WIDE) ? 2 : NWARPS * 32 / BM;
     using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN, SWZ>;
 };
 

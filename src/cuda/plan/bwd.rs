@@ -28,8 +28,9 @@
 //!
 //! `CANDLE_FLASH_BWD` overrides the choice for A/B comparisons of speed and accuracy:
 //! `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma kernel on
-//! Hopper; `bn64`, `bn128`, `bn128t` (128 keys, twice the query rows per tile) and `grid`
-//! (FlashAttention-2's warp layout) force the mma.sync fused kernel of that shape.
+//! Hopper; `bn64`, `bn128`, `bn128t` (128 keys, twice the query rows per tile), `grid`
+//! (FlashAttention-2's warp layout) and `swz` (d 96 on swizzled rows) force the mma.sync fused
+//! kernel of that shape.
 
 use candle::{bail, Result};
 
@@ -174,6 +175,7 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
         Some("bn128") => &[Tile::Wide],
         Some("bn128t") => &[Tile::Tall, Tile::Wide],
         Some("grid") => &[Tile::Grid, Tile::GridQ1],
+        Some("swz") => &[Tile::Swizzled],
         _ => &[
             Tile::Grid,
             Tile::GridQ1,
@@ -323,14 +325,15 @@ mod tests {
             assert_eq!(convert, convert_mods);
             assert_eq!(plain.variant().tile, convert.variant().tile);
         }
-        // d = 96: the plain kernel on swizzled rows (its own dq_accum tiling and conversion),
-        // on padded ones where that does not fit (99 KB), as the kernel with the modifiers.
+        // d = 96: the plain kernel on 128 keys over 8 warps (its own dq_accum tiling and
+        // conversion), on the padded base tile where that does not fit (99 KB), as the kernel
+        // with the modifiers.
         let (plain, convert) = fused(96, Mods::None, false);
         assert_eq!(
             (plain.variant().mods, plain.variant().tile),
-            (Mods::None, Tile::Swizzled)
+            (Mods::None, Tile::Wide)
         );
-        assert_eq!(convert.variant().tile, Tile::Swizzled);
+        assert_eq!(convert.variant().tile, Tile::Wide);
         let (plain, _) = fused_on(96, Mods::None, false, &ADA);
         assert_eq!(
             (plain.variant().mods, plain.variant().tile),
@@ -354,8 +357,13 @@ mod tests {
         assert_eq!(tile(128, false, &ADA), Tile::Base);
         // Dropout: 64 keys over 4 warps.
         assert_eq!(tile(128, true, &A100), Tile::Base);
-        // d = 96: swizzled rows where 109 KB is allowed, padded ones with dropout or on 99 KB.
-        assert_eq!(tile(96, false, &A100), Tile::Swizzled);
+        // d = 96: 128 keys over 8 warps where 123 KB is allowed, padded 64-key tiles with
+        // dropout or on 99 KB.
+        assert_eq!(tile(96, false, &A100), Tile::Wide);
+        assert_eq!(
+            tile(96, false, &DeviceFacts { major: 8, ..HOPPER }),
+            Tile::Wide
+        );
         assert_eq!(tile(96, true, &A100), Tile::Base);
         assert_eq!(tile(96, false, &ADA), Tile::Base);
         // d = 256: the grid layout where 184 KB is allowed (Hopper's sm_80 path), Q
