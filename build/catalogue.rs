@@ -203,9 +203,11 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
             v.bn,
             mods_c(v.mods)
         ),
-        // CANDLE_FLASH_WS_PINGPONG: sm90/fwd_ws.cu's A/B switch (true unless defined).
+        // CANDLE_FLASH_WS_PINGPONG: sm90/fwd_ws.cu's A/B switch (true unless defined). d 96
+        // runs on d 128's tiles with the products cut to 96 columns (WsTraits::DA).
         Family::FwdWs => format!(
-            "WsTraits<{t}, {d}, {}, {}, {}, CANDLE_FLASH_WS_PINGPONG, {}, {}, {}, {}>",
+            "WsTraits<{t}, {}, {}, {}, {}, CANDLE_FLASH_WS_PINGPONG, {}, {}, {}, {}, {d}>",
+            if d == 96 { 128 } else { d },
             v.bn,
             v.stages,
             v.groups,

@@ -364,6 +364,7 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(64, 128, 4, 2),
     fwd_ws(64, 128, 3, 3),
     fwd_ws(64, 192, 2, 2),
+    fwd_ws(96, 128, 2, 2),
     fwd_ws(128, 128, 2, 2),
     fwd_ws(128, 176, 2, 2),
     fwd_ws(256, 64, 2, 2),

@@ -96,8 +96,12 @@ struct WsLayout {
 // (src/cuda/plan/fwd.rs) and keep their registers.
 // FP8: q, k and v in e4m3 (uint8_t in shared memory), O in T; V is transposed in shared
 // memory by the producer warpgroup's other warps for the e4m3 wgmma (sm90/wgmma_fp8.cuh).
+// DA: the head dim the products cover within D's layout (d 96 on d 128's tiles: the columns
+// past it are TMA's zero fill, so S's k loop stops there and P V is n96; one consumer wgmma
+// in four fewer).
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
-          int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false, bool FP8_ = false>
+          int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false, bool FP8_ = false,
+          int DA_ = D_>
 struct WsTraits {
     using T = T_;  // O's type (and q's, k's and v's but with FP8)
     static constexpr bool FP8 = FP8_;
@@ -106,6 +110,8 @@ struct WsTraits {
     // The transposed V tiles beside K's and V's (FP8).
     static constexpr int KV_TILES = FP8 ? 3 : 2;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
+    static constexpr int DA = DA_;
+    static_assert(DA == D || (D == 128 && DA == 96 && !FP8_), "d 96 on d 128's tiles only");
     static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int MODS = MODS_;
     // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'
@@ -583,7 +589,7 @@ template <class K> struct WsConsumer {
     // A k step spans 32 bytes of a panel row either way (k16, or k32 of e4m3).
     __device__ __forceinline__ void issue_s(float (&s)[1][NT][4], int st) const {
 #pragma unroll
-        for (int kk = 0; kk < D * K::ELEM / 32; ++kk) {
+        for (int kk = 0; kk < K::DA * K::ELEM / 32; ++kk) {
             const uint64_t a = sm90::kmajor_desc(sm.q(qs) + group * 64 * 128, BM, kk);
             const uint64_t b = sm90::kmajor_desc(sm.k(st), BN, kk);
             if constexpr (K::FP8)
@@ -605,9 +611,9 @@ template <class K> struct WsConsumer {
 
     // O += P V of the tile in slot st, issued (one commit group). Head dims past 128 take
     // two n128 halves (panels 0-1 and 2-3). With FP8, V^T's rows are the head dim (K-major,
-    // a half is 128 of its rows).
+    // a half is 128 of its rows). DA < D: O's columns from DA on stay zero.
     __device__ __forceinline__ void issue_pv(int st) {
-        constexpr int N = D > 128 ? 128 : D;
+        constexpr int N = D > 128 ? 128 : K::DA;
 #pragma unroll
         for (int half = 0; half < D / N; ++half) {
             float(&oh)[N / 8][4] = *reinterpret_cast<float(*)[N / 8][4]>(&o[0][half * N / 8]);

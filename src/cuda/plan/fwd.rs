@@ -158,7 +158,7 @@ fn sm90_kernel(d: usize, q: &FwdQuery) -> Option<Kernel> {
 /// where its warpgroups pass over the tiles masked for them: "d 256 causal up to 1k on 64-key
 /// tiles", "Key tiles masked for a whole warpgroup").
 /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled shapes where it
-/// exists (A/B runs).
+/// exists (A/B runs); `d128` keeps head dims 65-96 on d 128's kernels.
 ///
 /// With a softcap or ALiBi, or a block mask, and with dropout: the one kernel per head dim
 /// compiled with it (the catalogue's row). Packed batches: the same choice among the
@@ -175,6 +175,13 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
         return Kernel::of(Family::FwdWs, d, features);
     }
     let forced = overrides().ws_shape.as_str();
+    // Head dims 65-96 without features: d 128's tiles with S's k loop and P V cut to 96
+    // columns (`_d96`), where compiled; `CANDLE_FLASH_WS_SHAPE=d128` keeps d 128's kernels.
+    if head_dim_class(q.d) == 96 && forced != "d128" {
+        if let Some(k) = Kernel::of(Family::FwdWs, 96, features) {
+            return Some(k);
+        }
+    }
     // d = 64 causal below 512 rows: the one-warpgroup kernel of sm90/fwd.cu, four blocks
     // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
     // tiles as one stream: 0.158 against 0.171 ms since; docs/archive/PERF.md, "the
@@ -264,7 +271,8 @@ mod tests {
         //   one-warpgroup wgmma kernel instead (no warp-specialized kernel);
         // - d 128: 176-key tiles without a mask from 8k keys;
         // - d 256: 80-key tiles, but 64 causal up to 1k;
-        // - the classes between: 96 on d 128's kernels, 160-224 on d 256's.
+        // - the classes between: 96 on its own (d 128's tiles, products cut to 96 columns),
+        //   160-224 on d 256's.
         for (d, sq, causal, want) in [
             (64, 4096, false, Some((64, 3, 128))),
             (64, 512, true, Some((64, 2, 128))),
@@ -276,7 +284,8 @@ mod tests {
             (256, 1024, true, Some((256, 2, 64))),
             (256, 2048, true, Some((256, 2, 80))),
             (256, 512, false, Some((256, 2, 80))),
-            (96, 4096, false, Some((128, 2, 128))),
+            (96, 4096, false, Some((96, 2, 128))),
+            (80, 512, true, Some((96, 2, 128))),
             (160, 4096, false, Some((256, 2, 80))),
         ] {
             let want = want.map(|(kd, groups, bn)| (kd, groups, bn, Mods::None, false, false));
@@ -284,6 +293,27 @@ mod tests {
                 ws(&query(d, sq, causal)),
                 want,
                 "d {d}, {sq} rows, causal {causal}"
+            );
+        }
+    }
+
+    #[test]
+    fn head_dim_96_with_features_keeps_the_d_128_kernels() {
+        for (mods, packed, dropout) in [
+            (Mods::Scores, false, false),
+            (Mods::None, true, false),
+            (Mods::None, false, true),
+        ] {
+            let q = FwdQuery {
+                mods,
+                packed,
+                dropout,
+                ..query(96, 4096, false)
+            };
+            assert_eq!(
+                ws(&q).map(|w| w.0),
+                Some(128),
+                "{mods:?} {packed} {dropout}"
             );
         }
     }
