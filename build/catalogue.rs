@@ -206,7 +206,7 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
         // CANDLE_FLASH_WS_PINGPONG: sm90/fwd_ws.cu's A/B switch (true unless defined). d 96
         // runs on d 128's tiles with the products cut to 96 columns (WsTraits::DA).
         Family::FwdWs => format!(
-            "WsTraits<{t}, {}, {}, {}, {}, CANDLE_FLASH_WS_PINGPONG, {}, {}, {}, {}, {d}>",
+            "WsTraits<{t}, {}, {}, {}, {}, CANDLE_FLASH_WS_PINGPONG, {}, {}, {}, {}{}>",
             if d == 96 { 128 } else { d },
             v.bn,
             v.stages,
@@ -214,7 +214,8 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
             mods_c(v.mods),
             flag(v.packed),
             flag(v.dropout),
-            flag(v.fp8)
+            flag(v.fp8),
+            if d == 96 { ", 96" } else { "" }
         ),
         Family::BwdDkdv if v.tile == Tile::Small => format!("BwdKvSmall256<{t}>::Kv"),
         Family::BwdDkdv => format!("BwdConfig<{t}, {d}>::Kv"),
