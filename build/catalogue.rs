@@ -227,10 +227,14 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
             format!("BwdGridConfig<{t}, {d}, 1>::Kv")
         }
         Family::BwdFused | Family::BwdFusedConvert => format!(
-            "BwdFusedConfig<{t}, {d}, {}, {}, {}>::Kv",
+            "BwdFusedConfig<{t}, {d}, {}, {}{}>::Kv",
             flag(wide),
             flag(tall),
-            flag(v.tile == Tile::Swizzled)
+            if v.tile == Tile::Swizzled {
+                ", true"
+            } else {
+                ""
+            }
         ),
         Family::BwdSm90 => format!("BwdSm90Traits<{t}, {d}, {}>", mods_c(v.mods)),
         Family::BwdWs | Family::BwdWsPrep | Family::BwdWsConvert => format!(
