@@ -95,16 +95,23 @@ template <typename T> struct BwdKvSmall256 { using Kv = BwdKvTraits<T, 256, 128,
 // WIDE at d = 96 (FA2's d 96 shape: 64 x 128 over 8 warps): 123 KB on padded rows.
 // SWZ (d = 96): the base shape on swizzled rows, dQ's warps on 16 rows x all 96 columns
 // (109 KB: A100 and Hopper, not 99 KB devices).
+// Warp columns of a BM x D dQ tile over NWARPS warps: 32-row warp tiles, halved in columns
+// while a warp's n8 tiles would be odd.
+constexpr int dq_warp_columns(int nwarps, int bm, int d) {
+    int wn = nwarps * 32 / bm;
+    while (wn > 1 && (d / (8 * wn)) % 2 != 0) wn /= 2;
+    return wn;
+}
+
 template <typename T, int D, bool WIDE = false, bool TALL = false, bool SWZ = false>
 struct BwdFusedConfig {
     static_assert(WIDE || !TALL, "the tall shape is a wide one");
     static_assert(!SWZ || (D == 96 && !WIDE), "swizzled rows: the d 96 base shape only");
     static constexpr int BM = (D <= 96 ? 64 : 32) * (TALL ? 2 : 1);
     static constexpr int NWARPS = WIDE ? 8 : 4;
-    // dQ warp tiles of 32 rows; of 16 rows and every column (SWZ); of 16 rows and half the
-    // columns at d = 96 on 8 warps (32 rows would leave each warp three n8 tiles, and the B
-    // loads take them in pairs)
-    static constexpr int DQ_WN = SWZ ? 1 : (D == 96 && WIDE) ? 2 : NWARPS * 32 / BM;
+    // dQ warp tiles of every column (SWZ), else of 32 rows, or taller where that would leave
+    // a warp an odd number of n8 tiles (the B loads take them in pairs; d = 96 on 8 warps)
+    static constexpr int DQ_WN = SWZ ? 1 : dq_warp_columns(NWARPS, BM, D);
     using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN, SWZ>;
 };
 
