@@ -54,6 +54,16 @@ fn mods_suffix(mods: Mods) -> &'static str {
     }
 }
 
+/// The traits' `DA` argument where the products cover fewer columns than the tiles (d 96 on
+/// d 128's warp-specialized tiles), else nothing (its default, the tiles' head dim).
+fn da(v: &Variant) -> String {
+    if v.tiles_d() != v.d {
+        format!(", {}", v.d)
+    } else {
+        String::new()
+    }
+}
+
 fn flag(b: bool) -> &'static str {
     if b {
         "true"
@@ -207,7 +217,7 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
         // runs on d 128's tiles with the products cut to 96 columns (WsTraits::DA).
         Family::FwdWs => format!(
             "WsTraits<{t}, {}, {}, {}, {}, CANDLE_FLASH_WS_PINGPONG, {}, {}, {}, {}{}>",
-            if d == 96 { 128 } else { d },
+            v.tiles_d(),
             v.bn,
             v.stages,
             v.groups,
@@ -215,7 +225,7 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
             flag(v.packed),
             flag(v.dropout),
             flag(v.fp8),
-            if d == 96 { ", 96" } else { "" }
+            da(v)
         ),
         Family::BwdDkdv if v.tile == Tile::Small => format!("BwdKvSmall256<{t}>::Kv"),
         Family::BwdDkdv => format!("BwdConfig<{t}, {d}>::Kv"),
@@ -238,12 +248,14 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
         ),
         Family::BwdSm90 => format!("BwdSm90Traits<{t}, {d}, {}>", mods_c(v.mods)),
         Family::BwdWs | Family::BwdWsPrep | Family::BwdWsConvert => format!(
-            "BwdWsTraits<{t}, {d}, {}, {}, {}, {}, {}>",
+            "BwdWsTraits<{t}, {}, {}, {}, {}, {}, {}{}>",
+            v.tiles_d(),
             v.stages,
             mods_c(v.mods),
             flag(v.packed),
             flag(v.dropout),
-            flag(v.deterministic)
+            flag(v.deterministic),
+            da(v)
         ),
         Family::Decode => format!("DecodeTraits<{t}, {d}, {}, {}>", v.groups, flag(v.fp8)),
         Family::BwdDsum | Family::BwdSm90Convert | Family::Append => return None,

@@ -211,6 +211,14 @@ const fn row(family: Family, d: u16) -> Variant {
 }
 
 impl Variant {
+    /// The head dim of the kernel's tiles and buffers: the warp-specialized kernels of head
+    /// dim 96 run on d 128's, their products cut to 96 columns (`DA` in their traits).
+    pub const fn tiles_d(&self) -> u16 {
+        match self.family {
+            Family::FwdWs | Family::BwdWs if self.d == 96 => 128,
+            _ => self.d,
+        }
+    }
     const fn tile(mut self, tile: Tile) -> Self {
         self.tile = tile;
         self
@@ -484,7 +492,7 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_sm90(128).mods(Sparse),
     // sm90/bwd_ws.cu: the warp-specialized backward, four Q/dO slots at d = 64, two above;
     // every variant at each head dim (the block mask also deterministic), the softcap alone
-    // at 64 and 128; its prep and convert kernels.
+    // at 64 and 128, d 96 plain on d 128's tiles; its prep and convert kernels.
     bwd_ws(64, 4),
     bwd_ws(64, 4).mods(Scores),
     bwd_ws(64, 4).mods(Sparse),
@@ -495,6 +503,7 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_ws(64, 4).mods(Cap),
     bwd_ws_helper(Family::BwdWsPrep, 64, 4),
     bwd_ws_helper(Family::BwdWsConvert, 64, 4),
+    bwd_ws(96, 2),
     bwd_ws(128, 2),
     bwd_ws(128, 2).mods(Scores),
     bwd_ws(128, 2).mods(Sparse),

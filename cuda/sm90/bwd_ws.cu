@@ -92,11 +92,14 @@ struct BwdTmaParams {
 // SPLIT (d = 256): 64 keys per block, and the consumer warpgroups split the head dim instead
 // of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
+// DA: the head dim the products cover within D's layout (d 96 on d 128's tiles, as the
+// forward's WsTraits::DA: the columns past it are TMA's zero fill, so S^T's and dP^T's k
+// loops stop there, dV and dK are n96 and the second warpgroup's dQ columns n32).
 template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false,
-          bool DROPOUT_ = false, bool DET_ = false>
+          bool DROPOUT_ = false, bool DET_ = false, int DA_ = D_>
 struct BwdWsTraits {
     using T = T_;
-    static constexpr int D = D_, STAGES = STAGES_;
+    static constexpr int D = D_, STAGES = STAGES_, DA = DA_;
     static constexpr int MODS = MODS_;
     // Packed (variable-length) batches, in kernels of their own (`_packed`), as in the
     // forward: one tensor of every sequence's rows to TMA, batch coordinate 0.
@@ -111,6 +114,7 @@ struct BwdWsTraits {
     // laid out on the fragment").
     static constexpr int DROP_UNROLL = D == 128 ? 2 : 8;
     static constexpr bool SPLIT = D > 128;
+    static_assert(DA == D || (D == 128 && DA == 96), "d 96 on d 128's tiles only");
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
     static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
     static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
@@ -727,7 +731,7 @@ template <class K> struct BwdWsConsumer {
     __device__ __forceinline__ void issue_ss(float (&acc)[1][NQ][4], uint32_t a,
                                              uint32_t b) const {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
+        for (int kk = 0; kk < K::DA / 16; ++kk)
             sm90::Wgmma<T, BM>::ss(acc[0], sm90::kmajor_desc(a, BN, kk),
                                    sm90::kmajor_desc(b, BM, kk), kk > 0);
         sm90::commit();
@@ -883,14 +887,29 @@ template <class K> struct BwdWsConsumer {
         float dq[DQ_N / 8][4];
         sm90::fence_operand(dk);
         sm90::fence();
+        if (K::DA == D || group == 0) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
-                                       sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
+            for (int kk = 0; kk < BN / 16; ++kk)
+                sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
+                                           sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
+        } else {
+            // DA < D: this warpgroup's columns past DA are zero (K's are).
+            constexpr int N = K::DA == D ? DQ_N : K::DA - DQ_N;
+#pragma unroll
+            for (int i = N / 8; i < DQ_N / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
+            float(&part)[N / 8][4] = *reinterpret_cast<float(*)[N / 8][4]>(&dq[0]);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                sm90::Wgmma<T, N>::ss_mn(part, sm90::mnmajor_desc(sdS, BN, kk),
+                                         sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
+        }
         sm90::commit();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
-            sm90::Wgmma<T, D>::rs(dk, a_ds[0][kk], sm90::mnmajor_desc(sQ, BM, kk), 1);
+            sm90::Wgmma<T, K::DA>::rs(head_cols(dk), a_ds[0][kk], sm90::mnmajor_desc(sQ, BM, kk),
+                                      1);
         sm90::commit();
         sm90::wait<1>();  // dV and dQ
         sm90::fence_operand(dq);
@@ -932,7 +951,12 @@ template <class K> struct BwdWsConsumer {
     // dV += P^T dO for the k16 step kk (line 16).
     __device__ __forceinline__ void issue_dv(const uint32_t (&a_p)[1][NQ / 2][4], int kk,
                                              uint32_t sdO) {
-        sm90::Wgmma<T, D>::rs(dv, a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+        sm90::Wgmma<T, K::DA>::rs(head_cols(dv), a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
+    }
+
+    // dK's or dV's first DA columns (the rest stay zero).
+    static __device__ __forceinline__ float (&head_cols(float (&acc)[DT][4]))[K::DA / 8][4] {
+        return *reinterpret_cast<float(*)[K::DA / 8][4]>(&acc[0]);
     }
 
     // The `_cap` kernels: the block's K tile times the softcap's scale, in place (both

@@ -75,7 +75,7 @@ impl BwdWsBuffers {
         sq: usize,
     ) -> Result<Self> {
         let bm = main.geometry().bm as usize;
-        let d = usize::from(main.variant().d);
+        let d = usize::from(main.variant().tiles_d());
         let m_blocks = sq.div_ceil(bm);
         let tiles = b * h * m_blocks;
         // SAFETY: flash_bwd_ws_prep writes every element of the statistics, of the state
@@ -221,7 +221,7 @@ pub(super) fn run(
         p.tail_heads = Tail::Backward.pairs(grid.1 * grid.2, grid.0, sms);
     }
     let (bsz, h) = (b.a.b as usize, b.a.h as usize);
-    let d = usize::from(v.d);
+    let d = usize::from(v.tiles_d());
     let bm = main.geometry().bm as usize;
     // The prep kernel's 256 threads: 8 warps of 256 / d rows (d / 8 lanes per row).
     let rows_per_block = 8 * (prep.geometry().threads as usize / d);

@@ -97,7 +97,13 @@ fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
     if !facts.hopper() || !allowed || !ws_variant_allowed(q.mods, q.packed, q.dropout) {
         return None;
     }
-    let main = ws_kernel(d, q)?;
+    // Head dims 65-96 without features: d 128's tiles with the products cut to 96 columns
+    // (`_d96`, plain only; its prep and convert kernels are d 128's), as in the forward;
+    // `CANDLE_FLASH_WS_SHAPE=d128` keeps d 128's main kernel.
+    let cut = (class == 96 && overrides().ws_shape != "d128")
+        .then(|| ws_kernel(96, q))
+        .flatten();
+    let main = cut.or_else(|| ws_kernel(d, q))?;
     let helper = |family| Kernel::of(family, d, |_| true);
     Some(BwdPlan::Ws {
         prep: helper(Family::BwdWsPrep)?,
@@ -252,9 +258,26 @@ mod tests {
 
     #[test]
     fn hopper_takes_the_warp_specialized_kernels_of_the_class() {
-        for (d, class) in [(64, 64), (96, 128), (128, 128), (160, 256), (256, 256)] {
+        for (d, class) in [
+            (64, 64),
+            (96, 96),
+            (80, 96),
+            (128, 128),
+            (160, 256),
+            (256, 256),
+        ] {
             assert_eq!(ws(&query(d, Mods::None)), Some((class, Mods::None, false)));
         }
+        // Head dims 65-96 with features: d 128's kernels (the cut one is plain only).
+        assert_eq!(
+            ws(&query(96, Mods::Scores)),
+            Some((128, Mods::Scores, false))
+        );
+        let packed = BwdQuery {
+            packed: true,
+            ..query(96, Mods::None)
+        };
+        assert_eq!(ws(&packed), Some((128, Mods::None, false)));
         // A softcap alone (its scale at most 1) on the `_cap` kernels where compiled.
         let cap = |d| {
             ws(&BwdQuery {
