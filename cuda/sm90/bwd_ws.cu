@@ -94,7 +94,7 @@ struct BwdTmaParams {
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
 // DA: the head dim the products cover within D's layout (d 96 on d 128's tiles, as the
 // forward's WsTraits::DA: the columns past it are TMA's zero fill, so S^T's and dP^T's k
-// loops stop there, dV and dK are n96 and the second warpgroup's dQ columns n32).
+// loops stop there, dV and dK are n96).
 template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false,
           bool DROPOUT_ = false, bool DET_ = false, int DA_ = D_>
 struct BwdWsTraits {
@@ -887,24 +887,10 @@ template <class K> struct BwdWsConsumer {
         float dq[DQ_N / 8][4];
         sm90::fence_operand(dk);
         sm90::fence();
-        if (K::DA == D || group == 0) {
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
-                                           sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
-        } else {
-            // DA < D: this warpgroup's columns past DA are zero (K's are).
-            constexpr int N = K::DA == D ? DQ_N : K::DA - DQ_N;
-#pragma unroll
-            for (int i = N / 8; i < DQ_N / 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
-            float(&part)[N / 8][4] = *reinterpret_cast<float(*)[N / 8][4]>(&dq[0]);
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                sm90::Wgmma<T, N>::ss_mn(part, sm90::mnmajor_desc(sdS, BN, kk),
-                                         sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
-        }
+        for (int kk = 0; kk < BN / 16; ++kk)
+            sm90::Wgmma<T, DQ_N>::ss_mn(dq, sm90::mnmajor_desc(sdS, BN, kk),
+                                       sm90::mnmajor_desc(sK_dq, BN, kk), kk > 0);
         sm90::commit();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
