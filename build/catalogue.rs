@@ -134,7 +134,6 @@ fn name(v: &Variant, dt: &str) -> String {
                 Tile::Tall => "_bn128t",
                 Tile::Grid => "_grid",
                 Tile::GridQ1 => "_grid_q1",
-                Tile::Swizzled => "_swz",
                 _ => "",
             };
             if v.family == Family::BwdFused {
@@ -237,14 +236,9 @@ fn traits(v: &Variant, t: &str) -> Option<String> {
             format!("BwdGridConfig<{t}, {d}, 1>::Kv")
         }
         Family::BwdFused | Family::BwdFusedConvert => format!(
-            "BwdFusedConfig<{t}, {d}, {}, {}{}>::Kv",
+            "BwdFusedConfig<{t}, {d}, {}, {}>::Kv",
             flag(wide),
-            flag(tall),
-            if v.tile == Tile::Swizzled {
-                ", true"
-            } else {
-                ""
-            }
+            flag(tall)
         ),
         Family::BwdSm90 => format!("BwdSm90Traits<{t}, {d}, {}>", mods_c(v.mods)),
         Family::BwdWs | Family::BwdWsPrep | Family::BwdWsConvert => format!(

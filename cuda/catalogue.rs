@@ -147,9 +147,6 @@ pub enum Tile {
     Grid,
     /// `Grid` with Q single-buffered, for 163 KB devices (`_grid_q1`; d = 256).
     GridQ1,
-    /// The fused backward's base shape on swizzled rows where a row is not whole 128-byte
-    /// lines (`_swz`; d = 96, rows of 128 elements: 109 KB, not on 99 KB devices).
-    Swizzled,
 }
 
 /// A kernel's `__launch_bounds__`: what ptxas may assume of its launches, which decides its
@@ -314,7 +311,7 @@ const fn decode(d: u16, warps: u8) -> Variant {
 }
 
 use Mods::{Any, Cap, Scores, Sparse};
-use Tile::{Grid, GridQ1, Small, Swizzled, Tall, Wide};
+use Tile::{Grid, GridQ1, Small, Tall, Wide};
 
 /// Every compiled kernel. Order is free; the generated `Kernel` enum follows it.
 pub const CATALOGUE: &[Variant] = &[
@@ -451,8 +448,6 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_fused_convert(128).tile(Tall),
     bwd_fused_plain(64),
     bwd_fused_plain(96),
-    bwd_fused_plain(96).tile(Swizzled),
-    bwd_fused_convert(96).tile(Swizzled),
     bwd_fused_plain(96).tile(Wide),
     bwd_fused_convert(96).tile(Wide),
     bwd_fused_plain(128),

@@ -128,10 +128,9 @@ __device__ __forceinline__ void dq_accumulate(const typename K::T* ds_t, const t
         float acc[MT][PNT][4];
         zero(acc);
         // Each warp's and pass's K columns start a multiple of PNT chunks in, PNT a power of
-        // two (or at 0: one warp column, one pass): no low bits in common with the lane's
-        // chunk or the loads' 2 np (SwizzledRows::lane_base).
-        static_assert(K::Rows::ROW_PERIOD == 1 || (PNT & (PNT - 1)) == 0 ||
-                          (K::DQ_WN == 1 && PASSES == 1),
+        // two: no low bits in common with the lane's chunk or the loads' 2 np
+        // (SwizzledRows::lane_base).
+        static_assert(K::Rows::ROW_PERIOD == 1 || (PNT & (PNT - 1)) == 0,
                       "swizzled K: column offsets of whole power-of-two chunks");
         gemm_dq<typename K::T, MT, PNT, K::BN / 16, PitchRows<K::DS_STRIDE>, typename K::Rows>(
             acc, ds_t + row0, sK + col0 + pass * PNT * 8, lane);

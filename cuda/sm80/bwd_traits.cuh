@@ -13,11 +13,8 @@
 // buffer with atomics: dS goes through shared memory (key-major, as the warps hold dS^T) and
 // the warps split the BM x D product DQ_WM x DQ_WN ways. STAGES = 2 double-buffers the
 // streamed Q/dO tiles (and their LSE and rowsum(dO O)).
-// SWZ: swizzled rows at a head dim that is not whole 128-byte lines (d 96: rows of 128
-// elements, a third more shared memory), for a block that owns every column (DO == D) and
-// whose dQ warps each take all of them (DQ_WN == 1): no column offset then meets the swizzle.
 template <typename T_, int D_, int DO_, int BN_, int BM_, int NWARPS_, bool DQ_ = false,
-          int STAGES_ = 1, int DQ_WN_ = 1, bool SWZ = false>
+          int STAGES_ = 1, int DQ_WN_ = 1>
 struct BwdKvTraits {
     using T = T_;
     static constexpr int D = D_, DO = DO_, BN = BN_, BM = BM_, NWARPS = NWARPS_;
@@ -35,8 +32,7 @@ struct BwdKvTraits {
     // rows, column splits and dQ's warp columns are whole powers of two of chunks; dS^T,
     // written by the warps, padded.
     static constexpr bool SWIZZLE =
-        SWZ || (D % 64 == 0 && DO % 64 == 0 && (!DQ || (DQ_NT & (DQ_NT - 1)) == 0));
-    static_assert(!SWZ || (DO == D && DQ_WN == 1), "swizzled rows: whole rows per warp");
+        D % 64 == 0 && DO % 64 == 0 && (!DQ || (DQ_NT & (DQ_NT - 1)) == 0);
     using Rows = std::conditional_t<SWIZZLE, SwizzledRows<D>, PaddedRows<D>>;
     static constexpr int STRIDE = Rows::PITCH;
     static constexpr int DQ_FRAG = DQ_MT * DQ_NT * 4;  // dQ accumulators per thread
@@ -93,8 +89,6 @@ template <typename T> struct BwdKvSmall256 { using Kv = BwdKvTraits<T, 256, 128,
 // barriers and the K/V fragment reloads per query at the price of a few spilled registers
 // (ptxas -v, sm_80: 40-44 B) and 158 KB of shared memory at d = 128 (A100 and Hopper only).
 // WIDE at d = 96 (FA2's d 96 shape: 64 x 128 over 8 warps): 123 KB on padded rows.
-// SWZ (d = 96): the base shape on swizzled rows, dQ's warps on 16 rows x all 96 columns
-// (109 KB: A100 and Hopper, not 99 KB devices).
 // Warp columns of a BM x D dQ tile over NWARPS warps: 32-row warp tiles, halved in columns
 // while a warp's n8 tiles would be odd.
 constexpr int dq_warp_columns(int nwarps, int bm, int d) {
@@ -103,16 +97,14 @@ constexpr int dq_warp_columns(int nwarps, int bm, int d) {
     return wn;
 }
 
-template <typename T, int D, bool WIDE = false, bool TALL = false, bool SWZ = false>
-struct BwdFusedConfig {
+template <typename T, int D, bool WIDE = false, bool TALL = false> struct BwdFusedConfig {
     static_assert(WIDE || !TALL, "the tall shape is a wide one");
-    static_assert(!SWZ || (D == 96 && !WIDE), "swizzled rows: the d 96 base shape only");
     static constexpr int BM = (D <= 96 ? 64 : 32) * (TALL ? 2 : 1);
     static constexpr int NWARPS = WIDE ? 8 : 4;
-    // dQ warp tiles of every column (SWZ), else of 32 rows, or taller where that would leave
-    // a warp an odd number of n8 tiles (the B loads take them in pairs; d = 96 on 8 warps)
-    static constexpr int DQ_WN = SWZ ? 1 : dq_warp_columns(NWARPS, BM, D);
-    using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN, SWZ>;
+    // dQ warp tiles of 32 rows, or taller where that would leave a warp an odd number of n8
+    // tiles (the B loads take them in pairs; d = 96 on 8 warps)
+    static constexpr int DQ_WN = dq_warp_columns(NWARPS, BM, D);
+    using Kv = BwdKvTraits<T, D, D, 16 * NWARPS, BM, NWARPS, true, 2, DQ_WN>;
 };
 
 // The fused backward on FlashAttention-2's warp layout (sm80/bwd_grid.cuh): BN keys over 8

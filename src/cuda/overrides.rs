@@ -18,7 +18,7 @@
 //! | `CANDLE_FLASH_WS_DROPOUT` | `0` | dropout off the `_dropout` warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_LPT` | waves | the forward's longest-first tail (default 2, 0 none) |
 //! | `CANDLE_FLASH_BWD_LPT` | waves | the backward's longest-first tail (default 2, 0 none) |
-//! | `CANDLE_FLASH_BWD` | `separate`, `sm90`, `bn64`, `bn128`, `bn128t`, `grid`, `swz` | the older backward kernels: deterministic pair, first wgmma, mma.sync fused shape (`bn128t`: the 128-key shapes without FlashAttention-2's warp layout, `grid`: only that layout, at d 256 within 163 KB too, `swz`: d 96 on swizzled rows) |
+//! | `CANDLE_FLASH_BWD` | `separate`, `sm90`, `bn64`, `bn128`, `bn128t`, `grid` | the older backward kernels: deterministic pair, first wgmma, mma.sync fused shape (`bn128t`: the 128-key shapes without FlashAttention-2's warp layout, `grid`: only that layout, at d 256 within 163 KB too) |
 //! | `CANDLE_FLASH_BWD_CAP` | `0` | a softcap's backward on the `_mods` kernels instead of `_cap` |
 //! | `CANDLE_FLASH_DET_GROUP` | `0` | the deterministic backward's pairs in order instead of interleaved by wave |
 //! | `CANDLE_FLASH_DECODE_SPLITS` | n > 0 | the decode split count (capped) |

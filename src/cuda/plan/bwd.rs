@@ -21,16 +21,14 @@
 //! (docs/archive/PERF.md, "the grid layout at d 256"; its Q single-buffered kernel for 163 KB
 //! only under `CANDLE_FLASH_BWD=grid`, see below),
 //! with twice the streamed query rows where 158 KB is (+3-5% at d 64; docs/archive/PERF.md,
-//! "a taller 128-key backward"), else 64 keys over 4 warps (at d 96 without modifiers on
-//! swizzled rows of 128 elements where 109 KB is allowed, `Tile::Swizzled`): at hd 128,
+//! "a taller 128-key backward"), else 64 keys over 4 warps: at hd 128,
 //! seqlen 8k the 128-key shape measured 207 against 192 TFLOP/s (H200; docs/archive/PERF.md,
 //! "backward: dQ by atomics in the dK/dV kernel, double-buffered Q/dO").
 //!
 //! `CANDLE_FLASH_BWD` overrides the choice for A/B comparisons of speed and accuracy:
 //! `separate` forces the deterministic kernels everywhere; `sm90` the first wgmma kernel on
-//! Hopper; `bn64`, `bn128`, `bn128t` (128 keys, twice the query rows per tile), `grid`
-//! (FlashAttention-2's warp layout) and `swz` (d 96 on swizzled rows) force the mma.sync fused
-//! kernel of that shape.
+//! Hopper; `bn64`, `bn128`, `bn128t` (128 keys, twice the query rows per tile) and `grid`
+//! (FlashAttention-2's warp layout) force the mma.sync fused kernel of that shape.
 
 use candle::{bail, Result};
 
@@ -171,24 +169,16 @@ fn without_ws(q: &BwdQuery, facts: &DeviceFacts) -> Result<BwdPlan> {
     if q.deterministic || env == Some("separate") || (sparse && !wgmma) {
         return separate(d, sparse, facts.smem);
     }
-    // The first that fits of the allowed wider shapes (none with dropout; `Swizzled`: d 96's
-    // base shape on swizzled rows), else 64 keys over 4 warps; head dims without a fused
-    // kernel that runs here (d = 256 with dropout or on a 99 KB device, d 160-224) take the
-    // deterministic pair. `GridQ1` is the grid layout with Q single-buffered, so that d = 256
-    // fits 163 KB (A100).
+    // The first that fits of the allowed wider shapes (none with dropout), else 64 keys over
+    // 4 warps; head dims without a fused kernel that runs here (d = 256 with dropout or on a
+    // 99 KB device, d 160-224) take the deterministic pair. `GridQ1` is the grid layout with
+    // Q single-buffered, so that d = 256 fits 163 KB (A100).
     let wide: &[Tile] = match env {
         Some("bn64") => &[],
         Some("bn128") => &[Tile::Wide],
         Some("bn128t") => &[Tile::Tall, Tile::Wide],
         Some("grid") => &[Tile::Grid, Tile::GridQ1],
-        Some("swz") => &[Tile::Swizzled],
-        _ => &[
-            Tile::Grid,
-            Tile::GridQ1,
-            Tile::Tall,
-            Tile::Wide,
-            Tile::Swizzled,
-        ],
+        _ => &[Tile::Grid, Tile::GridQ1, Tile::Tall, Tile::Wide],
     };
     let fits =
         |tile: Tile| fused(tile, q.dropout).filter(|k| k.geometry().smem as usize <= facts.smem);
