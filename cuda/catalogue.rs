@@ -395,6 +395,11 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(64, 128, 4, 2).packed().dropout(),
     fwd_ws(128, 128, 2, 2).packed().dropout(),
     fwd_ws(256, 80, 2, 2).packed().dropout(),
+    // Head dims 65-96 on d 128's tiles, the products cut to 96 columns; with a score
+    // modifier or the block mask d 128's kernels run.
+    fwd_ws(96, 128, 2, 2).packed(),
+    fwd_ws(96, 128, 2, 2).dropout(),
+    fwd_ws(96, 128, 2, 2).packed().dropout(),
     // E4M3 q, k, v (FP8 wgmma, V transposed in shared memory by the producer warpgroup).
     fwd_ws(128, 128, 2, 2).fp8(),
     fwd_ws(128, 192, 2, 2).fp8(),
@@ -487,7 +492,8 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_sm90(128).mods(Sparse),
     // sm90/bwd_ws.cu: the warp-specialized backward, four Q/dO slots at d = 64, two above;
     // every variant at each head dim (the block mask also deterministic), the softcap alone
-    // at 64 and 128, d 96 plain on d 128's tiles; its prep and convert kernels.
+    // at 64 and 128, d 96 on d 128's tiles (without score modifiers or the block mask); its prep
+    // and convert kernels.
     bwd_ws(64, 4),
     bwd_ws(64, 4).mods(Scores),
     bwd_ws(64, 4).mods(Sparse),
@@ -499,6 +505,9 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_ws_helper(Family::BwdWsPrep, 64, 4),
     bwd_ws_helper(Family::BwdWsConvert, 64, 4),
     bwd_ws(96, 2),
+    bwd_ws(96, 2).packed(),
+    bwd_ws(96, 2).dropout(),
+    bwd_ws(96, 2).packed().dropout(),
     bwd_ws(128, 2),
     bwd_ws(128, 2).mods(Scores),
     bwd_ws(128, 2).mods(Sparse),

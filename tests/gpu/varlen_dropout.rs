@@ -409,7 +409,11 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             (128, 0),
         ],
     ];
-    let dims: &[usize] = if quick { &[64] } else { &[40, 64, 128, 256] };
+    let dims: &[usize] = if quick {
+        &[64]
+    } else {
+        &[40, 64, 96, 128, 256]
+    };
     for dtype in [DType::F16, DType::BF16] {
         for &d in dims {
             for causal in [false, true] {
@@ -447,6 +451,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
             // causal bottom-right with seqlen_q != seqlen_k, GQA and MQA.
             (2, 1023, 1023, 4, 2, 64, true),
             (1, 513, 777, 4, 2, 96, false),
+            (2, 777, 513, 4, 1, 96, true),
             (1, 700, 1500, 4, 4, 128, true),
             (1, 1023, 513, 8, 2, 128, false),
             (2, 384, 640, 4, 1, 256, true),

@@ -95,8 +95,9 @@ fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
     if !facts.hopper() || !allowed || !ws_variant_allowed(q.mods, q.packed, q.dropout) {
         return None;
     }
-    // Head dims 65-96 without features: d 128's tiles with the products cut to 96 columns
-    // (`_d96`, plain only; its prep and convert kernels are d 128's), as in the forward;
+    // Head dims 65-96: d 128's tiles with the products cut to 96 columns (`_d96`, without
+    // score modifiers or the block mask; its prep and convert kernels are d 128's), as in the
+    // forward;
     // `CANDLE_FLASH_WS_SHAPE=d128` keeps d 128's main kernel.
     let cut = (class == 96 && overrides().ws_shape != "d128")
         .then(|| ws_kernel(96, q))
@@ -258,16 +259,18 @@ mod tests {
         ] {
             assert_eq!(ws(&query(d, Mods::None)), Some((class, Mods::None, false)));
         }
-        // Head dims 65-96 with features: d 128's kernels (the cut one is plain only).
+        // Head dims 65-96 with score modifiers: d 128's kernels; packed and with dropout the
+        // cut ones too.
         assert_eq!(
             ws(&query(96, Mods::Scores)),
             Some((128, Mods::Scores, false))
         );
         let packed = BwdQuery {
             packed: true,
+            dropout: true,
             ..query(96, Mods::None)
         };
-        assert_eq!(ws(&packed), Some((128, Mods::None, false)));
+        assert_eq!(ws(&packed), Some((96, Mods::None, false)));
         // A softcap alone (its scale at most 1) on the `_cap` kernels where compiled.
         let cap = |d| {
             ws(&BwdQuery {

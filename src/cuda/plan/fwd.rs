@@ -171,16 +171,17 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
     let features = |v: &crate::cuda::catalogue::Variant| {
         v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout && !v.fp8
     };
-    if q.dropout || q.mods != Mods::None {
-        return Kernel::of(Family::FwdWs, d, features);
-    }
     let forced = overrides().ws_shape.as_str();
-    // Head dims 65-96 without features: d 128's tiles with S's k loop and P V cut to 96
-    // columns (`_d96`), where compiled; `CANDLE_FLASH_WS_SHAPE=d128` keeps d 128's kernels.
+    // Head dims 65-96: d 128's tiles with S's k loop and P V cut to 96 columns (`_d96`),
+    // where compiled (not with score modifiers or the block mask); `CANDLE_FLASH_WS_SHAPE=d128`
+    // keeps d 128's kernels.
     if head_dim_class(q.d) == 96 && forced != "d128" {
         if let Some(k) = Kernel::of(Family::FwdWs, 96, features) {
             return Some(k);
         }
+    }
+    if q.dropout || q.mods != Mods::None {
+        return Kernel::of(Family::FwdWs, d, features);
     }
     // d = 64 causal below 512 rows: the one-warpgroup kernel of sm90/fwd.cu, four blocks
     // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
@@ -298,11 +299,14 @@ mod tests {
     }
 
     #[test]
-    fn head_dim_96_with_features_keeps_the_d_128_kernels() {
-        for (mods, packed, dropout) in [
-            (Mods::Scores, false, false),
-            (Mods::None, true, false),
-            (Mods::None, false, true),
+    fn head_dim_96_keeps_the_d_128_kernels_only_with_modifiers() {
+        // (mods, packed, dropout) -> the kernel's head dim
+        for (mods, packed, dropout, want) in [
+            (Mods::Scores, false, false, 128),
+            (Mods::Sparse, false, false, 128),
+            (Mods::None, true, false, 96),
+            (Mods::None, false, true, 96),
+            (Mods::None, true, true, 96),
         ] {
             let q = FwdQuery {
                 mods,
@@ -312,7 +316,7 @@ mod tests {
             };
             assert_eq!(
                 ws(&q).map(|w| w.0),
-                Some(128),
+                Some(want),
                 "{mods:?} {packed} {dropout}"
             );
         }
