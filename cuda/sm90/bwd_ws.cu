@@ -894,8 +894,8 @@ template <class K> struct BwdWsConsumer {
         sm90::commit();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
-            sm90::Wgmma<T, K::DA>::rs(head_cols(dk), a_ds[0][kk], sm90::mnmajor_desc(sQ, BM, kk),
-                                      1);
+            sm90::Wgmma<T, K::DA>::rs(sm90::acc_cols<K::DA>(dk), a_ds[0][kk],
+                                      sm90::mnmajor_desc(sQ, BM, kk), 1);
         sm90::commit();
         sm90::wait<1>();  // dV and dQ
         sm90::fence_operand(dq);
@@ -937,12 +937,9 @@ template <class K> struct BwdWsConsumer {
     // dV += P^T dO for the k16 step kk (line 16).
     __device__ __forceinline__ void issue_dv(const uint32_t (&a_p)[1][NQ / 2][4], int kk,
                                              uint32_t sdO) {
-        sm90::Wgmma<T, K::DA>::rs(head_cols(dv), a_p[0][kk], sm90::mnmajor_desc(sdO, BM, kk), 1);
-    }
-
-    // dK's or dV's first DA columns (the rest stay zero).
-    static __device__ __forceinline__ float (&head_cols(float (&acc)[DT][4]))[K::DA / 8][4] {
-        return *reinterpret_cast<float(*)[K::DA / 8][4]>(&acc[0]);
+        // DA < D: dV's columns from DA on stay zero (as dK's).
+        sm90::Wgmma<T, K::DA>::rs(sm90::acc_cols<K::DA>(dv), a_p[0][kk],
+                                  sm90::mnmajor_desc(sdO, BM, kk), 1);
     }
 
     // The `_cap` kernels: the block's K tile times the softcap's scale, in place (both

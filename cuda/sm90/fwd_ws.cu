@@ -616,7 +616,7 @@ template <class K> struct WsConsumer {
         constexpr int N = D > 128 ? 128 : K::DA;
 #pragma unroll
         for (int half = 0; half < D / N; ++half) {
-            float(&oh)[N / 8][4] = *reinterpret_cast<float(*)[N / 8][4]>(&o[0][half * N / 8]);
+            float(&oh)[N / 8][4] = sm90::acc_cols<N>(o[0], half * N / 8);
 #pragma unroll
             for (int kk = 0; kk < PV_STEPS; ++kk) {
                 if constexpr (K::FP8)

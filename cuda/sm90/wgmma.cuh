@@ -19,6 +19,15 @@ namespace sm90 {
 
 constexpr int ATOM_BYTES = 1024;  // 8 rows x 128 bytes: one swizzle atom
 
+// The n8 tiles [t0, t0 + N / 8) of an accumulator array as the d operand of an m64nN wgmma:
+// a product over part of the columns (a half of d 256's O; the head dim's columns of d 128's
+// tiles at d 96).
+template <int N, int NT>
+__device__ __forceinline__ float (&acc_cols(float (&acc)[NT][4], int t0 = 0))[N / 8][4] {
+    static_assert(N % 8 == 0 && N / 8 <= NT, "whole n8 tiles within the accumulators");
+    return *reinterpret_cast<float(*)[N / 8][4]>(&acc[t0]);
+}
+
 // Byte offset of (row, 16-byte chunk c of the row's D / 8) in a ROWS-row panel tile.
 template <int ROWS>
 __device__ __forceinline__ uint32_t panel_offset(int row, int c) {

@@ -35,7 +35,7 @@ use candle::{bail, Result};
 use super::super::catalogue::{Family, Kernel, Mods, Tile};
 use super::super::overrides::overrides;
 use super::super::runtime::DeviceFacts;
-use super::{head_dim_class, ws_head_dim, ws_variant_allowed};
+use super::{head_dim_class, ws_cut_dim, ws_head_dim, ws_variant_allowed};
 
 /// What the backward's choice depends on.
 #[derive(Clone, Copy, Debug)]
@@ -95,14 +95,10 @@ fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
     if !facts.hopper() || !allowed || !ws_variant_allowed(q.mods, q.packed, q.dropout) {
         return None;
     }
-    // Head dims 65-96: d 128's tiles with the products cut to 96 columns (`_d96`, without
-    // score modifiers or the block mask; its prep and convert kernels are d 128's), as in the
-    // forward;
-    // `CANDLE_FLASH_WS_SHAPE=d128` keeps d 128's main kernel.
-    let cut = (class == 96 && overrides().ws_shape != "d128")
-        .then(|| ws_kernel(96, q))
-        .flatten();
-    let main = cut.or_else(|| ws_kernel(d, q))?;
+    // The cut kernels' prep and convert kernels are those of the tiles' head dim (d 128's).
+    let main = ws_cut_dim(q.d)
+        .and_then(|c| ws_kernel(c, q))
+        .or_else(|| ws_kernel(d, q))?;
     let helper = |family| Kernel::of(family, d, |_| true);
     Some(BwdPlan::Ws {
         prep: helper(Family::BwdWsPrep)?,

@@ -7,7 +7,7 @@ use candle::{bail, Result};
 use super::super::catalogue::{Family, Kernel, Mods, Tile};
 use super::super::overrides::overrides;
 use super::super::runtime::DeviceFacts;
-use super::{head_dim_class, ws_head_dim, ws_variant_allowed};
+use super::{head_dim_class, ws_cut_dim, ws_head_dim, ws_variant_allowed};
 
 /// What the forward's choice depends on.
 #[derive(Clone, Copy, Debug)]
@@ -171,18 +171,13 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
     let features = |v: &crate::cuda::catalogue::Variant| {
         v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout && !v.fp8
     };
-    let forced = overrides().ws_shape.as_str();
-    // Head dims 65-96: d 128's tiles with S's k loop and P V cut to 96 columns (`_d96`),
-    // where compiled (not with score modifiers or the block mask); `CANDLE_FLASH_WS_SHAPE=d128`
-    // keeps d 128's kernels.
-    if head_dim_class(q.d) == 96 && forced != "d128" {
-        if let Some(k) = Kernel::of(Family::FwdWs, 96, features) {
-            return Some(k);
-        }
+    if let Some(k) = ws_cut_dim(q.d).and_then(|c| Kernel::of(Family::FwdWs, c, features)) {
+        return Some(k);
     }
     if q.dropout || q.mods != Mods::None {
         return Kernel::of(Family::FwdWs, d, features);
     }
+    let forced = overrides().ws_shape.as_str();
     // d = 64 causal below 512 rows: the one-warpgroup kernel of sm90/fwd.cu, four blocks
     // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
     // tiles as one stream: 0.158 against 0.171 ms since; docs/archive/PERF.md, "the

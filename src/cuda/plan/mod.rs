@@ -58,6 +58,14 @@ pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
     }
 }
 
+/// The head dim of the cut warp-specialized kernels that run head dim `d` before
+/// `ws_head_dim`'s, where compiled for the problem: class 96 on d 128's tiles with the
+/// products cut to 96 columns (`_d96`; none with score modifiers or the block mask).
+/// `CANDLE_FLASH_WS_SHAPE=d128` keeps it on d 128's kernels (A/B runs).
+pub(crate) fn ws_cut_dim(d: usize) -> Option<usize> {
+    (head_dim_class(d) == 96 && overrides().ws_shape != "d128").then_some(96)
+}
+
 /// Whether packed batches and dropout may take the warp-specialized kernels (forward and
 /// backward): `CANDLE_FLASH_WS_PACKED=0` and `CANDLE_FLASH_WS_DROPOUT=0` send them to the
 /// older kernels (A/B runs; docs/archive/PERF.md, "Packed batches on the warp-specialized
