@@ -427,7 +427,7 @@ mod cuda_suite {
         let dims: &[usize] = if quick {
             &[40, 128, 160, 256]
         } else {
-            &[32, 40, 64, 96, 128, 160, 192, 208, 256]
+            &[32, 40, 64, 80, 96, 128, 160, 192, 208, 256]
         };
         let seqs: &[(usize, usize)] = if quick {
             // (2048, 300): d = 64 non-causal takes the three-warpgroup wgmma kernel from 1k on.
@@ -691,7 +691,7 @@ mod cuda_suite {
         let dims: &[usize] = if quick {
             &[40, 128, 160, 256]
         } else {
-            &[32, 40, 64, 96, 128, 160, 192, 208, 248, 256]
+            &[32, 40, 64, 80, 96, 128, 160, 192, 208, 248, 256]
         };
         let seqs: &[(usize, usize)] = if quick {
             &[(17, 113), (203, 113)]

@@ -96,9 +96,9 @@ struct WsLayout {
 // (src/cuda/plan/fwd.rs) and keep their registers.
 // FP8: q, k and v in e4m3 (uint8_t in shared memory), O in T; V is transposed in shared
 // memory by the producer warpgroup's other warps for the e4m3 wgmma (sm90/wgmma_fp8.cuh).
-// DA: the head dim the products cover within D's layout (d 96 on d 128's tiles: the columns
-// past it are TMA's zero fill, so S's k loop stops there and P V is n96; one consumer wgmma
-// in four fewer).
+// DA: the head dim the products cover within D's layout (d 80 or 96 on d 128's tiles: the
+// columns past it are TMA's zero fill, so S's k loop stops there and P V is nDA; at d 96 one
+// consumer wgmma in four fewer).
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
           int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false, bool FP8_ = false,
           int DA_ = D_>
@@ -111,7 +111,8 @@ struct WsTraits {
     static constexpr int KV_TILES = FP8 ? 3 : 2;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr int DA = DA_;
-    static_assert(DA == D || (D == 128 && DA == 96 && !FP8_), "d 96 on d 128's tiles only");
+    static_assert(DA == D || (D == 128 && (DA == 80 || DA == 96) && !FP8_),
+                  "d 80, 96 on d 128's tiles");
     static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int MODS = MODS_;
     // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'

@@ -21,7 +21,7 @@ constexpr int ATOM_BYTES = 1024;  // 8 rows x 128 bytes: one swizzle atom
 
 // The n8 tiles [t0, t0 + N / 8) of an accumulator array as the d operand of an m64nN wgmma:
 // a product over part of the columns (a half of d 256's O; the head dim's columns of d 128's
-// tiles at d 96).
+// tiles at d 80 and 96).
 template <int N, int NT>
 __device__ __forceinline__ float (&acc_cols(float (&acc)[NT][4], int t0 = 0))[N / 8][4] {
     static_assert(N % 8 == 0 && N / 8 <= NT, "whole n8 tiles within the accumulators");

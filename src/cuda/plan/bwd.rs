@@ -35,7 +35,7 @@ use candle::{bail, Result};
 use super::super::catalogue::{Family, Kernel, Mods, Tile};
 use super::super::overrides::overrides;
 use super::super::runtime::DeviceFacts;
-use super::{head_dim_class, ws_cut_dim, ws_head_dim, ws_variant_allowed};
+use super::{head_dim_class, ws_cut_dims, ws_head_dim, ws_variant_allowed};
 
 /// What the backward's choice depends on.
 #[derive(Clone, Copy, Debug)]
@@ -96,8 +96,9 @@ fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
         return None;
     }
     // The cut kernels' prep and convert kernels are those of the tiles' head dim (d 128's).
-    let main = ws_cut_dim(q.d)
-        .and_then(|c| ws_kernel(c, q))
+    let main = ws_cut_dims(q.d)
+        .iter()
+        .find_map(|&c| ws_kernel(c, q))
         .or_else(|| ws_kernel(d, q))?;
     let helper = |family| Kernel::of(family, d, |_| true);
     Some(BwdPlan::Ws {
@@ -248,7 +249,9 @@ mod tests {
         for (d, class) in [
             (64, 64),
             (96, 96),
-            (80, 96),
+            (88, 96),
+            (80, 80),
+            (72, 80),
             (128, 128),
             (160, 256),
             (256, 256),

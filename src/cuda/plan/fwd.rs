@@ -7,7 +7,7 @@ use candle::{bail, Result};
 use super::super::catalogue::{Family, Kernel, Mods, Tile};
 use super::super::overrides::overrides;
 use super::super::runtime::DeviceFacts;
-use super::{head_dim_class, ws_cut_dim, ws_head_dim, ws_variant_allowed};
+use super::{head_dim_class, ws_cut_dims, ws_head_dim, ws_variant_allowed};
 
 /// What the forward's choice depends on.
 #[derive(Clone, Copy, Debug)]
@@ -171,7 +171,8 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
     let features = |v: &crate::cuda::catalogue::Variant| {
         v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout && !v.fp8
     };
-    if let Some(k) = ws_cut_dim(q.d).and_then(|c| Kernel::of(Family::FwdWs, c, features)) {
+    let cut = |&c: &usize| Kernel::of(Family::FwdWs, c, features);
+    if let Some(k) = ws_cut_dims(q.d).iter().find_map(cut) {
         return Some(k);
     }
     if q.dropout || q.mods != Mods::None {
@@ -267,8 +268,8 @@ mod tests {
         //   one-warpgroup wgmma kernel instead (no warp-specialized kernel);
         // - d 128: 176-key tiles without a mask from 8k keys;
         // - d 256: 80-key tiles, but 64 causal up to 1k;
-        // - the classes between: 96 on its own (d 128's tiles, products cut to 96 columns),
-        //   160-224 on d 256's.
+        // - the classes between: 96 on its own (d 128's tiles, products cut to 80 columns up
+        //   to d 80, else 96), 160-224 on d 256's.
         for (d, sq, causal, want) in [
             (64, 4096, false, Some((64, 3, 128))),
             (64, 512, true, Some((64, 2, 128))),
@@ -281,7 +282,9 @@ mod tests {
             (256, 2048, true, Some((256, 2, 80))),
             (256, 512, false, Some((256, 2, 80))),
             (96, 4096, false, Some((96, 2, 128))),
-            (80, 512, true, Some((96, 2, 128))),
+            (88, 512, true, Some((96, 2, 128))),
+            (80, 512, true, Some((80, 2, 128))),
+            (72, 4096, false, Some((80, 2, 128))),
             (160, 4096, false, Some((256, 2, 80))),
         ] {
             let want = want.map(|(kd, groups, bn)| (kd, groups, bn, Mods::None, false, false));

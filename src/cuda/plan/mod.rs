@@ -58,12 +58,21 @@ pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
     }
 }
 
-/// The head dim of the cut warp-specialized kernels that run head dim `d` before
-/// `ws_head_dim`'s, where compiled for the problem: class 96 on d 128's tiles with the
-/// products cut to 96 columns (`_d96`; none with score modifiers or the block mask).
-/// `CANDLE_FLASH_WS_SHAPE=d128` keeps it on d 128's kernels (A/B runs).
-pub(crate) fn ws_cut_dim(d: usize) -> Option<usize> {
-    (head_dim_class(d) == 96 && overrides().ws_shape != "d128").then_some(96)
+/// The head dims of the cut warp-specialized kernels that may run head dim `d` before
+/// `ws_head_dim`'s, narrowest first, where compiled for the problem: class 96 on d 128's
+/// tiles with the products cut to 80 columns (up to d 80) or 96 (`_d80`, `_d96`; none with
+/// score modifiers or the block mask). `CANDLE_FLASH_WS_SHAPE=d128` keeps the class on d 128's
+/// kernels, `=d96` off the 80-column ones (A/B runs).
+pub(crate) fn ws_cut_dims(d: usize) -> &'static [usize] {
+    if head_dim_class(d) != 96 {
+        return &[];
+    }
+    match overrides().ws_shape.as_str() {
+        "d128" => &[],
+        "d96" => &[96],
+        _ if d <= 80 => &[80, 96],
+        _ => &[96],
+    }
 }
 
 /// Whether packed batches and dropout may take the warp-specialized kernels (forward and
