@@ -209,10 +209,11 @@ const fn row(family: Family, d: u16) -> Variant {
 
 impl Variant {
     /// The head dim of the kernel's tiles and buffers: the warp-specialized kernels of head
-    /// dims 80 and 96 run on d 128's, their products cut to 80 or 96 columns (`DA` in their
-    /// traits).
+    /// dims 32 and 48 run on d 64's, of 80 and 96 on d 128's, their products cut to that many
+    /// columns (`DA` in their traits).
     pub const fn tiles_d(&self) -> u16 {
         match self.family {
+            Family::FwdWs | Family::BwdWs if matches!(self.d, 32 | 48) => 64,
             Family::FwdWs | Family::BwdWs if matches!(self.d, 80 | 96) => 128,
             _ => self.d,
         }
@@ -405,6 +406,21 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(80, 128, 2, 2).packed(),
     fwd_ws(80, 128, 2, 2).dropout(),
     fwd_ws(80, 128, 2, 2).packed().dropout(),
+    // Head dims up to 48 (Stable Diffusion's 40; 32: MiniLM, BGE-small) on d 64's tiles, the
+    // products cut to 32 or 48 columns, in d 64's two shapes; with a score modifier or the
+    // block mask d 64's kernels run.
+    fwd_ws(48, 128, 4, 2),
+    fwd_ws(48, 128, 3, 3),
+    fwd_ws(48, 128, 4, 2).packed(),
+    fwd_ws(48, 128, 3, 3).packed(),
+    fwd_ws(48, 128, 4, 2).dropout(),
+    fwd_ws(48, 128, 4, 2).packed().dropout(),
+    fwd_ws(32, 128, 4, 2),
+    fwd_ws(32, 128, 3, 3),
+    fwd_ws(32, 128, 4, 2).packed(),
+    fwd_ws(32, 128, 3, 3).packed(),
+    fwd_ws(32, 128, 4, 2).dropout(),
+    fwd_ws(32, 128, 4, 2).packed().dropout(),
     // E4M3 q, k, v (FP8 wgmma, V transposed in shared memory by the producer warpgroup).
     fwd_ws(128, 128, 2, 2).fp8(),
     fwd_ws(128, 192, 2, 2).fp8(),
@@ -497,7 +513,8 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_sm90(128).mods(Sparse),
     // sm90/bwd_ws.cu: the warp-specialized backward, four Q/dO slots at d = 64, two above;
     // every variant at each head dim (the block mask also deterministic), the softcap alone
-    // at 64 and 128, d 80 and 96 on d 128's tiles (without score modifiers or the block mask); its prep
+    // at 64 and 128, d 32 and 48 on d 64's tiles, d 80 and 96 on d 128's (without score modifiers or
+    // the block mask); its prep
     // and convert kernels.
     bwd_ws(64, 4),
     bwd_ws(64, 4).mods(Scores),
@@ -517,6 +534,14 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_ws(80, 2).packed(),
     bwd_ws(80, 2).dropout(),
     bwd_ws(80, 2).packed().dropout(),
+    bwd_ws(48, 4),
+    bwd_ws(48, 4).packed(),
+    bwd_ws(48, 4).dropout(),
+    bwd_ws(48, 4).packed().dropout(),
+    bwd_ws(32, 4),
+    bwd_ws(32, 4).packed(),
+    bwd_ws(32, 4).dropout(),
+    bwd_ws(32, 4).packed().dropout(),
     bwd_ws(128, 2),
     bwd_ws(128, 2).mods(Scores),
     bwd_ws(128, 2).mods(Sparse),

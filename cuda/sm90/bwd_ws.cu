@@ -92,9 +92,9 @@ struct BwdTmaParams {
 // SPLIT (d = 256): 64 keys per block, and the consumer warpgroups split the head dim instead
 // of the keys (BwdWsSplitConsumer): dK and dV of 128 keys x 256 columns would need 256
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
-// DA: the head dim the products cover within D's layout (d 80 or 96 on d 128's tiles, as the
-// forward's WsTraits::DA: the columns past it are TMA's zero fill, so S^T's and dP^T's k
-// loops stop there, dV and dK are nDA).
+// DA: the head dim the products cover within D's layout (d 32 or 48 on d 64's tiles, 80 or 96
+// on d 128's, as the forward's WsTraits::DA: the columns past it are TMA's zero fill, so S^T's
+// and dP^T's k loops stop there, dV and dK are nDA).
 template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false,
           bool DROPOUT_ = false, bool DET_ = false, int DA_ = D_>
 struct BwdWsTraits {
@@ -114,7 +114,9 @@ struct BwdWsTraits {
     // laid out on the fragment").
     static constexpr int DROP_UNROLL = D == 128 ? 2 : 8;
     static constexpr bool SPLIT = D > 128;
-    static_assert(DA == D || (D == 128 && (DA == 80 || DA == 96)), "d 80, 96 on d 128's tiles");
+    static_assert(DA == D || (D == 64 && (DA == 32 || DA == 48)) ||
+                      (D == 128 && (DA == 80 || DA == 96)),
+                  "d 32, 48 on d 64's tiles, d 80, 96 on d 128's");
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
     static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
     static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);

@@ -96,9 +96,9 @@ struct WsLayout {
 // (src/cuda/plan/fwd.rs) and keep their registers.
 // FP8: q, k and v in e4m3 (uint8_t in shared memory), O in T; V is transposed in shared
 // memory by the producer warpgroup's other warps for the e4m3 wgmma (sm90/wgmma_fp8.cuh).
-// DA: the head dim the products cover within D's layout (d 80 or 96 on d 128's tiles: the
-// columns past it are TMA's zero fill, so S's k loop stops there and P V is nDA; at d 96 one
-// consumer wgmma in four fewer).
+// DA: the head dim the products cover within D's layout (d 32 or 48 on d 64's tiles, 80 or 96
+// on d 128's: the columns past it are TMA's zero fill, so S's k loop stops there and P V is
+// nDA; at d 96 one consumer wgmma in four fewer).
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
           int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false, bool FP8_ = false,
           int DA_ = D_>
@@ -111,8 +111,10 @@ struct WsTraits {
     static constexpr int KV_TILES = FP8 ? 3 : 2;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr int DA = DA_;
-    static_assert(DA == D || (D == 128 && (DA == 80 || DA == 96) && !FP8_),
-                  "d 80, 96 on d 128's tiles");
+    static_assert(DA == D ||
+                      ((D == 64 && (DA == 32 || DA == 48)) || (D == 128 && (DA == 80 || DA == 96))) &&
+                          !FP8_,
+                  "d 32, 48 on d 64's tiles, d 80, 96 on d 128's");
     static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int MODS = MODS_;
     // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'
@@ -614,9 +616,9 @@ template <class K> struct WsConsumer {
     // two n128 halves (panels 0-1 and 2-3). With FP8, V^T's rows are the head dim (K-major,
     // a half is 128 of its rows). DA < D: O's columns from DA on stay zero.
     __device__ __forceinline__ void issue_pv(int st) {
-        constexpr int N = D > 128 ? 128 : K::DA;
+        constexpr int N = D > 128 ? 128 : K::DA, HALVES = D > 128 ? D / 128 : 1;
 #pragma unroll
-        for (int half = 0; half < D / N; ++half) {
+        for (int half = 0; half < HALVES; ++half) {
             float(&oh)[N / 8][4] = sm90::acc_cols<N>(o[0], half * N / 8);
 #pragma unroll
             for (int kk = 0; kk < PV_STEPS; ++kk) {

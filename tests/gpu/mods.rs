@@ -348,7 +348,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     let dims: &[usize] = if quick {
         &[64, 128, 256]
     } else {
-        &[40, 64, 96, 128, 160, 256]
+        &[32, 40, 64, 96, 128, 160, 256]
     };
     let seqs: &[(usize, usize)] = if quick {
         &[(113, 203)]

@@ -412,7 +412,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     let dims: &[usize] = if quick {
         &[64]
     } else {
-        &[40, 64, 80, 96, 128, 256]
+        &[32, 40, 64, 80, 96, 128, 256]
     };
     for dtype in [DType::F16, DType::BF16] {
         for &d in dims {

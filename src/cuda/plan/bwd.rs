@@ -252,17 +252,26 @@ mod tests {
             (88, 96),
             (80, 80),
             (72, 80),
+            (48, 48),
+            (40, 48),
+            (32, 32),
+            (8, 32),
+            (56, 64),
             (128, 128),
             (160, 256),
             (256, 256),
         ] {
             assert_eq!(ws(&query(d, Mods::None)), Some((class, Mods::None, false)));
         }
-        // Head dims 65-96 with score modifiers: d 128's kernels; packed and with dropout the
+        // Head dims 65-96 (and up to 48) with score modifiers: d 128's (d 64's) kernels; packed and with dropout the
         // cut ones too.
         assert_eq!(
             ws(&query(96, Mods::Scores)),
             Some((128, Mods::Scores, false))
+        );
+        assert_eq!(
+            ws(&query(32, Mods::Scores)),
+            Some((64, Mods::Scores, false))
         );
         let packed = BwdQuery {
             packed: true,

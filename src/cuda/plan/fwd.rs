@@ -168,24 +168,31 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
     if !ws_variant_allowed(q.mods, q.packed, q.dropout) {
         return None;
     }
-    let features = |v: &crate::cuda::catalogue::Variant| {
-        v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout && !v.fp8
-    };
-    let cut = |&c: &usize| Kernel::of(Family::FwdWs, c, features);
-    if let Some(k) = ws_cut_dims(q.d).iter().find_map(cut) {
-        return Some(k);
-    }
-    if q.dropout || q.mods != Mods::None {
-        return Kernel::of(Family::FwdWs, d, features);
-    }
     let forced = overrides().ws_shape.as_str();
     // d = 64 causal below 512 rows: the one-warpgroup kernel of sm90/fwd.cu, four blocks
     // per SM (at 512 it ran 190 against 165 TFLOP/s until the 128 x 128 shape ran its work
     // tiles as one stream: 0.158 against 0.171 ms since; docs/archive/PERF.md, "the
     // forward's work tiles as one stream of key tiles"; shorter not measured).
-    if forced.is_empty() && d == 64 && q.causal && q.sq < 512 {
+    let plain = !q.dropout && q.mods == Mods::None;
+    if plain && forced.is_empty() && d == 64 && q.causal && q.sq < 512 {
         return None;
     }
+    // The cut kernels first (in the tiles' shape), then the tiles' own.
+    ws_cut_dims(q.d)
+        .iter()
+        .find_map(|&kd| ws_shape_kernel(kd, d, q))
+        .or_else(|| ws_shape_kernel(d, d, q))
+}
+
+/// The kernel of head dim `kd` on the tiles of head dim `d` in the shape chosen for `q`.
+fn ws_shape_kernel(kd: usize, d: usize, q: &FwdQuery) -> Option<Kernel> {
+    let features = |v: &crate::cuda::catalogue::Variant| {
+        v.mods == q.mods && v.packed == q.packed && v.dropout == q.dropout && !v.fp8
+    };
+    if q.dropout || q.mods != Mods::None {
+        return Kernel::of(Family::FwdWs, kd, features);
+    }
+    let forced = overrides().ws_shape.as_str();
     // A shape by its name in the kernels' names: `base` (two warpgroups, the head dim's fewest
     // keys per tile), `g3` (three warpgroups), `n<keys>` (two warpgroups, that many keys);
     // (warpgroups, keys per tile or any).
@@ -195,7 +202,7 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
                 .iter()
                 .map(|k| k.variant())
                 .filter(|v| {
-                    v.family == Family::FwdWs && usize::from(v.d) == d && v.groups == 2 && !v.fp8
+                    v.family == Family::FwdWs && usize::from(v.d) == kd && v.groups == 2 && !v.fp8
                 })
                 .map(|v| (2, Some(usize::from(v.bn))))
                 .min(),
@@ -222,7 +229,7 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
         _ => "base",
     };
     let find = |(groups, bn): (u8, Option<usize>)| {
-        Kernel::of(Family::FwdWs, d, |v| {
+        Kernel::of(Family::FwdWs, kd, |v| {
             features(v) && v.groups == groups && bn.is_none_or(|bn| usize::from(v.bn) == bn)
         })
     };
@@ -268,8 +275,9 @@ mod tests {
         //   one-warpgroup wgmma kernel instead (no warp-specialized kernel);
         // - d 128: 176-key tiles without a mask from 8k keys;
         // - d 256: 80-key tiles, but 64 causal up to 1k;
-        // - the classes between: 96 on its own (d 128's tiles, products cut to 80 columns up
-        //   to d 80, else 96), 160-224 on d 256's.
+        // - the classes between: up to 48 on d 64's tiles and shapes, products cut to 32
+        //   columns up to d 32, else 48 (causal below 512 rows the one-warpgroup kernel too);
+        //   65-96 on d 128's, cut to 80 columns up to d 80, else 96; 160-224 on d 256's.
         for (d, sq, causal, want) in [
             (64, 4096, false, Some((64, 3, 128))),
             (64, 512, true, Some((64, 2, 128))),
@@ -285,6 +293,12 @@ mod tests {
             (88, 512, true, Some((96, 2, 128))),
             (80, 512, true, Some((80, 2, 128))),
             (72, 4096, false, Some((80, 2, 128))),
+            (40, 4096, false, Some((48, 3, 128))),
+            (48, 512, true, Some((48, 2, 128))),
+            (40, 256, true, None),
+            (32, 1024, true, Some((32, 3, 128))),
+            (16, 512, true, Some((32, 2, 128))),
+            (56, 4096, false, Some((64, 3, 128))),
             (160, 4096, false, Some((256, 2, 80))),
         ] {
             let want = want.map(|(kd, groups, bn)| (kd, groups, bn, Mods::None, false, false));

@@ -41,16 +41,16 @@ pub(crate) fn head_dim_class(d: usize) -> usize {
 }
 
 /// The head dim of the warp-specialized kernels (forward and backward) that run head dim
-/// `d`, if one does: the classes between the compiled ones (96: 65-96; 160, 192 and 224:
-/// 129-224) run the next one up, their columns past the head dim zero (TMA's fill), as 97-127
-/// and 225-255 do in theirs. At 129-192 the d = 256 kernels, a quarter to half of their
-/// matmul work on zero columns, still ran 1.56-2.23x the older kernels forward and
-/// 1.43-2.65x backward (H100; docs/archive/PERF.md, "Head dims 129-192 on the d 256
-/// kernels"); `CANDLE_FLASH_WS_WIDE=0` sends those head dims back to the older kernels (A/B
-/// runs).
+/// `d`, if one does: the classes between the compiled ones (32: up to 32; 96: 65-96; 160, 192
+/// and 224: 129-224) run the next one up, their columns past the head dim zero (TMA's fill),
+/// as 33-63, 97-127 and 225-255 do in theirs (before that, the cut kernels of
+/// [`ws_cut_dims`]). At 129-192 the d = 256 kernels, a quarter to half of their matmul work on
+/// zero columns, still ran 1.56-2.23x the older kernels forward and 1.43-2.65x backward (H100;
+/// docs/archive/PERF.md, "Head dims 129-192 on the d 256 kernels"); `CANDLE_FLASH_WS_WIDE=0`
+/// sends those head dims back to the older kernels (A/B runs).
 pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
     match head_dim_class(d) {
-        64 => Some(64),
+        32 | 64 => Some(64),
         96 | 128 => Some(128),
         224 | 256 => Some(256),
         160 | 192 if !overrides().ws_wide_off => Some(256),
@@ -59,19 +59,27 @@ pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
 }
 
 /// The head dims of the cut warp-specialized kernels that may run head dim `d` before
-/// `ws_head_dim`'s, narrowest first, where compiled for the problem: class 96 on d 128's
-/// tiles with the products cut to 80 columns (up to d 80) or 96 (`_d80`, `_d96`; none with
-/// score modifiers or the block mask). `CANDLE_FLASH_WS_SHAPE=d128` keeps the class on d 128's
-/// kernels, `=d96` off the 80-column ones (A/B runs).
+/// `ws_head_dim`'s, narrowest first, where compiled for the problem (none with score
+/// modifiers or the block mask): up to 48 on d 64's tiles with the products cut to 32 columns
+/// (up to d 32) or 48 (`_d32`, `_d48`), 65-96 on d 128's cut to 80 (up to d 80) or 96 (`_d80`,
+/// `_d96`). For A/B runs `CANDLE_FLASH_WS_SHAPE=d64` / `d128` keeps them on the tiles' own
+/// kernels, `=d48` / `d96` off the narrower cut.
 pub(crate) fn ws_cut_dims(d: usize) -> &'static [usize] {
-    if head_dim_class(d) != 96 {
-        return &[];
-    }
-    match overrides().ws_shape.as_str() {
-        "d128" => &[],
-        "d96" => &[96],
-        _ if d <= 80 => &[80, 96],
-        _ => &[96],
+    let shape = overrides().ws_shape.as_str();
+    match ws_head_dim(d) {
+        Some(64) if d <= 48 => match shape {
+            "d64" => &[],
+            "d48" => &[48],
+            _ if d <= 32 => &[32, 48],
+            _ => &[48],
+        },
+        Some(128) if d <= 96 => match shape {
+            "d128" => &[],
+            "d96" => &[96],
+            _ if d <= 80 => &[80, 96],
+            _ => &[96],
+        },
+        _ => &[],
     }
 }
 
