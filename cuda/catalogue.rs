@@ -208,13 +208,17 @@ const fn row(family: Family, d: u16) -> Variant {
 }
 
 impl Variant {
-    /// The head dim of the kernel's tiles and buffers: the warp-specialized kernels of head
-    /// dims 32 and 48 run on d 64's, of 80 and 96 on d 128's, their products cut to that many
-    /// columns (`DA` in their traits).
+    /// The head dim of the kernel's tiles and buffers: the warp-specialized kernels' tiles
+    /// are 64, 128 or 256 columns wide, and a row between them (a cut row: 32 and 48 on d
+    /// 64's, 80 and 96 on d 128's) runs the next width up with its products cut to its own
+    /// head dim (`DA` in the traits).
     pub const fn tiles_d(&self) -> u16 {
         match self.family {
-            Family::FwdWs | Family::BwdWs if matches!(self.d, 32 | 48) => 64,
-            Family::FwdWs | Family::BwdWs if matches!(self.d, 80 | 96) => 128,
+            Family::FwdWs | Family::BwdWs => match self.d {
+                0..=64 => 64,
+                65..=128 => 128,
+                _ => 256,
+            },
             _ => self.d,
         }
     }
@@ -513,9 +517,8 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_sm90(128).mods(Sparse),
     // sm90/bwd_ws.cu: the warp-specialized backward, four Q/dO slots at d = 64, two above;
     // every variant at each head dim (the block mask also deterministic), the softcap alone
-    // at 64 and 128, d 32 and 48 on d 64's tiles, d 80 and 96 on d 128's (without score modifiers or
-    // the block mask); its prep
-    // and convert kernels.
+    // at 64 and 128, the cut rows (d 32 and 48 on d 64's tiles, 80 and 96 on d 128's; without
+    // score modifiers or the block mask); its prep and convert kernels.
     bwd_ws(64, 4),
     bwd_ws(64, 4).mods(Scores),
     bwd_ws(64, 4).mods(Sparse),

@@ -114,9 +114,8 @@ struct BwdWsTraits {
     // laid out on the fragment").
     static constexpr int DROP_UNROLL = D == 128 ? 2 : 8;
     static constexpr bool SPLIT = D > 128;
-    static_assert(DA == D || (D == 64 && (DA == 32 || DA == 48)) ||
-                      (D == 128 && (DA == 80 || DA == 96)),
-                  "d 32, 48 on d 64's tiles, d 80, 96 on d 128's");
+    static_assert(DA == D || (D <= 128 && DA < D && DA % 16 == 0),
+                  "a cut row: whole k16 steps of d 64's or d 128's tiles");
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
     static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
     static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);

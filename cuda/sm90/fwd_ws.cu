@@ -111,10 +111,8 @@ struct WsTraits {
     static constexpr int KV_TILES = FP8 ? 3 : 2;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr int DA = DA_;
-    static_assert(DA == D ||
-                      ((D == 64 && (DA == 32 || DA == 48)) || (D == 128 && (DA == 80 || DA == 96))) &&
-                          !FP8_,
-                  "d 32, 48 on d 64's tiles, d 80, 96 on d 128's");
+    static_assert(DA == D || (D <= 128 && DA < D && DA % 16 == 0 && !FP8_),
+                  "a cut row: whole k16 steps of d 64's or d 128's tiles, bf16/f16");
     static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int MODS = MODS_;
     // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'

@@ -11,7 +11,7 @@
 //! | `CANDLE_FLASH_FWD` | `mma`, `sm90` | the mma.sync forward, or the first (not warp-specialized) wgmma forward |
 //! | `CANDLE_FLASH_MMA` | `any`, `base`, `wide` | `any`: the mma.sync kernels compiled with every score modifier for plain problems too (forward and fused backward); `base`: the plain forward's own key tile where a wider one is compiled; `wide`: the wider one for causal problems at d 64 too |
 //! | `CANDLE_FLASH_SM90_SHAPE` | `g1`, `g1n64`, `g2`, `g3` | the first wgmma forward's consumer groups and key tile |
-//! | `CANDLE_FLASH_WS_SHAPE` | `base`, `g3`, `n<keys>` (e.g. `n176`) | the warp-specialized forward's tile shape, where compiled (plan/fwd.rs); `d64` / `d128`: head dims up to 48 / 65-96 on d 64's / d 128's kernels, forward and backward, instead of the cut `_d32`/`_d48` / `_d80`/`_d96` ones, `d48` / `d96`: not the `_d32` / `_d80` ones; FP8: `base` the narrowest key tiles, `n<keys>` that width instead of the widest (fwd_fp8.rs) |
+//! | `CANDLE_FLASH_WS_SHAPE` | `base`, `g3`, `n<keys>` (e.g. `n176`) | the warp-specialized forward's tile shape, where compiled (plan/fwd.rs); `d<N>`: no cut kernel narrower than N, forward and backward (`d64`, `d128`: head dims up to 48 / 65-96 on d 64's / d 128's kernels instead of `_d32`/`_d48` / `_d80`/`_d96`; `d48`, `d96`: not `_d32` / `_d80`; plan::ws_cut_dims); FP8: `base` the narrowest key tiles, `n<keys>` that width instead of the widest (fwd_fp8.rs) |
 //! | `CANDLE_FLASH_WS_PERSISTENT` | `0` | one block per tile instead of persistent blocks |
 //! | `CANDLE_FLASH_WS_WIDE` | `0` | head dims 160/192 off the head dim 256 warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_PACKED` | `0` | packed batches off the `_packed` warp-specialized kernels |

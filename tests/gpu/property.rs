@@ -132,10 +132,7 @@ fn case(dev: &Device, cfg: &Config, target: Target) -> Result<()> {
     // (AttnParams::softcap_max_log2), so a row with one visible key has P = exp(s - max) != 1,
     // and its rounding to the dtype for the P·V product moves the output by up to one ulp,
     // where the oracle (P = 1) is exact: bf16, one key, 7.8e-3 at |out| ~ 1.
-    let capped = match cfg.softcap > 0.0 {
-        true => 2.0 * common::unit_roundoff(cfg.dtype) * max_abs(&exact.out)?,
-        false => 0.0,
-    };
+    let capped = softcap_rounding(cfg, &exact.out)?;
     check_rule("out", &ours.out, &low.out, &exact.out, 2.0, 1e-5 + capped)?;
     if let (Some(lse), Some(expected)) = (&ours.lse, &exact.lse) {
         check_lse(cfg, lse, expected)?;
@@ -167,16 +164,22 @@ fn case(dev: &Device, cfg: &Config, target: Target) -> Result<()> {
             bail!("{name}: the D shift (test code) is not finite");
         }
         let unshifted = (grads[i].to_device(&rdev)?.to_dtype(DType::F32)? + &shift[i])?;
-        // Under a softcap, P ~ 1 rounded for dV's P^T dO (as for the output above): a key
-        // that one row alone sees has dV = P dO, where the oracle's P = 1 is exact.
-        let capped = match cfg.softcap > 0.0 {
-            true => 2.0 * half_ulp * max_abs(&expected[i])?,
-            false => 0.0,
-        };
+        // The same P ~ 1 rounding for dV's P^T dO: a key that one row alone sees has
+        // dV = P dO.
+        let capped = softcap_rounding(cfg, &expected[i])?;
         let slack = 1e-4 + cancelled + half_ulp * max_abs(&shift[i])? + capped;
         check_rule(name, &unshifted, &low[i], &expected[i], 3.0, slack)?;
     }
     Ok(())
+}
+
+/// Under a softcap the slack for P ~ 1 rounded to the dtype where the oracle's P = 1 is exact
+/// (see `case`): two unit roundoffs of the largest |exact|; none without one.
+fn softcap_rounding(cfg: &Config, exact: &Tensor) -> Result<f32> {
+    Ok(match cfg.softcap > 0.0 {
+        true => 2.0 * common::unit_roundoff(cfg.dtype) * max_abs(exact)?,
+        false => 0.0,
+    })
 }
 
 /// Whether `t` has an inf or NaN.

@@ -95,10 +95,9 @@ fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
     if !facts.hopper() || !allowed || !ws_variant_allowed(q.mods, q.packed, q.dropout) {
         return None;
     }
-    // The cut kernels' prep and convert kernels are those of the tiles' head dim (d 128's).
+    // The cut kernels' prep and convert kernels are those of the tiles' head dim (d).
     let main = ws_cut_dims(q.d)
-        .iter()
-        .find_map(|&c| ws_kernel(c, q))
+        .find_map(|c| ws_kernel(c, q))
         .or_else(|| ws_kernel(d, q))?;
     let helper = |family| Kernel::of(family, d, |_| true);
     Some(BwdPlan::Ws {
@@ -263,8 +262,8 @@ mod tests {
         ] {
             assert_eq!(ws(&query(d, Mods::None)), Some((class, Mods::None, false)));
         }
-        // Head dims 65-96 (and up to 48) with score modifiers: d 128's (d 64's) kernels; packed and with dropout the
-        // cut ones too.
+        // Head dims 65-96 (and up to 48) with score modifiers: d 128's (d 64's) kernels;
+        // packed and with dropout the cut ones too.
         assert_eq!(
             ws(&query(96, Mods::Scores)),
             Some((128, Mods::Scores, false))

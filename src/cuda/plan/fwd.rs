@@ -179,8 +179,7 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
     }
     // The cut kernels first (in the tiles' shape), then the tiles' own.
     ws_cut_dims(q.d)
-        .iter()
-        .find_map(|&kd| ws_shape_kernel(kd, d, q))
+        .find_map(|kd| ws_shape_kernel(kd, d, q))
         .or_else(|| ws_shape_kernel(d, d, q))
 }
 

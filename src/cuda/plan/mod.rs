@@ -59,28 +59,33 @@ pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
 }
 
 /// The head dims of the cut warp-specialized kernels that may run head dim `d` before
-/// `ws_head_dim`'s, narrowest first, where compiled for the problem (none with score
-/// modifiers or the block mask): up to 48 on d 64's tiles with the products cut to 32 columns
-/// (up to d 32) or 48 (`_d32`, `_d48`), 65-96 on d 128's cut to 80 (up to d 80) or 96 (`_d80`,
-/// `_d96`). For A/B runs `CANDLE_FLASH_WS_SHAPE=d64` / `d128` keeps them on the tiles' own
-/// kernels, `=d48` / `d96` off the narrower cut.
-pub(crate) fn ws_cut_dims(d: usize) -> &'static [usize] {
-    let shape = overrides().ws_shape.as_str();
-    match ws_head_dim(d) {
-        Some(64) if d <= 48 => match shape {
-            "d64" => &[],
-            "d48" => &[48],
-            _ if d <= 32 => &[32, 48],
-            _ => &[48],
-        },
-        Some(128) if d <= 96 => match shape {
-            "d128" => &[],
-            "d96" => &[96],
-            _ if d <= 80 => &[80, 96],
-            _ => &[96],
-        },
-        _ => &[],
-    }
+/// `ws_head_dim`'s, narrowest first: the catalogue's cut rows (`Variant::tiles_d` above their
+/// head dim: up to 48 on d 64's tiles, 65-96 on d 128's) on the tiles of `ws_head_dim(d)`, at
+/// least `d` wide. Whether one is compiled for the problem's features is the planner's lookup
+/// (none has score modifiers or the block mask). For A/B runs `CANDLE_FLASH_WS_SHAPE=d<N>`
+/// keeps those narrower than N out (`d64`, `d128`: the tiles' own kernels).
+pub(crate) fn ws_cut_dims(d: usize) -> impl Iterator<Item = usize> {
+    static CUTS: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    let cuts = CUTS.get_or_init(|| {
+        let mut cuts: Vec<(usize, usize)> = Kernel::ALL
+            .iter()
+            .map(|k| k.variant())
+            .filter(|v| matches!(v.family, Family::FwdWs | Family::BwdWs) && v.tiles_d() != v.d)
+            .map(|v| (usize::from(v.d), usize::from(v.tiles_d())))
+            .collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        cuts
+    });
+    let floor = overrides()
+        .ws_shape
+        .strip_prefix('d')
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let tiles = ws_head_dim(d);
+    cuts.iter()
+        .filter(move |&&(cut, t)| Some(t) == tiles && cut >= d.max(floor))
+        .map(|&(cut, _)| cut)
 }
 
 /// Whether packed batches and dropout may take the warp-specialized kernels (forward and
