@@ -210,8 +210,8 @@ const fn row(family: Family, d: u16) -> Variant {
 impl Variant {
     /// The head dim of the kernel's tiles and buffers: the warp-specialized kernels' tiles
     /// are 64, 128 or 256 columns wide, and a row between them (a cut row: 32 and 48 on d
-    /// 64's, 80 and 96 on d 128's) runs the next width up with its products cut to its own
-    /// head dim (`DA` in the traits).
+    /// 64's, 80 and 96 on d 128's, 160 and 192 on d 256's) runs the next width up with its
+    /// products cut to its own head dim (`DA` in the traits).
     pub const fn tiles_d(&self) -> u16 {
         match self.family {
             Family::FwdWs | Family::BwdWs => match self.d {
@@ -425,6 +425,12 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(32, 128, 3, 3).packed(),
     fwd_ws(32, 128, 4, 2).dropout(),
     fwd_ws(32, 128, 4, 2).packed().dropout(),
+    // Head dims 129-192 (Stable Diffusion 1.x's 160) on d 256's tiles and shapes, the
+    // products cut to 160 or 192 columns, plain problems only (forward).
+    fwd_ws(192, 64, 2, 2),
+    fwd_ws(192, 80, 2, 2),
+    fwd_ws(160, 64, 2, 2),
+    fwd_ws(160, 80, 2, 2),
     // E4M3 q, k, v (FP8 wgmma, V transposed in shared memory by the producer warpgroup).
     fwd_ws(128, 128, 2, 2).fp8(),
     fwd_ws(128, 192, 2, 2).fp8(),

@@ -97,8 +97,9 @@ struct WsLayout {
 // FP8: q, k and v in e4m3 (uint8_t in shared memory), O in T; V is transposed in shared
 // memory by the producer warpgroup's other warps for the e4m3 wgmma (sm90/wgmma_fp8.cuh).
 // DA: the head dim the products cover within D's layout (d 32 or 48 on d 64's tiles, 80 or 96
-// on d 128's: the columns past it are TMA's zero fill, so S's k loop stops there and P V is
-// nDA; at d 96 one consumer wgmma in four fewer).
+// on d 128's, 160 or 192 on d 256's: the columns past it are TMA's zero fill, so S's k loop
+// stops there and P V is nDA, or n128 and n(DA - 128); at d 96 one consumer wgmma in four
+// fewer).
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
           int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false, bool FP8_ = false,
           int DA_ = D_>
@@ -111,8 +112,8 @@ struct WsTraits {
     static constexpr int KV_TILES = FP8 ? 3 : 2;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr int DA = DA_;
-    static_assert(DA == D || (D <= 128 && DA < D && DA % 16 == 0 && !FP8_),
-                  "a cut row: whole k16 steps of d 64's or d 128's tiles, bf16/f16");
+    static_assert(DA == D || (DA < D && DA % 16 == 0 && (D <= 128 || DA > 128) && !FP8_),
+                  "a cut row: whole k16 steps, past the first n128 half at d 256, bf16/f16");
     static constexpr bool PINGPONG = PINGPONG_;
     static constexpr int MODS = MODS_;
     // Packed (variable-length) batches, in kernels of their own (`_packed`): the sequences'
@@ -611,24 +612,27 @@ template <class K> struct WsConsumer {
     }
 
     // O += P V of the tile in slot st, issued (one commit group). Head dims past 128 take
-    // two n128 halves (panels 0-1 and 2-3). With FP8, V^T's rows are the head dim (K-major,
-    // a half is 128 of its rows). DA < D: O's columns from DA on stay zero.
+    // two halves of up to 128 columns (panels 0-1 and 2-3). With FP8, V^T's rows are the head
+    // dim (K-major, a half is 128 of its rows). DA < D: O's columns from DA on stay zero.
     __device__ __forceinline__ void issue_pv(int st) {
-        constexpr int N = D > 128 ? 128 : K::DA, HALVES = D > 128 ? D / 128 : 1;
-#pragma unroll
-        for (int half = 0; half < HALVES; ++half) {
-            float(&oh)[N / 8][4] = sm90::acc_cols<N>(o[0], half * N / 8);
-#pragma unroll
-            for (int kk = 0; kk < PV_STEPS; ++kk) {
-                if constexpr (K::FP8)
-                    sm90::WgmmaFp8<N>::rs(oh, pa[0][kk], vt_desc(st, half * N * 128, kk), 1);
-                else
-                    sm90::Wgmma<T, N>::rs(
-                        oh, pa[0][kk], sm90::mnmajor_desc(sm.v(st) + half * 2 * BN * 128, BN, kk),
-                        1);
-            }
+        if constexpr (D > 128) {
+            issue_pv_half<128>(st, 0);
+            issue_pv_half<K::DA - 128>(st, 1);
+        } else {
+            issue_pv_half<K::DA>(st, 0);
         }
         sm90::commit();
+    }
+    template <int N> __device__ __forceinline__ void issue_pv_half(int st, int half) {
+        float(&oh)[N / 8][4] = sm90::acc_cols<N>(o[0], half * 16);
+#pragma unroll
+        for (int kk = 0; kk < PV_STEPS; ++kk) {
+            if constexpr (K::FP8)
+                sm90::WgmmaFp8<N>::rs(oh, pa[0][kk], vt_desc(st, half * 128 * 128, kk), 1);
+            else
+                sm90::Wgmma<T, N>::rs(
+                    oh, pa[0][kk], sm90::mnmajor_desc(sm.v(st) + half * 2 * BN * 128, BN, kk), 1);
+        }
     }
 
     // Dropout (K::DROPOUT): the keep bits of this warp's entries of key tile nb, drawn while

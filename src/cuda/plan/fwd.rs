@@ -276,7 +276,8 @@ mod tests {
         // - d 256: 80-key tiles, but 64 causal up to 1k;
         // - the classes between: up to 48 on d 64's tiles and shapes, products cut to 32
         //   columns up to d 32, else 48 (causal below 512 rows the one-warpgroup kernel too);
-        //   65-96 on d 128's, cut to 80 columns up to d 80, else 96; 160-224 on d 256's.
+        //   65-96 on d 128's, cut to 80 columns up to d 80, else 96; 129-224 on d 256's, cut
+        //   to 160 columns up to d 160, 192 up to d 192.
         for (d, sq, causal, want) in [
             (64, 4096, false, Some((64, 3, 128))),
             (64, 512, true, Some((64, 2, 128))),
@@ -298,7 +299,10 @@ mod tests {
             (32, 1024, true, Some((32, 3, 128))),
             (16, 512, true, Some((32, 2, 128))),
             (56, 4096, false, Some((64, 3, 128))),
-            (160, 4096, false, Some((256, 2, 80))),
+            (160, 4096, false, Some((160, 2, 80))),
+            (136, 1024, true, Some((160, 2, 64))),
+            (176, 4096, true, Some((192, 2, 80))),
+            (208, 4096, false, Some((256, 2, 80))),
         ] {
             let want = want.map(|(kd, groups, bn)| (kd, groups, bn, Mods::None, false, false));
             assert_eq!(
