@@ -426,7 +426,7 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(32, 128, 4, 2).dropout(),
     fwd_ws(32, 128, 4, 2).packed().dropout(),
     // Head dims 129-192 (Stable Diffusion 1.x's 160) on d 256's tiles and shapes, the
-    // products cut to 160 or 192 columns, plain problems only (forward).
+    // products cut to 160 or 192 columns, plain problems only.
     fwd_ws(192, 64, 2, 2),
     fwd_ws(192, 80, 2, 2),
     fwd_ws(160, 64, 2, 2),
@@ -551,6 +551,9 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_ws(32, 4).packed(),
     bwd_ws(32, 4).dropout(),
     bwd_ws(32, 4).packed().dropout(),
+    // Head dims 129-192 on d 256's: S^T's and dP^T's k loops cut (plain problems).
+    bwd_ws(192, 2),
+    bwd_ws(160, 2),
     bwd_ws(128, 2),
     bwd_ws(128, 2).mods(Scores),
     bwd_ws(128, 2).mods(Sparse),

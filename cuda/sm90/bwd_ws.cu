@@ -94,7 +94,9 @@ struct BwdTmaParams {
 // registers per thread in each warpgroup, of 64 keys x 128 columns 128.
 // DA: the head dim the products cover within D's layout (d 32 or 48 on d 64's tiles, 80 or 96
 // on d 128's, as the forward's WsTraits::DA: the columns past it are TMA's zero fill, so S^T's
-// and dP^T's k loops stop there, dV and dK are nDA).
+// and dP^T's k loops stop there, dV and dK are nDA). 160 or 192 on d 256's (SPLIT): only the
+// k loops stop, each warpgroup keeps its 128 columns of dV, dK and dQ (a narrower second
+// half would put a wgmma on one side of a branch on the warpgroup).
 template <typename T_, int D_, int STAGES_, int MODS_ = MODS_NONE, bool PACKED_ = false,
           bool DROPOUT_ = false, bool DET_ = false, int DA_ = D_>
 struct BwdWsTraits {
@@ -114,8 +116,8 @@ struct BwdWsTraits {
     // laid out on the fragment").
     static constexpr int DROP_UNROLL = D == 128 ? 2 : 8;
     static constexpr bool SPLIT = D > 128;
-    static_assert(DA == D || (D <= 128 && DA < D && DA % 16 == 0),
-                  "a cut row: whole k16 steps of d 64's or d 128's tiles");
+    static_assert(DA == D || (DA < D && DA % 16 == 0 && (D <= 128 || DA > 128)),
+                  "a cut row: whole k16 steps, past the first 128 columns at d 256");
     // Keys per block (64 per consumer, or all 64 in both with SPLIT), rows per query tile.
     static constexpr int BN = SPLIT ? 64 : 128, BM = 64;
     static constexpr int CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
@@ -1022,7 +1024,7 @@ template <class K> struct BwdWsSplitConsumer {
         tma::wait(sm.full_q(slot), phase);
         sm90::fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
+        for (int kk = 0; kk < K::DA / 16; ++kk)
             sm90::Wgmma<T, BM / 2>::ss(s[0], sm90::kmajor_desc(sm.k(), BN, kk),
                                        sm90::kmajor_desc(sQ + c0 * 128, BM, kk), kk > 0);
         sm90::commit();
@@ -1032,7 +1034,7 @@ template <class K> struct BwdWsSplitConsumer {
         tma::wait(sm.full_do(slot), phase);
         sm90::fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
+        for (int kk = 0; kk < K::DA / 16; ++kk)
             sm90::Wgmma<T, BM / 2>::ss(dpt[0], sm90::kmajor_desc(sm.v(), BN, kk),
                                        sm90::kmajor_desc(sdO + c0 * 128, BM, kk), kk > 0);
         sm90::commit();
