@@ -523,8 +523,8 @@ pub const CATALOGUE: &[Variant] = &[
     bwd_sm90(128).mods(Sparse),
     // sm90/bwd_ws.cu: the warp-specialized backward, four Q/dO slots at d = 64, two above;
     // every variant at each head dim (the block mask also deterministic), the softcap alone
-    // at 64 and 128, the cut rows (d 32 and 48 on d 64's tiles, 80 and 96 on d 128's; without
-    // score modifiers or the block mask); its prep and convert kernels.
+    // at 64 and 128, the cut rows (d 32 and 48 on d 64's tiles, 80 and 96 on d 128's, 160 and
+    // 192 on d 256's; without score modifiers or the block mask); its prep and convert kernels.
     bwd_ws(64, 4),
     bwd_ws(64, 4).mods(Scores),
     bwd_ws(64, 4).mods(Sparse),

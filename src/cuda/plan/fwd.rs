@@ -158,7 +158,8 @@ fn sm90_kernel(d: usize, q: &FwdQuery) -> Option<Kernel> {
 /// where its warpgroups pass over the tiles masked for them: "d 256 causal up to 1k on 64-key
 /// tiles", "Key tiles masked for a whole warpgroup").
 /// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled shapes where it
-/// exists (A/B runs); `d128` keeps head dims 65-96 on d 128's kernels (the backward's too).
+/// exists (A/B runs). Before the tiles' own kernels, the cut ones of `ws_cut_dims` (in the
+/// shape chosen for the tiles' head dim; `CANDLE_FLASH_WS_SHAPE=d64|d128|d256` keeps them off).
 ///
 /// With a softcap or ALiBi, or a block mask, and with dropout: the one kernel per head dim
 /// compiled with it (the catalogue's row). Packed batches: the same choice among the

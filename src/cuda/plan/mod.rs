@@ -61,10 +61,10 @@ pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
 /// The head dims of the cut warp-specialized kernels that may run head dim `d` before
 /// `ws_head_dim`'s, narrowest first: the catalogue's cut rows (`Variant::tiles_d` above their
 /// head dim: up to 48 on d 64's tiles, 65-96 on d 128's, 129-192 on d 256's) on the tiles of
-/// `ws_head_dim(d)`, at
-/// least `d` wide. Whether one is compiled for the problem's features is the planner's lookup
-/// (none has score modifiers or the block mask). For A/B runs `CANDLE_FLASH_WS_SHAPE=d<N>`
-/// keeps those narrower than N out (`d64`, `d128`: the tiles' own kernels).
+/// `ws_head_dim(d)`, at least `d` wide. Whether one is compiled for the problem's features is
+/// the planner's lookup (none has score modifiers or the block mask; at 129-192 plain problems
+/// alone). For A/B runs `CANDLE_FLASH_WS_SHAPE=d<N>` keeps those narrower than N out (`d64`,
+/// `d128`, `d256`: the tiles' own kernels).
 pub(crate) fn ws_cut_dims(d: usize) -> impl Iterator<Item = usize> {
     static CUTS: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
     let cuts = CUTS.get_or_init(|| {
