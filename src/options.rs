@@ -48,7 +48,7 @@ pub struct FlashAttn {
     /// Probability of dropping each attention probability (after the softmax), in `[0, 1)`;
     /// kept ones are scaled by `1 / (1 - dropout_p)`. 0 (the default) disables dropout.
     pub dropout_p: f32,
-    /// Seed of the dropout RNG (Philox4x32-10); [`FlashAttn::DEFAULT_SEED`] by default.
+    /// Seed of the dropout RNG (Philox4x32-7); [`FlashAttn::DEFAULT_SEED`] by default.
     pub seed: u64,
     /// RNG offset of the dropout mask. `None` (the default): every call with dropout takes
     /// the next value of a process-wide counter, so two calls drop different entries. `Some`:

@@ -1,4 +1,4 @@
-//! Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), the
+//! Philox4x32-7 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), the
 //! counter-based generator behind attention dropout. `cuda/common/philox.cuh` is the same function;
 //! the two must agree bit for bit so that CPU and GPU drop the same entries and the backward
 //! pass regenerates the forward's mask from (seed, offset) with O(1) extra memory.
@@ -15,9 +15,14 @@ fn mulhilo(a: u32, b: u32) -> (u32, u32) {
     ((p >> 32) as u32, p as u32)
 }
 
-/// Ten rounds of Philox4x32 on `counter` with `key`.
-pub(crate) fn philox4x32_10(mut c: [u32; 4], mut k: [u32; 2]) -> [u32; 4] {
-    for round in 0..10 {
+/// Rounds per dropout draw. The paper finds 7 rounds of Philox4x32 pass BigCrush (10 is
+/// Random123's default, with a safety margin); FlashAttention-2's dropout runs 7 too. The
+/// draws are integer work beside the tensor cores, and the dropout kernels are bound by them.
+pub(crate) const ROUNDS: usize = 7;
+
+/// `R` rounds of Philox4x32 on `counter` with `key`.
+pub(crate) fn philox4x32<const R: usize>(mut c: [u32; 4], mut k: [u32; 2]) -> [u32; 4] {
+    for round in 0..R {
         if round > 0 {
             k[0] = k[0].wrapping_add(W0);
             k[1] = k[1].wrapping_add(W1);
@@ -68,7 +73,7 @@ pub(crate) fn keep(d: &Dropout, num_heads: usize, b: usize, h: usize, i: usize, 
         d.seed as u32,
         (d.seed >> 32) as u32 ^ (d.offset >> 32) as u32,
     ];
-    let word = philox4x32_10(counter, key)[2 * ((i % 16) / 8) + (j % 16) / 8];
+    let word = philox4x32::<ROUNDS>(counter, key)[2 * ((i % 16) / 8) + (j % 16) / 8];
     let half = if j.is_multiple_of(2) {
         word & 0xffff
     } else {
@@ -118,7 +123,7 @@ impl RowKeep {
             _ => {
                 let mut counter = self.counter;
                 counter[0] = (4 * group + slot) as u32;
-                let words = philox4x32_10(counter, self.key);
+                let words = philox4x32::<ROUNDS>(counter, self.key);
                 self.slots[slot] = Some((group, words));
                 words
             }
@@ -137,22 +142,35 @@ impl RowKeep {
 mod tests {
     use super::*;
 
-    /// Known-answer tests from Random123's kat_vectors for philox4x32_10.
+    /// Known-answer tests from Random123's kat_vectors, for the rounds dropout runs and for
+    /// the library's default 10 (the round function, the key schedule).
     #[test]
     fn philox_known_answers() {
+        const PI_C: [u32; 4] = [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344];
+        const PI_K: [u32; 2] = [0xa4093822, 0x299f31d0];
+        assert_eq!(ROUNDS, 7);
         assert_eq!(
-            philox4x32_10([0; 4], [0; 2]),
+            philox4x32::<7>([0; 4], [0; 2]),
+            [0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48]
+        );
+        assert_eq!(
+            philox4x32::<7>([u32::MAX; 4], [u32::MAX; 2]),
+            [0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662]
+        );
+        assert_eq!(
+            philox4x32::<7>(PI_C, PI_K),
+            [0x4dfccaba, 0x190a87f0, 0xc47362ba, 0xb6b5242a]
+        );
+        assert_eq!(
+            philox4x32::<10>([0; 4], [0; 2]),
             [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
         );
         assert_eq!(
-            philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
+            philox4x32::<10>([u32::MAX; 4], [u32::MAX; 2]),
             [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
         );
         assert_eq!(
-            philox4x32_10(
-                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
-                [0xa4093822, 0x299f31d0]
-            ),
+            philox4x32::<10>(PI_C, PI_K),
             [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
         );
     }

@@ -1,5 +1,6 @@
-// Dropout's random numbers: Philox4x32-10, the same function as src/philox.rs, so CPU and GPU
-// keep the same entries and the backward regenerates the forward's mask from (seed, offset).
+// Dropout's random numbers: Philox4x32-7 (src/philox.rs's ROUNDS says why 7 rounds), the same
+// function as src/philox.rs, so CPU and GPU keep the same entries and the backward regenerates
+// the forward's mask from (seed, offset).
 // One call gives 8 entries, the 16-bit halves of its 4 words, compared with a 16-bit
 // threshold: queries (i0, i0 + 8) by keys (j0, j0 + 1, j0 + 8, j0 + 9), i0 = 16 (i / 16) + i % 8,
 // j0 = 16 (j / 16) + 2 ((j % 8) / 2), the entries one lane of an MMA accumulator fragment holds
@@ -9,11 +10,11 @@
 #pragma once
 #include "common/params.cuh"
 
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned int k0, unsigned int k1) {
+__device__ __forceinline__ uint4 philox4x32_7(uint4 c, unsigned int k0, unsigned int k1) {
     constexpr unsigned int M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
     constexpr unsigned int W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
 #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < 7; ++round) {
         if (round > 0) {
             k0 += W0;
             k1 += W1;
@@ -58,7 +59,7 @@ struct Dropout {
             const unsigned int col16 = unsigned(col0 / 16 + m), row16 = unsigned(row0 / 16);
             if constexpr (!KEYS_AS_ROWS) {
                 const uint4 x =
-                    philox4x32_10(make_uint4(4 * col16 + t, 8 * row16 + g, bh, c3), k0, k1);
+                    philox4x32_7(make_uint4(4 * col16 + t, 8 * row16 + g, bh, c3), k0, k1);
                 const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
@@ -69,7 +70,7 @@ struct Dropout {
                                   << (2 * (2 * m + n));
             } else {
                 // Keys row0 + (g & ~1) + {0, 1, 8, 9}, queries col0 + 16 m + 2 t + odd + {0, 8}.
-                const uint4 x = philox4x32_10(
+                const uint4 x = philox4x32_7(
                     make_uint4(4 * row16 + g / 2, 8 * col16 + 2 * t + odd, bh, c3), k0, k1);
                 const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
