@@ -13,8 +13,8 @@
 //!   newer GPUs compile. A target narrows the build to what its GPU loads: 8.x builds only the
 //!   sm80 set, 9.0 the sm90a set plus the sm80 files Hopper takes.
 //! - no target (`CANDLE_FLASH_SASS=none`, or nothing known: a GPU-less build machine): PTX of
-//!   both sets, the portable default. Every GPU from sm_80 runs it after a one-time JIT by the
-//!   driver (cached in ~/.nv/ComputeCache).
+//!   both sets, the portable default, in fatbins too (which store it compressed). Every GPU
+//!   from sm_80 runs it after a one-time JIT by the driver (cached in ~/.nv/ComputeCache).
 //!
 //! Jobs run in parallel (`CANDLE_FLASH_NVCC_JOBS`, default: the available cores). Each output
 //! is rebuilt when a file of cuda/ or build.rs is newer, or its nvcc command changed.

@@ -4,15 +4,10 @@
 //! that set; Hopper takes the files its set lacks from `sm80`.
 include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 
-/// One file's compiled kernels: PTX text (JIT-compiled by the driver at load) or a fatbin
-/// (machine code for the targeted GPUs, and for the sm80 set its PTX too).
+/// One file's compiled kernels: a fatbin with machine code for the GPUs the build targeted
+/// and PTX (compressed) that the driver JIT-compiles for the others.
 #[derive(Clone, Copy, Debug)]
-// Which variants a build constructs depends on its targets.
-#[allow(dead_code)]
-pub enum Image {
-    Ptx(&'static str),
-    Fatbin(&'static [u8]),
-}
+pub struct Image(pub &'static [u8]);
 
 /// One file's images: a single one, or one per dtype for the files build.rs compiles a dtype
 /// at a time (their kernel names carry the dtype).

@@ -169,11 +169,9 @@ pub(crate) fn load_func(
         match modules.iter().find(|(k, _)| *k == key) {
             Some((_, m)) => m.clone(),
             None => {
-                let source = match image {
-                    ptx::Image::Ptx(text) => Ptx::from_src(text),
-                    ptx::Image::Fatbin(bytes) => Ptx::from_binary(bytes.to_vec()),
-                };
-                let module = context.load_module(source).w()?;
+                let module = context
+                    .load_module(Ptx::from_binary(image.0.to_vec()))
+                    .w()?;
                 modules.push((key, module.clone()));
                 module
             }
