@@ -4,8 +4,9 @@
 //! that set; Hopper takes the files its set lacks from `sm80`.
 include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 
-/// One file's compiled kernels: a fatbin with machine code for the GPUs the build targeted
-/// and PTX (compressed) that the driver JIT-compiles for the others.
+/// One file's compiled kernels, a fatbin: machine code for the GPUs the build targeted, and
+/// the sm80 set's PTX (or with no target, both sets' PTX), which the driver JIT-compiles for
+/// the others.
 #[derive(Clone, Copy, Debug)]
 pub struct Image(pub &'static [u8]);
 
