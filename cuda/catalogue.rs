@@ -209,17 +209,22 @@ const fn row(family: Family, d: u16) -> Variant {
 
 impl Variant {
     /// The head dim of the kernel's tiles and buffers: the warp-specialized kernels' tiles
-    /// are 64, 128 or 256 columns wide, and a row between them (a cut row: 32 and 48 on d
-    /// 64's, 80 and 96 on d 128's, 160 and 192 on d 256's) runs the next width up with its
-    /// products cut to its own head dim (`DA` in the traits).
+    /// are 64, 128 or 256 columns wide (the forward's also 192), and a row between them (a
+    /// cut row: 32 and 48 on d 64's, 80 and 96 on d 128's, the forward's 160 on d 192's, the
+    /// backward's 160 and 192 on d 256's) runs the next width up with its products cut to its
+    /// own head dim (`DA` in the traits). The backward's d 256 tiles split their columns
+    /// between two warpgroups, 128 each; 192 would split them unevenly.
     pub const fn tiles_d(&self) -> u16 {
-        match self.family {
-            Family::FwdWs | Family::BwdWs => match self.d {
-                0..=64 => 64,
-                65..=128 => 128,
-                _ => 256,
-            },
-            _ => self.d,
+        Self::ws_tiles(self.family, self.d)
+    }
+    /// `tiles_d` of a `family` row of head dim `d`.
+    pub const fn ws_tiles(family: Family, d: u16) -> u16 {
+        match (family, d) {
+            (Family::FwdWs | Family::BwdWs, 0..=64) => 64,
+            (Family::FwdWs | Family::BwdWs, 65..=128) => 128,
+            (Family::FwdWs, 129..=192) => 192,
+            (Family::FwdWs | Family::BwdWs, _) => 256,
+            _ => d,
         }
     }
     const fn tile(mut self, tile: Tile) -> Self {
@@ -425,12 +430,15 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(32, 128, 3, 3).packed(),
     fwd_ws(32, 128, 4, 2).dropout(),
     fwd_ws(32, 128, 4, 2).packed().dropout(),
-    // Head dims 129-192 (Stable Diffusion 1.x's 160) on d 256's tiles and shapes, the
-    // products cut to 160 or 192 columns, plain problems only.
+    // Head dims 129-192 (Stable Diffusion 1.x's 160) on tiles 192 columns wide, which leave
+    // room for 112-key tiles; 129-160 with the products cut to 160 columns; plain problems
+    // only (the others run d 256's kernels).
     fwd_ws(192, 64, 2, 2),
     fwd_ws(192, 80, 2, 2),
+    fwd_ws(192, 112, 2, 2),
     fwd_ws(160, 64, 2, 2),
     fwd_ws(160, 80, 2, 2),
+    fwd_ws(160, 112, 2, 2),
     // E4M3 q, k, v (FP8 wgmma, V transposed in shared memory by the producer warpgroup).
     fwd_ws(128, 128, 2, 2).fp8(),
     fwd_ws(128, 192, 2, 2).fp8(),

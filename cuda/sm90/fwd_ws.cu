@@ -184,7 +184,7 @@ struct WsTraits {
     // holds half an O row: O goes in two rounds of half the head dim (O_ROUNDS). The FP8
     // kernels past FP8_O_IN_Q need it: stored from registers, O itself went to local memory
     // (~2 KB in a d = 256 x 128-key build, ptxas -v).
-    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && (D == 256 || FP8_O_IN_Q);
+    static constexpr bool O_IN_Q = !O_STAGED && Q_STAGES == 1 && (D > 128 || FP8_O_IN_Q);
     static constexpr int O_ROUNDS = O_IN_Q ? 2 / ELEM : 1;
     static constexpr int O_PANEL_ROWS = O_STAGED ? 64 : BM;  // rows per panel where O is staged
     static constexpr int O_OFFSET = LAYOUT.o, BAR_OFFSET = LAYOUT.bar, TILE_OFFSET = LAYOUT.tile;

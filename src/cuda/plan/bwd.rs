@@ -96,7 +96,7 @@ fn ws_plan(q: &BwdQuery, facts: &DeviceFacts) -> Option<BwdPlan> {
         return None;
     }
     // The cut kernels' prep and convert kernels are those of the tiles' head dim (d).
-    let main = ws_cut_dims(q.d)
+    let main = ws_cut_dims(Family::BwdWs, q.d, d)
         .find_map(|c| ws_kernel(c, q))
         .or_else(|| ws_kernel(d, q))?;
     let helper = |family| Kernel::of(family, d, |_| true);

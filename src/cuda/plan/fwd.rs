@@ -4,10 +4,10 @@
 
 use candle::{bail, Result};
 
-use super::super::catalogue::{Family, Kernel, Mods, Tile};
+use super::super::catalogue::{Family, Kernel, Mods, Tile, Variant};
 use super::super::overrides::overrides;
 use super::super::runtime::DeviceFacts;
-use super::{head_dim_class, ws_cut_dims, ws_head_dim, ws_variant_allowed};
+use super::{head_dim_class, ws_cut_dims, ws_floor, ws_head_dim, ws_variant_allowed};
 
 /// What the forward's choice depends on.
 #[derive(Clone, Copy, Debug)]
@@ -157,15 +157,16 @@ fn sm90_kernel(d: usize, q: &FwdQuery) -> Option<Kernel> {
 /// d = 256 with 80-key tiles (+0-5%; causal up to 1k 64-key tiles, 2-8% faster on the H200,
 /// where its warpgroups pass over the tiles masked for them: "d 256 causal up to 1k on 64-key
 /// tiles", "Key tiles masked for a whole warpgroup").
-/// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n80` forces one of the compiled shapes where it
+/// `CANDLE_FLASH_WS_SHAPE=base|g3|n192|n176|n112|n80` forces one of the compiled shapes where it
 /// exists (A/B runs). Before the tiles' own kernels, the cut ones of `ws_cut_dims` (in the
-/// shape chosen for the tiles' head dim; `CANDLE_FLASH_WS_SHAPE=d64|d128|d256` keeps them off).
+/// shape chosen for the tiles' head dim; `CANDLE_FLASH_WS_SHAPE=d64|d128|d192` keeps them off,
+/// `d256` also the 192-column tiles of head dims 129-192).
 ///
 /// With a softcap or ALiBi, or a block mask, and with dropout: the one kernel per head dim
 /// compiled with it (the catalogue's row). Packed batches: the same choice among the
 /// `_packed` kernels, base where the chosen shape has none.
 fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
-    let d = ws_head_dim(q.d)?;
+    let wide = ws_head_dim(q.d)?;
     if !ws_variant_allowed(q.mods, q.packed, q.dropout) {
         return None;
     }
@@ -175,13 +176,19 @@ fn ws_kernel(q: &FwdQuery) -> Option<Kernel> {
     // tiles as one stream: 0.158 against 0.171 ms since; docs/archive/PERF.md, "the
     // forward's work tiles as one stream of key tiles"; shorter not measured).
     let plain = !q.dropout && q.mods == Mods::None;
-    if plain && forced.is_empty() && d == 64 && q.causal && q.sq < 512 {
+    if plain && forced.is_empty() && wide == 64 && q.causal && q.sq < 512 {
         return None;
     }
-    // The cut kernels first (in the tiles' shape), then the tiles' own.
-    ws_cut_dims(q.d)
-        .find_map(|kd| ws_shape_kernel(kd, d, q))
-        .or_else(|| ws_shape_kernel(d, d, q))
+    // Head dims 129-192 on the forward's 192-column tiles where a kernel is compiled for the
+    // problem (plain ones), else on d 256's. On each width the cut kernels first (in the
+    // tiles' shape), then the tiles' own.
+    let narrow = usize::from(Variant::ws_tiles(Family::FwdWs, head_dim_class(q.d) as u16));
+    let narrow = Some(narrow).filter(|&t| t != wide && t >= ws_floor());
+    narrow.into_iter().chain([wide]).find_map(|t| {
+        ws_cut_dims(Family::FwdWs, q.d, t)
+            .find_map(|kd| ws_shape_kernel(kd, t, q))
+            .or_else(|| ws_shape_kernel(t, t, q))
+    })
 }
 
 /// The kernel of head dim `kd` on the tiles of head dim `d` in the shape chosen for `q`.
@@ -224,7 +231,9 @@ fn ws_shape_kernel(kd: usize, d: usize, q: &FwdQuery) -> Option<Kernel> {
         // upper warpgroup passes over the tile its rows cannot see (fwd_ws.cu: SKIP, which the
         // 80-key kernel spilled with). 1k 0.164 against 0.170 ms, 2k 0.296 against 0.286
         // (H100; docs/archive/PERF.md, "Key tiles masked for a whole warpgroup").
-        256 if q.causal && q.sq <= 1024 => "base",
+        // 192 columns: the same rule as 256's (not measured apart); 112 keys where 256's take 80.
+        192 | 256 if q.causal && q.sq <= 1024 => "base",
+        192 => "n112",
         256 => "n80",
         _ => "base",
     };
@@ -277,8 +286,9 @@ mod tests {
         // - d 256: 80-key tiles, but 64 causal up to 1k;
         // - the classes between: up to 48 on d 64's tiles and shapes, products cut to 32
         //   columns up to d 32, else 48 (causal below 512 rows the one-warpgroup kernel too);
-        //   65-96 on d 128's, cut to 80 columns up to d 80, else 96; 129-224 on d 256's, cut
-        //   to 160 columns up to d 160, 192 up to d 192.
+        //   65-96 on d 128's, cut to 80 columns up to d 80, else 96; 129-192 on 192-column
+        //   tiles (112 keys; causal up to 1k 64), cut to 160 columns up to d 160; 193-224 on
+        //   d 256's.
         for (d, sq, causal, want) in [
             (64, 4096, false, Some((64, 3, 128))),
             (64, 512, true, Some((64, 2, 128))),
@@ -300,9 +310,9 @@ mod tests {
             (32, 1024, true, Some((32, 3, 128))),
             (16, 512, true, Some((32, 2, 128))),
             (56, 4096, false, Some((64, 3, 128))),
-            (160, 4096, false, Some((160, 2, 80))),
+            (160, 4096, false, Some((160, 2, 112))),
             (136, 1024, true, Some((160, 2, 64))),
-            (176, 4096, true, Some((192, 2, 80))),
+            (176, 4096, true, Some((192, 2, 112))),
             (208, 4096, false, Some((256, 2, 80))),
         ] {
             let want = want.map(|(kd, groups, bn)| (kd, groups, bn, Mods::None, false, false));
@@ -334,6 +344,34 @@ mod tests {
                 ws(&q).map(|w| w.0),
                 Some(want),
                 "{mods:?} {packed} {dropout}"
+            );
+        }
+    }
+
+    #[test]
+    fn head_dims_129_to_192_take_the_192_column_tiles_when_plain() {
+        // (head dim, mods, packed, dropout) at 8k keys -> (kernel head dim, keys per tile):
+        // plain problems on the 192-column tiles (cut to 160 up to d 160), the others on d
+        // 256's kernels with their feature.
+        for (d, mods, packed, dropout, want) in [
+            (136, Mods::None, false, false, (160, 112)),
+            (192, Mods::None, false, false, (192, 112)),
+            (160, Mods::None, true, false, (256, 80)),
+            (176, Mods::None, false, true, (256, 80)),
+            (160, Mods::Scores, false, false, (256, 80)),
+            (192, Mods::Sparse, false, false, (256, 64)),
+        ] {
+            let q = FwdQuery {
+                mods,
+                packed,
+                dropout,
+                ..query(d, 8192, false)
+            };
+            let (kd, bn) = want;
+            assert_eq!(
+                ws(&q),
+                Some((kd, 2, bn, mods, packed, dropout)),
+                "d {d}, {mods:?}, packed {packed}, dropout {dropout}"
             );
         }
     }

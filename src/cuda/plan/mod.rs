@@ -58,35 +58,40 @@ pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
     }
 }
 
-/// The head dims of the cut warp-specialized kernels that may run head dim `d` before
-/// `ws_head_dim`'s, narrowest first: the catalogue's cut rows (`Variant::tiles_d` above their
-/// head dim: up to 48 on d 64's tiles, 65-96 on d 128's, 129-192 on d 256's) on the tiles of
-/// `ws_head_dim(d)`, at least `d` wide. Whether one is compiled for the problem's features is
-/// the planner's lookup (none has score modifiers or the block mask; at 129-192 plain problems
-/// alone). For A/B runs `CANDLE_FLASH_WS_SHAPE=d<N>` keeps those narrower than N out (`d64`,
-/// `d128`, `d256`: the tiles' own kernels).
-pub(crate) fn ws_cut_dims(d: usize) -> impl Iterator<Item = usize> {
-    static CUTS: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+/// The head dims of `family`'s cut warp-specialized kernels that may run head dim `d` on
+/// tiles `tiles` wide, narrowest first: the catalogue's cut rows (`Variant::tiles_d` above
+/// their head dim: up to 48 on d 64's tiles, 65-96 on d 128's, the forward's 129-160 on d
+/// 192's, the backward's 129-192 on d 256's) at least `d` wide. Whether one is compiled for
+/// the problem's features is the planner's lookup (none has score modifiers or the block
+/// mask; above 128 plain problems alone). For A/B runs `CANDLE_FLASH_WS_SHAPE=d<N>` keeps
+/// those narrower than N out ([`ws_floor`]; `d64`, `d128`, `d256`: the tiles' own kernels).
+pub(crate) fn ws_cut_dims(family: Family, d: usize, tiles: usize) -> impl Iterator<Item = usize> {
+    static CUTS: OnceLock<Vec<(Family, usize, usize)>> = OnceLock::new();
     let cuts = CUTS.get_or_init(|| {
-        let mut cuts: Vec<(usize, usize)> = Kernel::ALL
+        let mut cuts: Vec<(Family, usize, usize)> = Kernel::ALL
             .iter()
             .map(|k| k.variant())
             .filter(|v| matches!(v.family, Family::FwdWs | Family::BwdWs) && v.tiles_d() != v.d)
-            .map(|v| (usize::from(v.d), usize::from(v.tiles_d())))
+            .map(|v| (v.family, usize::from(v.d), usize::from(v.tiles_d())))
             .collect();
-        cuts.sort_unstable();
+        cuts.sort_unstable_by_key(|&(f, cut, t)| (f as u8, cut, t));
         cuts.dedup();
         cuts
     });
-    let floor = overrides()
+    let floor = ws_floor();
+    cuts.iter()
+        .filter(move |&&(f, cut, t)| f == family && t == tiles && cut >= d.max(floor))
+        .map(|&(_, cut, _)| cut)
+}
+
+/// `CANDLE_FLASH_WS_SHAPE=d<N>` (A/B runs): no warp-specialized kernel narrower than N, cut
+/// or tiles (0: no floor).
+pub(crate) fn ws_floor() -> usize {
+    overrides()
         .ws_shape
         .strip_prefix('d')
         .and_then(|n| n.parse().ok())
-        .unwrap_or(0);
-    let tiles = ws_head_dim(d);
-    cuts.iter()
-        .filter(move |&&(cut, t)| Some(t) == tiles && cut >= d.max(floor))
-        .map(|&(cut, _)| cut)
+        .unwrap_or(0)
 }
 
 /// Whether packed batches and dropout may take the warp-specialized kernels (forward and
