@@ -13,7 +13,7 @@
 //! | `CANDLE_FLASH_SM90_SHAPE` | `g1`, `g1n64`, `g2`, `g3` | the first wgmma forward's consumer groups and key tile |
 //! | `CANDLE_FLASH_WS_SHAPE` | `base`, `g3`, `n<keys>` (e.g. `n176`) | the warp-specialized forward's tile shape, where compiled (plan/fwd.rs); `d<N>`: no kernel narrower than N, cut or tiles, forward and backward (`d64`, `d128`: head dims up to 48 / 65-96 on d 64's / d 128's kernels instead of `_d32`/`_d48` / `_d80`/`_d96`; `d256`: 129-192 on d 256's instead of the forward's 192-column tiles and the backward's `_d160`/`_d192`; `d48`, `d96`: not `_d32` / `_d80`; `d192`: not the forward's `_d160` nor the backward's `_d160`; plan::ws_cut_dims, plan::ws_floor); FP8: `base` the narrowest key tiles, `n<keys>` that width instead of the widest (fwd_fp8.rs) |
 //! | `CANDLE_FLASH_WS_PERSISTENT` | `0` | one block per tile instead of persistent blocks |
-//! | `CANDLE_FLASH_WS_WIDE` | `0` | head dims 160/192 off the head dim 256 warp-specialized kernels |
+//! | `CANDLE_FLASH_WS_WIDE` | `0` | head dims 129-192 off the warp-specialized kernels (d 256's and the forward's 192-column tiles) |
 //! | `CANDLE_FLASH_WS_PACKED` | `0` | packed batches off the `_packed` warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_DROPOUT` | `0` | dropout off the `_dropout` warp-specialized kernels |
 //! | `CANDLE_FLASH_WS_LPT` | waves | the forward's longest-first tail (default 2, 0 none) |

@@ -40,14 +40,15 @@ pub(crate) fn head_dim_class(d: usize) -> usize {
         .unwrap_or(256)
 }
 
-/// The head dim of the warp-specialized kernels (forward and backward) that run head dim
-/// `d`, if one does: the classes between the compiled ones (32: up to 32; 96: 65-96; 160, 192
+/// The widest tiles of the warp-specialized kernels (forward and backward) that run head dim
+/// `d`, if any do: the classes between the compiled ones (32: up to 32; 96: 65-96; 160, 192
 /// and 224: 129-224) run the next one up, their columns past the head dim zero (TMA's fill),
 /// as 33-63, 97-127 and 225-255 do in theirs (before that, the cut kernels of
-/// [`ws_cut_dims`]). At 129-192 the d = 256 kernels, a quarter to half of their matmul work on
+/// [`ws_cut_dims`], and for the forward's plain problems at 129-192 its 192-column tiles:
+/// plan/fwd.rs). At 129-192 the d = 256 kernels, a quarter to half of their matmul work on
 /// zero columns, still ran 1.56-2.23x the older kernels forward and 1.43-2.65x backward (H100;
 /// docs/archive/PERF.md, "Head dims 129-192 on the d 256 kernels"); `CANDLE_FLASH_WS_WIDE=0`
-/// sends those head dims back to the older kernels (A/B runs).
+/// sends those head dims back to the older kernels, 192-column tiles included (A/B runs).
 pub(crate) fn ws_head_dim(d: usize) -> Option<usize> {
     match head_dim_class(d) {
         32 | 64 => Some(64),
