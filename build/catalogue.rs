@@ -57,7 +57,10 @@ fn mods_suffix(mods: Mods) -> &'static str {
 /// The traits' `DA` argument where the products cover fewer columns than the tiles (d 96 on
 /// d 128's warp-specialized tiles), else nothing (its default, the tiles' head dim).
 fn da(v: &Variant) -> String {
-    if v.tiles_d() != v.d {
+    if v.vt {
+        // DA, then VT_GLOBAL.
+        format!(", {}, true", v.d)
+    } else if v.tiles_d() != v.d {
         format!(", {}", v.d)
     } else {
         String::new()
@@ -113,11 +116,12 @@ fn name(v: &Variant, dt: &str) -> String {
                 String::new()
             };
             format!(
-                "flash_fwd_ws_{dt}_d{d}{shape}{}{}{}{}",
+                "flash_fwd_ws_{dt}_d{d}{shape}{}{}{}{}{}",
                 mods_suffix(v.mods),
                 opt(v.packed, "_packed"),
                 opt(v.dropout, "_dropout"),
-                opt(v.fp8, "_fp8")
+                opt(v.fp8, "_fp8"),
+                opt(v.vt, "_vt")
             )
         }
         Family::BwdDsum => format!("flash_bwd_dsum_{dt}"),
@@ -422,6 +426,10 @@ fn check(rows: &[Variant]) -> anyhow::Result<()> {
                 || matches!(v.family, Family::Append | Family::Decode)
                 || (v.family == Family::FwdWs && v.mods == Mods::None && !v.dropout),
             "a KV-cache family or the plain warp-specialized forward for e4m3 operands",
+        )?;
+        needs(
+            !v.vt || (v.family == Family::FwdWs && v.fp8 && v.bn % 32 == 0),
+            "the FP8 warp-specialized forward (whole k32 steps) for key-major V",
         )?;
         let free = matches!(
             v.family,

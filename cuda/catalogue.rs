@@ -188,6 +188,10 @@ pub struct Variant {
     /// E4M3 operands (`_fp8`): the KV cache (appending quantizes, decoding dequantizes), or
     /// the warp-specialized forward's q, k and v (its output in the dtype of the name).
     pub fp8: bool,
+    /// The FP8 forward with V stored key-major by the caller (`_vt`: keys contiguous, as in a
+    /// contiguous `(batch, heads_k, head_dim, keys)` tensor): its tiles are copied as they are,
+    /// where the others transpose V in shared memory.
+    pub vt: bool,
 }
 
 const fn row(family: Family, d: u16) -> Variant {
@@ -204,6 +208,7 @@ const fn row(family: Family, d: u16) -> Variant {
         dropout: false,
         deterministic: false,
         fp8: false,
+        vt: false,
     }
 }
 
@@ -249,6 +254,10 @@ impl Variant {
     }
     const fn fp8(mut self) -> Self {
         self.fp8 = true;
+        self
+    }
+    const fn vt(mut self) -> Self {
+        self.vt = true;
         self
     }
     const fn bounds(mut self, bounds: Bounds) -> Self {
@@ -450,6 +459,15 @@ pub const CATALOGUE: &[Variant] = &[
     // (WsTraits::O_ROUNDS), V^T's last 96 keys in a panel of each slot's own (VT_OWN).
     fwd_ws(256, 96, 2, 2).fp8(),
     fwd_ws(256, 96, 2, 2).packed().fp8(),
+    // E4M3 q, k, v with V key-major in memory (no transpose): 64-key panels of V^T.
+    fwd_ws(128, 128, 2, 2).fp8().vt(),
+    fwd_ws(128, 192, 2, 2).fp8().vt(),
+    fwd_ws(128, 128, 2, 2).packed().fp8().vt(),
+    fwd_ws(128, 192, 2, 2).packed().fp8().vt(),
+    fwd_ws(256, 64, 2, 2).fp8().vt(),
+    fwd_ws(256, 96, 2, 2).fp8().vt(),
+    fwd_ws(256, 64, 2, 2).packed().fp8().vt(),
+    fwd_ws(256, 96, 2, 2).packed().fp8().vt(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and

@@ -70,6 +70,38 @@ impl HostDescale {
     }
 }
 
+/// The element stride of V's head dim where V is stored key-major: its key dimension (dim 1
+/// of `(batch, seqlen_k, heads_k, head_dim)`, dim 0 of a packed `(total_k, heads_k,
+/// head_dim)`) contiguous and its head dim not, as in a contiguous `(batch, heads_k,
+/// head_dim, seqlen_k)` tensor seen through a transpose ([`crate::quant::key_major`]). The
+/// CUDA kernels then copy V^T's tiles as they are instead of transposing V in shared memory.
+pub(crate) fn key_major_d_stride(v: &Layout) -> Option<usize> {
+    let (dims, strides) = (v.dims(), v.stride());
+    let key_dim = dims.len().checked_sub(3)?;
+    let d_dim = dims.len() - 1;
+    (strides[key_dim] == 1 && strides[d_dim] != 1 && dims[d_dim] > 1).then_some(strides[d_dim])
+}
+
+/// V as the kernels take it: key-major V where TMA can address it (its start and its other
+/// strides a multiple of 16 elements), else the usual layout (head dim contiguous, 16-byte
+/// aligned), which the transposing kernels read.
+fn aligned_key_major(v: &Tensor) -> Result<Tensor> {
+    if !v.device().is_cuda() || key_major_d_stride(v.layout()).is_none() {
+        return aligned_to(v, E4M3_PER_16_BYTES);
+    }
+    let key_dim = v.rank() - 3;
+    let ok = v.layout().start_offset().is_multiple_of(E4M3_PER_16_BYTES)
+        && v.stride()
+            .iter()
+            .enumerate()
+            .all(|(i, s)| i == key_dim || s.is_multiple_of(E4M3_PER_16_BYTES));
+    if ok {
+        Ok(v.clone())
+    } else {
+        v.force_contiguous()
+    }
+}
+
 /// Whether a call is an FP8 one: any of q, k, v in F8E4M3 (the others are then an error that
 /// names them, [`check_dtypes`]).
 pub(crate) fn is_fp8(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
@@ -111,8 +143,16 @@ pub(crate) fn forward(
         Some(varlen) => params::validate_varlen_shapes(q, k, v, varlen)?,
     };
     params::check_head_dim(q.device(), shape.d, "q: head_dim")?;
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+    for (name, t) in [("q", q), ("k", k)] {
         params::check_last_dim_contiguous(t, name)?;
+    }
+    let last = v.rank() - 1;
+    if key_major_d_stride(v.layout()).is_none() && v.stride()[last] != 1 && v.dim(last)? > 1 {
+        bail!(
+            "v: the last dimension (head_dim) must be contiguous (stride 1), or the keys \
+             (key-major V, as candle_flash::quant::key_major stores it), got strides {:?}",
+            v.stride()
+        )
     }
     let out_dtype = opts.out_dtype.unwrap_or(DType::BF16);
     params::check_dtype(q.device(), out_dtype, "out_dtype:")?;
@@ -261,7 +301,7 @@ impl Fp8FwdOp {
             return Ok((out, lse));
         }
         let align = |t: &Tensor| aligned_to(t, E4M3_PER_16_BYTES);
-        let (q, k, v) = (align(q)?, align(k)?, align(v)?);
+        let (q, k, v) = (align(q)?, align(k)?, aligned_key_major(v)?);
         let op = Arc::new(self);
         let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(OpHandle(op.clone()))))?;
         Ok((out, op.lse.get()?))

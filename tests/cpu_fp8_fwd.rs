@@ -665,6 +665,61 @@ fn per_block_descale_errors() {
     assert_fails(padded, &["fp8_descales", "per-block", "forward_varlen"]);
 }
 
+/// V stored key-major (`quant::key_major`, what the Hopper kernels read without a transpose)
+/// is the same V: the same output, fixed-length and packed; a V with neither its head dim nor
+/// its keys contiguous is an error that names both.
+#[test]
+fn key_major_v_is_the_same_v() {
+    let mut rng = Rng(73);
+    let (b, s, h, hk, d) = (2, 37, 4, 2, 32);
+    let q = quantize(&rng.randn(&[b, s, h, d], 1.0), Fp8Scaling::PerHead);
+    let k = quantize(&rng.randn(&[b, s, hk, d], 1.0), Fp8Scaling::PerHead);
+    let v = quantize(&rng.randn(&[b, s, hk, d], 1.0), Fp8Scaling::PerHead);
+    let attn = FlashAttn::new()
+        .causal(true)
+        .out_dtype(DType::F32)
+        .fp8_descales(&q.descale, &k.descale, &v.descale);
+    let vt = candle_flash::quant::key_major(&v.x8).unwrap();
+    assert_eq!(vt.dims(), v.x8.dims());
+    assert_eq!(vt.stride()[1], 1, "keys contiguous");
+    assert_eq!(vt.stride()[3], 48, "keys padded to a multiple of 16");
+    let plain = attn.forward(&q.x8, &k.x8, &v.x8).unwrap();
+    assert_eq!(
+        host(&attn.forward(&q.x8, &k.x8, &vt).unwrap()),
+        host(&plain)
+    );
+    // Packed: (total, heads_k, d) stored key-major too.
+    let lens = [s, s];
+    let varlen = VarLen::from_seqlens(&lens, &lens).unwrap();
+    let flat = |t: &Tensor| t.flatten(0, 1).unwrap();
+    let v_flat = flat(&v.x8);
+    let vt_flat = candle_flash::quant::key_major(&v_flat).unwrap();
+    assert_eq!(vt_flat.stride()[0], 1);
+    let packed = attn
+        .forward_varlen(&flat(&q.x8), &flat(&k.x8), &v_flat, &varlen)
+        .unwrap();
+    let packed_vt = attn
+        .forward_varlen(&flat(&q.x8), &flat(&k.x8), &vt_flat, &varlen)
+        .unwrap();
+    assert_eq!(host(&packed_vt), host(&packed));
+    // Heads contiguous: neither the head dim nor the keys.
+    let heads_last =
+        v.x8.permute((0, 1, 3, 2))
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .permute((0, 1, 3, 2))
+            .unwrap();
+    assert_fails(
+        attn.forward(&q.x8, &k.x8, &heads_last),
+        &["v:", "head_dim", "key-major"],
+    );
+    assert_fails(
+        candle_flash::quant::key_major(&v.x8.flatten_all().unwrap()),
+        &["v:", "rank 1"],
+    );
+}
+
 /// forward_padded packs FP8 inputs, runs the varlen op and scatters back: each sequence as if
 /// alone, padded query rows zero.
 #[test]

@@ -157,7 +157,7 @@ impl Bench {
     /// block: `CANDLE_FLASH_BENCH_FP8_BLOCKS=1`).
     pub(crate) fn fp8_section(&mut self) {
         println!(
-            "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7}",
+            "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9}",
             "pass",
             "hd",
             "seqlen",
@@ -168,9 +168,13 @@ impl Bench {
             "bf16 TF",
             "fp8 ms",
             "fp8 TF",
-            "fp8/bf16"
+            "fp8/bf16",
+            "fp8 vt ms",
+            "fp8 vt TF"
         );
-        use candle_flash::quant::{fp8_scales, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS};
+        use candle_flash::quant::{
+            fp8_scales, key_major, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS,
+        };
         let dev = self.dev.clone();
         let scaling = if std::env::var("CANDLE_FLASH_BENCH_FP8_BLOCKS").is_ok_and(|v| v == "1") {
             println!("FP8 descales per block of {FP8_BLOCK_ROWS} rows");
@@ -189,7 +193,7 @@ impl Bench {
                 for causal in [false, true] {
                     let heads = HIDDEN / hd;
                     let batch = TOKENS / seqlen;
-                    let run = || -> Result<(f64, f64)> {
+                    let run = || -> Result<(f64, f64, f64)> {
                         let x = || Tensor::randn(0f32, 1.0, (batch, seqlen, heads, hd), &dev);
                         let (q, k, v) = (x()?, x()?, x()?);
                         let quant = |t: &Tensor| -> Result<(Tensor, Tensor)> {
@@ -203,19 +207,22 @@ impl Bench {
                         let bf16_ms = time_ms(&dev, |_| opts.forward(&qb, &kb, &vb).map(|_| ()))?;
                         let fp8 = opts.clone().fp8_descales(&qs, &ks, &vs);
                         let fp8_ms = time_ms(&dev, |_| fp8.forward(&q8, &k8, &v8).map(|_| ()))?;
-                        Ok((bf16_ms, fp8_ms))
+                        // V stored key-major: the kernels that read V^T without transposing.
+                        let v8t = key_major(&v8)?;
+                        let vt_ms = time_ms(&dev, |_| fp8.forward(&q8, &k8, &v8t).map(|_| ()))?;
+                        Ok((bf16_ms, fp8_ms, vt_ms))
                     };
                     let flop = 4.0
                         * (batch * heads * hd) as f64
                         * (seqlen * seqlen) as f64
                         * visible_share(seqlen, causal, -1, -1);
                     match run() {
-                        Ok((b_ms, f_ms)) => {
+                        Ok((b_ms, f_ms, t_ms)) => {
                             let tf = |ms: f64| flop / (ms * 1e-3) / 1e12;
                             println!(
-                                "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9.4} {:>9.1} {:>9.4} {:>9.1} {:>6.2}x",
+                                "{:<10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>9.4} {:>9.1} {:>9.4} {:>9.1} {:>6.2}x {:>9.4} {:>9.1}",
                                 "fwd-fp8", hd, seqlen, batch, heads, causal, b_ms, tf(b_ms), f_ms,
-                                tf(f_ms), b_ms / f_ms
+                                tf(f_ms), b_ms / f_ms, t_ms, tf(t_ms)
                             );
                         }
                         Err(e) => println!(

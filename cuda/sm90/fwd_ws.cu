@@ -102,14 +102,23 @@ struct WsLayout {
 // fewer).
 template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPONG_,
           int MODS_ = MODS_NONE, bool PACKED_ = false, bool DROPOUT_ = false, bool FP8_ = false,
-          int DA_ = D_>
+          int DA_ = D_, bool VT_GLOBAL_ = false>
 struct WsTraits {
     using T = T_;  // O's type (and q's, k's and v's but with FP8)
     static constexpr bool FP8 = FP8_;
+    // FP8 with V stored key-major by the caller (`_vt`: keys contiguous, V^T's layout): the
+    // producer copies V^T tiles straight into the V slots (tma.cuh: load_vt_tile) in panels
+    // of 64 keys (32 where BN is not a multiple of 64), swizzled at that width, and no warp
+    // transposes. The host's tensor map has the same panel width (src/cuda/tma.rs).
+    static constexpr bool VT_GLOBAL = VT_GLOBAL_;
+    static constexpr int VT_PANEL_KEYS = BN_ % 64 == 0 ? 64 : 32;
+    static_assert(!VT_GLOBAL || (FP8_ && BN_ % 32 == 0), "key-major V: FP8, 32-key steps");
+    // The transposer's V^T slots (with FP8 but for VT_GLOBAL).
+    static constexpr bool TRANSPOSE = FP8 && !VT_GLOBAL;
     // Bytes per q, k, v element; a 128-byte panel row holds PANEL_COLS of them.
     static constexpr int ELEM = FP8 ? 1 : 2, PANEL_COLS = 128 / ELEM;
     // The transposed V tiles beside K's and V's (FP8).
-    static constexpr int KV_TILES = FP8 ? 3 : 2;
+    static constexpr int KV_TILES = TRANSPOSE ? 3 : 2;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, CONSUMERS = CONSUMERS_;
     static constexpr int DA = DA_;
     static_assert(DA == D || (DA < D && DA % 16 == 0 && (D <= 128 || DA > 128) && !FP8_),
@@ -153,8 +162,8 @@ struct WsTraits {
     // take, BN x D bytes a slot. A last 96 keys (BN = 96) take a panel of their own per slot,
     // VT_EXTRA bytes more than BN x D a slot.
     static constexpr int VT_FULL_PANELS = BN / 128;
-    static constexpr bool VT_HALF = FP8 && BN % 128 == 64;
-    static constexpr bool VT_OWN = FP8 && BN % 128 != 0 && !VT_HALF;
+    static constexpr bool VT_HALF = TRANSPOSE && BN % 128 == 64;
+    static constexpr bool VT_OWN = TRANSPOSE && BN % 128 != 0 && !VT_HALF;
     static constexpr int VT_SLOT_BYTES = (VT_FULL_PANELS + (VT_OWN ? 1 : 0)) * D * 128;
     static constexpr int VT_EXTRA = VT_OWN ? STAGES * (128 - BN % 128) * D : 0;
     static constexpr bool THREE_Q =
@@ -206,13 +215,13 @@ struct WsTraits {
     // FP8: the producer warpgroup's transposing warps (two ldmatrix units in flight) keep 40
     // like the two-warpgroup producers, the consumers 232.
     static constexpr bool LEAN_PRODUCER =
-        CONSUMERS == 2 && MODS == MODS_NONE && D == 128 && !FP8;
+        CONSUMERS == 2 && MODS == MODS_NONE && D == 128 && !TRANSPOSE;
     static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
     static constexpr int CONSUMER_REGS = LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
     // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.
     static constexpr int TRANSPOSERS = 3;
     static_assert(D % PANEL_COLS == 0, "panels are 128 bytes wide");
-    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALF && STAGES == 2) || VT_OWN) &&
+    static_assert(!FP8 || ((BN % 128 == 0 || (VT_HALF && STAGES == 2) || VT_OWN || VT_GLOBAL) &&
                            BN % 32 == 0 && MODS == MODS_NONE && !DROPOUT && CONSUMERS == 2),
                   "FP8: V^T in 128-key panels (a last half panel shared by two slots, or a "
                   "partial one per slot), k32 steps, no score mods, no dropout, two consumers");
@@ -235,6 +244,7 @@ template <class K> struct WsSmem {
     // st's full panels, the panel of its last keys (the half panel the two slots share, or its
     // own), and the first byte of those keys in its rows.
     __device__ __forceinline__ uint32_t vt(int st) const {
+        if constexpr (K::VT_GLOBAL) return v(st);
         return base + K::Q_STAGES * K::Q_BYTES + 2 * K::STAGES * K::KV_BYTES +
                st * K::VT_SLOT_BYTES;
     }
@@ -259,9 +269,11 @@ template <class K> struct WsSmem {
         return full_q(QB + 3 * K::STAGES + st);
     }
     __device__ __forceinline__ uint32_t full_vt(int st) const {
+        if constexpr (K::VT_GLOBAL) return full_v(st);
         return full_q(QB + 4 * K::STAGES + st);
     }
     __device__ __forceinline__ uint32_t empty_vt(int st) const {
+        if constexpr (K::VT_GLOBAL) return empty_v(st);
         return full_q(QB + 5 * K::STAGES + st);
     }
     // The barriers of the V operand of P V as the consumers see it: the one it lands on and
@@ -438,10 +450,14 @@ __device__ __forceinline__ int ws_produce(const FwdTmaParams& P, const WsSmem<K>
             tma::load_tile<K::BN, PANELS, COLS>(sm.k(s.st), P.k, sm.full_k(s.st),
                                                 ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
             tma::wait(sm.empty_v(s.st), s.phase ^ 1);
-            if constexpr (K::FP8) st_shared(sm.key(s.st), 1);
+            if constexpr (K::TRANSPOSE) st_shared(sm.key(s.st), 1);
             tma::arrive_expect_tx(sm.full_v(s.st), K::KV_BYTES);
-            tma::load_tile<K::BN, PANELS, COLS>(sm.v(s.st), P.v, sm.full_v(s.st),
-                                                ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
+            if constexpr (K::VT_GLOBAL)
+                tma::load_vt_tile<K::D, K::BN / K::VT_PANEL_KEYS, K::VT_PANEL_KEYS>(
+                    sm.v(s.st), P.v, sm.full_v(s.st), ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
+            else
+                tma::load_tile<K::BN, PANELS, COLS>(sm.v(s.st), P.v, sm.full_v(s.st),
+                                                    ts.k0 + nb * K::BN, w.bidh_k, ts.batch);
         }
         t = fetch(t);
     }
@@ -605,6 +621,10 @@ template <class K> struct WsConsumer {
     // FP8: k step kk of V^T in slot st, `rows` bytes into its panels (a half of the head dim):
     // in a full panel, or in the panel of the slot's last keys (WsSmem::vt_part).
     __device__ __forceinline__ uint64_t vt_desc(int st, int rows, int kk) const {
+        // Key-major V from memory: panels of D rows of VT_PANEL_KEYS bytes.
+        if constexpr (K::VT_GLOBAL)
+            return sm90::kmajor_narrow_desc<K::VT_PANEL_KEYS>(
+                sm.v(st) + rows / 128 * K::VT_PANEL_KEYS, D, kk);
         constexpr int FULL_STEPS = 4 * K::VT_FULL_PANELS;
         if (kk < FULL_STEPS) return sm90::kmajor_desc(sm.vt(st) + rows, D, kk);
         return sm90::kmajor_desc(sm.vt_part(st) + rows, D,
@@ -1131,8 +1151,8 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
             tma::mbar_init(sm.full_v(st), 1);
             tma::mbar_init(sm.empty_k(st), 4 * K::CONSUMERS);
             // With FP8 the transposing warps read V; the consumers read V^T.
-            tma::mbar_init(sm.empty_v(st), K::FP8 ? K::TRANSPOSERS : 4 * K::CONSUMERS);
-            if constexpr (K::FP8) {
+            tma::mbar_init(sm.empty_v(st), K::TRANSPOSE ? K::TRANSPOSERS : 4 * K::CONSUMERS);
+            if constexpr (K::TRANSPOSE) {
                 tma::mbar_init(sm.full_vt(st), K::TRANSPOSERS);
                 tma::mbar_init(sm.empty_vt(st), 4 * K::CONSUMERS);
             }
@@ -1148,10 +1168,10 @@ template <class K> __device__ __forceinline__ void flash_fwd_ws(const FwdTmaPara
         tma::regs_dealloc<K::PRODUCER_REGS>();
         if (tid == 0) {
             const int loaded = ws_produce<K>(P, sm, tiles);
-            if constexpr (K::FP8) end_v_stream<K>(sm, loaded);
+            if constexpr (K::TRANSPOSE) end_v_stream<K>(sm, loaded);
             // No more loads: the next kernel's blocks may take the SMs this grid leaves.
             pdl_launch_dependents();
-        } else if constexpr (K::FP8) {
+        } else if constexpr (K::TRANSPOSE) {
             if (tid >= 32) ws_transpose<K>(sm, tid - 32);
         }
         return;

@@ -132,6 +132,20 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const TmaDesc& desc, uin
         load_4d(dst + panel * ROWS * 128, desc, bar, panel * COLS, row, head, batch);
 }
 
+// A key tile of V stored key-major (V^T: rows are the head dim, keys contiguous) as PANELS
+// boxes of PANEL_KEYS keys x ROWS head-dim rows, each swizzled at its width (the tensor
+// map's), one after another from `dst`: keys key0 + PANEL_KEYS p .. of (head, batch). What
+// the e4m3 P V reads as its K-major B operand (wgmma.cuh: kmajor_narrow_desc) without a
+// transpose in shared memory.
+template <int ROWS, int PANELS, int PANEL_KEYS>
+__device__ __forceinline__ void load_vt_tile(uint32_t dst, const TmaDesc& desc, uint32_t bar,
+                                             int key0, int head, int batch) {
+#pragma unroll
+    for (int panel = 0; panel < PANELS; ++panel)
+        load_4d(dst + panel * ROWS * PANEL_KEYS, desc, bar, key0 + panel * PANEL_KEYS, 0, head,
+                batch);
+}
+
 // The inverse of load_tile: PANELS boxes of 64 columns, the panels PANEL_ROWS rows apart from
 // `src`, to columns from col0 (a multiple of 64) of (row, head, batch) (the box's rows are
 // the tensor map's).

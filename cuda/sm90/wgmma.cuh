@@ -77,6 +77,20 @@ __device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile, int rows, int kk)
     return descriptor(tile, (kk / 4) * rows * 128 + (kk % 4) * 32, 16, ATOM_BYTES);
 }
 
+// K-major operand in panels PANEL bytes wide (64 or 32 e4m3 keys a row: load_vt_tile),
+// swizzled at that width, k-step kk (32 bytes): panel kk / (PANEL / 32), the step's part of a
+// row; rows advance PANEL bytes within an atom of 8 rows and one atom (SBO) per 8 rows. The
+// swizzle mode in bits 62-63: 2 for 64 bytes, 3 for 32.
+template <int PANEL>
+__device__ __forceinline__ uint64_t kmajor_narrow_desc(uint32_t tile, int rows, int kk) {
+    static_assert(PANEL == 64 || PANEL == 32, "64- or 32-byte swizzled panels");
+    constexpr int STEPS = PANEL / 32;
+    const uint32_t offset = (kk / STEPS) * rows * PANEL + (kk % STEPS) * 32;
+    const uint32_t lo = ((tile >> 4) | ((16u >> 4) << 16)) + (offset >> 4);
+    const uint32_t hi = ((8u * PANEL) >> 4) | ((PANEL == 64 ? 2u : 3u) << 30);
+    return (uint64_t(hi) << 32) | lo;
+}
+
 // MN-major B operand (V: k = keys are rows, n = head dim across panels), k-step kk: rows
 // 16kk..16kk+15 of every panel; n advances one panel (LBO) per 64 elements, k one atom (SBO)
 // per 8 rows.

@@ -90,7 +90,7 @@ fn fwd_typed<T: CudaDType + DeviceRepr>(
         let packed = problem.varlen.as_ref().map(|_| (s.total_q, s.total_k));
         let ws = plan
             .ws
-            .and_then(|k| tma::fwd_params(&params, dtype, dtype, k, packed).map(|p| (k, p)));
+            .and_then(|k| tma::fwd_params(&params, dtype, dtype, k, packed, None).map(|p| (k, p)));
         if let Some((kernel, ws_params)) = ws {
             // Tiles of unequal work (a mask, or packed sequences of different lengths) are
             // handed out from a counter.

@@ -51,8 +51,9 @@ const FP8_NARROW_MAX_KEYS: usize = 512;
 /// call: tiles of more than 128 keys straddle the 128-key blocks of per-block k and v
 /// descales (`kv_blocks`), which take 128-key tiles, and short sequences take the narrowest
 /// (`FP8_NARROW_MAX_KEYS`). `CANDLE_FLASH_WS_SHAPE=base` keeps the narrowest, `n<keys>` takes
-/// that many keys instead of the widest where it fits (A/B runs).
-fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> {
+/// that many keys instead of the widest where it fits (A/B runs). `vt`: V stored key-major
+/// (the `_vt` kernels, which copy V^T as it is instead of transposing V).
+fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool, vt: bool) -> Result<Kernel> {
     let forced = overrides().ws_shape.as_str();
     let narrowest = forced == "base" || sk <= FP8_NARROW_MAX_KEYS;
     let forced_bn: Option<u16> = forced.strip_prefix('n').and_then(|n| n.parse().ok());
@@ -61,6 +62,7 @@ fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool) -> Result<Kernel> 
             && usize::from(v.d) == d
             && v.fp8
             && v.packed == packed
+            && v.vt == vt
             && (!kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(usize::from(v.bn)))
     };
     let fitting = Kernel::ALL.iter().copied().filter(|k| fits(k.variant()));
@@ -108,7 +110,8 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
     let kv_blocks = [&descales.k, &descales.v]
         .iter()
         .any(|t| Fp8Descales::strides(t)[2] != 0);
-    let kernel = kernel(s.d, s.sk, packed, kv_blocks)?;
+    let v_key_major = crate::fp8_fwd::key_major_d_stride(vl);
+    let kernel = kernel(s.d, s.sk, packed, kv_blocks, v_key_major.is_some())?;
     let stream = dev.cuda_stream();
     let q_view = q.as_cuda_slice::<F8E4M3>()?.slice(ql.start_offset()..);
     let k_view = k.as_cuda_slice::<F8E4M3>()?.slice(kl.start_offset()..);
@@ -132,8 +135,15 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
 
         let packed_rows = problem.varlen.as_ref().map(|_| (s.total_q, s.total_k));
-        let Some(mut ws) = tma::fwd_params(&params, DType::F8E4M3, out_dtype, kernel, packed_rows)
-        else {
+        let v_key_major = v_key_major.map(|s| s as i64);
+        let Some(mut ws) = tma::fwd_params(
+            &params,
+            DType::F8E4M3,
+            out_dtype,
+            kernel,
+            packed_rows,
+            v_key_major,
+        ) else {
             bail!(
                 "q: the FP8 kernel copies with TMA, which needs q, k and v with 16-byte aligned \
                  starts and row, head and batch strides (a multiple of 16 elements, none \
@@ -180,7 +190,10 @@ mod tests {
     use super::*;
 
     fn bn(d: usize, packed: bool, kv_blocks: bool) -> u16 {
-        kernel(d, 4096, packed, kv_blocks).unwrap().variant().bn
+        kernel(d, 4096, packed, kv_blocks, false)
+            .unwrap()
+            .variant()
+            .bn
     }
 
     #[test]
@@ -206,10 +219,31 @@ mod tests {
                 "d {d}, packed {packed}, per-block {kv_blocks}"
             );
         }
-        assert_eq!(kernel(256, 512, false, false).unwrap().variant().bn, 64);
-        assert_eq!(kernel(128, 512, false, false).unwrap().variant().bn, 128);
-        assert_eq!(kernel(128, 513, true, false).unwrap().variant().bn, 192);
-        assert!(kernel(64, 4096, false, false).is_err());
+        assert_eq!(
+            kernel(256, 512, false, false, false).unwrap().variant().bn,
+            64
+        );
+        assert_eq!(
+            kernel(128, 512, false, false, false).unwrap().variant().bn,
+            128
+        );
+        assert_eq!(
+            kernel(128, 513, true, false, false).unwrap().variant().bn,
+            192
+        );
+        assert!(kernel(64, 4096, false, false, false).is_err());
+        // Key-major V: the same tiles, on the `_vt` kernels.
+        for (d, sk, packed, kv_blocks, want) in [
+            (128, 4096, false, false, 192),
+            (128, 4096, true, true, 128),
+            (128, 512, false, false, 128),
+            (256, 4096, false, false, 96),
+            (256, 4096, false, true, 64),
+        ] {
+            let v = kernel(d, sk, packed, kv_blocks, true).unwrap().variant();
+            assert!(v.vt && v.packed == packed, "d {d}: {v:?}");
+            assert_eq!(v.bn, want, "d {d}, {sk} keys, per-block {kv_blocks}");
+        }
     }
 
     /// Every FP8 problem at a head dim with FP8 kernels has one, for every key count, packed
@@ -229,28 +263,28 @@ mod tests {
         };
         for d in (8..=256).step_by(8) {
             for sk in [1, 512, 513, 1023, 16384] {
-                for packed in [false, true] {
-                    for kv_blocks in [false, true] {
-                        let what =
-                            format!("d {d}, {sk} keys, packed {packed}, per-block {kv_blocks}");
-                        match kernel(d, sk, packed, kv_blocks) {
-                            Ok(k) => {
-                                let (v, g) = (k.variant(), k.geometry());
-                                assert!(
-                                    v.fp8 && usize::from(v.d) == d && v.packed == packed,
-                                    "{what}: {v:?}"
-                                );
-                                assert!(g.smem as usize <= 227 * 1024, "{what}: {} B", g.smem);
-                                let bn = usize::from(v.bn);
-                                assert!(
-                                    !kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(bn),
-                                    "{what}: {bn} keys"
-                                );
-                            }
-                            Err(e) => {
-                                assert!(!compiled(d), "{what}: {e}");
-                                assert!(e.to_string().contains("head_dim"), "{what}: {e}");
-                            }
+                for (packed, kv_blocks, vt) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4))
+                {
+                    let what = format!(
+                        "d {d}, {sk} keys, packed {packed}, per-block {kv_blocks}, vt {vt}"
+                    );
+                    match kernel(d, sk, packed, kv_blocks, vt) {
+                        Ok(k) => {
+                            let (v, g) = (k.variant(), k.geometry());
+                            assert!(
+                                v.fp8 && usize::from(v.d) == d && v.packed == packed && v.vt == vt,
+                                "{what}: {v:?}"
+                            );
+                            assert!(g.smem as usize <= 227 * 1024, "{what}: {} B", g.smem);
+                            let bn = usize::from(v.bn);
+                            assert!(
+                                !kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(bn),
+                                "{what}: {bn} keys"
+                            );
+                        }
+                        Err(e) => {
+                            assert!(!compiled(d), "{what}: {e}");
+                            assert!(e.to_string().contains("head_dim"), "{what}: {e}");
                         }
                     }
                 }

@@ -66,60 +66,128 @@ impl TileSource {
     /// tensor (a base or stride not a multiple of 16 bytes, broadcast strides): the caller
     /// then runs a kernel that copies with per-thread loads.
     pub fn encode(&self, box_rows: usize) -> Option<TmaDesc> {
-        use sys::{
-            CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
-            CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
-            CUtensorMapSwizzle as Swizzle,
-        };
-        let (ty, elem) = match self.dtype {
-            DType::F16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
-            DType::BF16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
-            DType::F8E4M3 => (Ty::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+        let elem = elem_bytes(self.dtype)?;
+        let dims = [self.d, self.rows, self.heads, self.b];
+        encode_4d(
+            self.ptr,
+            self.dtype,
+            dims,
+            self.strides,
+            [128 / elem as u32, box_rows as u32],
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        )
+    }
+}
+
+/// V stored key-major for the FP8 `_vt` kernels: (batch, keys, heads, head_dim) with the keys
+/// contiguous (a contiguous `(batch, heads, head_dim, keys)` tensor seen through a transpose),
+/// e4m3.
+pub(super) struct KeyMajorSource {
+    pub ptr: sys::CUdeviceptr,
+    pub b: usize,
+    pub keys: usize,
+    pub heads: usize,
+    pub d: usize,
+    /// Element strides of a head-dim row, a head and a batch.
+    pub strides: [i64; 3],
+}
+
+impl KeyMajorSource {
+    /// A tensor map copying boxes of `panel_keys` keys (64 or 32) x d rows, swizzled at that
+    /// width (the layout `load_vt_tile` in cuda/sm90/tma.cuh reads), zero past the keys'
+    /// extent; `None` where TMA cannot address the tensor.
+    pub fn encode(&self, panel_keys: usize) -> Option<TmaDesc> {
+        use sys::CUtensorMapSwizzle as Swizzle;
+        let swizzle = match panel_keys {
+            64 => Swizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+            32 => Swizzle::CU_TENSOR_MAP_SWIZZLE_32B,
             _ => return None,
         };
-        let dims = [self.d, self.rows, self.heads, self.b].map(|x| x as u64);
-        // A dimension of extent 1 is never stepped over; give it a stride TMA accepts.
-        let mut strides = [0u64; 3];
-        for (i, &s) in self.strides.iter().enumerate() {
-            let bytes = (s.max(0) as u64) * elem;
-            strides[i] = if dims[i + 1] == 1 { 16 } else { bytes };
-        }
-        if !self.ptr.is_multiple_of(16)
-            || strides
-                .iter()
-                .any(|&s| s == 0 || !s.is_multiple_of(16) || s >= 1 << 40)
-        {
-            return None;
-        }
-        let boxes = [128 / elem as u32, box_rows as u32, 1, 1];
-        let unit = [1u32; 4];
-        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-        // SAFETY: the arrays have the rank's lengths (4 dims, 3 strides past the first, 4 box
-        // extents and element strides); the map is written by the call and read only on
-        // success. Encoding touches no device memory: `ptr` is stored, not dereferenced.
-        let result = unsafe {
-            sys::cuTensorMapEncodeTiled(
-                map.as_mut_ptr(),
-                ty,
-                4,
-                self.ptr as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                unit.as_ptr(),
-                Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        };
-        if result != sys::CUresult::CUDA_SUCCESS {
-            return None;
-        }
-        // SAFETY: initialised by the successful call above.
-        let map = unsafe { map.assume_init() };
-        Some(TmaDesc { opaque: map.opaque })
+        encode_4d(
+            self.ptr,
+            DType::F8E4M3,
+            [self.keys, self.d, self.heads, self.b],
+            self.strides,
+            [panel_keys as u32, self.d as u32],
+            swizzle,
+        )
     }
+}
+
+fn elem_bytes(dtype: DType) -> Option<u64> {
+    match dtype {
+        DType::F16 | DType::BF16 => Some(2),
+        DType::F8E4M3 => Some(1),
+        _ => None,
+    }
+}
+
+/// A rank-4 tensor map of `dtype` at `ptr`: extents `dims` (innermost first, contiguous),
+/// element strides of dims 1-3, a box of `boxes` over dims 0-1 (one element of dims 2-3),
+/// zero fill past the extents. `None` where TMA cannot address it (a base or stride not a
+/// multiple of 16 bytes, broadcast strides, a box past the limits).
+fn encode_4d(
+    ptr: sys::CUdeviceptr,
+    dtype: DType,
+    dims: [usize; 4],
+    strides: [i64; 3],
+    boxes: [u32; 2],
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Option<TmaDesc> {
+    use sys::{
+        CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
+        CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
+    };
+    let ty = match dtype {
+        DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F8E4M3 => Ty::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        _ => return None,
+    };
+    let elem = elem_bytes(dtype)?;
+    let dims = dims.map(|x| x as u64);
+    // A dimension of extent 1 is never stepped over; give it a stride TMA accepts.
+    let mut byte_strides = [0u64; 3];
+    for (i, &s) in strides.iter().enumerate() {
+        let bytes = (s.max(0) as u64) * elem;
+        byte_strides[i] = if dims[i + 1] == 1 { 16 } else { bytes };
+    }
+    if !ptr.is_multiple_of(16)
+        || byte_strides
+            .iter()
+            .any(|&s| s == 0 || !s.is_multiple_of(16) || s >= 1 << 40)
+        || boxes.iter().any(|&b| b == 0 || b > 256)
+    {
+        return None;
+    }
+    let boxes = [boxes[0], boxes[1], 1, 1];
+    let unit = [1u32; 4];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: the arrays have the rank's lengths (4 dims, 3 strides past the first, 4 box
+    // extents and element strides); the map is written by the call and read only on
+    // success. Encoding touches no device memory: `ptr` is stored, not dereferenced.
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            ty,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            byte_strides.as_ptr(),
+            boxes.as_ptr(),
+            unit.as_ptr(),
+            Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if result != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    // SAFETY: initialised by the successful call above.
+    let map = unsafe { map.assume_init() };
+    Some(TmaDesc { opaque: map.opaque })
 }
 
 /// Blocks to launch for `tiles` work tiles (query blocks x heads x batch) of the
@@ -157,12 +225,15 @@ pub(super) fn extents(a: &AttnParams, packed: Option<(usize, usize)>) -> (usize,
 /// The parameter block of the warp-specialized forward `kernel` for `a` (pointers and
 /// strides set), or `None` where TMA cannot address q, k or v; `packed` as in [`extents`].
 /// q, k and v are `dtype`, O `out_dtype` (the same but for the FP8 kernels).
+/// `v_key_major`: V stored key-major (the FP8 `_vt` kernels), the element stride of its head
+/// dim (`a`'s V row stride is then 1).
 pub(super) fn fwd_params(
     a: &AttnParams,
     dtype: DType,
     out_dtype: DType,
     kernel: Kernel,
     packed: Option<(usize, usize)>,
+    v_key_major: Option<i64>,
 ) -> Option<FwdTmaParams> {
     let g = kernel.geometry();
     let (bm, bn) = (g.bm as usize, g.bn as usize);
@@ -183,7 +254,18 @@ pub(super) fn fwd_params(
     Some(FwdTmaParams {
         q: source(a.q, dtype, rows_q, a.h, q).encode(bm)?,
         k: source(a.k, dtype, rows_k, a.h_k, k).encode(bn)?,
-        v: source(a.v, dtype, rows_k, a.h_k, v).encode(bn)?,
+        v: match v_key_major {
+            None => source(a.v, dtype, rows_k, a.h_k, v).encode(bn)?,
+            Some(d_stride) => KeyMajorSource {
+                ptr: a.v,
+                b,
+                keys: rows_k,
+                heads: a.h_k as usize,
+                d: a.d as usize,
+                strides: [d_stride, a.v_head_stride, a.v_batch_stride],
+            }
+            .encode(if bn % 64 == 0 { 64 } else { 32 })?,
+        },
         // Each consumer warpgroup stores its own 64 rows.
         o: source(a.o, out_dtype, rows_q, a.h, o).encode(64)?,
         a: *a,

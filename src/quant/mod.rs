@@ -180,6 +180,48 @@ pub fn fp8_scales(x: &Tensor, scaling: Fp8Scaling) -> Result<Tensor> {
     scale.eq(0f32)?.where_cond(&ones, &scale)
 }
 
+/// `v` `(batch, seq, heads, head_dim)` or packed `(total, heads, head_dim)` (any dtype) with
+/// the same values, stored key-major: a view of a contiguous `(batch, heads, head_dim, keys)`
+/// (packed: `(heads, head_dim, keys)`) tensor whose keys are padded with zeros to a multiple
+/// of 16. FP8 attention on Hopper reads such a V (F8E4M3) as it is, where with the head dim
+/// contiguous its kernels transpose every tile of V in shared memory: quantize V, then store
+/// it key-major once, as a KV cache or a prefill's V^T GEMM would.
+///
+/// ```
+/// # fn main() -> candle::Result<()> {
+/// use candle::{Device, Tensor};
+/// let v = Tensor::randn(0f32, 1.0, (2, 10, 4, 64), &Device::Cpu)?;
+/// let vt = candle_flash::quant::key_major(&v)?;
+/// assert_eq!(vt.dims(), v.dims());
+/// assert_eq!(vt.stride(), &[4 * 64 * 16, 1, 64 * 16, 16]); // keys contiguous, padded to 16
+/// let same = (&vt - &v)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+/// assert_eq!(same, 0.0);
+/// # Ok(()) }
+/// ```
+///
+/// Errors: `v` not rank 3 or 4.
+pub fn key_major(v: &Tensor) -> Result<Tensor> {
+    let (to, back): (&[usize], &[usize]) = match v.rank() {
+        4 => (&[0, 2, 3, 1], &[0, 3, 1, 2]),
+        3 => (&[1, 2, 0], &[2, 0, 1]),
+        r => bail!(
+            "v: expected (batch, seq, heads, head_dim) or packed (total, heads, head_dim), got \
+             rank {r} of shape {:?}",
+            v.dims()
+        ),
+    };
+    let keys = v.dim(v.rank() - 3)?;
+    let last = v.rank() - 1;
+    let t = v.permute(to)?.contiguous()?;
+    let pad = keys.next_multiple_of(16) - keys;
+    let t = if pad == 0 {
+        t
+    } else {
+        t.pad_with_zeros(last, 0, pad)?.narrow(last, 0, keys)?
+    };
+    t.permute(back)
+}
+
 /// `x` `(batch, seq, heads, head_dim)` (any float dtype) as F8E4M3: each element is
 /// `e4m3(x / scale)` in f32 (a true division), rounded to nearest even, saturating at ±448
 /// (NaN stays NaN). `scales` is F32 on x's device, shaped as [`fp8_scales`] returns them for

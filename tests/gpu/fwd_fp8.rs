@@ -10,7 +10,9 @@
 //! (absolute plus relative). Varlen batches are checked sequence by sequence.
 
 use candle::{DType, Device, Result, Tensor, D};
-use candle_flash::quant::{dequantize_fp8, fp8_scales, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS};
+use candle_flash::quant::{
+    dequantize_fp8, fp8_scales, key_major, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS,
+};
 use candle_flash::{FlashAttn, VarLen};
 
 use crate::cuda_suite::{check_output, has_nan, max_abs_diff, randn, reference_device, Suite};
@@ -26,6 +28,8 @@ struct Case {
     causal: bool,
     scaling: Fp8Scaling,
     out: DType,
+    /// V stored key-major (quant::key_major): the kernels that copy V^T as it is.
+    vt: bool,
 }
 
 const PER_BLOCK: Fp8Scaling = Fp8Scaling::PerBlock {
@@ -167,11 +171,16 @@ fn fixed_case(dev: &Device, c: &Case) -> Result<()> {
     let q = quantize(&input(&[c.b, c.sq, c.h, c.d])?, c.scaling)?;
     let k = quantize(&input(&[c.b, c.sk, c.hk, c.d])?, c.scaling)?;
     let v = quantize(&input(&[c.b, c.sk, c.hk, c.d])?, c.scaling)?;
+    let v8 = if c.vt {
+        key_major(&v.x8)?
+    } else {
+        v.x8.clone()
+    };
     let (out, lse) = FlashAttn::new()
         .causal(c.causal)
         .fp8_descales(&q.descale, &k.descale, &v.descale)
         .out_dtype(c.out)
-        .forward_with_lse(&q.x8, &k.x8, &v.x8)?;
+        .forward_with_lse(&q.x8, &k.x8, &v8)?;
     if out.dtype() != c.out || out.dims() != [c.b, c.sq, c.h, c.d] {
         candle::bail!("out: {:?} {:?}", out.dtype(), out.dims())
     }
@@ -192,6 +201,7 @@ fn varlen_case(
     (h, hk, d): (usize, usize, usize),
     causal: bool,
     per_block: bool,
+    vt: bool,
 ) -> Result<()> {
     let total = lens.iter().sum::<usize>();
     let scale = 1.0 / (d as f32).sqrt();
@@ -205,15 +215,12 @@ fn varlen_case(
     };
     let (q, k, v) = (quantized(h)?, quantized(hk)?, quantized(hk)?);
     let varlen = VarLen::from_seqlens(lens, lens)?;
+    let v8 = v.x8.squeeze(0)?;
+    let v8 = if vt { key_major(&v8)? } else { v8 };
     let (out, lse) = FlashAttn::new()
         .causal(causal)
         .fp8_descales(&q.descale, &k.descale, &v.descale)
-        .forward_varlen_with_lse(
-            &q.x8.squeeze(0)?,
-            &k.x8.squeeze(0)?,
-            &v.x8.squeeze(0)?,
-            &varlen,
-        )?;
+        .forward_varlen_with_lse(&q.x8.squeeze(0)?, &k.x8.squeeze(0)?, &v8, &varlen)?;
     let mut start = 0;
     for (i, &n) in lens.iter().enumerate() {
         let part = |t: &Tensor| t.narrow(1, start, n);
@@ -272,6 +279,42 @@ fn quantize_by_sequence(x: &Tensor, lens: &[usize]) -> Result<Quantized> {
         descale: Tensor::cat(&descales, 0)?,
         real: Tensor::cat(&real, 1)?,
     })
+}
+
+/// Key-major V (copied as V^T tiles) gives the transposing kernels' output bit for bit: the
+/// same tiles, the same P, the same V^T in shared memory, in another swizzle. Also a
+/// key-major view TMA cannot address (keys not a multiple of 16, so neither is the head dim's
+/// stride), which the op stores the usual way first.
+fn key_major_case(dev: &Device) -> Result<()> {
+    for &(b, s, h, hk, d, causal) in &[
+        (2, 1023, 4, 1, 128, false),
+        (1, 2048, 4, 4, 128, true),
+        (2, 700, 4, 2, 256, false),
+        (1, 1500, 2, 2, 256, true),
+        (1, 113, 4, 2, 128, true),
+    ] {
+        let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
+        let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
+        let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
+        let run = |v8: &Tensor| {
+            FlashAttn::new()
+                .causal(causal)
+                .fp8_descales(&q.descale, &k.descale, &v.descale)
+                .forward(&q.x8, &k.x8, v8)
+        };
+        let plain = run(&v.x8)?;
+        let unpadded =
+            v.x8.permute((0, 2, 3, 1))?
+                .contiguous()?
+                .permute((0, 3, 1, 2))?;
+        for (what, v8) in [("key_major", key_major(&v.x8)?), ("unpadded", unpadded)] {
+            let diff = max_abs_diff(&plain, &run(&v8)?)?;
+            if diff != 0.0 {
+                candle::bail!("b{b} s{s} h{h}/{hk} d{d} causal={causal} {what}: differs by {diff}")
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Per-block descales whose blocks all hold their head's per-head factor give the per-head
@@ -483,29 +526,41 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
         }
         for causal in [false, true] {
             for scaling in [Fp8Scaling::PerTensor, Fp8Scaling::PerHead, PER_BLOCK] {
-                let out = if scaling == Fp8Scaling::PerTensor {
-                    DType::F16
-                } else {
-                    DType::BF16
-                };
-                cases.push(Case {
-                    b,
-                    sq,
-                    sk,
-                    h,
-                    hk,
-                    d,
-                    causal,
-                    scaling,
-                    out,
-                });
+                for vt in [false, true] {
+                    let out = if scaling == Fp8Scaling::PerTensor {
+                        DType::F16
+                    } else {
+                        DType::BF16
+                    };
+                    cases.push(Case {
+                        b,
+                        sq,
+                        sk,
+                        h,
+                        hk,
+                        d,
+                        causal,
+                        scaling,
+                        out,
+                        vt,
+                    });
+                }
             }
         }
     }
     for c in &cases {
         let name = format!(
-            "fp8fwd b{} sq{} sk{} h{}/{} d{} causal={} {:?} {:?}",
-            c.b, c.sq, c.sk, c.h, c.hk, c.d, c.causal, c.scaling, c.out
+            "fp8fwd b{} sq{} sk{} h{}/{} d{} causal={} {:?} {:?}{}",
+            c.b,
+            c.sq,
+            c.sk,
+            c.h,
+            c.hk,
+            c.d,
+            c.causal,
+            c.scaling,
+            c.out,
+            if c.vt { " key-major v" } else { "" }
         );
         suite.record(&name, fixed_case(dev, c));
     }
@@ -516,15 +571,25 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     let long: &[usize] = &[1, 700, 1030, 257];
     for d in [128, 256] {
         for causal in [false, true] {
-            for (lens, per_block) in [(short, false), (short, true), (long, false)] {
+            for (lens, per_block, vt) in [
+                (short, false, false),
+                (short, true, false),
+                (long, false, false),
+                (short, true, true),
+                (long, false, true),
+            ] {
                 suite.record(
-                    &format!("fp8fwd varlen {lens:?} d{d} causal={causal} per_block={per_block}"),
-                    varlen_case(dev, lens, (8, 2, d), causal, per_block),
+                    &format!(
+                        "fp8fwd varlen {lens:?} d{d} causal={causal} per_block={per_block} \
+                         key-major v={vt}"
+                    ),
+                    varlen_case(dev, lens, (8, 2, d), causal, per_block, vt),
                 );
             }
         }
     }
     suite.record("fp8fwd block = head", block_equals_head_case(dev));
+    suite.record("fp8fwd key-major v = v", key_major_case(dev));
     suite.record("fp8fwd padded", padded_case(dev));
     suite.record("fp8fwd descales", descale_case(dev));
     suite.record("fp8fwd errors", error_cases(dev));
