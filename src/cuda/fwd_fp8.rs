@@ -57,8 +57,14 @@ fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool, vt: bool) -> Resul
     let forced = overrides().ws_shape.as_str();
     let narrowest = forced == "base" || sk <= FP8_NARROW_MAX_KEYS;
     let forced_bn: Option<u16> = forced.strip_prefix('n').and_then(|n| n.parse().ok());
+    // EXPERIMENT (session 73, not for merge): K/V ring slots of the key-major kernels.
+    let stages: u8 = std::env::var("CANDLE_FLASH_EXP_FP8_STAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
     let fits = |v: &Variant| {
-        v.family == Family::FwdWs
+        v.stages == stages
+            && v.family == Family::FwdWs
             && usize::from(v.d) == d
             && v.fp8
             && v.packed == packed
