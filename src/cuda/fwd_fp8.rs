@@ -63,7 +63,7 @@ fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool, vt: bool) -> Resul
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
     let fits = |v: &Variant| {
-        v.stages == stages
+        (!v.vt || v.stages == stages)
             && v.family == Family::FwdWs
             && usize::from(v.d) == d
             && v.fp8
