@@ -411,6 +411,11 @@ impl FlashAttn {
     /// [`crate::quant::hadamard`] applied to q and k before quantizing spreads them
     /// (FlashAttention-3's incoherent processing) and leaves `q · kᵀ` unchanged.
     ///
+    /// V may be stored key-major ([`crate::quant::key_major`]: its keys contiguous, as a
+    /// prefill's V^T GEMM or a cache written that way leaves it): the Hopper kernels then copy
+    /// its tiles as they are, where with the head dim contiguous they transpose every tile of
+    /// V in shared memory (the e4m3 wgmma reads V^T). Same values, same result, bit for bit.
+    ///
     /// FP8 calls take `causal`, `softmax_scale`, MQA/GQA and variable-length batches;
     /// dropout, windows, softcap, ALiBi, block masks, sinks, rotary and KV-cache scales are an
     /// error with FP8 inputs, and so is the backward (FP8 attention is inference only: train
