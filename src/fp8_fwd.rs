@@ -98,7 +98,15 @@ fn aligned_key_major(v: &Tensor) -> Result<Tensor> {
     if ok {
         Ok(v.clone())
     } else {
-        v.force_contiguous()
+        // The usual layout instead. A key-major V is a transposed view of a contiguous
+        // tensor; its F8E4M3 bytes on CUDA go through F16 (crate::quant::e4m3_on_cuda).
+        let (to, back): (&[usize], &[usize]) = if v.rank() == 4 {
+            (&[0, 2, 3, 1], &[0, 3, 1, 2])
+        } else {
+            (&[1, 2, 0], &[2, 0, 1])
+        };
+        let wide = crate::quant::widen(&v.permute(to)?, "v")?;
+        crate::quant::requantize(&wide.permute(back)?.contiguous()?)
     }
 }
 

@@ -212,14 +212,55 @@ pub fn key_major(v: &Tensor) -> Result<Tensor> {
     };
     let keys = v.dim(v.rank() - 3)?;
     let last = v.rank() - 1;
-    let t = v.permute(to)?.contiguous()?;
     let pad = keys.next_multiple_of(16) - keys;
-    let t = if pad == 0 {
-        t
-    } else {
-        t.pad_with_zeros(last, 0, pad)?.narrow(last, 0, keys)?
+    let store = |t: &Tensor| -> Result<Tensor> {
+        let t = t.permute(to)?.contiguous()?;
+        if pad == 0 {
+            Ok(t)
+        } else {
+            t.pad_with_zeros(last, 0, pad)
+        }
     };
-    t.permute(back)
+    let stored = if e4m3_on_cuda(v) {
+        requantize(&store(&widen(v, "v")?)?)?
+    } else {
+        store(v)?
+    };
+    stored.narrow(last, 0, keys)?.permute(back)
+}
+
+/// F8E4M3 on CUDA, whose strided copies candle-core 0.11.1 cannot make (its copy looks up
+/// `ucopy_f8e4m3`; candle-kernels names it `ucopy_f8_e4m3`): such tensors are moved through
+/// F16 with this crate's casts, exactly (every e4m3 value is an f16, and quantizing it again
+/// with scale 1 gives the same byte).
+pub(crate) fn e4m3_on_cuda(x: &Tensor) -> bool {
+    x.dtype() == DType::F8E4M3 && x.device().is_cuda()
+}
+
+/// A contiguous F8E4M3 tensor of rank 3 or 4 as F16 (scale 1). `name` names it in errors.
+pub(crate) fn widen(x: &Tensor, name: &str) -> Result<Tensor> {
+    if !x.is_contiguous() {
+        bail!(
+            "{name}: a strided F8E4M3 tensor on CUDA (strides {:?}), which candle-core 0.11.1 \
+             cannot copy; pass it contiguous",
+            x.stride()
+        )
+    }
+    let one = Tensor::ones(1, DType::F32, x.device())?;
+    match x.rank() {
+        4 => dequantize_fp8(x, &one, Fp8Scaling::PerTensor, DType::F16),
+        3 => dequantize_fp8(&x.unsqueeze(0)?, &one, Fp8Scaling::PerTensor, DType::F16)?.squeeze(0),
+        r => bail!("{name}: expected rank 3 or 4, got {r}"),
+    }
+}
+
+/// [`widen`]'s inverse: a contiguous F16 tensor of rank 3 or 4 back to F8E4M3.
+pub(crate) fn requantize(x: &Tensor) -> Result<Tensor> {
+    let one = Tensor::ones(1, DType::F32, x.device())?;
+    match x.rank() {
+        4 => quantize_fp8(x, &one, Fp8Scaling::PerTensor),
+        _ => quantize_fp8(&x.unsqueeze(0)?, &one, Fp8Scaling::PerTensor)?.squeeze(0),
+    }
 }
 
 /// `x` `(batch, seq, heads, head_dim)` (any float dtype) as F8E4M3: each element is
