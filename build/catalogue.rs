@@ -116,17 +116,12 @@ fn name(v: &Variant, dt: &str) -> String {
                 String::new()
             };
             format!(
-                "flash_fwd_ws_{dt}_d{d}{shape}{}{}{}{}{}{}",
+                "flash_fwd_ws_{dt}_d{d}{shape}{}{}{}{}{}",
                 mods_suffix(v.mods),
                 opt(v.packed, "_packed"),
                 opt(v.dropout, "_dropout"),
                 opt(v.fp8, "_fp8"),
-                opt(v.vt, "_vt"),
-                if v.vt && v.stages != 2 {
-                    format!("_s{}", v.stages)
-                } else {
-                    String::new()
-                }
+                opt(v.vt, "_vt")
             )
         }
         Family::BwdDsum => format!("flash_bwd_dsum_{dt}"),

@@ -188,9 +188,9 @@ pub struct Variant {
     /// E4M3 operands (`_fp8`): the KV cache (appending quantizes, decoding dequantizes), or
     /// the warp-specialized forward's q, k and v (its output in the dtype of the name).
     pub fp8: bool,
-    /// The FP8 forward with V stored key-major by the caller (`_vt`: keys contiguous, as in a
-    /// contiguous `(batch, heads_k, head_dim, keys)` tensor): its tiles are copied as they are,
-    /// where the others transpose V in shared memory.
+    /// The FP8 forward with V given transposed (`_vt`: `FlashAttn::fp8_v_transposed`, a
+    /// `(batch, heads_k, head_dim, keys)` tensor): its tiles are copied as they are, where the
+    /// others transpose V in shared memory.
     pub vt: bool,
 }
 
@@ -459,7 +459,8 @@ pub const CATALOGUE: &[Variant] = &[
     // (WsTraits::O_ROUNDS), V^T's last 96 keys in a panel of each slot's own (VT_OWN).
     fwd_ws(256, 96, 2, 2).fp8(),
     fwd_ws(256, 96, 2, 2).packed().fp8(),
-    // E4M3 q, k, v with V key-major in memory (no transpose): 64-key panels of V^T.
+    // E4M3 q, k, v with V given transposed (FlashAttn::fp8_v_transposed): V^T's tiles copied
+    // as they are, in 64-key panels (32 at 96 keys), no transposing warps.
     fwd_ws(128, 128, 2, 2).fp8().vt(),
     fwd_ws(128, 192, 2, 2).fp8().vt(),
     fwd_ws(128, 128, 2, 2).packed().fp8().vt(),
@@ -468,9 +469,6 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(256, 96, 2, 2).fp8().vt(),
     fwd_ws(256, 64, 2, 2).packed().fp8().vt(),
     fwd_ws(256, 96, 2, 2).packed().fp8().vt(),
-    // EXPERIMENT (session 73): three K/V slots.
-    fwd_ws(128, 192, 3, 2).fp8().vt(),
-    fwd_ws(256, 96, 3, 2).fp8().vt(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and

@@ -70,46 +70,6 @@ impl HostDescale {
     }
 }
 
-/// The element stride of V's head dim where V is stored key-major: its key dimension (dim 1
-/// of `(batch, seqlen_k, heads_k, head_dim)`, dim 0 of a packed `(total_k, heads_k,
-/// head_dim)`) contiguous and its head dim not, as in a contiguous `(batch, heads_k,
-/// head_dim, seqlen_k)` tensor seen through a transpose ([`crate::quant::key_major`]). The
-/// CUDA kernels then copy V^T's tiles as they are instead of transposing V in shared memory.
-pub(crate) fn key_major_d_stride(v: &Layout) -> Option<usize> {
-    let (dims, strides) = (v.dims(), v.stride());
-    let key_dim = dims.len().checked_sub(3)?;
-    let d_dim = dims.len() - 1;
-    (strides[key_dim] == 1 && strides[d_dim] != 1 && dims[d_dim] > 1).then_some(strides[d_dim])
-}
-
-/// V as the kernels take it: key-major V where TMA can address it (its start and its other
-/// strides a multiple of 16 elements), else the usual layout (head dim contiguous, 16-byte
-/// aligned), which the transposing kernels read.
-fn aligned_key_major(v: &Tensor) -> Result<Tensor> {
-    if !v.device().is_cuda() || key_major_d_stride(v.layout()).is_none() {
-        return aligned_to(v, E4M3_PER_16_BYTES);
-    }
-    let key_dim = v.rank() - 3;
-    let ok = v.layout().start_offset().is_multiple_of(E4M3_PER_16_BYTES)
-        && v.stride()
-            .iter()
-            .enumerate()
-            .all(|(i, s)| i == key_dim || s.is_multiple_of(E4M3_PER_16_BYTES));
-    if ok {
-        Ok(v.clone())
-    } else {
-        // The usual layout instead. A key-major V is a transposed view of a contiguous
-        // tensor; its F8E4M3 bytes on CUDA go through F16 (crate::quant::e4m3_on_cuda).
-        let (to, back): (&[usize], &[usize]) = if v.rank() == 4 {
-            (&[0, 2, 3, 1], &[0, 3, 1, 2])
-        } else {
-            (&[1, 2, 0], &[2, 0, 1])
-        };
-        let wide = crate::quant::widen(&v.permute(to)?, "v")?;
-        crate::quant::requantize(&wide.permute(back)?.contiguous()?)
-    }
-}
-
 /// Whether a call is an FP8 one: any of q, k, v in F8E4M3 (the others are then an error that
 /// names them, [`check_dtypes`]).
 pub(crate) fn is_fp8(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
@@ -122,6 +82,13 @@ pub(crate) fn refuse_fp8_options(opts: &FlashAttn, q: &Tensor, call: &str) -> Re
         bail!(
             "fp8_descales: the dequantization factors are for F8E4M3 q, k and v, but {call} \
              got q of dtype {:?}; leave the option unset",
+            q.dtype()
+        )
+    }
+    if opts.fp8_v_transposed {
+        bail!(
+            "fp8_v_transposed: a transposed V is for F8E4M3 q, k and v, but {call} got q of \
+             dtype {:?}; leave the option unset",
             q.dtype()
         )
     }
@@ -146,27 +113,52 @@ pub(crate) fn forward(
 ) -> Result<(Tensor, Tensor)> {
     check_dtypes(q, k, v)?;
     refuse_unsupported(opts)?;
+    let transposed = opts.fp8_v_transposed;
+    if transposed && varlen.is_some() {
+        bail!(
+            "fp8_v_transposed: a transposed V is for fixed-length batches (forward, \
+             forward_with_lse); with forward_varlen pass V as (total_k, num_heads_k, head_dim)"
+        )
+    }
+    // A transposed V is checked against k on its own; the shapes against k in its place.
+    let v_as = if transposed { k } else { v };
     let shape = match varlen {
-        None => params::validate_shapes(q, k, v)?,
-        Some(varlen) => params::validate_varlen_shapes(q, k, v, varlen)?,
+        None => params::validate_shapes(q, k, v_as)?,
+        Some(varlen) => params::validate_varlen_shapes(q, k, v_as, varlen)?,
     };
     params::check_head_dim(q.device(), shape.d, "q: head_dim")?;
-    for (name, t) in [("q", q), ("k", k)] {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
         params::check_last_dim_contiguous(t, name)?;
     }
-    let last = v.rank() - 1;
-    if key_major_d_stride(v.layout()).is_none() && v.stride()[last] != 1 && v.dim(last)? > 1 {
-        bail!(
-            "v: the last dimension (head_dim) must be contiguous (stride 1), or the keys \
-             (key-major V, as candle_flash::quant::key_major stores it), got strides {:?}",
-            v.stride()
-        )
+    if transposed {
+        check_transposed_v(v, &shape)?;
     }
     let out_dtype = opts.out_dtype.unwrap_or(DType::BF16);
     params::check_dtype(q.device(), out_dtype, "out_dtype:")?;
     let descales = checked_descales(opts, q, &shape, varlen.is_some())?;
     let problem = opts.problem(shape, varlen, q.device())?;
-    Fp8FwdOp::new(problem, descales, out_dtype).run(q, k, v)
+    if transposed && !q.device().is_cuda() {
+        // The CPU op reads V as it is: the transposition undone first.
+        let v = crate::quant::fp8_v_untransposed(v, shape.sk)?;
+        return Fp8FwdOp::new(problem, descales, out_dtype, false).run(q, k, &v);
+    }
+    Fp8FwdOp::new(problem, descales, out_dtype, transposed).run(q, k, v)
+}
+
+/// A transposed V ([`FlashAttn::fp8_v_transposed`]): `(batch, num_heads_k, head_dim,
+/// seqlen_k rounded up to 16)` on k's device, contiguous.
+fn check_transposed_v(v: &Tensor, shape: &AttnShape) -> Result<()> {
+    let want = [shape.b, shape.hk, shape.d, shape.sk.next_multiple_of(16)];
+    if v.dims() != want || !v.is_contiguous() {
+        bail!(
+            "v: with fp8_v_transposed, V must be contiguous of shape {want:?} (batch, \
+             num_heads_k, head_dim, seqlen_k rounded up to 16: candle_flash::quant::\
+             fp8_v_transposed makes it), got shape {:?} with strides {:?}",
+            v.dims(),
+            v.stride()
+        )
+    }
+    Ok(())
 }
 
 /// All three of q, k, v in F8E4M3; the error names the first that is not.
@@ -285,16 +277,20 @@ struct Fp8FwdOp {
     problem: Problem,
     descales: Fp8Descales,
     out_dtype: DType,
+    /// V comes transposed ([`FlashAttn::fp8_v_transposed`]; CUDA only: the CPU path undoes
+    /// it before the op).
+    v_transposed: bool,
     /// `(b, h, sq)` (packed: `(h, total_q)`) f32, written by `cpu_fwd` / `cuda_fwd`.
     lse: LseSlot,
 }
 
 impl Fp8FwdOp {
-    fn new(problem: Problem, descales: Fp8Descales, out_dtype: DType) -> Self {
+    fn new(problem: Problem, descales: Fp8Descales, out_dtype: DType, v_transposed: bool) -> Self {
         Self {
             problem,
             descales,
             out_dtype,
+            v_transposed,
             lse: LseSlot::default(),
         }
     }
@@ -309,7 +305,7 @@ impl Fp8FwdOp {
             return Ok((out, lse));
         }
         let align = |t: &Tensor| aligned_to(t, E4M3_PER_16_BYTES);
-        let (q, k, v) = (align(q)?, align(k)?, aligned_key_major(v)?);
+        let (q, k, v) = (align(q)?, align(k)?, align(v)?);
         let op = Arc::new(self);
         let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(OpHandle(op.clone()))))?;
         Ok((out, op.lse.get()?))
@@ -365,6 +361,7 @@ impl CustomOp3 for OpHandle {
             &op.problem,
             &op.descales,
             op.out_dtype,
+            op.v_transposed,
             (s1, l1),
             (s2, l2),
             (s3, l3),

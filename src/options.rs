@@ -84,6 +84,8 @@ pub struct FlashAttn {
     pub fp8_descales: Option<QkvDescales>,
     /// The output dtype of FP8 attention: see [`FlashAttn::out_dtype`]. `None`: BF16.
     pub out_dtype: Option<DType>,
+    /// FP8 attention's V given transposed: see [`FlashAttn::fp8_v_transposed`].
+    pub fp8_v_transposed: bool,
 }
 
 /// The dequantization factors ("descales") of F8E4M3 (FP8) q, k and v for
@@ -185,6 +187,7 @@ impl Default for FlashAttn {
             kv_cache_scales: None,
             fp8_descales: None,
             out_dtype: None,
+            fp8_v_transposed: false,
         }
     }
 }
@@ -411,10 +414,8 @@ impl FlashAttn {
     /// [`crate::quant::hadamard`] applied to q and k before quantizing spreads them
     /// (FlashAttention-3's incoherent processing) and leaves `q · kᵀ` unchanged.
     ///
-    /// V may be stored key-major ([`crate::quant::key_major`]: its keys contiguous, as a
-    /// prefill's V^T GEMM or a cache written that way leaves it): the Hopper kernels then copy
-    /// its tiles as they are, where with the head dim contiguous they transpose every tile of
-    /// V in shared memory (the e4m3 wgmma reads V^T). Same values, same result, bit for bit.
+    /// V may come transposed ([`FlashAttn::fp8_v_transposed`]), which spares the Hopper
+    /// kernels their transpose of every V tile in shared memory.
     ///
     /// FP8 calls take `causal`, `softmax_scale`, MQA/GQA and variable-length batches;
     /// dropout, windows, softcap, ALiBi, block masks, sinks, rotary and KV-cache scales are an
@@ -456,6 +457,18 @@ impl FlashAttn {
             k: k.clone(),
             v: v.clone(),
         });
+        self
+    }
+
+    /// FP8 attention's `v` is given transposed, as [`crate::quant::fp8_v_transposed`] stores
+    /// it: F8E4M3 `(batch, num_heads_k, head_dim, keys)`, contiguous, `keys` = seqlen_k
+    /// rounded up to a multiple of 16 (zeros past seqlen_k), the keys of each 16 in the order
+    /// in which the Hopper kernels' P V reads them. The e4m3 wgmma takes V^T only; with V
+    /// `(batch, seqlen_k, num_heads_k, head_dim)` the kernels transpose every tile of it in
+    /// shared memory, with this layout they copy V^T's tiles as they are. Same values, same
+    /// result (bit for bit on CUDA). Fixed-length batches (`forward`, `forward_with_lse`) only.
+    pub fn fp8_v_transposed(mut self) -> Self {
+        self.fp8_v_transposed = true;
         self
     }
 
@@ -855,6 +868,12 @@ impl FlashAttn {
         q_pad: &Padding,
         kv_pad: &Padding,
     ) -> Result<Tensor> {
+        if self.fp8_v_transposed {
+            candle::bail!(
+                "fp8_v_transposed: a transposed V is for fixed-length batches; with \
+                 forward_padded pass V as (batch, seqlen_k, num_heads_k, head_dim)"
+            )
+        }
         if let Some(d) = &self.fp8_descales {
             if [&d.q, &d.k, &d.v].iter().any(|t| t.rank() == 3) {
                 candle::bail!(

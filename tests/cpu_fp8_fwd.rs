@@ -665,58 +665,72 @@ fn per_block_descale_errors() {
     assert_fails(padded, &["fp8_descales", "per-block", "forward_varlen"]);
 }
 
-/// V stored key-major (`quant::key_major`, what the Hopper kernels read without a transpose)
-/// is the same V: the same output, fixed-length and packed; a V with neither its head dim nor
-/// its keys contiguous is an error that names both.
+/// A transposed V (`quant::fp8_v_transposed`, what the Hopper kernels read without a
+/// transpose) is the same V: the same output at lengths that are and are not multiples of 16;
+/// its shape, varlen and padded calls, and the option without FP8 inputs are errors that say
+/// so.
 #[test]
-fn key_major_v_is_the_same_v() {
+fn transposed_v_is_the_same_v() {
     let mut rng = Rng(73);
-    let (b, s, h, hk, d) = (2, 37, 4, 2, 32);
-    let q = quantize(&rng.randn(&[b, s, h, d], 1.0), Fp8Scaling::PerHead);
-    let k = quantize(&rng.randn(&[b, s, hk, d], 1.0), Fp8Scaling::PerHead);
-    let v = quantize(&rng.randn(&[b, s, hk, d], 1.0), Fp8Scaling::PerHead);
-    let attn = FlashAttn::new()
-        .causal(true)
-        .out_dtype(DType::F32)
-        .fp8_descales(&q.descale, &k.descale, &v.descale);
-    let vt = candle_flash::quant::key_major(&v.x8).unwrap();
-    assert_eq!(vt.dims(), v.x8.dims());
-    assert_eq!(vt.stride()[1], 1, "keys contiguous");
-    assert_eq!(vt.stride()[3], 48, "keys padded to a multiple of 16");
-    let plain = attn.forward(&q.x8, &k.x8, &v.x8).unwrap();
-    assert_eq!(
-        host(&attn.forward(&q.x8, &k.x8, &vt).unwrap()),
-        host(&plain)
-    );
-    // Packed: (total, heads_k, d) stored key-major too.
-    let lens = [s, s];
-    let varlen = VarLen::from_seqlens(&lens, &lens).unwrap();
-    let flat = |t: &Tensor| t.flatten(0, 1).unwrap();
-    let v_flat = flat(&v.x8);
-    let vt_flat = candle_flash::quant::key_major(&v_flat).unwrap();
-    assert_eq!(vt_flat.stride()[0], 1);
-    let packed = attn
-        .forward_varlen(&flat(&q.x8), &flat(&k.x8), &v_flat, &varlen)
-        .unwrap();
-    let packed_vt = attn
-        .forward_varlen(&flat(&q.x8), &flat(&k.x8), &vt_flat, &varlen)
-        .unwrap();
-    assert_eq!(host(&packed_vt), host(&packed));
-    // Heads contiguous: neither the head dim nor the keys.
-    let heads_last =
-        v.x8.permute((0, 1, 3, 2))
-            .unwrap()
-            .contiguous()
-            .unwrap()
-            .permute((0, 1, 3, 2))
+    for s in [37, 48, 1] {
+        let (b, h, hk, d) = (2, 4, 2, 32);
+        let q = quantize(&rng.randn(&[b, s, h, d], 1.0), Fp8Scaling::PerHead);
+        let k = quantize(&rng.randn(&[b, s, hk, d], 1.0), Fp8Scaling::PerHead);
+        let v = quantize(&rng.randn(&[b, s, hk, d], 1.0), Fp8Scaling::PerHead);
+        let attn = FlashAttn::new()
+            .causal(true)
+            .out_dtype(DType::F32)
+            .fp8_descales(&q.descale, &k.descale, &v.descale);
+        let vt = candle_flash::quant::fp8_v_transposed(&v.x8).unwrap();
+        let keys = s.next_multiple_of(16);
+        assert_eq!(vt.dims(), &[b, hk, d, keys]);
+        // Key 8 of the first 16 is stored third (the kernels' P order), padding is zero.
+        if s > 8 {
+            let stored = host(&vt.narrow(3, 2, 1).unwrap());
+            let key8 = host(&v.x8.narrow(1, 8, 1).unwrap().permute((0, 2, 3, 1)).unwrap());
+            assert_eq!(stored, key8);
+        }
+        let plain = attn.forward(&q.x8, &k.x8, &v.x8).unwrap();
+        let ours = attn
+            .clone()
+            .fp8_v_transposed()
+            .forward(&q.x8, &k.x8, &vt)
             .unwrap();
+        assert_eq!(host(&ours), host(&plain), "seqlen {s}");
+    }
+    let mut rng = Rng(74);
+    let x = quantize(&rng.randn(&[1, 20, 2, 32], 1.0), Fp8Scaling::PerTensor);
+    let one = Tensor::ones(1, DType::F32, &CPU).unwrap();
+    let attn = FlashAttn::new()
+        .fp8_descales(&one, &one, &one)
+        .fp8_v_transposed();
+    // V as it was, not transposed.
     assert_fails(
-        attn.forward(&q.x8, &k.x8, &heads_last),
-        &["v:", "head_dim", "key-major"],
+        attn.forward(&x.x8, &x.x8, &x.x8),
+        &["v:", "fp8_v_transposed", "[1, 2, 32, 32]"],
+    );
+    let vt = candle_flash::quant::fp8_v_transposed(&x.x8).unwrap();
+    let flat = |t: &Tensor| t.squeeze(0).unwrap();
+    let varlen = VarLen::from_seqlens(&[20], &[20]).unwrap();
+    assert_fails(
+        attn.forward_varlen(&flat(&x.x8), &flat(&x.x8), &flat(&vt), &varlen),
+        &["fp8_v_transposed", "fixed-length"],
+    );
+    let pad = Padding::from_lengths(&[20], 20).unwrap();
+    assert_fails(
+        attn.forward_padded(&x.x8, &x.x8, &vt, &pad, &pad),
+        &["fp8_v_transposed", "forward_padded"],
+    );
+    let f32s = x.x8.to_dtype(DType::F32).unwrap();
+    assert_fails(
+        FlashAttn::new()
+            .fp8_v_transposed()
+            .forward(&f32s, &f32s, &f32s),
+        &["fp8_v_transposed", "F8E4M3"],
     );
     assert_fails(
-        candle_flash::quant::key_major(&v.x8.flatten_all().unwrap()),
-        &["v:", "rank 1"],
+        candle_flash::quant::fp8_v_transposed(&f32s),
+        &["v:", "F8E4M3"],
     );
 }
 

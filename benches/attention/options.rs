@@ -207,9 +207,10 @@ impl Bench {
                         let bf16_ms = time_ms(&dev, |_| opts.forward(&qb, &kb, &vb).map(|_| ()))?;
                         let fp8 = opts.clone().fp8_descales(&qs, &ks, &vs);
                         let fp8_ms = time_ms(&dev, |_| fp8.forward(&q8, &k8, &v8).map(|_| ()))?;
-                        // V stored key-major: the kernels that read V^T without transposing.
-                        let v8t = key_major(&v8)?;
-                        let vt_ms = time_ms(&dev, |_| fp8.forward(&q8, &k8, &v8t).map(|_| ()))?;
+                        // V transposed ahead: the kernels that copy V^T without transposing.
+                        let v8t = fp8_v_transposed(&v8)?;
+                        let fp8t = fp8.clone().fp8_v_transposed();
+                        let vt_ms = time_ms(&dev, |_| fp8t.forward(&q8, &k8, &v8t).map(|_| ()))?;
                         Ok((bf16_ms, fp8_ms, vt_ms))
                     };
                     let flop = 4.0

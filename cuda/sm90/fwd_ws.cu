@@ -106,10 +106,11 @@ template <typename T_, int D_, int BN_, int STAGES_, int CONSUMERS_, bool PINGPO
 struct WsTraits {
     using T = T_;  // O's type (and q's, k's and v's but with FP8)
     static constexpr bool FP8 = FP8_;
-    // FP8 with V stored key-major by the caller (`_vt`: keys contiguous, V^T's layout): the
-    // producer copies V^T tiles straight into the V slots (tma.cuh: load_vt_tile) in panels
-    // of 64 keys (32 where BN is not a multiple of 64), swizzled at that width, and no warp
-    // transposes. The host's tensor map has the same panel width (src/cuda/tma.rs).
+    // FP8 with V given transposed (`_vt`: FlashAttn::fp8_v_transposed, V^T with the keys of
+    // each 16 already in P's order, sm90/wgmma_fp8.cuh): the producer copies V^T tiles
+    // straight into the V slots (tma.cuh: load_vt_tile) in panels of 64 keys (32 where BN is
+    // not a multiple of 64), swizzled at that width, and no warp transposes. The host's
+    // tensor map has the same panel width (src/cuda/tma.rs).
     static constexpr bool VT_GLOBAL = VT_GLOBAL_;
     static constexpr int VT_PANEL_KEYS = BN_ % 64 == 0 ? 64 : 32;
     static_assert(!VT_GLOBAL || (FP8_ && BN_ % 32 == 0), "key-major V: FP8, 32-key steps");

@@ -132,7 +132,7 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const TmaDesc& desc, uin
         load_4d(dst + panel * ROWS * 128, desc, bar, panel * COLS, row, head, batch);
 }
 
-// A key tile of V stored key-major (V^T: rows are the head dim, keys contiguous) as PANELS
+// A key tile of V given transposed (V^T: rows are the head dim, keys contiguous) as PANELS
 // boxes of PANEL_KEYS keys x ROWS head-dim rows, each swizzled at its width (the tensor
 // map's), one after another from `dst`: keys key0 + PANEL_KEYS p .. of (head, batch). What
 // the e4m3 P V reads as its K-major B operand (wgmma.cuh: kmajor_narrow_desc) without a

@@ -9,7 +9,8 @@
 // 4g + t), while its S accumulators hold column pairs (2t, 2t + 1) of each n8 tile. Rather than
 // move bytes between lanes, P's k order is permuted: A position 4t + j of each 16 carries key
 // 2t + j (j < 2) or 8 + 2t + j - 2 (j >= 2) of those 16, and the transposed V's key order
-// follows the same permutation (transpose_v_fp8), so the product is unchanged.
+// follows the same permutation (transpose_v_fp8, or the caller's transposed V:
+// src/quant/mod.rs, V_ORDER), so the product is unchanged.
 #pragma once
 #include <cstdint>
 

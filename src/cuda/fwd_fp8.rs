@@ -24,13 +24,14 @@ pub(crate) fn fwd_fp8(
     problem: &Problem,
     descales: &Fp8Descales,
     out_dtype: DType,
+    v_transposed: bool,
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     match out_dtype {
-        DType::F16 => fwd_fp8_typed::<f16>(problem, descales, out_dtype, q, k, v),
-        DType::BF16 => fwd_fp8_typed::<bf16>(problem, descales, out_dtype, q, k, v),
+        DType::F16 => fwd_fp8_typed::<f16>(problem, descales, out_dtype, v_transposed, q, k, v),
+        DType::BF16 => fwd_fp8_typed::<bf16>(problem, descales, out_dtype, v_transposed, q, k, v),
         dt => {
             bail!("out_dtype: {dt:?} is not supported for FP8 inputs on CUDA, expected F16 or BF16")
         }
@@ -57,14 +58,8 @@ fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool, vt: bool) -> Resul
     let forced = overrides().ws_shape.as_str();
     let narrowest = forced == "base" || sk <= FP8_NARROW_MAX_KEYS;
     let forced_bn: Option<u16> = forced.strip_prefix('n').and_then(|n| n.parse().ok());
-    // EXPERIMENT (session 73, not for merge): K/V ring slots of the key-major kernels.
-    let stages: u8 = std::env::var("CANDLE_FLASH_EXP_FP8_STAGES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2);
     let fits = |v: &Variant| {
-        (!v.vt || v.stages == stages)
-            && v.family == Family::FwdWs
+        v.family == Family::FwdWs
             && usize::from(v.d) == d
             && v.fp8
             && v.packed == packed
@@ -97,6 +92,7 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
     problem: &Problem,
     descales: &Fp8Descales,
     out_dtype: DType,
+    v_transposed: bool,
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
@@ -116,8 +112,7 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
     let kv_blocks = [&descales.k, &descales.v]
         .iter()
         .any(|t| Fp8Descales::strides(t)[2] != 0);
-    let v_key_major = crate::fp8_fwd::key_major_d_stride(vl);
-    let kernel = kernel(s.d, s.sk, packed, kv_blocks, v_key_major.is_some())?;
+    let kernel = kernel(s.d, s.sk, packed, kv_blocks, v_transposed)?;
     let stream = dev.cuda_stream();
     let q_view = q.as_cuda_slice::<F8E4M3>()?.slice(ql.start_offset()..);
     let k_view = k.as_cuda_slice::<F8E4M3>()?.slice(kl.start_offset()..);
@@ -129,7 +124,9 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
     poison(&stream, &mut lse)?;
 
     {
-        let mut params = AttnParams::new(problem, ql, kl, vl)?;
+        // A transposed V's strides are not those of a (batch, keys, heads, d) layout: its
+        // tensor map is built from them below, the parameter block takes k's.
+        let mut params = AttnParams::new(problem, ql, kl, if v_transposed { kl } else { vl })?;
         let offsets = seq_offsets(problem, &dev)?;
         let _offset_syncs = set_seq_offsets(&mut params, &offsets, &stream);
         let (q_ptr, _q_sync) = q_view.device_ptr(&stream);
@@ -141,14 +138,21 @@ fn fwd_fp8_typed<T: CudaDType + DeviceRepr>(
             (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr);
 
         let packed_rows = problem.varlen.as_ref().map(|_| (s.total_q, s.total_k));
-        let v_key_major = v_key_major.map(|s| s as i64);
+        // (batch, heads_k, d, keys rounded up to 16), contiguous (fp8_fwd checked it).
+        let v_transposed = v_transposed.then(|| {
+            let st = vl.stride();
+            tma::TransposedV {
+                keys: vl.dims()[3],
+                strides: [st[2] as i64, st[1] as i64, st[0] as i64],
+            }
+        });
         let Some(mut ws) = tma::fwd_params(
             &params,
             DType::F8E4M3,
             out_dtype,
             kernel,
             packed_rows,
-            v_key_major,
+            v_transposed,
         ) else {
             bail!(
                 "q: the FP8 kernel copies with TMA, which needs q, k and v with 16-byte aligned \

@@ -79,9 +79,15 @@ impl TileSource {
     }
 }
 
-/// V stored key-major for the FP8 `_vt` kernels: (batch, keys, heads, head_dim) with the keys
-/// contiguous (a contiguous `(batch, heads, head_dim, keys)` tensor seen through a transpose),
-/// e4m3.
+/// A transposed V (`FlashAttn::fp8_v_transposed`): its stored keys and the element strides of
+/// a head-dim row, a head and a batch.
+pub(super) struct TransposedV {
+    pub keys: usize,
+    pub strides: [i64; 3],
+}
+
+/// V stored key-major for the FP8 `_vt` kernels: (batch, heads, head_dim, keys), keys
+/// contiguous, e4m3.
 pub(super) struct KeyMajorSource {
     pub ptr: sys::CUdeviceptr,
     pub b: usize,
@@ -225,15 +231,14 @@ pub(super) fn extents(a: &AttnParams, packed: Option<(usize, usize)>) -> (usize,
 /// The parameter block of the warp-specialized forward `kernel` for `a` (pointers and
 /// strides set), or `None` where TMA cannot address q, k or v; `packed` as in [`extents`].
 /// q, k and v are `dtype`, O `out_dtype` (the same but for the FP8 kernels).
-/// `v_key_major`: V stored key-major (the FP8 `_vt` kernels), the element stride of its head
-/// dim (`a`'s V row stride is then 1).
+/// `v_transposed`: V given transposed (the FP8 `_vt` kernels).
 pub(super) fn fwd_params(
     a: &AttnParams,
     dtype: DType,
     out_dtype: DType,
     kernel: Kernel,
     packed: Option<(usize, usize)>,
-    v_key_major: Option<i64>,
+    v_transposed: Option<TransposedV>,
 ) -> Option<FwdTmaParams> {
     let g = kernel.geometry();
     let (bm, bn) = (g.bm as usize, g.bn as usize);
@@ -254,15 +259,17 @@ pub(super) fn fwd_params(
     Some(FwdTmaParams {
         q: source(a.q, dtype, rows_q, a.h, q).encode(bm)?,
         k: source(a.k, dtype, rows_k, a.h_k, k).encode(bn)?,
-        v: match v_key_major {
+        v: match v_transposed {
             None => source(a.v, dtype, rows_k, a.h_k, v).encode(bn)?,
-            Some(d_stride) => KeyMajorSource {
+            // Every stored key, padding included: the keys of each 16 are permuted, so the
+            // last 16 mix keys before and past seqlen_k (the padding is zeros).
+            Some(t) => KeyMajorSource {
                 ptr: a.v,
                 b,
-                keys: rows_k,
+                keys: t.keys,
                 heads: a.h_k as usize,
                 d: a.d as usize,
-                strides: [d_stride, a.v_head_stride, a.v_batch_stride],
+                strides: t.strides,
             }
             .encode(if bn % 64 == 0 { 64 } else { 32 })?,
         },

@@ -180,53 +180,92 @@ pub fn fp8_scales(x: &Tensor, scaling: Fp8Scaling) -> Result<Tensor> {
     scale.eq(0f32)?.where_cond(&ones, &scale)
 }
 
-/// `v` `(batch, seq, heads, head_dim)` or packed `(total, heads, head_dim)` (any dtype) with
-/// the same values, stored key-major: a view of a contiguous `(batch, heads, head_dim, keys)`
-/// (packed: `(heads, head_dim, keys)`) tensor whose keys are padded with zeros to a multiple
-/// of 16. FP8 attention on Hopper reads such a V (F8E4M3) as it is, where with the head dim
-/// contiguous its kernels transpose every tile of V in shared memory: quantize V, then store
-/// it key-major once, as a KV cache or a prefill's V^T GEMM would.
+/// The order of the keys of each 16 in a transposed V ([`fp8_v_transposed`]): stored
+/// position `p` holds key `V_ORDER[p]`. The Hopper kernels' P V takes P's registers as they
+/// come from the softmax, where a thread holds keys 2t, 2t + 1, 8 + 2t and 9 + 2t of each 16
+/// at the e4m3 wgmma's positions 4t..4t + 3 (cuda/sm90/wgmma_fp8.cuh); V^T's keys follow.
+const V_ORDER: [u32; 16] = [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15];
+/// `V_ORDER`'s inverse: key `k` is stored at position `V_POSITION[k]`.
+const V_POSITION: [u32; 16] = [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15];
+
+/// An F8E4M3 `v` `(batch, seqlen_k, num_heads_k, head_dim)` transposed for
+/// [`crate::FlashAttn::fp8_v_transposed`]: `(batch, num_heads_k, head_dim, keys)` contiguous,
+/// `keys` = seqlen_k rounded up to 16 (zeros past seqlen_k), the keys of each 16 in the order
+/// the Hopper kernels' P V reads them. FP8 attention on Hopper then copies V^T's tiles as
+/// they are instead of transposing every tile of V in shared memory. Transpose once, reuse
+/// for every call on the same V (a prefill's V^T GEMM can write this layout directly).
 ///
 /// ```
 /// # fn main() -> candle::Result<()> {
-/// use candle::{Device, Tensor};
-/// let v = Tensor::randn(0f32, 1.0, (2, 10, 4, 64), &Device::Cpu)?;
-/// let vt = candle_flash::quant::key_major(&v)?;
-/// assert_eq!(vt.dims(), v.dims());
-/// assert_eq!(vt.stride(), &[4 * 64 * 16, 1, 64 * 16, 16]); // keys contiguous, padded to 16
-/// let same = (&vt - &v)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-/// assert_eq!(same, 0.0);
+/// use candle::{DType, Device, Tensor};
+/// use candle_flash::quant::{fp8_scales, fp8_v_transposed, quantize_fp8, Fp8Scaling};
+/// use candle_flash::FlashAttn;
+/// let dev = Device::Cpu;
+/// let x = |h| Tensor::randn(0f32, 1.0, (1, 40, h, 64), &dev);
+/// let (q, k, v) = (x(4)?, x(2)?, x(2)?);
+/// let s = Tensor::ones(1, DType::F32, &dev)?;
+/// let f8 = |t: &Tensor| quantize_fp8(t, &s, Fp8Scaling::PerTensor);
+/// let (q8, k8, v8) = (f8(&q)?, f8(&k)?, f8(&v)?);
+/// let vt = fp8_v_transposed(&v8)?;
+/// assert_eq!(vt.dims(), &[1, 2, 64, 48]); // keys rounded up to 16
+/// let attn = FlashAttn::new().fp8_descales(&s, &s, &s);
+/// let a = attn.forward(&q8, &k8, &v8)?;
+/// let b = attn.clone().fp8_v_transposed().forward(&q8, &k8, &vt)?;
+/// let diff = (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.max_all()?;
+/// assert_eq!(diff.to_scalar::<f32>()?, 0.0);
 /// # Ok(()) }
 /// ```
 ///
-/// Errors: `v` not rank 3 or 4.
-pub fn key_major(v: &Tensor) -> Result<Tensor> {
-    let (to, back): (&[usize], &[usize]) = match v.rank() {
-        4 => (&[0, 2, 3, 1], &[0, 3, 1, 2]),
-        3 => (&[1, 2, 0], &[2, 0, 1]),
-        r => bail!(
-            "v: expected (batch, seq, heads, head_dim) or packed (total, heads, head_dim), got \
-             rank {r} of shape {:?}",
+/// Errors: `v` not F8E4M3 of rank 4; on CUDA, a strided `v` (candle-core 0.11.1 cannot copy
+/// strided F8E4M3 there: pass it contiguous).
+pub fn fp8_v_transposed(v: &Tensor) -> Result<Tensor> {
+    let (b, s, h, d) = v.dims4().map_err(|_| {
+        candle::Error::Msg(format!(
+            "v: expected F8E4M3 (batch, seqlen_k, num_heads_k, head_dim), got shape {:?}",
             v.dims()
-        ),
-    };
-    let keys = v.dim(v.rank() - 3)?;
-    let last = v.rank() - 1;
-    let pad = keys.next_multiple_of(16) - keys;
+        ))
+    })?;
+    if v.dtype() != DType::F8E4M3 {
+        bail!("v: expected dtype F8E4M3, got {:?}", v.dtype())
+    }
+    let keys = s.next_multiple_of(16);
+    let order = Tensor::new(&V_ORDER, v.device())?;
     let store = |t: &Tensor| -> Result<Tensor> {
-        let t = t.permute(to)?.contiguous()?;
-        if pad == 0 {
-            Ok(t)
+        let t = t.permute((0, 2, 3, 1))?.contiguous()?;
+        let t = if keys == s {
+            t
         } else {
-            t.pad_with_zeros(last, 0, pad)
-        }
+            t.pad_with_zeros(3, 0, keys - s)?
+        };
+        t.reshape((b, h, d, keys / 16, 16))?
+            .index_select(&order, 4)?
+            .reshape((b, h, d, keys))
     };
-    let stored = if e4m3_on_cuda(v) {
-        requantize(&store(&widen(v, "v")?)?)?
+    if e4m3_on_cuda(v) {
+        requantize(&store(&widen(v, "v")?)?)
     } else {
-        store(v)?
+        store(&v.to_dtype(DType::F32)?)?.to_dtype(DType::F8E4M3)
+    }
+}
+
+/// [`fp8_v_transposed`]'s inverse for `seqlen_k` keys: `(batch, seqlen_k, num_heads_k,
+/// head_dim)` contiguous (the CPU path's V).
+pub(crate) fn fp8_v_untransposed(vt: &Tensor, seqlen_k: usize) -> Result<Tensor> {
+    let (b, h, d, keys) = vt.dims4()?;
+    let position = Tensor::new(&V_POSITION, vt.device())?;
+    let natural = |t: &Tensor| -> Result<Tensor> {
+        t.reshape((b, h, d, keys / 16, 16))?
+            .index_select(&position, 4)?
+            .reshape((b, h, d, keys))?
+            .narrow(3, 0, seqlen_k)?
+            .permute((0, 3, 1, 2))?
+            .contiguous()
     };
-    stored.narrow(last, 0, keys)?.permute(back)
+    if e4m3_on_cuda(vt) {
+        requantize(&natural(&widen(vt, "v")?)?)
+    } else {
+        natural(&vt.to_dtype(DType::F32)?)?.to_dtype(DType::F8E4M3)
+    }
 }
 
 /// F8E4M3 on CUDA, whose strided copies candle-core 0.11.1 cannot make (its copy looks up
