@@ -173,7 +173,7 @@ impl Bench {
             "fp8 vt TF"
         );
         use candle_flash::quant::{
-            fp8_scales, key_major, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS,
+            fp8_scales, fp8_v_transposed, quantize_fp8, Fp8Scaling, FP8_BLOCK_ROWS,
         };
         let dev = self.dev.clone();
         let scaling = if std::env::var("CANDLE_FLASH_BENCH_FP8_BLOCKS").is_ok_and(|v| v == "1") {
