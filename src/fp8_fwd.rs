@@ -331,6 +331,10 @@ impl CustomOp3 for OpHandle {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = &self.0;
+        if op.v_transposed {
+            // `forward` undoes the transposition before a CPU call reaches the op.
+            bail!("v: a transposed V on the CPU op; call FlashAttn::forward")
+        }
         let q = cpu::gather_e4m3(s1, l1)?;
         let k = cpu::gather_e4m3(s2, l2)?;
         let v = cpu::gather_e4m3(s3, l3)?;
