@@ -20,8 +20,8 @@ use crate::table::{Bounds, Family, File, Mods, Tile, Variant, CATALOGUE};
 /// The probe's device array, read back from its PTX.
 const ARRAY: &str = "candle_flash_geometry";
 /// Numbers per row in the probe: threads, shared memory, bm, bn, stages, q_stages, o_staged,
-/// splits, min_blocks.
-const FIELDS: usize = 9;
+/// splits, min_blocks, vt_panel_keys.
+const FIELDS: usize = 10;
 
 const DTYPES: [(&str, &str, &str); 2] = [
     ("f16", "__half", "CANDLE_FLASH_ONLY_BF16"),
@@ -388,8 +388,18 @@ fn geometry_exprs(v: &Variant) -> [String; FIELDS] {
             "1".into(),
         ),
     };
+    let vt_panel_keys = if v.vt { c("VT_PANEL_KEYS") } else { zero() };
     [
-        threads, smem, bm, bn, stages, q_stages, o_staged, splits, min_blocks,
+        threads,
+        smem,
+        bm,
+        bn,
+        stages,
+        q_stages,
+        o_staged,
+        splits,
+        min_blocks,
+        vt_panel_keys,
     ]
 }
 
@@ -428,8 +438,9 @@ fn check(rows: &[Variant]) -> anyhow::Result<()> {
             "a KV-cache family or the plain warp-specialized forward for e4m3 operands",
         )?;
         needs(
-            !v.vt || (v.family == Family::FwdWs && v.fp8 && v.bn % 32 == 0),
-            "the FP8 warp-specialized forward (whole k32 steps) for key-major V",
+            !v.vt || (v.family == Family::FwdWs && v.fp8 && !v.packed && v.bn % 32 == 0),
+            "the FP8 warp-specialized forward (fixed-length batches, whole k32 steps) for \
+             key-major V",
         )?;
         let free = matches!(
             v.family,
@@ -573,7 +584,7 @@ fn rust_table(geometry: &[[u64; FIELDS]]) -> anyhow::Result<String> {
         writeln!(
             s,
             "    Geometry {{ threads: {}, smem: {}, bm: {}, bn: {}, stages: {}, q_stages: {}, \
-             o_staged: {}, splits: {}, min_blocks: {} }},",
+             o_staged: {}, splits: {}, min_blocks: {}, vt_panel_keys: {} }},",
             g[0],
             g[1],
             g[2],
@@ -582,7 +593,8 @@ fn rust_table(geometry: &[[u64; FIELDS]]) -> anyhow::Result<String> {
             g[5],
             g[6] != 0,
             g[7],
-            g[8]
+            g[8],
+            g[9]
         )?;
     }
     s.push_str("];\n");

@@ -44,6 +44,7 @@ fn stem(op: Op) -> (&'static str, usize) {
         Op::SinksGrad => ("train_sinks_grad", 1),
         Op::Fp8Quantize => ("train_fp8_quantize", 1),
         Op::Fp8Dequantize => ("train_fp8_dequantize", 1),
+        Op::Fp8Copy => ("train_fp8_copy", 0),
     }
 }
 

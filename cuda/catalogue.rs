@@ -459,16 +459,13 @@ pub const CATALOGUE: &[Variant] = &[
     // (WsTraits::O_ROUNDS), V^T's last 96 keys in a panel of each slot's own (VT_OWN).
     fwd_ws(256, 96, 2, 2).fp8(),
     fwd_ws(256, 96, 2, 2).packed().fp8(),
-    // E4M3 q, k, v with V given transposed (FlashAttn::fp8_v_transposed): V^T's tiles copied
-    // as they are, in 64-key panels (32 at 96 keys), no transposing warps.
+    // E4M3 q, k, v with V given transposed (FlashAttn::fp8_v_transposed, fixed-length
+    // batches): V^T's tiles copied as they are, in 64-key panels (32 at 96 keys), no
+    // transposing warps.
     fwd_ws(128, 128, 2, 2).fp8().vt(),
     fwd_ws(128, 192, 2, 2).fp8().vt(),
-    fwd_ws(128, 128, 2, 2).packed().fp8().vt(),
-    fwd_ws(128, 192, 2, 2).packed().fp8().vt(),
     fwd_ws(256, 64, 2, 2).fp8().vt(),
     fwd_ws(256, 96, 2, 2).fp8().vt(),
-    fwd_ws(256, 64, 2, 2).packed().fp8().vt(),
-    fwd_ws(256, 96, 2, 2).packed().fp8().vt(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and

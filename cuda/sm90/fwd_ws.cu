@@ -214,9 +214,10 @@ struct WsTraits {
     // causal (docs/archive/PERF.md, "240 consumer registers in the d 128 forward"). The mods
     // and block-mask producers spill at 24, d = 256's below 40.
     // FP8: the producer warpgroup's transposing warps (two ldmatrix units in flight) keep 40
-    // like the two-warpgroup producers, the consumers 232.
+    // like the two-warpgroup producers, the consumers 232. The `_vt` producers transpose
+    // nothing and keep 24 at d = 256 too, where 232 spilled 28 bytes of the 96-key consumers.
     static constexpr bool LEAN_PRODUCER =
-        CONSUMERS == 2 && MODS == MODS_NONE && D == 128 && !TRANSPOSE;
+        CONSUMERS == 2 && MODS == MODS_NONE && (D == 128 || VT_GLOBAL) && !TRANSPOSE;
     static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
     static constexpr int CONSUMER_REGS = LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
     // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.

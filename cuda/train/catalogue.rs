@@ -68,6 +68,9 @@ pub enum Op {
     Fp8Quantize,
     /// e4m3 bytes times their scale, `(y)`.
     Fp8Dequantize,
+    /// A strided tensor of e4m3 bytes copied into a contiguous one (`quant.cuh`,
+    /// src/layout.rs).
+    Fp8Copy,
 }
 
 /// An element type a kernel is instantiated for.
@@ -150,6 +153,7 @@ pub const TRAIN_CATALOGUE: &[(Op, &[Dtypes])] = &[
     (Op::SinksGrad, HALVES),
     (Op::Fp8Quantize, EACH),
     (Op::Fp8Dequantize, EACH),
+    (Op::Fp8Copy, UNTYPED),
 ];
 
 impl Dtypes {

@@ -47,4 +47,22 @@ __device__ void fp8_dequantize(const uint8_t* __restrict__ q, T* __restrict__ y,
   }
 }
 
+// dst[i] = the byte at the strided position of contiguous index i of a (d0, d1, d2, d3)
+// tensor with element strides s0..s3. candle-core 0.11.1 cannot make this copy of an F8E4M3
+// tensor on CUDA: it looks up `ucopy_f8e4m3`, a name its kernels do not have.
+__device__ void fp8_copy(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, int64_t n,
+                         int64_t d1, int64_t d2, int64_t d3, int64_t s0, int64_t s1, int64_t s2,
+                         int64_t s3) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t r = i;
+    const int64_t i3 = r % d3;
+    r /= d3;
+    const int64_t i2 = r % d2;
+    r /= d2;
+    const int64_t i1 = r % d1;
+    dst[i] = src[(r / d1) * s0 + i1 * s1 + i2 * s2 + i3 * s3];
+  }
+}
+
 }  // namespace train

@@ -169,5 +169,12 @@ using f32 = float;
                                   int d, int h, int s, int block_rows, int mode) {           \
     train::fp8_dequantize(q, y, scales, n, d, h, s, block_rows, mode);                       \
   }
+// A strided rank-4 tensor of e4m3 bytes into a contiguous one (src/layout.rs).
+#define TRAIN_FP8_COPY(NAME)                                                                 \
+  extern "C" __global__ void NAME(const uint8_t* src, uint8_t* dst, int64_t n, int64_t d1,   \
+                                  int64_t d2, int64_t d3, int64_t s0, int64_t s1,            \
+                                  int64_t s2, int64_t s3) {                                  \
+    train::fp8_copy(src, dst, n, d1, d2, d3, s0, s1, s2, s3);                                \
+  }
 
 #include "instances/train.inc"

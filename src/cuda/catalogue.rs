@@ -32,6 +32,8 @@ pub(crate) struct Geometry {
     pub splits: u32,
     /// Blocks per SM its launch bounds ask ptxas for (0: none).
     pub min_blocks: u32,
+    /// Keys per swizzled panel of a V given transposed (the FP8 `_vt` kernels; 0: V is not).
+    pub vt_panel_keys: u32,
 }
 
 include!(concat!(env!("OUT_DIR"), "/catalogue.rs"));

@@ -79,30 +79,22 @@ impl TileSource {
     }
 }
 
-/// A transposed V (`FlashAttn::fp8_v_transposed`): its stored keys and the element strides of
-/// a head-dim row, a head and a batch.
+/// V given transposed (`FlashAttn::fp8_v_transposed`): `(batch, heads_k, head_dim, keys)`,
+/// e4m3, keys contiguous, at the parameter block's `v`.
 pub(super) struct TransposedV {
+    /// Stored keys: seqlen_k rounded up to 16.
     pub keys: usize,
-    pub strides: [i64; 3],
-}
-
-/// V stored key-major for the FP8 `_vt` kernels: (batch, heads, head_dim, keys), keys
-/// contiguous, e4m3.
-pub(super) struct KeyMajorSource {
-    pub ptr: sys::CUdeviceptr,
-    pub b: usize,
-    pub keys: usize,
-    pub heads: usize,
-    pub d: usize,
     /// Element strides of a head-dim row, a head and a batch.
     pub strides: [i64; 3],
 }
 
-impl KeyMajorSource {
-    /// A tensor map copying boxes of `panel_keys` keys (64 or 32) x d rows, swizzled at that
-    /// width (the layout `load_vt_tile` in cuda/sm90/tma.cuh reads), zero past the keys'
-    /// extent; `None` where TMA cannot address the tensor.
-    pub fn encode(&self, panel_keys: usize) -> Option<TmaDesc> {
+impl TransposedV {
+    /// A tensor map over `a`'s V (`b` batches) copying boxes of `panel_keys` keys (64 or 32)
+    /// x d rows, swizzled at that width (the layout `load_vt_tile` in cuda/sm90/tma.cuh
+    /// reads); `None` where TMA cannot address the tensor. Every stored key is in the map,
+    /// padding included: the keys of each 16 are permuted, so the last 16 mix keys before
+    /// and past seqlen_k (the padding is zeros).
+    fn encode(&self, a: &AttnParams, b: usize, panel_keys: u32) -> Option<TmaDesc> {
         use sys::CUtensorMapSwizzle as Swizzle;
         let swizzle = match panel_keys {
             64 => Swizzle::CU_TENSOR_MAP_SWIZZLE_64B,
@@ -110,11 +102,11 @@ impl KeyMajorSource {
             _ => return None,
         };
         encode_4d(
-            self.ptr,
+            a.v,
             DType::F8E4M3,
-            [self.keys, self.d, self.heads, self.b],
+            [self.keys, a.d as usize, a.h_k as usize, b],
             self.strides,
-            [panel_keys as u32, self.d as u32],
+            [panel_keys, a.d as u32],
             swizzle,
         )
     }
@@ -261,17 +253,7 @@ pub(super) fn fwd_params(
         k: source(a.k, dtype, rows_k, a.h_k, k).encode(bn)?,
         v: match v_transposed {
             None => source(a.v, dtype, rows_k, a.h_k, v).encode(bn)?,
-            // Every stored key, padding included: the keys of each 16 are permuted, so the
-            // last 16 mix keys before and past seqlen_k (the padding is zeros).
-            Some(t) => KeyMajorSource {
-                ptr: a.v,
-                b,
-                keys: t.keys,
-                heads: a.h_k as usize,
-                d: a.d as usize,
-                strides: t.strides,
-            }
-            .encode(if bn % 64 == 0 { 64 } else { 32 })?,
+            Some(t) => t.encode(a, b, g.vt_panel_keys)?,
         },
         // Each consumer warpgroup stores its own 64 rows.
         o: source(a.o, out_dtype, rows_q, a.h, o).encode(64)?,

@@ -1,10 +1,14 @@
 //! The FP8 conversions on CUDA (`cuda/train/quant.cuh`): candle-core 0.11.1's own casts to
 //! and from F8E4M3 fail on CUDA (it asks for `cast_f32_f8e4m3`, its kernels are named
 //! `cast_f32_f8_e4m3`), so [`super::quantize_fp8`] and [`super::dequantize_fp8`] launch these.
+//! Its strided copy of F8E4M3 fails the same way (`ucopy_f8e4m3` for `ucopy_f8_e4m3`), so
+//! [`copy_e4m3`] makes it for `crate::layout`.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
-use candle::{bail, CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle::{
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor,
+};
 use float8::F8E4M3;
 
 use super::Fp8Scaling;
@@ -41,7 +45,55 @@ pub(super) fn cast(
         scaling,
         dims,
     };
-    x.contiguous()?.apply_op2_no_bwd(&scales.contiguous()?, &op)
+    crate::layout::contiguous(x)?.apply_op2_no_bwd(&scales.contiguous()?, &op)
+}
+
+/// A contiguous copy of an F8E4M3 tensor of rank 1 to 4 on CUDA, at offset 0.
+pub(crate) fn copy_e4m3(x: &Tensor) -> Result<Tensor> {
+    x.apply_op1_no_bwd(&Fp8Copy)
+}
+
+struct Fp8Copy;
+
+impl CustomOp1 for Fp8Copy {
+    fn name(&self) -> &'static str {
+        "fp8-copy"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("fp8-copy: the CPU copies with candle's own copy, not this op")
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> Result<(CudaStorage, Shape)> {
+        let rank = xl.dims().len();
+        if !(1..=4).contains(&rank) {
+            bail!("fp8-copy: expected a tensor of rank 1 to 4, got rank {rank}")
+        }
+        // Rank 4 with leading extents of 1 (their strides are never stepped over).
+        let mut dims = [1usize; 4];
+        let mut strides = [0i64; 4];
+        dims[4 - rank..].copy_from_slice(xl.dims());
+        for (s, &t) in strides[4 - rank..].iter_mut().zip(xl.stride()) {
+            *s = t as i64;
+        }
+        let n = xl.shape().elem_count();
+        let dev = x.device().clone();
+        let stream = dev.cuda_stream();
+        // SAFETY: the kernel writes every element.
+        let mut out = unsafe { dev.alloc::<F8E4M3>(n.max(1))? };
+        if n > 0 {
+            let name = TrainKernel::name(Op::Fp8Copy, &[])?;
+            let src = x.as_cuda_slice::<F8E4M3>()?.slice(xl.start_offset()..);
+            let (sp, _s) = src.device_ptr(&stream);
+            let (dp, _d) = out.device_ptr_mut(&stream);
+            let mut args = vec![Arg::Ptr(sp), Arg::Ptr(dp), Arg::I64(n as i64)];
+            args.extend(dims[1..].iter().map(|&d| Arg::I64(d as i64)));
+            args.extend(strides.map(Arg::I64));
+            let blocks = launch::stride_blocks(&dev, n, 256)?;
+            launch::launch(&dev, name, blocks, 256, &args)?;
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+    }
 }
 
 fn dims4(x: &Tensor) -> Result<[usize; 4]> {

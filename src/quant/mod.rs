@@ -38,6 +38,8 @@ use candle::{bail, DType, Result, Tensor};
 mod hadamard;
 #[cfg(feature = "cuda")]
 mod kernel;
+#[cfg(feature = "cuda")]
+pub(crate) use kernel::copy_e4m3;
 
 pub use hadamard::{hadamard, MAX_HADAMARD_DIM};
 
@@ -268,23 +270,19 @@ pub(crate) fn fp8_v_untransposed(vt: &Tensor, seqlen_k: usize) -> Result<Tensor>
     }
 }
 
-/// F8E4M3 on CUDA, whose strided copies candle-core 0.11.1 cannot make (its copy looks up
-/// `ucopy_f8e4m3`; candle-kernels names it `ucopy_f8_e4m3`): such tensors are moved through
-/// F16 with this crate's casts, exactly (every e4m3 value is an f16, and quantizing it again
-/// with scale 1 gives the same byte).
+/// F8E4M3 on CUDA, which candle-core 0.11.1 can neither cast nor copy strided (it looks up
+/// `ucopy_f8e4m3` where candle-kernels has `ucopy_f8_e4m3`): plain copies go through
+/// `crate::layout::contiguous_copy`; the helpers above that permute, pad and gather move the
+/// values through F16 with this crate's casts, exactly (every e4m3 value is an f16, and
+/// quantizing it again with scale 1 gives the same byte).
 pub(crate) fn e4m3_on_cuda(x: &Tensor) -> bool {
     x.dtype() == DType::F8E4M3 && x.device().is_cuda()
 }
 
-/// A contiguous F8E4M3 tensor of rank 3 or 4 as F16 (scale 1). `name` names it in errors.
+/// An F8E4M3 tensor of rank 3 or 4 as a contiguous F16 one (scale 1). `name` names it in
+/// errors.
 pub(crate) fn widen(x: &Tensor, name: &str) -> Result<Tensor> {
-    if !x.is_contiguous() {
-        bail!(
-            "{name}: a strided F8E4M3 tensor on CUDA (strides {:?}), which candle-core 0.11.1 \
-             cannot copy; pass it contiguous",
-            x.stride()
-        )
-    }
+    let x = &crate::layout::contiguous(x)?;
     let one = Tensor::ones(1, DType::F32, x.device())?;
     match x.rank() {
         4 => dequantize_fp8(x, &one, Fp8Scaling::PerTensor, DType::F16),

@@ -60,6 +60,15 @@ fn per(per_head: bool) -> Fp8Scaling {
     }
 }
 
+/// Random q `(b, s, h, d)`, k and v `(b, s, hk, d)`, quantized per head.
+fn random_qkv(
+    dev: &Device,
+    (b, s, h, hk, d): (usize, usize, usize, usize, usize),
+) -> Result<[Quantized; 3]> {
+    let x = |heads| quantize(&randn(&[b, s, heads, d], DType::F32, dev)?, per(true));
+    Ok([x(h)?, x(hk)?, x(hk)?])
+}
+
 /// Standard normal `(b, s, h, d)` whose blocks of 128 rows differ in magnitude (x 1/2, 1, 2,
 /// 4 in turn), so that per-block factors differ between key tiles and O's rescaling by their
 /// ratios (sm90/fwd_ws.cu: exp_scores) matters.
@@ -296,9 +305,7 @@ fn transposed_case(dev: &Device) -> Result<()> {
         (1, 113, 4, 2, 128, true),
         (2, 300, 4, 2, 256, true),
     ] {
-        let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
-        let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
-        let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
+        let [q, k, v] = random_qkv(dev, (b, s, h, hk, d))?;
         let attn = FlashAttn::new()
             .causal(causal)
             .fp8_descales(&q.descale, &k.descale, &v.descale);
@@ -309,6 +316,48 @@ fn transposed_case(dev: &Device) -> Result<()> {
         if diff != 0.0 {
             candle::bail!("b{b} s{s} h{h}/{hk} d{d} causal={causal}: differs by {diff}")
         }
+    }
+    Ok(())
+}
+
+/// Strided e4m3 views that TMA cannot read in place (columns 8.. of a wider tensor: a start
+/// 8 bytes past 16) give the contiguous inputs' output bit for bit, through the crate's own
+/// byte copy (candle-core 0.11.1's strided F8E4M3 copy fails on CUDA); so do the
+/// dequantization and the transposed-V helper of such a view.
+fn strided_case(dev: &Device) -> Result<()> {
+    let (b, s, h, d) = (2, 300, 4, 128);
+    let wide = randn(&[b, s, 3 * h, d + 8], DType::F32, dev)?;
+    let descale = fp8_scales(&wide, Fp8Scaling::PerTensor)?;
+    let wide8 = quantize_fp8(&wide, &descale, Fp8Scaling::PerTensor)?;
+    let view = |i: usize, t: &Tensor| t.narrow(2, i * h, h)?.narrow(3, 8, d);
+    let mut strided = vec![];
+    let mut packed = vec![];
+    for i in 0..3 {
+        strided.push(view(i, &wide8)?);
+        let part = view(i, &wide)?.contiguous()?;
+        packed.push(quantize_fp8(&part, &descale, Fp8Scaling::PerTensor)?);
+    }
+    let back = |t: &Tensor| dequantize_fp8(t, &descale, Fp8Scaling::PerTensor, DType::F32);
+    let diff = max_abs_diff(&back(&strided[0])?, &back(&packed[0])?)?;
+    if diff != 0.0 {
+        candle::bail!("dequantize_fp8 of a strided view differs by {diff}")
+    }
+    let attn = FlashAttn::new()
+        .causal(true)
+        .fp8_descales(&descale, &descale, &descale);
+    let want = attn.forward(&packed[0], &packed[1], &packed[2])?;
+    let got = attn.forward(&strided[0], &strided[1], &strided[2])?;
+    let diff = max_abs_diff(&want, &got)?;
+    if diff != 0.0 {
+        candle::bail!("strided q, k, v: the output differs by {diff}")
+    }
+    let vt = fp8_v_transposed(&strided[2])?;
+    let got = attn
+        .fp8_v_transposed()
+        .forward(&packed[0], &packed[1], &vt)?;
+    let diff = max_abs_diff(&want, &got)?;
+    if diff != 0.0 {
+        candle::bail!("V transposed from a strided view: the output differs by {diff}")
     }
     Ok(())
 }
@@ -374,9 +423,7 @@ fn padded_case(dev: &Device) -> Result<()> {
         })
         .collect();
     let pad = candle_flash::Padding::from_mask(&Tensor::from_vec(mask.clone(), (b, s), dev)?)?;
-    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
-    let k = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
-    let v = quantize(&randn(&[b, s, hk, d], DType::F32, dev)?, per(true))?;
+    let [q, k, v] = random_qkv(dev, (b, s, h, hk, d))?;
     let opts = FlashAttn::new()
         .causal(true)
         .fp8_descales(&q.descale, &k.descale, &v.descale);
@@ -410,9 +457,7 @@ fn padded_case(dev: &Device) -> Result<()> {
 /// q's doubles the scores (the same as a doubled softmax scale).
 fn descale_case(dev: &Device) -> Result<()> {
     let (b, s, h, d) = (1, 300, 4, 128);
-    let q = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
-    let k = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
-    let v = quantize(&randn(&[b, s, h, d], DType::F32, dev)?, per(true))?;
+    let [q, k, v] = random_qkv(dev, (b, s, h, h, d))?;
     let run = |qd: &Tensor, vd: &Tensor, softmax_scale: f32| {
         FlashAttn::new()
             .softmax_scale(softmax_scale)
@@ -578,6 +623,7 @@ pub(crate) fn run(dev: &Device, quick: bool, suite: &mut Suite) {
     suite.record("fp8fwd block = head", block_equals_head_case(dev));
     suite.record("fp8fwd transposed v = v", transposed_case(dev));
     suite.record("fp8fwd padded", padded_case(dev));
+    suite.record("fp8fwd strided views", strided_case(dev));
     suite.record("fp8fwd descales", descale_case(dev));
     suite.record("fp8fwd errors", error_cases(dev));
     // The same call on the CPU (the op's reference implementation) and on the device agree
