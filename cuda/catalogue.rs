@@ -466,6 +466,7 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(128, 192, 2, 2).fp8().vt(),
     fwd_ws(256, 64, 2, 2).fp8().vt(),
     fwd_ws(256, 96, 2, 2).fp8().vt(),
+    fwd_ws(256, 128, 2, 2).fp8().vt(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block
     // mask) and dQ kernels, up to 128 the fused dK/dV/dQ kernel (64 keys over 4 warps) and

@@ -55,6 +55,10 @@ const FP8_NARROW_MAX_KEYS: usize = 512;
 /// that many keys instead of the widest where it fits (A/B runs). `vt`: V stored key-major
 /// (the `_vt` kernels, which copy V^T as it is instead of transposing V).
 fn kernel(d: usize, sk: usize, packed: bool, kv_blocks: bool, vt: bool) -> Result<Kernel> {
+    if packed && vt {
+        // FlashAttn::forward refuses the option on packed batches before any launch.
+        bail!("v: a transposed V takes fixed-length batches only (no FP8 kernel reads it packed)")
+    }
     let forced = overrides().ws_shape.as_str();
     let narrowest = forced == "base" || sk <= FP8_NARROW_MAX_KEYS;
     let forced_bn: Option<u16> = forced.strip_prefix('n').and_then(|n| n.parse().ok());
@@ -279,6 +283,9 @@ mod tests {
                         "d {d}, {sk} keys, packed {packed}, per-block {kv_blocks}, vt {vt}"
                     );
                     match kernel(d, sk, packed, kv_blocks, vt) {
+                        Err(e) if packed && vt => {
+                            assert!(e.to_string().contains("fixed-length"), "{what}: {e}")
+                        }
                         Ok(k) => {
                             let (v, g) = (k.variant(), k.geometry());
                             assert!(
@@ -291,6 +298,9 @@ mod tests {
                                 !kv_blocks || FP8_BLOCK_ROWS.is_multiple_of(bn),
                                 "{what}: {bn} keys"
                             );
+                            let panel = g.vt_panel_keys as usize;
+                            assert_eq!(panel != 0, vt, "{what}: panel {panel}");
+                            assert!(panel == 0 || bn.is_multiple_of(panel), "{what}: {panel}");
                         }
                         Err(e) => {
                             assert!(!compiled(d), "{what}: {e}");
