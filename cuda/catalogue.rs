@@ -460,12 +460,12 @@ pub const CATALOGUE: &[Variant] = &[
     fwd_ws(256, 96, 2, 2).fp8(),
     fwd_ws(256, 96, 2, 2).packed().fp8(),
     // E4M3 q, k, v with V given transposed (FlashAttn::fp8_v_transposed, fixed-length
-    // batches): V^T's tiles copied as they are, in 64-key panels (32 at 96 keys), no
-    // transposing warps.
+    // batches): V^T's tiles copied as they are, in 64-key panels, no transposing warps. With
+    // no transposer d = 256 has room for 128-key tiles that keep S and P V in flight
+    // together (the transposing kernels stop at 96).
     fwd_ws(128, 128, 2, 2).fp8().vt(),
     fwd_ws(128, 192, 2, 2).fp8().vt(),
     fwd_ws(256, 64, 2, 2).fp8().vt(),
-    fwd_ws(256, 96, 2, 2).fp8().vt(),
     fwd_ws(256, 128, 2, 2).fp8().vt(),
     // sm80/bwd.cu: dsum and the wgmma backward's dQ conversion (any head dim; their block
     // size is the launcher's), then per head dim the deterministic dK/dV (also under a block

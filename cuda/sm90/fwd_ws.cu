@@ -215,7 +215,8 @@ struct WsTraits {
     // and block-mask producers spill at 24, d = 256's below 40.
     // FP8: the producer warpgroup's transposing warps (two ldmatrix units in flight) keep 40
     // like the two-warpgroup producers, the consumers 232. The `_vt` producers transpose
-    // nothing and keep 24 at d = 256 too, where 232 spilled 28 bytes of the 96-key consumers.
+    // nothing and keep 24 at d = 256 too: 240 leave the 128-key consumers 32 bytes of spill
+    // (the 96-key ones spilled 28 at 232, none at 240).
     static constexpr bool LEAN_PRODUCER =
         CONSUMERS == 2 && MODS == MODS_NONE && (D == 128 || VT_GLOBAL) && !TRANSPOSE;
     static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;

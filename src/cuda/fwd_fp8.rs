@@ -44,7 +44,10 @@ pub(crate) fn fwd_fp8(
 /// constant-offset FP8 transposer"). d = 256 takes the same rule between its 64- and
 /// 96-key tiles: the 96-key kernel ran 1.06-1.21x the 64-key one non-causal from 1k keys,
 /// causal 0.99x at 1k and 1.09-1.20x from 2k, level at 512 (H200, two alternated rounds;
-/// docs/archive/PERF.md, "the FP8 forward's wider key tiles measured").
+/// docs/archive/PERF.md, "the FP8 forward's wider key tiles measured"). With V given
+/// transposed, d = 256's widest tile is 128 keys: 1.02-1.06x the 96-key `_vt` kernel from 2k
+/// keys, causal or not, 0.97x at 1k non-causal and level causal (H100, two alternated rounds;
+/// docs/archive/PERF.md, session 74).
 const FP8_NARROW_MAX_KEYS: usize = 512;
 
 /// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest
@@ -246,18 +249,21 @@ mod tests {
             192
         );
         assert!(kernel(64, 4096, false, false, false).is_err());
-        // Key-major V: the same tiles, on the `_vt` kernels.
-        for (d, sk, packed, kv_blocks, want) in [
-            (128, 4096, false, false, 192),
-            (128, 4096, true, true, 128),
-            (128, 512, false, false, 128),
-            (256, 4096, false, false, 96),
-            (256, 4096, false, true, 64),
+        // Key-major V: the same tiles at d = 128, 128 keys at d = 256 past 512 (with per-block
+        // descales too); fixed-length batches only.
+        for (d, sk, kv_blocks, want) in [
+            (128, 4096, false, 192),
+            (128, 4096, true, 128),
+            (128, 512, false, 128),
+            (256, 512, false, 64),
+            (256, 4096, false, 128),
+            (256, 4096, true, 128),
         ] {
-            let v = kernel(d, sk, packed, kv_blocks, true).unwrap().variant();
-            assert!(v.vt && v.packed == packed, "d {d}: {v:?}");
+            let v = kernel(d, sk, false, kv_blocks, true).unwrap().variant();
+            assert!(v.vt && !v.packed, "d {d}: {v:?}");
             assert_eq!(v.bn, want, "d {d}, {sk} keys, per-block {kv_blocks}");
         }
+        assert!(kernel(128, 4096, true, false, true).is_err());
     }
 
     /// Every FP8 problem at a head dim with FP8 kernels has one, for every key count, packed

@@ -294,14 +294,17 @@ fn quantize_by_sequence(x: &Tensor, lens: &[usize]) -> Result<Quantized> {
 }
 
 /// A transposed V (copied as V^T tiles, no transpose in the kernel) gives the transposing
-/// kernels' output bit for bit: the same tiles, the same P, the same V^T in shared memory in
-/// another swizzle.
+/// kernels' output bit for bit where both take the same key tiles (the same P, the same V^T
+/// in shared memory in another swizzle): d = 128, and d = 256 up to 512 keys. Past that the
+/// `_vt` kernel's 128-key tiles take the rows' running maxima over other key groups than the
+/// transposing kernel's 96, so P rounds to e4m3 otherwise; the grid checks them against the
+/// reference.
 fn transposed_case(dev: &Device) -> Result<()> {
     for &(b, s, h, hk, d, causal) in &[
         (2, 1023, 4, 1, 128, false),
         (1, 2048, 4, 4, 128, true),
-        (2, 700, 4, 2, 256, false),
-        (1, 1500, 2, 2, 256, true),
+        (2, 512, 4, 2, 256, false),
+        (1, 500, 2, 2, 256, true),
         (1, 113, 4, 2, 128, true),
         (2, 300, 4, 2, 256, true),
     ] {
