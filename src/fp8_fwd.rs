@@ -148,7 +148,12 @@ pub(crate) fn forward(
 /// A transposed V ([`FlashAttn::fp8_v_transposed`]): `(batch, num_heads_k, head_dim,
 /// seqlen_k rounded up to 16)` on k's device, contiguous.
 fn check_transposed_v(v: &Tensor, shape: &AttnShape) -> Result<()> {
-    let want = [shape.b, shape.hk, shape.d, shape.sk.next_multiple_of(16)];
+    let want = [
+        shape.b,
+        shape.hk,
+        shape.d,
+        crate::quant::fp8_v_transposed_keys(shape.sk),
+    ];
     if v.dims() != want || !v.is_contiguous() {
         bail!(
             "v: with fp8_v_transposed, V must be contiguous of shape {want:?} (batch, \

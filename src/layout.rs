@@ -39,7 +39,8 @@ pub(crate) fn contiguous_aligned(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `Tensor::contiguous` for every dtype: see [`contiguous_copy`].
+/// `Tensor::contiguous` for every dtype: see [`contiguous_copy`] (the CUDA FP8 casts').
+#[cfg(feature = "cuda")]
 pub(crate) fn contiguous(t: &Tensor) -> Result<Tensor> {
     if t.is_contiguous() {
         Ok(t.clone())

@@ -47,7 +47,7 @@ pub(crate) fn fwd_fp8(
 /// docs/archive/PERF.md, "the FP8 forward's wider key tiles measured"). With V given
 /// transposed, d = 256's widest tile is 128 keys: 1.02-1.06x the 96-key `_vt` kernel from 2k
 /// keys, causal or not, 0.97x at 1k non-causal and level causal (H100, two alternated rounds;
-/// docs/archive/PERF.md, session 74).
+/// docs/archive/PERF.md, "d 256 with V transposed on 128-key tiles").
 const FP8_NARROW_MAX_KEYS: usize = 512;
 
 /// The FP8 kernel for head dim `d` (packed batches or not) over `sk` keys (the longest

@@ -188,7 +188,21 @@ pub fn fp8_scales(x: &Tensor, scaling: Fp8Scaling) -> Result<Tensor> {
 /// at the e4m3 wgmma's positions 4t..4t + 3 (cuda/sm90/wgmma_fp8.cuh); V^T's keys follow.
 const V_ORDER: [u32; 16] = [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15];
 /// `V_ORDER`'s inverse: key `k` is stored at position `V_POSITION[k]`.
-const V_POSITION: [u32; 16] = [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15];
+const V_POSITION: [u32; 16] = {
+    let mut position = [0u32; 16];
+    let mut p = 0;
+    while p < 16 {
+        position[V_ORDER[p] as usize] = p as u32;
+        p += 1;
+    }
+    position
+};
+
+/// The keys a transposed V stores for `seqlen_k` ([`fp8_v_transposed`]): rounded up to
+/// whole groups of 16.
+pub(crate) fn fp8_v_transposed_keys(seqlen_k: usize) -> usize {
+    seqlen_k.next_multiple_of(V_ORDER.len())
+}
 
 /// An F8E4M3 `v` `(batch, seqlen_k, num_heads_k, head_dim)` transposed for
 /// [`crate::FlashAttn::fp8_v_transposed`]: `(batch, num_heads_k, head_dim, keys)` contiguous,
@@ -218,8 +232,7 @@ const V_POSITION: [u32; 16] = [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14,
 /// # Ok(()) }
 /// ```
 ///
-/// Errors: `v` not F8E4M3 of rank 4; on CUDA, a strided `v` (candle-core 0.11.1 cannot copy
-/// strided F8E4M3 there: pass it contiguous).
+/// Errors: `v` not F8E4M3 of rank 4.
 pub fn fp8_v_transposed(v: &Tensor) -> Result<Tensor> {
     let (b, s, h, d) = v.dims4().map_err(|_| {
         candle::Error::Msg(format!(
@@ -230,7 +243,7 @@ pub fn fp8_v_transposed(v: &Tensor) -> Result<Tensor> {
     if v.dtype() != DType::F8E4M3 {
         bail!("v: expected dtype F8E4M3, got {:?}", v.dtype())
     }
-    let keys = s.next_multiple_of(16);
+    let keys = fp8_v_transposed_keys(s);
     let order = Tensor::new(&V_ORDER, v.device())?;
     let store = |t: &Tensor| -> Result<Tensor> {
         let t = t.permute((0, 2, 3, 1))?.contiguous()?;
@@ -243,11 +256,7 @@ pub fn fp8_v_transposed(v: &Tensor) -> Result<Tensor> {
             .index_select(&order, 4)?
             .reshape((b, h, d, keys))
     };
-    if e4m3_on_cuda(v) {
-        requantize(&store(&widen(v, "v")?)?)
-    } else {
-        store(&v.to_dtype(DType::F32)?)?.to_dtype(DType::F8E4M3)
-    }
+    relayout_e4m3(v, store)
 }
 
 /// [`fp8_v_transposed`]'s inverse for `seqlen_k` keys: `(batch, seqlen_k, num_heads_k,
@@ -263,10 +272,19 @@ pub(crate) fn fp8_v_untransposed(vt: &Tensor, seqlen_k: usize) -> Result<Tensor>
             .permute((0, 3, 1, 2))?
             .contiguous()
     };
-    if e4m3_on_cuda(vt) {
-        requantize(&natural(&widen(vt, "v")?)?)
+    relayout_e4m3(vt, natural)
+}
+
+/// `relayout` (permutes, pads, gathers: value-preserving) applied to the values of an
+/// F8E4M3 tensor `(batch, seq, heads, head_dim)`, back in F8E4M3: on CUDA through F16 with
+/// this crate's casts ([`e4m3_on_cuda`]), on the CPU through F32.
+fn relayout_e4m3(x: &Tensor, relayout: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    if e4m3_on_cuda(x) {
+        let one = Tensor::ones(1, DType::F32, x.device())?;
+        let wide = dequantize_fp8(x, &one, Fp8Scaling::PerTensor, DType::F16)?;
+        quantize_fp8(&relayout(&wide)?, &one, Fp8Scaling::PerTensor)
     } else {
-        natural(&vt.to_dtype(DType::F32)?)?.to_dtype(DType::F8E4M3)
+        relayout(&x.to_dtype(DType::F32)?)?.to_dtype(DType::F8E4M3)
     }
 }
 
@@ -277,27 +295,6 @@ pub(crate) fn fp8_v_untransposed(vt: &Tensor, seqlen_k: usize) -> Result<Tensor>
 /// quantizing it again with scale 1 gives the same byte).
 pub(crate) fn e4m3_on_cuda(x: &Tensor) -> bool {
     x.dtype() == DType::F8E4M3 && x.device().is_cuda()
-}
-
-/// An F8E4M3 tensor of rank 3 or 4 as a contiguous F16 one (scale 1). `name` names it in
-/// errors.
-pub(crate) fn widen(x: &Tensor, name: &str) -> Result<Tensor> {
-    let x = &crate::layout::contiguous(x)?;
-    let one = Tensor::ones(1, DType::F32, x.device())?;
-    match x.rank() {
-        4 => dequantize_fp8(x, &one, Fp8Scaling::PerTensor, DType::F16),
-        3 => dequantize_fp8(&x.unsqueeze(0)?, &one, Fp8Scaling::PerTensor, DType::F16)?.squeeze(0),
-        r => bail!("{name}: expected rank 3 or 4, got {r}"),
-    }
-}
-
-/// [`widen`]'s inverse: a contiguous F16 tensor of rank 3 or 4 back to F8E4M3.
-pub(crate) fn requantize(x: &Tensor) -> Result<Tensor> {
-    let one = Tensor::ones(1, DType::F32, x.device())?;
-    match x.rank() {
-        4 => quantize_fp8(x, &one, Fp8Scaling::PerTensor),
-        _ => quantize_fp8(&x.unsqueeze(0)?, &one, Fp8Scaling::PerTensor)?.squeeze(0),
-    }
 }
 
 /// `x` `(batch, seq, heads, head_dim)` (any float dtype) as F8E4M3: each element is
