@@ -94,16 +94,20 @@ pub(crate) fn grid(quick: bool) -> Vec<Case> {
             });
         }
     }
-    // `CANDLE_FLASH_BENCH_CASES=128/8192/n,64/2048/c` keeps only those (hd/seqlen/causal,
-    // MHA shapes): one case under a profiler.
-    if let Ok(list) = std::env::var("CANDLE_FLASH_BENCH_CASES") {
-        let keys: Vec<&str> = list.split(',').map(str::trim).collect();
-        cases.retain(|c| {
-            let key = format!("{}/{}/{}", c.hd, c.seqlen, if c.causal { "c" } else { "n" });
-            c.heads == c.heads_k && keys.contains(&key.as_str())
-        });
+    if std::env::var("CANDLE_FLASH_BENCH_CASES").is_ok() {
+        cases.retain(|c| c.heads == c.heads_k && case_selected(c.hd, c.seqlen, c.causal));
     }
     cases
+}
+
+/// `CANDLE_FLASH_BENCH_CASES=128/8192/n,64/2048/c` keeps only those (hd/seqlen/causal, MHA
+/// shapes, the grid's and the FP8 section's): one case under a profiler. Without it, all.
+pub(crate) fn case_selected(hd: usize, seqlen: usize, causal: bool) -> bool {
+    let Ok(list) = std::env::var("CANDLE_FLASH_BENCH_CASES") else {
+        return true;
+    };
+    let key = format!("{hd}/{seqlen}/{}", if causal { "c" } else { "n" });
+    list.split(',').map(str::trim).any(|k| k == key)
 }
 
 /// `CANDLE_FLASH_BENCH_MODS`'s items, `HD/NAME` separated by commas. A window's name holds a

@@ -191,6 +191,9 @@ impl Bench {
         for &hd in &fp8_hds {
             for seqlen in [512usize, 1024, 2048, 4096, 8192, 16384] {
                 for causal in [false, true] {
+                    if !grid::case_selected(hd, seqlen, causal) {
+                        continue;
+                    }
                     let heads = HIDDEN / hd;
                     let batch = TOKENS / seqlen;
                     let run = || -> Result<(f64, f64, f64)> {
