@@ -221,6 +221,16 @@ struct WsTraits {
         CONSUMERS == 2 && MODS == MODS_NONE && (D == 128 || VT_GLOBAL) && !TRANSPOSE;
     static constexpr int PRODUCER_REGS = LEAN_PRODUCER ? 24 : CONSUMERS == 2 ? 40 : 32;
     static constexpr int CONSUMER_REGS = LEAN_PRODUCER ? 240 : CONSUMERS == 2 ? 232 : 160;
+    // Whether a key tile's softmax runs under the P V in flight (WsConsumer::step: P V's wait
+    // in each arm of the rescale's branch). With the wait in the softmax's basic block, as
+    // written, ptxas issues it ahead of the softmax (WARPGROUP.DEPBAR before the first FMNMX),
+    // so the softmax starts only once P V is done. Under P V (H100, same-run A/B,
+    // docs/archive/PERF.md "The softmax under P V"): d 128 1.00-1.07x, d 256 0.95-1.05x
+    // (1.01 on average), FP8 d 256 x 128 with V transposed 0.98-1.10x (1.03); left as they
+    // were: d 64 0.95-1.02x, FP8 d 128 0.98-1.02x, d 256 x 64 with V transposed 0.98x, the
+    // transposing FP8 kernels 0.91-1.02x.
+    static constexpr bool SOFTMAX_UNDER_PV =
+        DA == D && (FP8 ? VT_GLOBAL && D == 256 && BN == 128 : D == 128 || D == 256);
     // The producer warpgroup's warps 1-3 transpose V (FP8); their arrivals on its barriers.
     static constexpr int TRANSPOSERS = 3;
     static_assert(D % PANEL_COLS == 0, "panels are 128 bytes wide");
@@ -955,6 +965,14 @@ template <class K> struct WsConsumer {
             store(done);
             zero(o);
             softmax = next;
+        } else if constexpr (K::SOFTMAX_UNDER_PV) {
+            float alpha[1][2];
+            if (exp_scores(softmax, s, alpha, m, tile_descales(nb))) {
+                pv_done(prev.st);
+                softmax.rescale(o, alpha);
+            } else {
+                pv_done(prev.st);
+            }
         } else {
             float alpha[1][2];
             const bool rescale = exp_scores(softmax, s, alpha, m, tile_descales(nb));
