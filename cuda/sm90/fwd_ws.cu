@@ -511,8 +511,8 @@ __device__ __forceinline__ void ws_transpose(const WsSmem<K>& sm, int thread) {
     }
 }
 
-// S(j) is waited for alone, so that the softmax runs while P(j-1) V(j-1) is in flight;
-// -DCANDLE_FLASH_WS_SERIAL waits for both (the A/B build without that overlap).
+// S(j) is waited for alone, so that the softmax may run while P(j-1) V(j-1) is in flight
+// (where it does: WsTraits::SOFTMAX_UNDER_PV); -DCANDLE_FLASH_WS_SERIAL waits for both.
 #ifdef CANDLE_FLASH_WS_SERIAL
 constexpr int WS_WAIT_S = 0;
 #else
