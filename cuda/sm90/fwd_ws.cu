@@ -965,19 +965,20 @@ template <class K> struct WsConsumer {
             store(done);
             zero(o);
             softmax = next;
-        } else if constexpr (K::SOFTMAX_UNDER_PV) {
-            float alpha[1][2];
-            if (exp_scores(softmax, s, alpha, m, tile_descales(nb))) {
-                pv_done(prev.st);
-                softmax.rescale(o, alpha);
-            } else {
-                pv_done(prev.st);
-            }
         } else {
             float alpha[1][2];
             const bool rescale = exp_scores(softmax, s, alpha, m, tile_descales(nb));
-            pv_done(prev.st);
-            if (rescale) softmax.rescale(o, alpha);
+            if constexpr (K::SOFTMAX_UNDER_PV) {
+                if (rescale) {
+                    pv_done(prev.st);
+                    softmax.rescale(o, alpha);
+                } else {
+                    pv_done(prev.st);
+                }
+            } else {
+                pv_done(prev.st);
+                if (rescale) softmax.rescale(o, alpha);
+            }
         }
         drop(s, keep);
         pack_p(s);
